@@ -1,0 +1,96 @@
+"""Reduction algebra: Σ_j as a first-class SymPy node and the rules plain simplify lacks.
+
+- linearity: Σ_j (a·u_j + b) = a·Σ_j u_j + N·b for row-invariant a, b;
+- recognition: a sum that a forward reduction already names is replaced by it
+  (Σ_j x_j = N·mean), which also makes vanishing sums vanish (Σ_j (x_j − mean) = 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import sympy
+
+from derive.spec import N, Level
+
+
+class RowSum(sympy.Function):
+    """Σ_j body_j over the elements of one row: a row scalar."""
+
+    nargs = 1
+    is_real = True
+
+    def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
+        return r"\sum_j \left(" + printer._print(self.args[0]) + r"\right)"
+
+    def _sympystr(self, printer: sympy.printing.str.StrPrinter) -> str:
+        return "Σ_j(" + printer._print(self.args[0]) + ")"
+
+
+@dataclass
+class Algebra:
+    """Knows each symbol's level and the recognition rules of one derivation."""
+
+    levels: dict[sympy.Symbol, Level]
+    rules: dict[sympy.Expr, sympy.Expr] = field(default_factory=dict)
+
+    def varies(self, expr: sympy.Expr) -> bool:
+        """True when expr changes along the row (a Σ_j is a row scalar, so it does not)."""
+        if isinstance(expr, RowSum):
+            return False
+        if isinstance(expr, sympy.Symbol):
+            if expr == N:
+                return False
+            return self.levels[expr] in (Level.ELEMENT, Level.COLUMN)
+        return any(self.varies(arg) for arg in expr.args)
+
+    def normalize(self, expr: sympy.Expr) -> sympy.Expr:
+        """Rewrite every Σ_j in expr (innermost first) by linearity and recognition."""
+        if not expr.has(RowSum):
+            return expr
+        if isinstance(expr, RowSum):
+            return self.row_sum(self.normalize(expr.args[0]))
+        return expr.func(*(self.normalize(arg) for arg in expr.args))
+
+    def row_sum(self, body: sympy.Expr) -> sympy.Expr:
+        """Σ_j body, split by linearity into row-invariant coefficients times simple sums."""
+        expanded = sympy.expand(body, power_exp=False, power_base=False, log=False)
+        total = sympy.Integer(0)
+        for term in sympy.Add.make_args(expanded):
+            invariant, varying = [], []
+            for factor in sympy.Mul.make_args(term):
+                (varying if self.varies(factor) else invariant).append(factor)
+            element_part = sympy.Mul(*varying)
+            if element_part == 1:
+                total += sympy.Mul(*invariant) * N
+            else:
+                atom = RowSum(element_part)
+                total += sympy.Mul(*invariant) * self.rules.get(atom, atom)
+        return total
+
+    def learn(self, relation_sum: sympy.Expr, value: sympy.Expr) -> sympy.Expr | None:
+        """Record Σ_j body = value as a rewrite rule for its leading sum; return that sum."""
+        lhs = self.row_sum(relation_sum)
+        atoms = sorted(lhs.atoms(RowSum), key=sympy.default_sort_key)
+        if not atoms:
+            return None
+        lead = max(atoms, key=lambda atom: (sympy.count_ops(atom), sympy.default_sort_key(atom)))
+        coefficient = lhs.coeff(lead)
+        if coefficient == 0 or coefficient.has(lead):
+            return None
+        rest = sympy.expand(lhs - coefficient * lead)
+        self.rules[lead] = sympy.expand((value - rest) / coefficient)
+        return lead
+
+
+def sorted_symbols(symbols: Iterable[sympy.Basic]) -> list[sympy.Symbol]:
+    """Free symbols in a fixed order, so output never depends on PYTHONHASHSEED."""
+    return sorted((s for s in symbols if isinstance(s, sympy.Symbol)), key=lambda s: s.name)
+
+
+def substitute(expr: sympy.Expr, replacements: Mapping[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
+    """Simultaneous substitution that also reaches inside Σ_j bodies."""
+    if not replacements:
+        return expr
+    return expr.xreplace(dict(replacements))

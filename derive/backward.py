@@ -1,0 +1,232 @@
+"""From raw adjoints to a backward kernel's math, written only in what the forward saved.
+
+Three passes, each a verb:
+- `pivot`: write every elementwise input in terms of the normalised value a pure elementwise
+  definition makes of it (x = mean + x_hat / rstd), so sums regroup into the textbook form;
+- `resolve`: every value the backward still needs and the forward did not save is solved for
+  from a saved value (var from rstd, x_hat from the output y), or else recomputed;
+- `name_reductions`: each remaining Σ_j becomes a named row reduction of the backward kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from derive.algebra import Algebra, RowSum, sorted_symbols, substitute
+from derive.graph import ColumnParam, Definition, RowGraph
+from derive.reverse import DerivationError, ReverseResult
+from derive.spec import N, Kind, Level, Node, OpSpec
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """How the backward obtains one value the forward did not save."""
+
+    name: str
+    how: str  # "solved" | "recomputed" | "inverted"
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    graph: RowGraph
+    gradients: tuple[tuple[str, sympy.Expr], ...]
+    pivots: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    resolutions: tuple[Resolution, ...]
+    reductions: tuple[tuple[str, sympy.Expr], ...]
+
+
+def gradient_name(name: str) -> str:
+    return "d" + name
+
+
+def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult) -> BackwardResult:
+    differentiable = [n for n in spec.nodes if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM)]
+    targets = {n.name: reverse.adjoints.get(n.name, sympy.Integer(0)) for n in differentiable}
+    pivots = pivot_table(spec, algebra)
+    targets = {name: substitute(expr, dict(pivots)) for name, expr in targets.items()}
+    basis_algebra = Algebra(algebra.levels)
+    for node in spec.nodes:
+        if node.kind is Kind.REDUCE and node.reduction in ("sum", "mean"):
+            value = node.symbol * (N if node.reduction == "mean" else 1)
+            basis_algebra.learn(substitute(node.expr, dict(pivots)), value)
+    targets = {name: tidy(basis_algebra.normalize(expr)) for name, expr in targets.items()}
+    targets, resolutions = resolve(spec, basis_algebra, targets)
+    targets = {name: basis_algebra.normalize(expr) for name, expr in targets.items()}
+    targets, reductions = name_reductions(targets, algebra)
+    gradients = tuple((name, tidy(expr)) for name, expr in targets.items())
+    graph = backward_graph(spec, reverse, gradients, resolutions, reductions)
+    return BackwardResult(graph, gradients, tuple(pivots), tuple(resolutions), tuple(reductions))
+
+
+def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, sympy.Expr]]:
+    """u -> g(e) for every pure elementwise definition e = f(u, row scalars) with a unique
+    rational inverse. Later pivots rewrite earlier ones (x -> e -> p for softmax)."""
+    pivots: list[tuple[sympy.Symbol, sympy.Expr]] = []
+    for node in spec.nodes:
+        if node.kind is not Kind.ELEMENT:
+            continue
+        varying = [s for s in sorted_symbols(node.expr.free_symbols) if algebra.varies(s)]
+        if len(varying) != 1 or algebra.levels[varying[0]] is not Level.ELEMENT:
+            continue
+        solutions = sympy.solve(sympy.Eq(node.symbol, node.expr), varying[0], dict=False)
+        if len(solutions) == 1 and not _has_functions(solutions[0]):
+            pivots = [(u, substitute(g, {varying[0]: solutions[0]})) for u, g in pivots]
+            pivots.append((varying[0], solutions[0]))
+    return pivots
+
+
+def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr]
+            ) -> tuple[dict[str, sympy.Expr], list[Resolution]]:
+    """Make every value the gradients use available to the backward (see module doc)."""
+    available = set(spec.saved) | {n.name for n in spec.nodes
+                                   if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR)}
+    available |= {"d" + name for name in spec.outputs}
+    resolutions: list[Resolution] = []
+    order = {node.name: index for index, node in enumerate(spec.nodes)}
+    while True:
+        defined = available | {r.name for r in resolutions}
+        exprs = list(targets.values()) + [r.expr for r in resolutions]
+        missing = sorted({s.name for e in exprs for s in e.free_symbols if s != N} - defined,
+                         key=lambda name: order[name])
+        if not missing:
+            break
+        node = spec.node(missing[0])
+        solved = _solve_from_saved_row(spec, node, available)
+        if solved is not None:
+            replacement = {node.symbol: solved}
+            targets = {k: substitute(v, replacement) for k, v in targets.items()}
+            resolutions = [Resolution(r.name, r.how, substitute(r.expr, replacement))
+                           for r in resolutions]
+            resolutions.append(Resolution(node.name, "solved", solved))
+            continue
+        if node.is_definition and node.kind is not Kind.INPUT:
+            resolutions.append(Resolution(node.name, "recomputed", node.expr))
+            continue
+        inverted = _invert_from_saved_element(spec, node, available)
+        if inverted is None:
+            raise DerivationError(
+                f"{node.where}: the backward needs '{node.name}', but the spec saves "
+                f"{', '.join(spec.saved) or 'nothing'}, from which it can neither be recomputed "
+                "nor solved for. Save it, or save a value that determines it.")
+        resolutions.append(Resolution(node.name, "inverted", inverted))
+    recomputed = [r for r in resolutions if r.how != "solved"]
+    recomputed.sort(key=lambda r: order[r.name])
+    return targets, [r for r in resolutions if r.how == "solved"] + recomputed
+
+
+def _solve_from_saved_row(spec: OpSpec, node: Node, available: set[str]) -> sympy.Expr | None:
+    """A row scalar from a saved row definition that uses it: var = 1/rstd**2 - eps."""
+    if node.level is not Level.ROW:
+        return None
+    for other in spec.nodes:
+        if other.kind is not Kind.ROW or other.name not in available:
+            continue
+        if node.symbol not in other.expr.free_symbols:
+            continue
+        if any(s.name not in available and s != node.symbol and s != N
+               for s in other.expr.free_symbols):
+            continue
+        solutions = sympy.solve(sympy.Eq(other.symbol, other.expr), node.symbol, dict=False)
+        if len(solutions) == 1:
+            return solutions[0]
+    return None
+
+
+def _invert_from_saved_element(spec: OpSpec, node: Node, available: set[str]
+                               ) -> sympy.Expr | None:
+    """An elementwise value from a saved later definition: x_hat = (y - bias) / weight."""
+    for other in spec.nodes:
+        if other.kind is not Kind.ELEMENT or other.name not in available:
+            continue
+        if node.symbol not in other.expr.free_symbols:
+            continue
+        solutions = sympy.solve(sympy.Eq(other.symbol, other.expr), node.symbol, dict=False)
+        if len(solutions) == 1:
+            return solutions[0]
+    return None
+
+
+def name_reductions(targets: dict[str, sympy.Expr], algebra: Algebra
+                    ) -> tuple[dict[str, sympy.Expr], list[tuple[str, sympy.Expr]]]:
+    """Replace each Σ_j body by a row symbol named after the body's factors."""
+    atoms = sorted({a for e in targets.values() for a in e.atoms(RowSum)},
+                   key=sympy.default_sort_key)
+    reductions: list[tuple[str, sympy.Expr]] = []
+    replacement: dict[sympy.Expr, sympy.Symbol] = {}
+    for atom in atoms:
+        name = reduction_name(atom.args[0], {n for n, _ in reductions})
+        symbol = sympy.Symbol(name, real=True)
+        algebra.levels[symbol] = Level.ROW
+        replacement[atom] = symbol
+        reductions.append((name, atom.args[0]))
+    return {k: v.xreplace(replacement) for k, v in targets.items()}, reductions
+
+
+def reduction_name(body: sympy.Expr, taken: set[str]) -> str:
+    parts = []
+    for factor in sorted(sympy.Mul.make_args(body), key=sympy.default_sort_key):
+        base, exponent = factor.as_base_exp()
+        if isinstance(base, sympy.Symbol) and exponent.is_Integer and exponent > 0:
+            parts.append(base.name + (str(exponent) if exponent != 1 else ""))
+        elif not factor.is_Number:
+            parts.append("term")
+    name = "sum_" + "_".join(parts)
+    candidate, index = name, 2
+    while candidate in taken:
+        candidate, index = f"{name}{index}", index + 1
+    return candidate
+
+
+def tidy(expr: sympy.Expr) -> sympy.Expr:
+    """A compact form for printing and for the kernel: common factors pulled out."""
+    return sympy.factor_terms(sympy.expand(expr))
+
+
+def backward_graph(spec: OpSpec, reverse: ReverseResult,
+                   gradients: tuple[tuple[str, sympy.Expr], ...],
+                   resolutions: list[Resolution] | tuple[Resolution, ...],
+                   reductions: list[tuple[str, sympy.Expr]]) -> RowGraph:
+    used = {s.name for _, e in gradients for s in e.free_symbols}
+    used |= {s.name for r in resolutions if r.how != "solved" for s in r.expr.free_symbols}
+    used |= {s.name for _, body in reductions for s in body.free_symbols}
+    recomputed = [r for r in resolutions if r.how != "solved"]
+    defined = {r.name for r in recomputed}
+    definitions = []
+    for r in recomputed:
+        node = spec.node(r.name)
+        if r.how == "recomputed" and node.kind is Kind.REDUCE:
+            scale = 1 / N if node.reduction == "mean" else sympy.Integer(1)
+            reduction = "max" if node.reduction == "max" else "sum"
+            definitions.append(Definition(r.name, "row", r.expr, reduction, scale))
+        else:
+            definitions.append(Definition(r.name, node.level.value if node.level is Level.ROW
+                                          else "element", r.expr))
+    definitions += [Definition(name, "row", body, "sum") for name, body in reductions]
+    upstream = [s.name for s in reverse.upstream.values()]
+    element_inputs = [n.name for n in spec.nodes if n.name in spec.saved and
+                      n.level is Level.ELEMENT and n.name in used and n.name not in defined]
+    row_inputs = [n.name for n in spec.nodes if n.name in spec.saved and
+                  n.level is Level.ROW and n.name in used and n.name not in defined]
+    columns = [ColumnParam(n.name, n.absent) for n in spec.nodes
+               if n.kind is Kind.COLUMN_PARAM]
+    scalars = [n.name for n in spec.nodes if n.kind is Kind.SCALAR and n.name in used]
+    kinds = {n.name: n.kind for n in spec.nodes}
+    return RowGraph(
+        element_inputs=tuple([u for u in upstream] + element_inputs),
+        column_inputs=tuple(columns),
+        row_inputs=tuple(row_inputs),
+        scalars=tuple(scalars),
+        definitions=tuple(definitions),
+        element_outputs=tuple((gradient_name(k), e) for k, e in gradients
+                              if kinds[k] is Kind.INPUT),
+        row_outputs=(),
+        column_outputs=tuple((gradient_name(k), e) for k, e in gradients
+                             if kinds[k] is Kind.COLUMN_PARAM),
+    )
+
+
+def _has_functions(expr: sympy.Expr) -> bool:
+    return any(isinstance(sub, sympy.Function) for sub in sympy.preorder_traversal(expr))

@@ -1,0 +1,122 @@
+"""Reverse mode over the two-level graph of elements and row reductions (DESIGN.md's rules 1-5)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import sympy
+
+from derive.algebra import Algebra, RowSum, sorted_symbols
+from derive.spec import N, Kind, Level, Node, OpSpec
+
+
+class DerivationError(ValueError):
+    """The engine cannot derive what the spec asks for; the message says which value and why."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One reverse-mode contribution, kept for the derivation page."""
+
+    rule: str
+    source: str
+    target: str
+    contribution: sympy.Expr
+
+
+@dataclass(frozen=True)
+class ReverseResult:
+    adjoints: dict[str, sympy.Expr]
+    upstream: dict[str, sympy.Symbol]
+    steps: tuple[Step, ...]
+    stabilisers: tuple[str, ...]
+
+
+RULE_ELEMENT = "1 (elementwise chain rule)"
+RULE_ROW_CONSUMED = "2 (row scalar used by elements: new row reduction)"
+RULE_REDUCTION = "3 (reduction: broadcast of the row adjoint)"
+RULE_ROW = "row scalar chain rule"
+RULE_MAX = "5 (stabilising max: adjoint simplifies to 0)"
+
+
+def learn_forward_reductions(spec: OpSpec, algebra: Algebra) -> None:
+    """Every forward sum/mean names a Σ_j: record it so later sums are recognised."""
+    for node in spec.nodes:
+        if node.kind is Kind.REDUCE and node.reduction in ("sum", "mean"):
+            value = node.symbol * (N if node.reduction == "mean" else 1)
+            algebra.learn(node.expr, value)
+
+
+def upstream_symbol(output: str) -> sympy.Symbol:
+    return sympy.Symbol("d" + output, real=True)
+
+
+def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
+    """Walk the forward definitions backwards, keeping an adjoint for every node."""
+    upstream = {name: upstream_symbol(name) for name in spec.outputs}
+    for symbol in upstream.values():
+        algebra.levels[symbol] = Level.ELEMENT
+    adjoint: dict[str, sympy.Expr] = defaultdict(lambda: sympy.Integer(0))
+    for name, symbol in upstream.items():
+        adjoint[name] += symbol
+    steps: list[Step] = []
+    stabilisers: list[str] = []
+
+    def add(rule: str, source: Node, target: sympy.Symbol, contribution: sympy.Expr) -> None:
+        target_node = spec.node_of(target, "adjoint")
+        if target_node.kind is Kind.SCALAR or contribution == 0:
+            return
+        adjoint[target_node.name] += contribution
+        steps.append(Step(rule, source.name, target_node.name, contribution))
+
+    for node in reversed(spec.nodes):
+        if not node.is_definition:
+            continue
+        bar = algebra.normalize(adjoint[node.name])
+        adjoint[node.name] = bar
+        if node.reduction == "max":
+            if not _vanishes(bar, spec, algebra):
+                raise DerivationError(
+                    f"{node.where}: '{node.name}' is a row max whose adjoint does not vanish: "
+                    f"{bar}. A max is supported only where it stabilises (the output must not "
+                    "depend on it).")
+            stabilisers.append(node.name)
+            steps.append(Step(RULE_MAX, node.name, node.name, sympy.Integer(0)))
+            continue
+        if bar == 0:
+            continue
+        arguments = [s for s in sorted_symbols(node.expr.free_symbols) if s != N]
+        for argument in arguments:
+            # Written in the node's own name where it reappears: d exp(u) = exp(u) du = e du.
+            derivative = sympy.diff(node.expr, argument).subs(node.expr, node.symbol)
+            if derivative == 0:
+                continue
+            varies = algebra.levels[argument] in (Level.ELEMENT, Level.COLUMN)
+            if node.kind is Kind.REDUCE:
+                scale = 1 / N if node.reduction == "mean" else sympy.Integer(1)
+                if varies:
+                    add(RULE_REDUCTION, node, argument, bar * derivative * scale)
+                else:
+                    add(RULE_REDUCTION, node, argument,
+                        bar * scale * algebra.normalize(RowSum(derivative)))
+            elif node.kind is Kind.ELEMENT and not varies:
+                add(RULE_ROW_CONSUMED, node, argument, algebra.normalize(RowSum(bar * derivative)))
+            else:
+                add(RULE_ELEMENT if node.kind is Kind.ELEMENT else RULE_ROW, node, argument,
+                    bar * derivative)
+    return ReverseResult(dict(adjoint), upstream, tuple(steps), tuple(stabilisers))
+
+
+def _vanishes(expr: sympy.Expr, spec: OpSpec, algebra: Algebra) -> bool:
+    """Prove expr == 0, inlining elementwise definitions one at a time, latest first, so the
+    recognition rules still see the names the forward reductions were written in."""
+    definitions = [n for n in spec.nodes if n.kind is Kind.ELEMENT]
+    expr = algebra.normalize(expr)
+    for node in reversed(definitions):
+        if sympy.simplify(expr) == 0:
+            return True
+        if node.symbol in expr.free_symbols or any(
+                node.symbol in atom.free_symbols for atom in expr.atoms(RowSum)):
+            expr = algebra.normalize(expr.xreplace({node.symbol: node.expr}))
+    return sympy.simplify(expr) == 0

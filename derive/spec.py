@@ -1,0 +1,228 @@
+"""The public spec API: what an op computes over ONE generic element j of a row.
+
+A spec never sees a whole row. It names the row's element values (inputs), per-column
+parameters shared by every row, scalars, row reductions and elementwise definitions, then
+says what the forward returns and what it keeps for the backward. The engine derives the rest.
+
+    op = OpSpec("rmsnorm")
+    x = op.input("x")
+    weight = op.column_param("weight", absent=1)
+    eps = op.scalar("eps")
+    mean_square = op.row_mean("mean_square", x**2)
+    rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
+    x_hat = op.element("x_hat", x * rstd)
+    op.output("y", x_hat * weight)
+    op.save(x, rstd)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import sympy
+
+
+class Level(Enum):
+    """Where a value varies: along the row (element), across columns only, per row, or nowhere."""
+
+    ELEMENT = "element"
+    COLUMN = "column"
+    ROW = "row"
+    SCALAR = "scalar"
+
+
+class Kind(Enum):
+    INPUT = "input"
+    COLUMN_PARAM = "column_param"
+    SCALAR = "scalar"
+    ELEMENT = "element"
+    ROW = "row"
+    REDUCE = "reduce"
+
+
+REDUCTIONS = ("sum", "mean", "max")
+
+#: The row length. Every mean carries a 1/N.
+N = sympy.Symbol("N", positive=True, integer=True)
+
+
+class SpecError(ValueError):
+    """A malformed spec. The message names the spec file and line that declared the culprit."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One named value of the forward graph."""
+
+    name: str
+    symbol: sympy.Symbol
+    kind: Kind
+    level: Level
+    expr: sympy.Expr | None = None
+    reduction: str | None = None
+    absent: sympy.Expr | None = None
+    where: str = ""
+
+    @property
+    def is_definition(self) -> bool:
+        return self.kind in (Kind.ELEMENT, Kind.ROW, Kind.REDUCE)
+
+
+@dataclass
+class OpSpec:
+    """The forward of one row op, built by calling its methods in definition order."""
+
+    name: str
+    doc: str = ""
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)
+    api: Any = None
+    source: str = ""
+
+    # ------------------------------------------------------------------ declarations
+    def input(self, name: str) -> sympy.Symbol:
+        """An element of a row of an input tensor (the tensor is differentiated)."""
+        return self._declare(name, Kind.INPUT, Level.ELEMENT)
+
+    def column_param(self, name: str, absent: float | None = None) -> sympy.Symbol:
+        """A per-column parameter shared by all rows; its gradient is a column reduction.
+
+        `absent` is the value it takes when the caller passes None (1 for a scale, 0 for a
+        shift); None means the parameter is required.
+        """
+        node_absent = None if absent is None else sympy.sympify(absent)
+        return self._declare(name, Kind.COLUMN_PARAM, Level.COLUMN, absent=node_absent)
+
+    def scalar(self, name: str, positive: bool = False) -> sympy.Symbol:
+        """A constant of the call, not differentiated (eps, a scale)."""
+        return self._declare(name, Kind.SCALAR, Level.SCALAR, positive=positive)
+
+    def element(self, name: str, expr: Any, positive: bool = False) -> sympy.Symbol:
+        """An elementwise definition over the generic element j."""
+        expr = self._expression(name, expr)
+        level = self._level_of(expr)
+        if level not in (Level.ELEMENT, Level.COLUMN):
+            raise self._error(name, f"element() needs an expression that varies along the row; "
+                                    f"got {expr}, which is {level.value}-level: use row()")
+        return self._declare(name, Kind.ELEMENT, Level.ELEMENT, expr=expr, positive=positive)
+
+    def row(self, name: str, expr: Any, positive: bool = False) -> sympy.Symbol:
+        """A per-row scalar computed from other row scalars and scalars."""
+        expr = self._expression(name, expr)
+        level = self._level_of(expr)
+        if level in (Level.ELEMENT, Level.COLUMN):
+            raise self._error(name, f"row() needs an expression of row scalars; got {expr}, "
+                                    f"which varies along the row: reduce it with row_sum/row_mean")
+        return self._declare(name, Kind.ROW, Level.ROW, expr=expr, positive=positive)
+
+    def row_sum(self, name: str, body: Any, positive: bool = False) -> sympy.Symbol:
+        """name = Σ_j body_j."""
+        return self._reduce(name, "sum", body, positive)
+
+    def row_mean(self, name: str, body: Any, positive: bool = False) -> sympy.Symbol:
+        """name = (1/N) Σ_j body_j."""
+        return self._reduce(name, "mean", body, positive)
+
+    def row_max(self, name: str, body: Any) -> sympy.Symbol:
+        """name = max_j body_j. Allowed only where it stabilises: the engine proves the output
+        does not depend on it."""
+        return self._reduce(name, "max", body, False)
+
+    def output(self, *symbols: sympy.Symbol) -> None:
+        """The elementwise results returned by the forward, in order."""
+        for symbol in symbols:
+            node = self.node_of(symbol, "output")
+            if node.level is not Level.ELEMENT:
+                raise self._error(node.name, "output() takes elementwise values; "
+                                             f"got {node.level.value}-level '{node.name}'")
+            self.outputs.append(node.name)
+
+    def save(self, *symbols: sympy.Symbol) -> None:
+        """What the forward keeps for the backward (inputs, elementwise values, row scalars)."""
+        for symbol in symbols:
+            node = self.node_of(symbol, "save")
+            if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR):
+                raise self._error(node.name, f"save() keeps activations and row statistics; "
+                                             f"'{node.name}' is a {node.kind.value} and is "
+                                             "always available to the backward")
+            self.saved.append(node.name)
+
+    # ------------------------------------------------------------------ queries
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    def node_of(self, symbol: Any, role: str) -> Node:
+        for node in self.nodes:
+            if node.symbol == symbol:
+                return node
+        raise SpecError(f"{self.source}: {role}() got {symbol!r}, which is not a value "
+                        f"declared in spec '{self.name}'")
+
+    def level_of(self, symbol: sympy.Symbol) -> Level:
+        if symbol == N:
+            return Level.SCALAR
+        return self.node_of(symbol, "expression").level
+
+    # ------------------------------------------------------------------ internals
+    def _declare(self, name: str, kind: Kind, level: Level, expr: sympy.Expr | None = None,
+                 reduction: str | None = None, absent: sympy.Expr | None = None,
+                 positive: bool = False) -> sympy.Symbol:
+        where = _caller_location()
+        if not name.isidentifier() or name.startswith("_") or name == "N":
+            raise SpecError(f"{where}: a name must be a Python identifier that does not start "
+                            f"with '_' and is not 'N'; got {name!r}")
+        if any(node.name == name for node in self.nodes):
+            raise SpecError(f"{where}: '{name}' is declared twice in spec '{self.name}'")
+        assumptions = {"positive": True} if positive else {"real": True}
+        symbol = sympy.Symbol(name, **assumptions)
+        self.nodes.append(Node(name, symbol, kind, level, expr, reduction, absent, where))
+        return symbol
+
+    def _reduce(self, name: str, reduction: str, body: Any, positive: bool) -> sympy.Symbol:
+        body = self._expression(name, body)
+        if self._level_of(body) not in (Level.ELEMENT, Level.COLUMN):
+            raise self._error(name, f"row_{reduction}() reduces over the row; its body {body} "
+                                    "does not vary along the row")
+        return self._declare(name, Kind.REDUCE, Level.ROW, expr=body, reduction=reduction,
+                             positive=positive)
+
+    def _expression(self, name: str, expr: Any) -> sympy.Expr:
+        try:
+            expr = sympy.sympify(expr)
+        except (sympy.SympifyError, TypeError) as error:
+            raise self._error(name, f"cannot read the expression {expr!r}: {error}") from error
+        unknown = sorted((s for s in expr.free_symbols if s != N and
+                          not any(node.symbol == s for node in self.nodes)), key=str)
+        if unknown:
+            raise self._error(name, f"the expression {expr} uses {', '.join(map(str, unknown))}, "
+                                    "not declared before it in this spec")
+        return expr
+
+    def _level_of(self, expr: sympy.Expr) -> Level:
+        levels = {self.level_of(s) for s in expr.free_symbols}
+        for level in (Level.ELEMENT, Level.COLUMN, Level.ROW):
+            if level in levels:
+                if level is Level.COLUMN and Level.ELEMENT in levels:
+                    return Level.ELEMENT
+                return level
+        return Level.SCALAR
+
+    def _error(self, name: str, message: str) -> SpecError:
+        return SpecError(f"{_caller_location()}: '{name}': {message}")
+
+
+def _caller_location() -> str:
+    """file:line of the first frame outside this module: the spec line that declared a value."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "<spec>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"

@@ -1,0 +1,30 @@
+"""Test setup: run Triton kernels through the interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before triton (and so the generated modules)
+is imported: triton.jit decides at decoration time whether a kernel is
+interpreted.  The test modules import the generated modules at collection,
+after this file.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from reference import HAS_CUDA, PATHS, select_path
+
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(params=PATHS)
+def device(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> torch.device:
+    """Device of a test's tensors; the test runs once per dispatch path."""
+    return select_path(monkeypatch, request.param)

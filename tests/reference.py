@@ -1,0 +1,231 @@
+"""Shared helpers for the numerics tests of the generated modules.
+
+Every check compares a generated function ("ours") with its torch
+counterpart ("theirs"); both are callables taking the tensors of an
+input list (``None`` for an absent weight/bias) and returning one tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+PATHS = ("triton", "torch")
+FP64_TOL = {"rtol": 1e-10, "atol": 1e-10}
+LOW_PRECISION_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-5}
+LOW_PRECISION_DTYPES = tuple(LOW_PRECISION_ATOL)
+BAD_INPUT = (TypeError, ValueError, RuntimeError)
+LOOPED_BLOCK_N = 16
+NAMES = ("output", "dinput", "dweight", "dbias")
+GRAD_SEED = 1234
+
+Fn = Callable[..., torch.Tensor]
+Inputs = Sequence[torch.Tensor | None]
+
+
+def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
+    """Route calls to `path` ("triton" or "torch"); return the device for its tensors.
+
+    On a CUDA machine the Triton path means CUDA tensors and the torch path
+    CPU tensors.  Without CUDA both use CPU tensors and the generated dispatch
+    picks the path from TRITON_INTERPRET at call time.
+    """
+    if path == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    elif not HAS_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return torch.device("cuda" if HAS_CUDA and path == "triton" else "cpu")
+
+
+def force_looped(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
+    """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule."""
+    monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
+
+
+def randn(
+    shape: Sequence[int],
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float64,
+    shift: float = 0.0,
+) -> torch.Tensor:
+    """Seeded standard normal values (drawn in fp64 on CPU) plus `shift`."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(tuple(shape), generator=gen, dtype=torch.float64) + shift
+    return values.to(device=device, dtype=dtype)
+
+
+def norm_inputs(
+    shape: Sequence[int],
+    param_ndim: int,
+    device: torch.device | str,
+    *,
+    weight: bool = True,
+    bias: bool = False,
+    shift: float = 0.0,
+) -> list[torch.Tensor | None]:
+    """[input, weight, bias] for a norm over the last `param_ndim` dims of `shape`."""
+    param_shape = tuple(shape)[len(shape) - param_ndim :]
+    return [
+        randn(shape, device=device, shift=shift),
+        randn(param_shape, seed=1, device=device, shift=1.0) if weight else None,
+        randn(param_shape, seed=2, device=device) if bias else None,
+    ]
+
+
+def cast(inputs: Inputs, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    return [None if t is None else t.to(dtype) for t in inputs]
+
+
+def forward_backward(
+    fn: Fn, inputs: Inputs, grad_dtype: torch.dtype | None = None
+) -> list[torch.Tensor | None]:
+    """[output, grad of each input] of fn on fresh leaf copies of `inputs`.
+
+    The output gradient is seeded noise rounded to `grad_dtype` (default: the
+    output's dtype), so runs in different dtypes can share it.
+    """
+    leaves = [
+        None if t is None else t.detach().clone().requires_grad_() for t in inputs
+    ]
+    out = fn(*leaves)
+    grad = randn(
+        out.shape, seed=GRAD_SEED, device=out.device, dtype=grad_dtype or out.dtype
+    )
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), *(None if t is None else t.grad for t in leaves)]
+
+
+def assert_matches_torch(ours: Fn, theirs: Fn, inputs: Inputs, **tol: float) -> None:
+    """Output and input gradients of ours equal torch's to fp64 tolerance."""
+    tol = {**FP64_TOL, **tol}
+    results = zip(
+        NAMES, forward_backward(ours, inputs), forward_backward(theirs, inputs)
+    )
+    for name, got, want in results:
+        if want is None:
+            assert got is None, f"{name}: expected None, got a tensor"
+            continue
+        assert got is not None, f"{name}: missing"
+        torch.testing.assert_close(
+            got, want, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}", **tol
+        )
+
+
+def max_abs_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    assert got.shape == exact.shape, f"shape {tuple(got.shape)} != {tuple(exact.shape)}"
+    if got.numel() == 0:
+        return 0.0
+    return (got.double() - exact).abs().max().item()
+
+
+def assert_low_precision_ok(
+    ours: Fn, theirs: Fn, inputs64: Inputs, dtype: torch.dtype
+) -> None:
+    """Judge ours in `dtype` against an fp64 reference on the same rounded inputs.
+
+    Each of output and input gradients must keep the dtype of its tensor and
+    have a max abs error at most twice torch's own same-dtype error plus a
+    small atol.
+    """
+    low = cast(inputs64, dtype)
+    exact = forward_backward(theirs, cast(low, torch.float64), grad_dtype=dtype)
+    baseline = forward_backward(theirs, low)
+    mine = forward_backward(ours, low)
+    x = low[0]
+    for name, tensor, got, base, ref in zip(NAMES, [x, *low], mine, baseline, exact):
+        if ref is None:
+            continue
+        assert got is not None, f"{name}: missing"
+        assert got.dtype == dtype, f"{name}: dtype {got.dtype}, expected {dtype}"
+        # A parameter gradient sums over the rows: its atol grows with sqrt(rows).
+        rows = max(1, x.numel() // max(1, tensor.numel()))
+        atol = LOW_PRECISION_ATOL[dtype] * math.sqrt(rows)
+        err, torch_err = max_abs_error(got, ref), max_abs_error(base, ref)
+        assert err <= 2 * torch_err + atol, (
+            f"{name} in {dtype}: max abs error {err:.3g} > 2 * torch's {torch_err:.3g} + {atol:g}"
+        )
+
+
+def gradcheck(fn: Fn, inputs: Inputs, *, fast: bool) -> None:
+    """torch.autograd.gradcheck of fn (fp64) w.r.t. every tensor in `inputs`."""
+    present = [i for i, t in enumerate(inputs) if t is not None]
+    leaves = tuple(inputs[i].detach().clone().requires_grad_() for i in present)
+
+    def call(*tensors: torch.Tensor) -> torch.Tensor:
+        args: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, t in zip(present, tensors):
+            args[i] = t
+        return fn(*args)
+
+    assert torch.autograd.gradcheck(call, leaves, fast_mode=fast)
+
+
+def assert_rejects(call: Callable[[], object], *words: str) -> None:
+    """call() raises a bad-input error whose message contains every word."""
+    with pytest.raises(BAD_INPUT) as info:
+        call()
+    message = str(info.value)
+    missing = [w for w in words if w not in message]
+    assert not missing, f"error message {message!r} does not name {missing}"
+
+
+def assert_nan_only_in_row(out: torch.Tensor, row: int) -> None:
+    """Row `row` of the 2-D `out` is all NaN and every other row is finite."""
+    assert out[row].isnan().all(), f"row {row} should be NaN: {out[row]}"
+    others = torch.cat([out[:row], out[row + 1 :]])
+    assert others.isfinite().all(), "NaN leaked into other rows"
+
+
+def assert_deterministic_grads(fn: Fn, inputs: Inputs) -> None:
+    """Two backward runs give bitwise identical gradients of every input."""
+    first, second = forward_backward(fn, inputs), forward_backward(fn, inputs)
+    for name, t, a, b in zip(NAMES[1:], inputs, first[1:], second[1:]):
+        if t is not None:
+            assert a is not None and torch.equal(a, b), (
+                f"{name} differs between two identical runs"
+            )
+
+
+NON_CONTIGUOUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # Same values and shape as x, laid out column-major / with element stride 2.
+    "transposed": lambda x: x.mT.contiguous().mT,
+    "strided": lambda x: torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0],
+}
+
+
+def assert_module_like_torch(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """Same state_dict keys, parameters (name, dtype, device, value) and extra_repr."""
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    mine, want = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert list(mine) == list(want)
+    for name, param in want.items():
+        got = mine[name]
+        assert (got.dtype, got.device, got.shape) == (
+            param.dtype,
+            param.device,
+            param.shape,
+        ), name
+        if param.device.type != "meta":
+            assert torch.equal(got, param), f"{name} initial value differs from torch"
+    for name in ("weight", "bias"):
+        if hasattr(theirs, name):
+            assert (getattr(ours, name, "missing") is None) == (
+                getattr(theirs, name) is None
+            ), name
+    assert ours.extra_repr() == theirs.extra_repr()
+
+
+def randomize_parameters(module: torch.nn.Module, seed: int = 3) -> None:
+    with torch.no_grad():
+        for i, param in enumerate(module.parameters()):
+            param.copy_(
+                randn(
+                    param.shape, seed=seed + i, device=param.device, dtype=param.dtype
+                )
+            )
