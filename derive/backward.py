@@ -223,7 +223,7 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         element_outputs=tuple((gradient_name(k), e) for k, e in gradients
                               if kinds[k] is Kind.INPUT),
         row_outputs=(),
-        column_outputs=tuple((gradient_name(k), e) for k, e in gradients
+        column_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
                              if kinds[k] is Kind.COLUMN_PARAM),
     )
 

@@ -43,7 +43,7 @@ class RowGraph:
     definitions: tuple[Definition, ...]
     element_outputs: tuple[tuple[str, sympy.Expr], ...]
     row_outputs: tuple[tuple[str, sympy.Expr], ...]
-    column_outputs: tuple[tuple[str, sympy.Expr], ...]
+    column_outputs: tuple[tuple[str, str, sympy.Expr], ...]  # (name, parameter, row-local)
 
     def describe(self) -> str:
         lines = [f"reads elements {', '.join(self.element_inputs) or '-'}; "
@@ -55,8 +55,9 @@ class RowGraph:
                 lines.append(f"  {d.name} = {d.scale} * {d.reduction}_j({d.expr})")
             else:
                 lines.append(f"  {d.name} = {d.expr}")
-        for kind, outputs in (("element", self.element_outputs), ("row", self.row_outputs),
-                              ("column Σ_rows", self.column_outputs)):
+        for kind, outputs in (("element", self.element_outputs), ("row", self.row_outputs)):
             for name, expr in outputs:
                 lines.append(f"  write {kind} {name} = {expr}")
+        for name, _, expr in self.column_outputs:
+            lines.append(f"  write column {name} = Σ_rows {expr}")
         return "\n".join(lines)

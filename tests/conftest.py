@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import HAS_CUDA, PATHS, select_path
+from reference import HAS_CUDA, PATHS, force_looped, select_path
 
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -28,3 +28,11 @@ def device(
 ) -> torch.device:
     """Device of a test's tensors; the test runs once per dispatch path."""
     return select_path(monkeypatch, request.param)
+
+
+@pytest.fixture(params=["persistent", "looped"])
+def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Kernel schedule of the test module's generated module `OP`; runs once per schedule."""
+    if request.param == "looped":
+        force_looped(monkeypatch, request.module.OP)
+    return request.param

@@ -8,6 +8,7 @@ input list (``None`` for an absent weight/bias) and returning one tensor.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -20,6 +21,8 @@ LOW_PRECISION_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 
 LOW_PRECISION_DTYPES = tuple(LOW_PRECISION_ATOL)
 BAD_INPUT = (TypeError, ValueError, RuntimeError)
 LOOPED_BLOCK_N = 16
+# Enough rows that a racy column reduction would show on a GPU; few for the interpreter.
+DETERMINISM_ROWS = 4096 if HAS_CUDA else 64
 NAMES = ("output", "dinput", "dweight", "dbias")
 GRAD_SEED = 1234
 
@@ -124,6 +127,35 @@ def max_abs_error(got: torch.Tensor, exact: torch.Tensor) -> float:
     return (got.double() - exact).abs().max().item()
 
 
+def interpreter_rounds_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether x's call runs Triton's interpreter with stores to bf16.
+
+    The interpreter (triton 3.9) converts fp32 -> bf16 by truncation; GPUs and
+    torch round to nearest even, half the error.
+    """
+    interpreted = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreted and dtype == torch.bfloat16
+
+
+def bf16_toward_zero(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to bf16 toward zero: the low 16 bits of its fp32 form dropped."""
+    return (
+        (t.float().view(torch.int32) & -(1 << 16))
+        .view(torch.float32)
+        .to(torch.bfloat16)
+    )
+
+
+def torch_baseline(
+    theirs: Fn, low: Inputs, dtype: torch.dtype
+) -> list[torch.Tensor | None]:
+    """torch's own [output, grads] in `dtype`, rounded like the path under test rounds."""
+    if not interpreter_rounds_toward_zero(low[0], dtype):
+        return forward_backward(theirs, low)
+    results = forward_backward(theirs, cast(low, torch.float32), grad_dtype=dtype)
+    return [None if t is None else bf16_toward_zero(t) for t in results]
+
+
 def assert_low_precision_ok(
     ours: Fn, theirs: Fn, inputs64: Inputs, dtype: torch.dtype
 ) -> None:
@@ -135,7 +167,7 @@ def assert_low_precision_ok(
     """
     low = cast(inputs64, dtype)
     exact = forward_backward(theirs, cast(low, torch.float64), grad_dtype=dtype)
-    baseline = forward_backward(theirs, low)
+    baseline = torch_baseline(theirs, low, dtype)
     mine = forward_backward(ours, low)
     x = low[0]
     for name, tensor, got, base, ref in zip(NAMES, [x, *low], mine, baseline, exact):
@@ -175,11 +207,18 @@ def assert_rejects(call: Callable[[], object], *words: str) -> None:
     assert not missing, f"error message {message!r} does not name {missing}"
 
 
-def assert_nan_only_in_row(out: torch.Tensor, row: int) -> None:
-    """Row `row` of the 2-D `out` is all NaN and every other row is finite."""
-    assert out[row].isnan().all(), f"row {row} should be NaN: {out[row]}"
+def assert_nan_stays_in_its_row(
+    ours: Fn, theirs: Fn, inputs: Inputs, index: tuple[int, int]
+) -> None:
+    """A NaN put in the 2-D input at `index` makes that whole row NaN, no other."""
+    x = inputs[0].clone()
+    x[index] = float("nan")
+    out = ours(x, *inputs[1:]).detach()
+    row = index[0]
+    assert out[row].isnan().all(), f"row {row} should be all NaN: {out[row]}"
     others = torch.cat([out[:row], out[row + 1 :]])
     assert others.isfinite().all(), "NaN leaked into other rows"
+    torch.testing.assert_close(out, theirs(x, *inputs[1:]), equal_nan=True)
 
 
 def assert_deterministic_grads(fn: Fn, inputs: Inputs) -> None:
@@ -218,7 +257,10 @@ def assert_module_like_torch(ours: torch.nn.Module, theirs: torch.nn.Module) -> 
             assert (getattr(ours, name, "missing") is None) == (
                 getattr(theirs, name) is None
             ), name
-    assert ours.extra_repr() == theirs.extra_repr()
+    mine_repr, torch_repr = ours.extra_repr(), theirs.extra_repr()
+    assert mine_repr == torch_repr, (
+        f"extra_repr {mine_repr!r} != torch's {torch_repr!r}"
+    )
 
 
 def randomize_parameters(module: torch.nn.Module, seed: int = 3) -> None:
@@ -229,3 +271,45 @@ def randomize_parameters(module: torch.nn.Module, seed: int = 3) -> None:
                     param.shape, seed=seed + i, device=param.device, dtype=param.dtype
                 )
             )
+
+
+def assert_built_like_torch(
+    ours_cls: type, torch_cls: type, shape: object, **kwargs: object
+) -> None:
+    """Both classes built with the same arguments give the same module."""
+    assert_module_like_torch(ours_cls(shape, **kwargs), torch_cls(shape, **kwargs))
+
+
+def assert_reset_like_torch(ours_cls: type, torch_cls: type, shape: object) -> None:
+    """reset_parameters() restores torch's initial parameters."""
+    module = ours_cls(shape)
+    randomize_parameters(module)
+    module.reset_parameters()
+    assert_module_like_torch(module, torch_cls(shape))
+
+
+def assert_loads_torch_state_dict(
+    ours_cls: type,
+    torch_cls: type,
+    shape: object,
+    device: torch.device,
+    **kwargs: object,
+) -> None:
+    """Ours, loaded with a torch module's random state_dict, matches it in fp64."""
+    kwargs = {**kwargs, "device": device, "dtype": torch.float64}
+    theirs = torch_cls(shape, **kwargs)
+    randomize_parameters(theirs)
+    ours = ours_cls(shape, **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    x = randn((4, *theirs.normalized_shape), device=device, shift=1.5)
+    assert_matches_torch(ours, theirs, [x])
+
+
+BadCall = tuple[Callable[[torch.Tensor, torch.Tensor], object], tuple[str, ...]]
+
+
+def assert_bad_call_rejected(case: BadCall, device: torch.device) -> None:
+    """case = (call given a (4, 8) fp32 input and (8,) fp32 weight, words its error names)."""
+    call, words = case
+    x = randn((4, 8), device=device, dtype=torch.float32)
+    assert_rejects(lambda: call(x, torch.ones(8, device=device)), *words)

@@ -2,6 +2,7 @@
 
 import sympy
 
+from derive.api import NormalizedShapeAPI, Param
 from derive.spec import OpSpec
 
 
@@ -17,4 +18,8 @@ def spec() -> OpSpec:
     x_hat = op.element("x_hat", (x - mean) * rstd)
     op.output(op.element("y", x_hat * weight + bias))
     op.save(x, mean, rstd)
+    op.api = NormalizedShapeAPI(
+        function="layer_norm", module="LayerNorm",
+        torch_function="torch.nn.functional.layer_norm", torch_module="torch.nn.LayerNorm",
+        params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5)
     return op

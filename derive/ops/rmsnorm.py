@@ -2,6 +2,7 @@
 
 import sympy
 
+from derive.api import NormalizedShapeAPI, Param
 from derive.spec import OpSpec
 
 
@@ -15,4 +16,8 @@ def spec() -> OpSpec:
     x_hat = op.element("x_hat", x * rstd)
     op.output(op.element("y", x_hat * weight))
     op.save(x, rstd)
+    op.api = NormalizedShapeAPI(
+        function="rms_norm", module="RMSNorm",
+        torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
+        params=(Param("weight", "ones"),), eps=None)
     return op

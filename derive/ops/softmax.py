@@ -2,6 +2,7 @@
 
 import sympy
 
+from derive.api import DimAPI
 from derive.spec import OpSpec
 
 
@@ -14,4 +15,5 @@ def spec() -> OpSpec:
     p = op.element("p", e / denominator, positive=True)
     op.output(p)
     op.save(p)
+    op.api = DimAPI(function="softmax", module="Softmax", torch_function="torch.softmax")
     return op

@@ -1,0 +1,1 @@
+"""GPU benchmark harness for vjpforge's generated kernels (``python -m benchmarks.run``)."""

@@ -1,0 +1,189 @@
+"""Timing: CUDA events with an L2 flush before every timed call (wall clock on CPU).
+
+Each timed iteration is ``state = setup(); prepare(); start; call(state); stop``:
+
+* ``setup`` is untimed work the call needs (the backward mode runs a fresh forward here),
+* ``prepare`` (CUDA only) enqueues a short GPU sleep and then overwrites a buffer of at
+  least 256 MiB (> 5x the H100's 50 MB L2), so the timed call starts with a cold L2 and,
+  thanks to the sleep, with its launches already queued: host overhead is not timed.
+* events around ``call`` time only the call's kernels.
+
+The result is the median over as many iterations as fit in ``rep_ms`` (at least
+``MIN_ITERATIONS``), after a warm-up that also triggers JIT / torch.compile.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+MIN_ITERATIONS = 5
+MAX_ITERATIONS = 2000
+WARMUP_CALLS = 2
+ESTIMATE_ITERATIONS = 3
+FLUSH_BYTES_MIN = 256 * 2**20
+GPU_SLACK_US = 150.0
+"""GPU sleep before each timed call; must exceed the host time of one call."""
+
+
+def _no_setup() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``call(setup())`` is one iteration; only ``call`` is timed."""
+
+    call: Callable[[object], object]
+    setup: Callable[[], object] = _no_setup
+
+
+@dataclass(frozen=True)
+class Stats:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    min_ms: float
+    iterations: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: list[float]) -> Stats:
+        ordered = sorted(samples_ms)
+
+        def quantile(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        return cls(
+            statistics.median(ordered),
+            quantile(0.2),
+            quantile(0.8),
+            ordered[0],
+            len(ordered),
+        )
+
+
+class Clock(Protocol):
+    def sync(self) -> None: ...
+    def prepare(self) -> None: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def collect_ms(self) -> list[float]:
+        """Wait for the device; return and forget the intervals recorded so far."""
+        ...
+
+
+class WallClock:
+    """CPU: ops run synchronously, so ``perf_counter`` brackets the work itself."""
+
+    def __init__(self) -> None:
+        self._opened = 0.0
+        self._intervals: list[float] = []
+
+    def sync(self) -> None:
+        return None
+
+    def prepare(self) -> None:
+        return None
+
+    def start(self) -> None:
+        self._opened = time.perf_counter()
+
+    def stop(self) -> None:
+        self._intervals.append((time.perf_counter() - self._opened) * 1e3)
+
+    def collect_ms(self) -> list[float]:
+        intervals, self._intervals = self._intervals, []
+        return intervals
+
+
+def _sleep_cycles_per_us() -> float:
+    """Calibrate ``torch.cuda._sleep`` (it spins for a number of SM clock cycles)."""
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)
+    start, stop = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
+    start.record()
+    torch.cuda._sleep(cycles)
+    stop.record()
+    stop.synchronize()
+    return cycles / (start.elapsed_time(stop) * 1e3)
+
+
+class CudaClock:
+    def __init__(self, device: torch.device, l2_bytes: int) -> None:
+        self._flush = torch.empty(
+            max(FLUSH_BYTES_MIN, 4 * l2_bytes), dtype=torch.int8, device=device
+        )
+        self._slack_cycles = int(GPU_SLACK_US * _sleep_cycles_per_us())
+        self._opened: torch.cuda.Event | None = None
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def prepare(self) -> None:
+        torch.cuda._sleep(self._slack_cycles)
+        self._flush.zero_()
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._opened = self._record()
+
+    def stop(self) -> None:
+        assert self._opened is not None, "stop() without start()"
+        self._pairs.append((self._opened, self._record()))
+        self._opened = None
+
+    def collect_ms(self) -> list[float]:
+        self.sync()
+        intervals = [start.elapsed_time(stop) for start, stop in self._pairs]
+        self._pairs = []
+        return intervals
+
+
+def _iterate(clock: Clock, work: Workload, iterations: int) -> list[float]:
+    for _ in range(iterations):
+        state = work.setup()
+        clock.prepare()
+        clock.start()
+        work.call(state)
+        clock.stop()
+        del state
+    return clock.collect_ms()
+
+
+def measure(clock: Clock, work: Workload, rep_ms: float) -> Stats:
+    """Median time of ``work.call`` (see the module docstring)."""
+    for _ in range(WARMUP_CALLS):
+        work.call(work.setup())
+    clock.sync()
+    began = time.perf_counter()
+    _iterate(clock, work, ESTIMATE_ITERATIONS)
+    iteration_ms = (time.perf_counter() - began) * 1e3 / ESTIMATE_ITERATIONS
+    iterations = int(
+        min(MAX_ITERATIONS, max(MIN_ITERATIONS, rep_ms / max(iteration_ms, 1e-6)))
+    )
+    return Stats.from_samples(_iterate(clock, work, iterations))
+
+
+def host_overhead_us(clock: Clock, work: Workload, calls: int) -> float:
+    """Wall-clock microseconds per call of back-to-back calls (synchronised at both ends)."""
+    for _ in range(max(3, calls // 10)):
+        work.call(work.setup())
+    clock.sync()
+    began = time.perf_counter()
+    for _ in range(calls):
+        work.call(work.setup())
+    clock.sync()
+    return (time.perf_counter() - began) * 1e6 / calls

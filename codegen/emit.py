@@ -1,0 +1,197 @@
+"""Render a derived op into one Python module (Triton kernels, torch path, autograd, API).
+
+Templates hold structure only; every math string comes from a printer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import sympy
+
+from codegen.ir import Assign, Kernel, Pass
+from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter
+from codegen.schedule import DEFAULT, ScheduleTable
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """Everything a module template needs besides the kernels."""
+
+    op: str
+    doc: str
+    source: str
+    api: Any
+    inputs: tuple[str, ...]
+    params: tuple[tuple[str, str], ...]  # (name, absent value source or "")
+    scalars: tuple[str, ...]
+    outputs: tuple[str, ...]
+    saved: tuple[str, ...]
+    upstream: tuple[str, ...]
+
+
+def formula(expr: sympy.Expr) -> str:
+    return sympy.sstr(expr, order="lex").replace("**", "^")
+
+
+class KernelContext:
+    """A Kernel with every expression printed in one dialect, as the templates read it."""
+
+    def __init__(self, kernel: Kernel, dialect: Dialect):
+        element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
+        element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
+                    if a.level == "element"}
+        self.printer = KernelPrinter(dialect, element.__contains__)
+        self.kernel = kernel
+        self.name = kernel.name
+        self.element_inputs = [t.name for t in kernel.tensors("element")]
+        self.row_inputs = [t.name for t in kernel.tensors("row")]
+        self.column_inputs = [self._column(t.name) for t in kernel.tensors("column")]
+        self.kernel_columns = [c["name"] for c in self.column_inputs]
+        self.scalars = list(kernel.scalars)
+        self.prologue = self._assigns(kernel.prologue)
+        self.passes = [self._pass(p) for p in kernel.passes]
+        self.epilogue = self._pass(kernel.epilogue)
+        self.element_stores = [self._store(s) for s in kernel.stores_of("element")]
+        self.row_stores = [self._store(s) for s in kernel.stores_of("row")]
+        self.column_stores = [self._store(s) for s in kernel.stores_of("column")]
+        done: set[str] = set()
+        self.persistent_passes = []
+        for p in self.passes:
+            fresh = [a for a in p["assigns"] if a["name"] not in done]
+            done |= {a["name"] for a in fresh}
+            self.persistent_passes.append({**p, "assigns": fresh})
+        self.persistent_epilogue = [a for a in self.epilogue["assigns"] if a["name"] not in done]
+        self.args = self._args()
+        used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
+        self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
+
+    # Line snippets: each a list of source lines relative to the block they go in.
+    def column_load_lines(self, columns: list[dict[str, Any]]) -> list[str]:
+        lines = []
+        for c in columns:
+            load = f"{c['name']} = tl.load({c['name']}_ptr + cols, mask=col_mask, other=0.0).to(ACC)"
+            if c["flag"]:
+                lines += [f"if {c['flag']}:", f"    {load}", "else:",
+                          f"    {c['name']} = {c['absent']}"]
+            else:
+                lines.append(load)
+        return lines
+
+    @staticmethod
+    def element_load_lines(names: list[str]) -> list[str]:
+        return [f"{e} = tl.load({e}_ptr + offsets * {e}_row_stride + cols, mask=mask, "
+                "other=0.0).to(ACC)" for e in names]
+
+    @staticmethod
+    def assign_lines(assigns: list[dict[str, str]]) -> list[str]:
+        return [f"{a['name']} = {a['src']}  # {a['formula']}" for a in assigns]
+
+    def store_lines(self) -> list[str]:
+        lines = []
+        for s in self.element_stores:
+            store = (f"tl.store({s['name']}_ptr + offsets * {s['name']}_row_stride + cols, "
+                     f"({s['src']}).to({s['name']}_ptr.dtype.element_ty), mask=mask)")
+            lines += ["if STORE_SAVED:", f"    {store}"] if s["saved"] else [store]
+        return lines
+
+    def row_store_lines(self) -> list[str]:
+        return [line for s in self.row_stores for line in (
+            "if STORE_SAVED:", f"    tl.store({s['name']}_ptr + rows, {s['src']}, mask=row_mask)")]
+
+    def row_load_lines(self) -> list[str]:
+        return [f"{r} = tl.load({r}_ptr + rows, mask=row_mask, other=0.0).to(ACC)"
+                for r in self.row_inputs]
+
+    def _column(self, name: str) -> dict[str, Any]:
+        tensor = next(t for t in self.kernel.inputs if t.name == name)
+        return {"name": name, "flag": f"HAS_{name.upper()}" if tensor.optional else None,
+                "absent": self.printer(tensor.absent) if tensor.optional else None}
+
+    def _assigns(self, assigns: tuple[Assign, ...]) -> list[dict[str, str]]:
+        return [{"name": a.name, "src": self.printer(a.expr),
+                 "formula": f"{a.name} = {formula(a.expr)}"} for a in assigns]
+
+    def _pass(self, step: Pass) -> dict[str, Any]:
+        columns = {t.name for t in self.kernel.tensors("column")}
+        reductions = []
+        for r in step.reductions:
+            # Divide the accumulated sum (`sum / N`): a `1.0 / N` alone would be fp32.
+            base, exponent = r.scale.as_base_exp()
+            if r.scale == 1:
+                prefix, suffix = "", ""
+            elif exponent == -1:
+                prefix, suffix = "", f" / {self.printer(base)}"
+            else:
+                prefix, suffix = f"{self.printer(r.scale)} * ", ""
+            reductions.append({
+                "name": r.name, "op": r.op, "body": self.printer(r.body),
+                "identity": 'float("-inf")' if r.op == "max" else "0.0",
+                "scale_prefix": prefix,
+                "scale_suffix": suffix,
+                "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})"})
+        return {
+            "element_loads": [n for n in step.loads if n not in columns],
+            "column_inputs": [self._column(n) for n in step.loads if n in columns],
+            "assigns": self._assigns(step.assigns),
+            "reductions": reductions,
+            "after": self._assigns(step.after),
+        }
+
+    def _store(self, store: Any) -> dict[str, Any]:
+        return {"name": store.name, "src": self.printer(store.expr), "saved": store.saved,
+                "like": store.like, "flag": f"STORE_{store.name.upper()}",
+                "formula": f"{store.name} = {formula(store.expr)}"}
+
+    def _args(self) -> list[str]:
+        args = []
+        for name in self.element_inputs:
+            args += [f"{name}_ptr", f"{name}_row_stride"]
+        args += [f"{c['name']}_ptr" for c in self.column_inputs]
+        args += [f"{name}_ptr" for name in self.row_inputs]
+        for store in self.element_stores:
+            args += [f"{store['name']}_ptr", f"{store['name']}_row_stride"]
+        args += [f"{s['name']}_ptr" for s in self.row_stores]
+        args += [f"{s['name']}_partial_ptr" for s in self.column_stores]
+        args += self.scalars + ["M", "N"]
+        args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
+        args += [f"{s['flag']}: tl.constexpr" for s in self.column_stores]
+        args += ["STORE_SAVED: tl.constexpr", "ACC: tl.constexpr", "ROWS: tl.constexpr",
+                 "BLOCK_N: tl.constexpr"]
+        return args
+
+
+def render_module(module: ModuleSpec, forward: Kernel, backward: Kernel,
+                  schedule: ScheduleTable = DEFAULT) -> str:
+    env = environment()
+    context = {
+        "module": module,
+        "fwd": KernelContext(forward, TRITON),
+        "bwd": KernelContext(backward, TRITON),
+        "upstream": module.upstream,
+        "function_args": [*module.inputs, *(name for name, _ in module.params), *module.scalars],
+        "saved_for_backward": [*module.saved, *(name for name, _ in module.params)],
+        "gradients": [s.name for s in (*backward.stores_of("element"),
+                                       *backward.stores_of("column"))],
+        "fwd_torch": KernelContext(forward, TORCH),
+        "bwd_torch": KernelContext(backward, TORCH),
+        "schedule": schedule.constants(),
+        "sympy_version": sympy.__version__,
+        "api_template": f"api_{module.api.kind}.py.j2",
+    }
+    return env.get_template("module.py.j2").render(**context)

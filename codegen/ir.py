@@ -1,0 +1,109 @@
+"""The kernel IR: frozen, small, printable. One Kernel works on a block of rows.
+
+Canonical form (what lowering guarantees and printers rely on):
+- a Kernel is: row-level prologue, then passes over the row, then an epilogue pass;
+- each Pass reads the element tensors it lists, computes its element assigns in order,
+  accumulates its row reductions (always in the accumulation dtype, at least fp32) and then
+  computes the row-level assigns that the new reductions make possible;
+- the epilogue pass writes element outputs and accumulates column partials (Σ over rows);
+- every name is unique in the kernel and every expression uses only names defined before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A kernel argument tensor. `absent` is the value of an optional column tensor the caller
+    left out (None: the tensor is required)."""
+
+    name: str
+    level: str  # "element" | "column" | "row"
+    absent: sympy.Expr | None = None
+
+    @property
+    def optional(self) -> bool:
+        return self.absent is not None
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    expr: sympy.Expr
+    level: str  # "element" | "row"
+
+
+@dataclass(frozen=True)
+class RowReduce:
+    """name = scale · op_j body_j, accumulated in the accumulation dtype."""
+
+    name: str
+    op: str  # "sum" | "max"
+    body: sympy.Expr
+    scale: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Store:
+    name: str  # the output tensor
+    expr: sympy.Expr
+    level: str  # "element" | "row" | "column" (column: Σ over rows, per-program partials)
+    saved: bool = False  # written only when the caller keeps values for a backward
+    like: str | None = None  # a column output takes this column input's dtype
+
+
+@dataclass(frozen=True)
+class Pass:
+    loads: tuple[str, ...]
+    assigns: tuple[Assign, ...]
+    reductions: tuple[RowReduce, ...]
+    after: tuple[Assign, ...]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    scalars: tuple[str, ...]
+    prologue: tuple[Assign, ...]
+    passes: tuple[Pass, ...]
+    epilogue: Pass
+    stores: tuple[Store, ...]
+
+    def tensors(self, level: str) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.inputs if t.level == level)
+
+    def outputs_of(self, level: str) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.outputs if t.level == level)
+
+    def stores_of(self, level: str) -> tuple[Store, ...]:
+        return tuple(s for s in self.stores if s.level == level)
+
+    def listing(self) -> str:
+        """A readable dump, used by `derive --show` and the derivation pages."""
+        lines = [f"kernel {self.name}"]
+        lines.append("  inputs: " + ", ".join(f"{t.name}[{t.level}]" for t in self.inputs))
+        lines.append("  outputs: " + ", ".join(f"{t.name}[{t.level}]" for t in self.outputs))
+        if self.scalars:
+            lines.append("  scalars: " + ", ".join(self.scalars))
+        for a in self.prologue:
+            lines.append(f"  {a.name} = {a.expr}")
+        for index, step in enumerate((*self.passes, self.epilogue), start=1):
+            title = "epilogue" if step is self.epilogue else f"pass {index}"
+            lines.append(f"  {title}: load {', '.join(step.loads) or '-'}")
+            for a in step.assigns:
+                lines.append(f"    {a.name} = {a.expr}")
+            for r in step.reductions:
+                lines.append(f"    {r.name} = {r.scale} * {r.op}_j({r.body})")
+            for a in step.after:
+                lines.append(f"    {a.name} = {a.expr}")
+        for s in self.stores:
+            note = " (Σ over rows)" if s.level == "column" else ""
+            note += " (saved for backward)" if s.saved else ""
+            lines.append(f"  store {s.name} = {s.expr}{note}")
+        return "\n".join(lines)

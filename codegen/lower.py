@@ -1,0 +1,138 @@
+"""Lowering: a simplified RowGraph becomes a Kernel in canonical form (see codegen/ir.py).
+
+Steps, in order: keep what the outputs need, give every row value the pass after which it is
+known, group the reductions of the same pass into one sweep over the row, and share common
+subexpressions of the epilogue.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from codegen.ir import Assign, Kernel, Pass, RowReduce, Store, Tensor
+from derive.graph import Definition, RowGraph
+
+ROW_LENGTH = "N"
+
+
+def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Kernel:
+    definitions = {d.name: d for d in graph.definitions}
+    order = {d.name: index for index, d in enumerate(graph.definitions)}
+    levels = _levels(graph)
+    stores = _stores(graph, saved)
+    needed = _needed(stores, definitions)
+    depth = _depths(graph, definitions, needed)
+
+    reductions = [d for d in graph.definitions if d.name in needed and d.reduction]
+    row_defs = [d for d in graph.definitions
+                if d.name in needed and d.level == "row" and not d.reduction]
+    pass_count = max((depth[d.name] for d in reductions), default=0)
+    prologue = tuple(Assign(d.name, d.expr, "row") for d in row_defs if depth[d.name] == 0)
+    passes = []
+    for index in range(1, pass_count + 1):
+        in_pass = [d for d in reductions if depth[d.name] == index]
+        assigns, loads = _element_work([d.expr for d in in_pass], definitions, order, levels)
+        passes.append(Pass(
+            loads=loads,
+            assigns=assigns,
+            reductions=tuple(RowReduce(d.name, d.reduction or "sum", d.expr, d.scale)
+                             for d in in_pass),
+            after=tuple(Assign(d.name, d.expr, "row") for d in row_defs
+                        if depth[d.name] == index)))
+
+    element_stores = [s for s in stores if s.level in ("element", "column")]
+    assigns, loads = _element_work([s.expr for s in element_stores], definitions, order, levels)
+    shared, rewritten = _share_subexpressions([s.expr for s in element_stores], levels)
+    by_name = {s.name: expr for s, expr in zip(element_stores, rewritten, strict=True)}
+    final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.saved, s.like)
+                         for s in stores)
+    epilogue = Pass(loads=loads, assigns=assigns + shared, reductions=(), after=())
+
+    inputs = tuple(Tensor(t, "element") for t in graph.element_inputs)
+    inputs += tuple(Tensor(p.name, "column", p.absent) for p in graph.column_inputs)
+    inputs += tuple(Tensor(t, "row") for t in graph.row_inputs)
+    outputs = tuple(Tensor(s.name, s.level) for s in final_stores)
+    return Kernel(name, inputs, outputs, graph.scalars, prologue, tuple(passes), epilogue,
+                  final_stores)
+
+
+def _levels(graph: RowGraph) -> dict[str, str]:
+    levels = {t: "element" for t in graph.element_inputs}
+    levels |= {p.name: "element" for p in graph.column_inputs}
+    levels |= {t: "row" for t in graph.row_inputs}
+    levels |= {s: "row" for s in graph.scalars}
+    levels[ROW_LENGTH] = "row"
+    levels |= {d.name: d.level for d in graph.definitions}
+    return levels
+
+
+def _stores(graph: RowGraph, saved: frozenset[str]) -> list[Store]:
+    stores = [Store(n, e, "element", n in saved) for n, e in graph.element_outputs]
+    stores += [Store(n, e, "row", n in saved) for n, e in graph.row_outputs]
+    stores += [Store(n, e, "column", like=param) for n, param, e in graph.column_outputs]
+    return stores
+
+
+def _needed(stores: list[Store], definitions: dict[str, Definition]) -> set[str]:
+    needed: set[str] = set()
+    pending = [s.name for st in stores for s in st.expr.free_symbols]
+    while pending:
+        name = pending.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        if name in definitions:
+            pending.extend(s.name for s in definitions[name].expr.free_symbols)
+    return needed
+
+
+def _depths(graph: RowGraph, definitions: dict[str, Definition], needed: set[str]
+            ) -> dict[str, int]:
+    """The pass after which each value is known: reductions over values known after pass k
+    run in pass k + 1."""
+    depth: dict[str, int] = {}
+    for d in graph.definitions:
+        inner = max((depth.get(s.name, 0) for s in d.expr.free_symbols), default=0)
+        depth[d.name] = inner + 1 if d.reduction else inner
+    return {name: value for name, value in depth.items() if name in needed}
+
+
+def _element_work(exprs: list[sympy.Expr], definitions: dict[str, Definition],
+                  order: dict[str, int], levels: dict[str, str]
+                  ) -> tuple[tuple[Assign, ...], tuple[str, ...]]:
+    """The element definitions and tensor loads a set of element expressions needs."""
+    names: set[str] = set()
+    loads: set[str] = set()
+    pending = [s.name for e in exprs for s in e.free_symbols]
+    while pending:
+        name = pending.pop()
+        if name in names or name in loads or levels.get(name) != "element":
+            continue
+        if name in definitions and not definitions[name].reduction:
+            names.add(name)
+            pending.extend(s.name for s in definitions[name].expr.free_symbols)
+        else:
+            loads.add(name)
+    assigns = tuple(Assign(n, definitions[n].expr, "element")
+                    for n in sorted(names, key=order.__getitem__))
+    return assigns, tuple(sorted(loads))
+
+
+def _share_subexpressions(exprs: list[sympy.Expr], levels: dict[str, str]
+                          ) -> tuple[tuple[Assign, ...], list[sympy.Expr]]:
+    """Common subexpression elimination over the epilogue's outputs."""
+    if not exprs:
+        return (), exprs
+    names = (sympy.Symbol(f"common_{i}", real=True) for i in range(10_000))
+    replacements, reduced = sympy.cse(exprs, symbols=names, optimizations=None)
+    # Keep only elementwise temporaries; row-level ones (1/N) print inline at row shape.
+    assigns: list[Assign] = []
+    inline: dict[sympy.Symbol, sympy.Expr] = {}
+    for symbol, expr in replacements:
+        expr = expr.xreplace(inline)
+        if any(levels.get(s.name) == "element" for s in expr.free_symbols):
+            levels[symbol.name] = "element"
+            assigns.append(Assign(symbol.name, expr, "element"))
+        else:
+            inline[symbol] = expr
+    return tuple(assigns), [e.xreplace(inline) for e in reduced]

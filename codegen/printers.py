@@ -1,0 +1,192 @@
+"""Strict printers from SymPy to kernel source: Triton, and plain torch, from one rule set.
+
+Only what is in the tables prints; anything else raises PrintError naming the expression.
+Row-invariant factors of a product print first, so `sum_dy / N * x_hat` divides once per row
+(Python evaluates left to right) instead of once per element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import sympy
+
+
+class PrintError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    functions: Mapping[type, str]
+    sqrt: str
+    where: str
+    maximum: str
+    minimum: str
+
+
+TRITON = Dialect(
+    name="triton",
+    functions={sympy.exp: "tl.exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
+               sympy.tanh: "_tanh", sympy.Abs: "tl.abs"},
+    sqrt="_sqrt",
+    where="tl.where",
+    maximum="tl.maximum",
+    minimum="tl.minimum",
+)
+
+TORCH = Dialect(
+    name="torch",
+    functions={sympy.exp: "torch.exp", sympy.log: "torch.log", sympy.erf: "torch.erf",
+               sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs"},
+    sqrt="torch.sqrt",
+    where="torch.where",
+    maximum="torch.maximum",
+    minimum="torch.minimum",
+)
+
+# Binding strength, for parentheses: atoms bind tightest.
+_ADD, _MUL, _UNARY, _ATOM = 1, 2, 3, 4
+
+
+class KernelPrinter:
+    """Prints one expression; `varies(name)` says whether a symbol changes along the row."""
+
+    def __init__(self, dialect: Dialect, varies: Callable[[str], bool]):
+        self.dialect = dialect
+        self.varies = varies
+
+    def __call__(self, expr: sympy.Expr) -> str:
+        return self._print(sympy.sympify(expr))[0]
+
+    # Each _print_* returns (source, binding strength).
+    def _print(self, expr: sympy.Expr) -> tuple[str, int]:
+        if isinstance(expr, sympy.Symbol):
+            return expr.name, _ATOM
+        if expr.is_Number:
+            return self._number(expr)
+        if isinstance(expr, sympy.Add):
+            return self._add(expr)
+        if isinstance(expr, sympy.Mul):
+            return self._mul(expr)
+        if isinstance(expr, sympy.Pow):
+            return self._pow(expr)
+        if isinstance(expr, (sympy.Max, sympy.Min)):
+            name = self.dialect.maximum if isinstance(expr, sympy.Max) else self.dialect.minimum
+            source = self._print(expr.args[0])[0]
+            for arg in expr.args[1:]:
+                source = f"{name}({source}, {self._print(arg)[0]})"
+            return source, _ATOM
+        if isinstance(expr, sympy.Piecewise):
+            return self._piecewise(expr)
+        if isinstance(expr, sympy.Function) and type(expr) in self.dialect.functions:
+            args = ", ".join(self._print(a)[0] for a in expr.args)
+            return f"{self.dialect.functions[type(expr)]}({args})", _ATOM
+        if isinstance(expr, sympy.core.relational.Relational):
+            lhs, rhs = self._wrap(expr.lhs, _ADD), self._wrap(expr.rhs, _ADD)
+            return f"({lhs} {expr.rel_op} {rhs})", _ATOM
+        raise PrintError(f"the {self.dialect.name} printer has no rule for "
+                         f"{type(expr).__name__}: {expr}")
+
+    def _wrap(self, expr: sympy.Expr, strength: int) -> str:
+        source, own = self._print(expr)
+        return source if own >= strength else f"({source})"
+
+    def _number(self, expr: sympy.Expr) -> tuple[str, int]:
+        if expr == sympy.oo:
+            return 'float("inf")', _ATOM
+        if expr == -sympy.oo:
+            return 'float("-inf")', _ATOM
+        if not expr.is_finite:
+            raise PrintError(f"cannot print the number {expr}")
+        value = repr(float(expr))
+        return value, (_UNARY if value.startswith("-") else _ATOM)
+
+    def _add(self, expr: sympy.Add) -> tuple[str, int]:
+        terms = sorted(expr.args, key=lambda t: (t.could_extract_minus_sign(),
+                                                 not self._varies_expr(t),
+                                                 sympy.default_sort_key(t)))
+        pieces = []
+        for term in terms:
+            coefficient, rest = term.as_coeff_Mul()
+            negative = coefficient.is_Number and coefficient < 0
+            body = self._wrap(-term if negative else term, _MUL)
+            if not pieces:
+                pieces.append(f"-{body}" if negative else body)
+            else:
+                pieces.append(f" - {body}" if negative else f" + {body}")
+        return "".join(pieces), _ADD
+
+    def _mul(self, expr: sympy.Mul) -> tuple[str, int]:
+        coefficient, rest = expr.as_coeff_Mul()
+        if coefficient.is_Number and coefficient < 0:
+            inner = self._wrap(-expr, _MUL)
+            return f"-{inner}", _UNARY
+        numerator, denominator = [], []
+        for factor in sympy.Mul.make_args(expr):
+            base, exponent = factor.as_base_exp()
+            if exponent.is_Number and exponent < 0 and not factor.is_Number:
+                denominator.append(base if exponent == -1 else sympy.Pow(base, -exponent))
+            else:
+                numerator.append(factor)
+        # Row-invariant factors first, each side, so Python's left-to-right evaluation keeps
+        # them at row shape; elementwise factors multiply in last.
+        invariant = [f for f in numerator if not self._varies_expr(f)]
+        varying = [f for f in numerator if self._varies_expr(f)]
+        invariant_den = [f for f in denominator if not self._varies_expr(f)]
+        varying_den = [f for f in denominator if self._varies_expr(f)]
+        source = self._product(invariant, invariant_den)
+        if varying or varying_den:
+            tail = self._product(varying, varying_den, leading=source is None)
+            source = tail if source is None else f"{source} * {tail}" if varying else \
+                f"{source}{tail}"
+        return (source or "1.0"), _MUL
+
+    def _product(self, numerator: list[sympy.Expr], denominator: list[sympy.Expr],
+                 leading: bool = True) -> str | None:
+        if not numerator and not denominator:
+            return None
+        ordered = sorted(numerator, key=sympy.default_sort_key)
+        source = " * ".join(self._wrap(f, _MUL) for f in ordered) if ordered else None
+        for factor in sorted(denominator, key=sympy.default_sort_key):
+            divisor = self._wrap(factor, _UNARY)
+            if source is None:
+                source = f"1.0 / {divisor}" if leading else f" / {divisor}"
+            else:
+                source = f"{source} / {divisor}"
+        return source
+
+    def _pow(self, expr: sympy.Pow) -> tuple[str, int]:
+        base, exponent = expr.args
+        if exponent.is_Integer:
+            power = int(exponent)
+            if 1 <= abs(power) <= 4:
+                repeated = " * ".join([self._wrap(base, _UNARY)] * abs(power))
+                if power < 0:
+                    return f"1.0 / ({repeated})" if abs(power) > 1 else \
+                        f"1.0 / {self._wrap(base, _UNARY)}", _MUL
+                return repeated, (_MUL if power > 1 else _ATOM)
+        if exponent.is_Rational and exponent.q == 2 and abs(exponent.p) <= 3:
+            root = f"{self.dialect.sqrt}({self._print(base)[0]})"
+            integer = abs(exponent.p) // 2
+            source = " * ".join([self._wrap(base, _UNARY)] * integer + [root])
+            if exponent < 0:
+                return (f"1.0 / ({source})" if integer else f"1.0 / {root}"), _MUL
+            return source, (_MUL if integer else _ATOM)
+        raise PrintError(f"the {self.dialect.name} printer has no rule for the power {expr}: "
+                         "integer powers up to 4 and half-integer powers up to 3/2 print")
+
+    def _piecewise(self, expr: sympy.Piecewise) -> tuple[str, int]:
+        *cases, (last_value, last_condition) = expr.args
+        if last_condition != sympy.true:
+            raise PrintError(f"a Piecewise must end with an otherwise branch: {expr}")
+        source = self._print(last_value)[0]
+        for value, condition in reversed(cases):
+            source = (f"{self.dialect.where}({self._print(condition)[0]}, "
+                      f"{self._print(value)[0]}, {source})")
+        return source, _ATOM
+
+    def _varies_expr(self, expr: sympy.Expr) -> bool:
+        return any(self.varies(s.name) for s in expr.free_symbols)

@@ -1,0 +1,45 @@
+"""Schedules: HOW a kernel walks its rows, kept apart from WHAT it computes.
+
+The generated module gets these numbers as constants and a small run-time heuristic that
+picks, per (M, N): persistent rows (whole row in registers, several rows per program for small
+N) or looped rows (one sweep per reduction pass), the warps, and — for kernels that produce
+column partials — a grid that scales with the SM count instead of one program per row block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduleTable:
+    #: rows whose next power of two is at most this keep the whole row in registers
+    persistent_max_block_n: int = 16384
+    #: columns per step of a looped row
+    looped_block_n: int = 4096
+    #: target elements per program step when N is small (several rows per program)
+    row_block_elements: int = 4096
+    max_rows: int = 64
+    #: grid-stride kernels (those with column partials) launch this many programs per SM
+    programs_per_sm: int = 4
+    #: programs when no GPU is there to count SMs (the Triton interpreter)
+    interpreter_programs: int = 4
+    min_warps: int = 4
+    max_warps: int = 16
+    elements_per_warp: int = 1024
+
+    def constants(self) -> dict[str, int]:
+        return {
+            "PERSISTENT_MAX_BLOCK_N": self.persistent_max_block_n,
+            "LOOPED_BLOCK_N": self.looped_block_n,
+            "ROW_BLOCK_ELEMENTS": self.row_block_elements,
+            "MAX_ROWS": self.max_rows,
+            "PROGRAMS_PER_SM": self.programs_per_sm,
+            "INTERPRETER_PROGRAMS": self.interpreter_programs,
+            "MIN_WARPS": self.min_warps,
+            "MAX_WARPS": self.max_warps,
+            "ELEMENTS_PER_WARP": self.elements_per_warp,
+        }
+
+
+DEFAULT = ScheduleTable()

@@ -1,0 +1,44 @@
+"""How a spec asks for its public PyTorch surface. Codegen picks a template per API kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Param:
+    """A per-column parameter of the module. `init` is 'ones' or 'zeros'; `flag` is the
+    constructor switch (besides elementwise_affine) that can turn it off, if any."""
+
+    name: str
+    init: str
+    flag: str | None = None
+
+
+@dataclass(frozen=True)
+class NormalizedShapeAPI:
+    """`function(input, normalized_shape, <params>=None, eps=...)` plus an nn.Module, exactly as
+    torch.nn.functional.<torch_name> and torch.nn.<module>.
+
+    eps=None means the input dtype's machine epsilon, as in torch.nn.functional.rms_norm.
+    """
+
+    function: str
+    module: str
+    torch_function: str
+    torch_module: str
+    params: tuple[Param, ...]
+    eps: float | None
+
+    kind = "normalized_shape"
+
+
+@dataclass(frozen=True)
+class DimAPI:
+    """`function(input, dim=-1)` plus an nn.Module holding `dim`, as torch.softmax."""
+
+    function: str
+    module: str
+    torch_function: str
+
+    kind = "dim"

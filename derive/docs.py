@@ -1,0 +1,59 @@
+"""The derivation page of one op: every stage, from spec to kernel IR, in Markdown + LaTeX."""
+
+from __future__ import annotations
+
+import sympy
+
+from codegen.emit import environment
+from codegen.ir import Kernel
+from derive.engine import Derivation
+from derive.spec import N, Kind
+
+
+def latex(expr: sympy.Expr) -> str:
+    return sympy.latex(expr, order="lex")
+
+
+def render_page(derivation: Derivation, forward: Kernel, backward: Kernel) -> str:
+    spec = derivation.spec
+    definitions = []
+    for node in spec.nodes:
+        symbol = latex(node.symbol)
+        if node.kind is Kind.REDUCE:
+            scale = r"\frac{1}{N}" if node.reduction == "mean" else ""
+            operator = r"\max_j" if node.reduction == "max" else r"\sum_j"
+            math = f"{symbol} = {scale}{operator} {latex(node.expr)}"
+        elif node.expr is not None:
+            math = f"{symbol} = {latex(node.expr)}"
+        else:
+            note = {Kind.INPUT: "input element", Kind.COLUMN_PARAM: "per-column parameter",
+                    Kind.SCALAR: "scalar"}[node.kind]
+            if node.absent is not None:
+                note += f", {latex(node.absent)} when not given"
+            math = rf"{symbol} \;:\; \text{{{note}}}"
+        definitions.append({"name": node.name, "kind": node.kind.value, "math": math})
+    backward_result = derivation.backward
+    context = {
+        "spec": spec,
+        "definitions": definitions,
+        "rules": [latex(sympy.Eq(k, v)) for k, v in derivation.rules],
+        "steps": [{"rule": s.rule, "source": s.source, "target": s.target,
+                   "math": latex(s.contribution)} for s in derivation.reverse.steps],
+        "stabilisers": derivation.reverse.stabilisers,
+        "pivots": [latex(sympy.Eq(u, g)) for u, g in backward_result.pivots],
+        "resolutions": [{"name": r.name, "how": r.how,
+                         "math": latex(sympy.Eq(sympy.Symbol(r.name), r.expr))}
+                        for r in backward_result.resolutions],
+        "reductions": [latex(sympy.Eq(sympy.Symbol(name), sympy.Symbol(r"\sum_j") * body,
+                                      evaluate=False))
+                       for name, body in backward_result.reductions],
+        "gradients": [{"name": name, "math": latex(sympy.Eq(sympy.Symbol(r"\bar{" + name + "}"),
+                                                            expr))}
+                      for name, expr in backward_result.gradients],
+        "column_params": [n.name for n in spec.nodes if n.kind is Kind.COLUMN_PARAM],
+        "forward_ir": forward.listing(),
+        "backward_ir": backward.listing(),
+        "row_length": latex(N),
+    }
+    return environment().get_template("doc_page.md.j2").render(**context)
+

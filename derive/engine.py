@@ -1,0 +1,56 @@
+"""The derivation of one op, stage by stage: spec -> reverse mode -> simplified backward."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import sympy
+
+from derive.algebra import Algebra
+from derive.backward import BackwardResult, derive_backward
+from derive.forward import forward_graph, saved_outputs
+from derive.graph import RowGraph
+from derive.reverse import ReverseResult, learn_forward_reductions, reverse_mode
+from derive.spec import OpSpec, SpecError
+
+
+@dataclass(frozen=True)
+class Derivation:
+    spec: OpSpec
+    forward: RowGraph
+    saved_outputs: frozenset[str]
+    reverse: ReverseResult
+    backward: BackwardResult
+    rules: tuple[tuple[sympy.Expr, sympy.Expr], ...]
+
+
+def derive(spec: OpSpec) -> Derivation:
+    algebra = Algebra({node.symbol: node.level for node in spec.nodes})
+    learn_forward_reductions(spec, algebra)
+    rules = tuple(algebra.rules.items())
+    reverse = reverse_mode(spec, algebra)
+    backward = derive_backward(spec, algebra, reverse)
+    return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backward, rules)
+
+
+def load_spec(path: Path, display: str) -> OpSpec:
+    """Import a spec file and call its `spec()`; `display` is the path shown in output."""
+    module_spec = importlib.util.spec_from_file_location(f"_vjpforge_spec_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise SpecError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    build = getattr(module, "spec", None)
+    if not callable(build):
+        raise SpecError(f"{path}: a spec file defines `def spec() -> OpSpec`; none found")
+    op = build()
+    if not isinstance(op, OpSpec):
+        raise SpecError(f"{path}: spec() must return an OpSpec, got {type(op).__name__}")
+    if not op.outputs:
+        raise SpecError(f"{path}: spec '{op.name}' declares no output; call op.output(...)")
+    if op.api is None:
+        raise SpecError(f"{path}: spec '{op.name}' sets no op.api (NormalizedShapeAPI or DimAPI)")
+    op.source = display
+    return op

@@ -1,0 +1,42 @@
+"""The forward kernel's graph, read straight off the spec."""
+
+from __future__ import annotations
+
+import sympy
+
+from derive.graph import ColumnParam, Definition, RowGraph
+from derive.spec import N, Kind, Level, OpSpec
+
+
+def forward_graph(spec: OpSpec) -> RowGraph:
+    definitions = []
+    for node in spec.nodes:
+        if node.kind is Kind.REDUCE:
+            scale = 1 / N if node.reduction == "mean" else sympy.Integer(1)
+            reduction = "max" if node.reduction == "max" else "sum"
+            definitions.append(Definition(node.name, "row", node.expr, reduction, scale))
+        elif node.kind in (Kind.ELEMENT, Kind.ROW):
+            definitions.append(Definition(node.name, node.level.value
+                                          if node.level is Level.ROW else "element", node.expr))
+    inputs = {n.name for n in spec.nodes if n.kind is Kind.INPUT}
+    stored_elements = [n for n in spec.nodes if n.name in spec.outputs or (
+        n.name in spec.saved and n.level is Level.ELEMENT and n.name not in inputs)]
+    return RowGraph(
+        element_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
+        column_inputs=tuple(ColumnParam(n.name, n.absent) for n in spec.nodes
+                            if n.kind is Kind.COLUMN_PARAM),
+        row_inputs=(),
+        scalars=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR),
+        definitions=tuple(definitions),
+        element_outputs=tuple((n.name, n.symbol) for n in stored_elements),
+        row_outputs=tuple((n.name, n.symbol) for n in spec.nodes
+                          if n.name in spec.saved and n.level is Level.ROW),
+        column_outputs=(),
+    )
+
+
+def saved_outputs(spec: OpSpec) -> frozenset[str]:
+    """Stores that exist only for the backward (skipped when no gradient is needed)."""
+    return frozenset(n.name for n in spec.nodes
+                     if n.name in spec.saved and n.name not in spec.outputs
+                     and n.kind is not Kind.INPUT)

@@ -1,0 +1,179 @@
+"""Numerics of generated.rmsnorm against torch.nn.functional.rms_norm."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import (
+    DETERMINISM_ROWS,
+    LOW_PRECISION_DTYPES,
+    NON_CONTIGUOUS,
+    assert_bad_call_rejected,
+    assert_built_like_torch,
+    assert_deterministic_grads,
+    assert_loads_torch_state_dict,
+    assert_low_precision_ok,
+    assert_matches_torch,
+    assert_nan_stays_in_its_row,
+    assert_reset_like_torch,
+    force_looped,
+    gradcheck,
+    norm_inputs,
+)
+
+from generated import rmsnorm
+
+OP = rmsnorm  # for the `schedule` fixture
+
+
+def pair(normalized_shape, eps=None, view=lambda x: x):
+    """(ours, theirs): RMS norms of view(input) with an optional weight."""
+
+    def ours(x, w):
+        return rmsnorm.rms_norm(view(x), normalized_shape, w, eps)
+
+    def theirs(x, w):
+        return F.rms_norm(view(x), normalized_shape, w, eps)
+
+    return ours, theirs
+
+
+def inputs(shape, device, param_ndim=1, weight=True):
+    return norm_inputs(shape, param_ndim, device, weight=weight)[:2]
+
+
+@pytest.mark.parametrize("weight", [False, True], ids=["plain", "weight"])
+@pytest.mark.parametrize("n", [1, 5, 37, 128])
+def test_matches_torch(device, n, weight):
+    assert_matches_torch(*pair((n,)), inputs((3, n), device, weight=weight))
+
+
+@pytest.mark.parametrize("weight", [False, True], ids=["plain", "weight"])
+@pytest.mark.parametrize("n", [16, 17, 32, 37, 100])
+def test_looped_schedule_matches_torch(device, monkeypatch, n, weight):
+    force_looped(monkeypatch, rmsnorm)
+    assert_matches_torch(*pair((n,)), inputs((3, n), device, weight=weight))
+
+
+@pytest.mark.parametrize(
+    ("shape", "param_ndim"), [((2, 3, 37), 1), ((2, 3, 7), 2), ((4, 2, 3, 5), 3)]
+)
+def test_batch_dims_and_multi_dim_normalized_shape(device, schedule, shape, param_ndim):
+    normalized_shape = shape[len(shape) - param_ndim :]
+    assert_matches_torch(*pair(normalized_shape), inputs(shape, device, param_ndim))
+
+
+def test_int_normalized_shape(device):
+    # torch's functional rms_norm wants a tuple; the module form accepts an int.
+    assert_matches_torch(pair(37)[0], pair((37,))[1], inputs((2, 3, 37), device))
+
+
+def test_eps_is_used(device):
+    x, w = inputs((3, 20), device)
+    assert_matches_torch(*pair((20,), eps=0.25), [x * 0.01, w])
+
+
+def tiny_inputs(dtype, device):
+    """Inputs whose mean square is far below finfo(dtype).eps, so eps decides rstd."""
+    x, w = inputs((24, 37), device)
+    return [x * 0.03 * torch.finfo(dtype).eps ** 0.5, w]
+
+
+def test_default_eps_is_finfo_eps(device):
+    assert_matches_torch(*pair((37,)), tiny_inputs(torch.float64, device))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION_DTYPES, ids=str)
+def test_default_eps_is_finfo_eps_of_input_dtype(device, dtype):
+    # The fp64 reference would use fp64's eps for eps=None: give it dtype's eps.
+    ours, theirs = pair((37,))[0], pair((37,), eps=torch.finfo(dtype).eps)[1]
+    assert_low_precision_ok(ours, theirs, tiny_inputs(dtype, device), dtype)
+
+
+@pytest.mark.parametrize("view", NON_CONTIGUOUS)
+def test_non_contiguous_input(device, schedule, view):
+    x, w = inputs((5, 37), device)
+    assert not NON_CONTIGUOUS[view](x).is_contiguous()
+    assert_matches_torch(*pair((37,), view=NON_CONTIGUOUS[view]), [x, w])
+
+
+def test_gradcheck_fast(device, schedule):
+    gradcheck(pair((37,))[0], inputs((4, 37), device), fast=True)
+
+
+def test_gradcheck_full(device):
+    gradcheck(pair((3,))[0], inputs((2, 3), device), fast=False)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION_DTYPES, ids=str)
+def test_low_precision_against_fp64(device, schedule, dtype):
+    assert_low_precision_ok(*pair((100,), eps=1e-6), inputs((24, 100), device), dtype)
+
+
+def test_nan_stays_in_its_row(device, schedule):
+    assert_nan_stays_in_its_row(*pair((37,)), inputs((3, 37), device), (1, 30))
+
+
+def test_empty_batch(device):
+    assert_matches_torch(*pair((8,)), inputs((0, 8), device))
+
+
+def test_backward_is_deterministic(device, schedule):
+    assert_deterministic_grads(pair((37,))[0], inputs((DETERMINISM_ROWS, 37), device))
+
+
+def _rms(*args):
+    return rmsnorm.rms_norm(*args)
+
+
+BAD_CALLS = {
+    "weight_shape": (lambda x, w: _rms(x, (8,), w[:7]), ("weight", "7")),
+    "weight_dtype": (lambda x, w: _rms(x, (8,), w.double()), ("weight", "float64")),
+    "weight_device": (lambda x, w: _rms(x, (8,), w.to("meta")), ("weight", "meta")),
+    "integer_input": (lambda x, w: _rms(x.long(), (8,)), ("input", "int64")),
+    "normalized_shape": (lambda x, w: _rms(x, (6,)), ("normalized_shape", "6")),
+    "normalized_shape_rank": (
+        lambda x, w: _rms(x, (3, 4, 8)),
+        ("normalized_shape", "3"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_bad_input_is_rejected(device, case):
+    assert_bad_call_rejected(BAD_CALLS[case], device)
+
+
+# name -> (normalized_shape, constructor kwargs)
+MODULE_CONFIGS = {
+    "default": ((8,), {}),
+    "int_shape_eps": (8, {"eps": 1e-3}),
+    "two_dims": ((3, 5), {}),
+    "no_affine": ((8,), {"elementwise_affine": False}),
+    "fp16": ((8,), {"dtype": torch.float16}),
+    "meta": ((8,), {"device": "meta", "dtype": torch.float64}),
+}
+
+
+@pytest.mark.parametrize("config", MODULE_CONFIGS)
+def test_module_is_built_like_torch(config):
+    shape, kwargs = MODULE_CONFIGS[config]
+    assert_built_like_torch(rmsnorm.RMSNorm, torch.nn.RMSNorm, shape, **kwargs)
+
+
+def test_module_device_kwarg(device):
+    kwargs = {"device": device, "dtype": torch.float64}
+    assert_built_like_torch(rmsnorm.RMSNorm, torch.nn.RMSNorm, 8, **kwargs)
+
+
+def test_module_reset_parameters():
+    assert_reset_like_torch(rmsnorm.RMSNorm, torch.nn.RMSNorm, (3, 5))
+
+
+@pytest.mark.parametrize(
+    "config", ["default", "int_shape_eps", "no_affine", "two_dims"]
+)
+def test_module_loads_torch_state_dict(device, config):
+    shape, kwargs = MODULE_CONFIGS[config]
+    assert_loads_torch_state_dict(
+        rmsnorm.RMSNorm, torch.nn.RMSNorm, shape, device, **kwargs
+    )

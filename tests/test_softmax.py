@@ -1,0 +1,118 @@
+"""Numerics of generated.softmax against torch.softmax."""
+
+import pytest
+import torch
+from reference import (
+    LOW_PRECISION_DTYPES,
+    NON_CONTIGUOUS,
+    assert_bad_call_rejected,
+    assert_low_precision_ok,
+    assert_matches_torch,
+    assert_nan_stays_in_its_row,
+    force_looped,
+    gradcheck,
+    randn,
+)
+
+from generated import softmax
+
+OP = softmax  # for the `schedule` fixture
+
+
+def pair(dim=-1, view=lambda x: x):
+    """(ours, theirs): softmax of view(input) over `dim`."""
+
+    def ours(x):
+        return softmax.softmax(view(x), dim)
+
+    def theirs(x):
+        return torch.softmax(view(x), dim)
+
+    return ours, theirs
+
+
+def inputs(shape, device):
+    return [randn(shape, device=device)]
+
+
+@pytest.mark.parametrize("n", [1, 5, 37, 128])
+def test_matches_torch(device, n):
+    assert_matches_torch(*pair(), inputs((3, n), device))
+
+
+@pytest.mark.parametrize("n", [16, 17, 32, 37, 100])
+def test_looped_schedule_matches_torch(device, monkeypatch, n):
+    force_looped(monkeypatch, softmax)
+    assert_matches_torch(*pair(), inputs((3, n), device))
+
+
+def test_dim_defaults_to_last(device):
+    assert_matches_torch(softmax.softmax, pair(-1)[1], inputs((2, 3, 37), device))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -2])
+def test_dim_of_3d_input(device, schedule, dim):
+    # Rows of 17 and 18 elements: the looped schedule runs them in two blocks.
+    assert_matches_torch(*pair(dim), inputs((17, 18, 2), device))
+
+
+@pytest.mark.parametrize("view", NON_CONTIGUOUS)
+def test_non_contiguous_input(device, schedule, view):
+    (x,) = inputs((5, 37), device)
+    assert not NON_CONTIGUOUS[view](x).is_contiguous()
+    assert_matches_torch(*pair(view=NON_CONTIGUOUS[view]), [x])
+
+
+def test_gradcheck_fast(device, schedule):
+    gradcheck(pair()[0], inputs((4, 37), device), fast=True)
+
+
+def test_gradcheck_full(device):
+    gradcheck(pair()[0], inputs((2, 3), device), fast=False)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION_DTYPES, ids=str)
+def test_low_precision_against_fp64(device, schedule, dtype):
+    # Scaled up so that rows are peaked and exp spans a wide range.
+    (x,) = inputs((24, 100), device)
+    assert_low_precision_ok(*pair(), [3 * x], dtype)
+
+
+def test_nan_stays_in_its_row(device, schedule):
+    assert_nan_stays_in_its_row(*pair(), inputs((3, 37), device), (1, 30))
+
+
+def test_empty_batch(device):
+    assert_matches_torch(*pair(), inputs((0, 8), device))
+
+
+def test_partially_masked_rows(device, schedule):
+    (x,) = inputs((4, 37), device)
+    x[0, :20] = float("-inf")  # a whole leading block of the looped schedule
+    x[1, ::3] = float("-inf")
+    x[2, 1:] = float("-inf")  # a single live entry
+    assert_matches_torch(*pair(), [x])
+
+
+def test_fully_masked_row_is_nan_like_torch(device, schedule):
+    (x,) = inputs((3, 37), device)
+    x[1] = float("-inf")
+    out = pair()[0](x)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+    assert_matches_torch(*pair(), [x])
+
+
+def _softmax(*args):
+    return softmax.softmax(*args)
+
+
+BAD_CALLS = {
+    "integer_input": (lambda x, w: _softmax(x.long(), -1), ("input", "int64")),
+    "dim_too_large": (lambda x, w: _softmax(x, 2), ("dim", "2")),
+    "dim_too_small": (lambda x, w: _softmax(x, -3), ("dim", "-3")),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_bad_input_is_rejected(device, case):
+    assert_bad_call_rejected(BAD_CALLS[case], device)
