@@ -23,11 +23,7 @@ def geomean(values: Iterable[float]) -> float | None:
 
 def gbps(row: Row, provider: str) -> float | None:
     measurement = row.get(provider)
-    return (
-        measurement.gbps
-        if measurement is not None and measurement.status == OK
-        else None
-    )
+    return measurement.gbps if measurement is not None and measurement.status == OK else None
 
 
 def speedup(row: Row, peer: str) -> float | None:
@@ -39,9 +35,7 @@ def speedup(row: Row, peer: str) -> float | None:
 def best_peer(row: Row) -> str | None:
     """The fastest provider other than vjpforge on this shape."""
     peers = [
-        (value, name)
-        for name in row
-        if name != PROJECT_PROVIDER and (value := gbps(row, name))
+        (value, name) for name in row if name != PROJECT_PROVIDER and (value := gbps(row, name))
     ]
     return max(peers)[1] if peers else None
 
@@ -61,23 +55,17 @@ class ResultIndex:
         self._unavailable_everywhere: dict[str, bool] = {}
         for item in measurements:
             group = (item.op, item.mode, item.dtype)
-            self.rows.setdefault(group, {}).setdefault(item.shape, {})[
-                item.provider
-            ] = item
+            self.rows.setdefault(group, {}).setdefault(item.shape, {})[item.provider] = item
             self.labels[item.shape] = item.label
             if item.provider not in self.providers:
                 self.providers.append(item.provider)
             previous = self._unavailable_everywhere.get(item.provider, True)
-            self._unavailable_everywhere[item.provider] = (
-                previous and item.status == UNAVAILABLE
-            )
+            self._unavailable_everywhere[item.provider] = previous and item.status == UNAVAILABLE
 
     @property
     def shown_providers(self) -> list[str]:
         """Providers that ran somewhere (a provider that never loaded gets no column)."""
-        return [
-            name for name in self.providers if not self._unavailable_everywhere[name]
-        ]
+        return [name for name in self.providers if not self._unavailable_everywhere[name]]
 
     @property
     def peers(self) -> list[str]:
@@ -117,17 +105,13 @@ class GroupSummary:
 
 
 def summarize(rows: dict[str, Row], peers: list[str]) -> GroupSummary:
-    ours = [
-        row[PROJECT_PROVIDER] for row in rows.values() if gbps(row, PROJECT_PROVIDER)
-    ]
+    ours = [row[PROJECT_PROVIDER] for row in rows.values() if gbps(row, PROJECT_PROVIDER)]
     over_best = [ratio for row in rows.values() if (ratio := speedup_over_best(row))]
     return GroupSummary(
         project_gbps=geomean(item.gbps or 0.0 for item in ours),
         project_pct_of_copy=geomean(item.pct_of_copy or 0.0 for item in ours),
         versus={
-            peer: geomean(
-                ratio for row in rows.values() if (ratio := speedup(row, peer))
-            )
+            peer: geomean(ratio for row in rows.values() if (ratio := speedup(row, peer)))
             for peer in peers
         },
         versus_best=geomean(over_best),

@@ -72,7 +72,7 @@ def _software_info() -> dict[str, object]:
         "triton": triton.__version__,
         "liger_kernel": _package_version("liger-kernel"),
         "vjpforge_git": _git_revision(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "hostname": platform.node(),
     }
 
@@ -100,9 +100,7 @@ def _cpu_info() -> dict[str, object]:
 
 def create_environment(cpu_smoke: bool) -> Environment:
     if cpu_smoke:
-        return Environment(
-            torch.device("cpu"), WallClock(), {**_cpu_info(), **_software_info()}
-        )
+        return Environment(torch.device("cpu"), WallClock(), {**_cpu_info(), **_software_info()})
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device visible; use --cpu-smoke for a CPU smoke test")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -130,13 +128,9 @@ def _copy_stats(env: Environment, buffer_bytes: int, rep_ms: float) -> Stats:
     return measure(env.clock, Workload(call=lambda _state: dst.copy_(src)), rep_ms)
 
 
-def measure_copy_bandwidth(
-    env: Environment, buffer_bytes: int, rep_ms: float
-) -> CopyBandwidth:
+def measure_copy_bandwidth(env: Environment, buffer_bytes: int, rep_ms: float) -> CopyBandwidth:
     """``dst.copy_(src)`` of one buffer: reads and writes ``buffer_bytes`` each."""
     stats = _copy_stats(env, buffer_bytes, rep_ms)
     env.release_memory()
-    moved = (
-        2 * (buffer_bytes // 2) * torch.empty((), dtype=torch.bfloat16).element_size()
-    )
+    moved = 2 * (buffer_bytes // 2) * torch.empty((), dtype=torch.bfloat16).element_size()
     return CopyBandwidth(buffer_bytes=buffer_bytes, moved_bytes=moved, stats=stats)

@@ -85,9 +85,7 @@ PRESETS: dict[str, Preset] = {
         2**30,
         500.0,
     ),
-    "quick": Preset(
-        QUICK_SHAPES, ("bf16",), HOST_OVERHEAD_SHAPES[:1], 10.0, 200, 2**30, 50.0
-    ),
+    "quick": Preset(QUICK_SHAPES, ("bf16",), HOST_OVERHEAD_SHAPES[:1], 10.0, 200, 2**30, 50.0),
     "cpu-smoke": Preset(
         CPU_SMOKE_SHAPES, ("bf16",), HOST_OVERHEAD_SHAPES, 5.0, 50, 64 * 2**20, 600.0
     ),

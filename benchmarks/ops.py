@@ -24,23 +24,17 @@ MODE_TITLES: dict[str, str] = {
 }
 
 
-def _call_layer_norm(
-    fn: Callable[..., Tensor], x: Tensor, params: Sequence[Tensor]
-) -> Tensor:
+def _call_layer_norm(fn: Callable[..., Tensor], x: Tensor, params: Sequence[Tensor]) -> Tensor:
     weight, bias = params
     return fn(x, (x.shape[-1],), weight, bias, eps=LAYER_NORM_EPS)
 
 
-def _call_rms_norm(
-    fn: Callable[..., Tensor], x: Tensor, params: Sequence[Tensor]
-) -> Tensor:
+def _call_rms_norm(fn: Callable[..., Tensor], x: Tensor, params: Sequence[Tensor]) -> Tensor:
     (weight,) = params
     return fn(x, (x.shape[-1],), weight, eps=RMS_NORM_EPS)
 
 
-def _call_softmax(
-    fn: Callable[..., Tensor], x: Tensor, params: Sequence[Tensor]
-) -> Tensor:
+def _call_softmax(fn: Callable[..., Tensor], x: Tensor, params: Sequence[Tensor]) -> Tensor:
     return fn(x, dim=-1)
 
 
@@ -51,9 +45,7 @@ class OpSpec:
     name: str
     n_params: int
     """Learnable length-N vectors: weight and bias for LayerNorm, weight for RMSNorm."""
-    call_torch_style: Callable[
-        [Callable[..., Tensor], Tensor, Sequence[Tensor]], Tensor
-    ]
+    call_torch_style: Callable[[Callable[..., Tensor], Tensor, Sequence[Tensor]], Tensor]
 
     def bind(self, fn: Callable[..., Tensor]) -> OpFn:
         """Turn a function with torch's signature into an :data:`OpFn`."""
@@ -107,9 +99,7 @@ class Inputs:
         return (self.x, *self.params)
 
 
-def make_inputs(
-    op: OpSpec, m: int, n: int, dtype: torch.dtype, device: torch.device
-) -> Inputs:
+def make_inputs(op: OpSpec, m: int, n: int, dtype: torch.dtype, device: torch.device) -> Inputs:
     """Random inputs; every tensor that has a gradient in training requires grad."""
     generator = torch.Generator(device=device).manual_seed(m * 1_000_003 + n)
 

@@ -29,13 +29,9 @@ def _plot_group(
     for provider in index.shown_providers:
         values = [gbps(rows[shape], provider) or math.nan for shape in shapes]
         emphasis = (
-            {"linewidth": 2.4, "zorder": 3}
-            if provider == PROJECT_PROVIDER
-            else {"linewidth": 1.2}
+            {"linewidth": 2.4, "zorder": 3} if provider == PROJECT_PROVIDER else {"linewidth": 1.2}
         )
-        axes.plot(
-            positions, values, marker="o", markersize=3.5, label=provider, **emphasis
-        )
+        axes.plot(positions, values, marker="o", markersize=3.5, label=provider, **emphasis)
     if copy_gbps:
         axes.axhline(copy_gbps, color="grey", linestyle="--", linewidth=1, label="copy")
     axes.set_xticks(list(positions), shapes, rotation=60, ha="right", fontsize=7)
@@ -51,7 +47,7 @@ def _plot_op(index: ResultIndex, op: str, copy_gbps: float | None, path: Path) -
     figure, grid = plt.subplots(
         len(modes),
         len(dtypes),
-        figsize=(4.6 * len(dtypes), 3.4 * len(modes)),
+        figsize=(5.5 * len(dtypes), 3.6 * len(modes)),
         squeeze=False,
         sharey="row",
     )
@@ -59,10 +55,9 @@ def _plot_op(index: ResultIndex, op: str, copy_gbps: float | None, path: Path) -
         for column, dtype in enumerate(dtypes):
             _plot_group(grid[row][column], index, (op, mode, dtype), copy_gbps)
         grid[row][0].set_ylabel("GB/s")
-    handles, labels = grid[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False)
-    figure.suptitle(f"{op}: effective bandwidth by shape (M×N)", y=0.995, fontsize=11)
-    figure.tight_layout(rect=(0, 0, 1, 0.95))
+    grid[0][0].legend(fontsize=7, loc="best")
+    figure.suptitle(f"{op}: effective bandwidth by shape (M×N)", fontsize=11)
+    figure.tight_layout()
     figure.savefig(path, dpi=DPI)
     plt.close(figure)
     return path
@@ -70,10 +65,7 @@ def _plot_op(index: ResultIndex, op: str, copy_gbps: float | None, path: Path) -
 
 def _plot_ratios(axes: Axes, index: ResultIndex) -> None:
     groups = index.groups()
-    values = [
-        summarize(index.rows[group], index.peers).versus_best or math.nan
-        for group in groups
-    ]
+    values = [summarize(index.rows[group], index.peers).versus_best or math.nan for group in groups]
     colors = ["tab:green" if value >= 1 else "tab:red" for value in values]
     axes.bar(range(len(groups)), values, color=colors)
     axes.axhline(1.0, color="black", linewidth=1)
@@ -85,19 +77,13 @@ def _plot_ratios(axes: Axes, index: ResultIndex) -> None:
 
 
 def _plot_host_overhead(axes: Axes, rows: list[HostOverhead]) -> None:
-    forward = [
-        row
-        for row in rows
-        if row.mode == "fwd" and row.status == OK and row.us_per_call
-    ]
+    forward = [row for row in rows if row.mode == "fwd" and row.status == OK and row.us_per_call]
     cases = list(dict.fromkeys((row.op, row.shape) for row in forward))
     providers = list(dict.fromkeys(row.provider for row in forward))
     width = 0.8 / max(1, len(providers))
     for offset, provider in enumerate(providers):
         by_case = {
-            (row.op, row.shape): row.us_per_call
-            for row in forward
-            if row.provider == provider
+            (row.op, row.shape): row.us_per_call for row in forward if row.provider == provider
         }
         values = [by_case.get(case) or math.nan for case in cases]
         axes.bar(
@@ -132,7 +118,5 @@ def _plot_summary(index: ResultIndex, record: RunRecord, path: Path) -> Path:
 def write_plots(record: RunRecord, out: Path) -> list[Path]:
     """At most len(ops) + 1 PNG files (4 for the full grid)."""
     index = ResultIndex(record.measurements)
-    paths = [
-        _plot_op(index, op, record.copy_gbps, out / f"{op}.png") for op in index.ops()
-    ]
+    paths = [_plot_op(index, op, record.copy_gbps, out / f"{op}.png") for op in index.ops()]
     return [*paths, _plot_summary(index, record, out / "summary.png")]

@@ -21,12 +21,8 @@ def _resolve(dotted: str) -> object:
     module_name, _, attr = dotted.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), attr)
-    except (
-        Exception
-    ) as exc:  # an import can fail in many ways; all mean "not available"
-        raise ProviderUnavailable(
-            f"cannot import {dotted}: {type(exc).__name__}: {exc}"
-        ) from exc
+    except Exception as exc:  # an import can fail in many ways; all mean "not available"
+        raise ProviderUnavailable(f"cannot import {dotted}: {type(exc).__name__}: {exc}") from exc
 
 
 TORCH_FUNCTIONS: dict[str, str] = {
@@ -57,9 +53,7 @@ def _liger_softmax(function: type, x: Tensor, params: Sequence[Tensor]) -> Tenso
     return function.apply(x)
 
 
-LIGER_FUNCTIONS: dict[
-    str, tuple[str, Callable[[type, Tensor, Sequence[Tensor]], Tensor]]
-] = {
+LIGER_FUNCTIONS: dict[str, tuple[str, Callable[[type, Tensor, Sequence[Tensor]], Tensor]]] = {
     "layernorm": (
         "liger_kernel.ops.layer_norm.LigerLayerNormFunction",
         _liger_layer_norm,
@@ -127,9 +121,7 @@ PROVIDERS: dict[str, Provider] = {
     provider.name: provider
     for provider in (
         Provider("vjpforge", "generated/*.py (this project)", load_vjpforge),
-        Provider(
-            "torch", "eager: F.layer_norm / F.rms_norm / torch.softmax", load_torch
-        ),
+        Provider("torch", "eager: F.layer_norm / F.rms_norm / torch.softmax", load_torch),
         Provider(
             "compile",
             "torch.compile(eager, dynamic=False), fresh per shape",
@@ -145,7 +137,7 @@ BASELINE_PROVIDER = "torch"
 
 @dataclass
 class ProviderCache:
-    """Loads each (provider, op) once (or once per shape); remembers why a provider is unavailable."""
+    """Loads each (provider, op) once (or once per shape); remembers why one is unavailable."""
 
     loaded: dict[tuple[str, str], OpFn] = field(default_factory=dict)
     unavailable: dict[tuple[str, str], str] = field(default_factory=dict)

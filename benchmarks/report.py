@@ -30,9 +30,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
     ]
-    lines += [
-        "| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows
-    ]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     return lines + [""]
 
 
@@ -57,9 +55,7 @@ def _status_text(status: str, message: str) -> str:
         return "n/a"
     if not message:
         return status
-    short = (
-        message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 1] + "…"
-    )
+    short = message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 1] + "…"
     return f"{status}: {short}"
 
 
@@ -140,8 +136,9 @@ def _summary(index: ResultIndex) -> list[str]:
             ]
         )
     intro = (
-        f"Geometric means over shapes. `vs X` = {PROJECT_PROVIDER} GB/s ÷ X GB/s (> 1: {PROJECT_PROVIDER} "
-        "faster), over the shapes both ran; `wins` = shapes where it is at least as fast as the best peer."
+        f"Geometric means over shapes. `vs X` = {PROJECT_PROVIDER} GB/s ÷ X GB/s "
+        f"(> 1: {PROJECT_PROVIDER} faster), over the shapes both ran; `wins` = shapes "
+        "where it is at least as fast as the best peer."
     )
     return ["## Summary", "", intro, "", *_table(header, rows)]
 
@@ -149,9 +146,7 @@ def _summary(index: ResultIndex) -> list[str]:
 def _host_overhead(rows: list[HostOverhead]) -> list[str]:
     if not rows:
         return []
-    providers = list(
-        dict.fromkeys(row.provider for row in rows if row.status != UNAVAILABLE)
-    )
+    providers = list(dict.fromkeys(row.provider for row in rows if row.status != UNAVAILABLE))
     cells: dict[tuple[str, str, str, str], dict[str, str]] = {}
     for row in rows:
         value = (
@@ -159,16 +154,14 @@ def _host_overhead(rows: list[HostOverhead]) -> list[str]:
             if row.status == OK
             else _status_text(row.status, row.message)
         )
-        cells.setdefault((row.op, row.dtype, row.shape, row.mode), {})[row.provider] = (
-            value
-        )
+        cells.setdefault((row.op, row.dtype, row.shape, row.mode), {})[row.provider] = value
     table = [
         [op, dtype, shape, MODE_TITLES[mode], *(by.get(p, "—") for p in providers)]
         for (op, dtype, shape, mode), by in cells.items()
     ]
     intro = (
-        "Microseconds per call, wall clock over many back-to-back calls with a device sync at both ends: "
-        "for these tiny shapes this is the host (launch) cost."
+        "Microseconds per call, wall clock over many back-to-back calls with a device sync "
+        "at both ends: for these tiny shapes this is the host (launch) cost."
     )
     return [
         "## Host overhead (µs per call)",
@@ -202,16 +195,11 @@ def _group_table(index: ResultIndex, group: tuple[str, str, str]) -> list[str]:
         ]
         for shape, row in rows.items()
     ]
-    ratios_best = geomean(
-        ratio for row in rows.values() if (ratio := speedup_over_best(row))
-    )
+    ratios_best = geomean(ratio for row in rows.values() if (ratio := speedup_over_best(row)))
     ratios_torch = geomean(
         ratio for row in rows.values() if (ratio := speedup(row, BASELINE_PROVIDER))
     )
-    geo = [
-        geomean(value for row in rows.values() if (value := gbps(row, p)))
-        for p in providers
-    ]
+    geo = [geomean(value for row in rows.values() if (value := gbps(row, p))) for p in providers]
     body.append(
         [
             "**geomean**",
@@ -245,10 +233,7 @@ def _method() -> list[str]:
 def render_markdown(record: RunRecord) -> str:
     index = ResultIndex(record.measurements)
     lines = (
-        _header(record)
-        + _notes(record)
-        + _summary(index)
-        + _host_overhead(record.host_overhead)
+        _header(record) + _notes(record) + _summary(index) + _host_overhead(record.host_overhead)
     )
     for op in index.ops():
         lines += [f"## {op}", ""]

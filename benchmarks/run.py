@@ -100,9 +100,7 @@ def _csv(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
         items = tuple(item.strip() for item in text.split(",") if item.strip())
         unknown = [item for item in items if item not in allowed]
         if unknown or not items:
-            raise argparse.ArgumentTypeError(
-                f"choose from {','.join(allowed)} (got {text!r})"
-            )
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)} (got {text!r})")
         return items
 
     return parse
@@ -130,9 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="default: bf16,fp16,fp32",
     )
-    parser.add_argument(
-        "--providers", type=_csv(tuple(PROVIDERS)), default=tuple(PROVIDERS)
-    )
+    parser.add_argument("--providers", type=_csv(tuple(PROVIDERS)), default=tuple(PROVIDERS))
     parser.add_argument(
         "--rep-ms", type=float, default=None, help="timed milliseconds per measurement"
     )
@@ -205,9 +201,7 @@ class Session:
                 "budget_s": plan.budget_s,
                 "ops": [op.name for op in plan.ops],
                 "dtypes": list(plan.dtypes),
-                "providers": {
-                    provider.name: provider.description for provider in plan.providers
-                },
+                "providers": {provider.name: provider.description for provider in plan.providers},
                 "planned_measurements": plan.measurement_count,
             }
         )
@@ -253,8 +247,7 @@ class Session:
             stop_reason=self.stop_reason,
             completed_measurements=self.done,
             provider_wall_s={
-                name: round(seconds, 1)
-                for name, seconds in self.wall_by_provider.items()
+                name: round(seconds, 1) for name, seconds in self.wall_by_provider.items()
             },
         )
         self.record.save(self.plan.out / "results.json")
@@ -275,22 +268,18 @@ class Session:
     # ----------------------------------------------------------------- phases
     def run(self) -> None:
         raise_recompile_limits()
-        self.log(
-            f"device: {self.env.info['device_name']}; plan: {self.plan.measurement_count} measurements"
-        )
+        planned = self.plan.measurement_count
+        self.log(f"device: {self.env.info['device_name']}; plan: {planned} measurements")
         self.bench_copy()
         self.bench_host_overhead()
         self.bench_grid()
         self.save()
         self.write_plots()
-        self.log(
-            f"done: {self.done}/{self.plan.measurement_count} measurements; output in {self.plan.out}"
-        )
+        planned = self.plan.measurement_count
+        self.log(f"done: {self.done}/{planned} measurements; output in {self.plan.out}")
 
     def bench_copy(self) -> None:
-        copy = measure_copy_bandwidth(
-            self.env, self.plan.preset.copy_bytes, 4 * self.plan.rep_ms
-        )
+        copy = measure_copy_bandwidth(self.env, self.plan.preset.copy_bytes, 4 * self.plan.rep_ms)
         self.record.copy = {
             "buffer_bytes": copy.buffer_bytes,
             "moved_bytes": copy.moved_bytes,
@@ -298,17 +287,14 @@ class Session:
             "iterations": copy.stats.iterations,
             "gbps": copy.gbps,
         }
-        self.log(
-            f"copy bandwidth: {copy.gbps:.0f} GB/s ({copy.buffer_bytes / 2**30:.2f} GiB dst.copy_(src))"
-        )
+        gib = copy.buffer_bytes / 2**30
+        self.log(f"copy bandwidth: {copy.gbps:.0f} GB/s (dst.copy_(src) of {gib:.2f} GiB)")
 
     def bench_host_overhead(self) -> None:
         dtype_name = self.plan.dtypes[0]
         for op in self.plan.ops:
             for shape in self.plan.preset.host_overhead_shapes:
-                inputs = make_inputs(
-                    op, shape.m, shape.n, DTYPES[dtype_name], self.env.device
-                )
+                inputs = make_inputs(op, shape.m, shape.n, DTYPES[dtype_name], self.env.device)
                 for provider in self.plan.providers:
                     fn = None if self.should_stop() else self.load(provider, op)
                     for mode in HOST_OVERHEAD_MODES:
@@ -318,9 +304,7 @@ class Session:
                         if fn is None:
                             row.status, row.message = self.missing_status(provider, op)
                         else:
-                            self.time_host_overhead(
-                                row, make_workload(fn, inputs, mode)
-                            )
+                            self.time_host_overhead(row, make_workload(fn, inputs, mode))
                         self.record.host_overhead.append(row)
 
     def time_host_overhead(self, row: HostOverhead, work: Workload) -> None:
@@ -405,9 +389,7 @@ class Session:
     ) -> tuple[Inputs, Reference]:
         """Inputs and torch eager's output and input gradient on them."""
         inputs = make_inputs(op, shape.m, shape.n, dtype, self.env.device)
-        reference = forward_and_input_grad(
-            PROVIDERS[BASELINE_PROVIDER].load(op), inputs
-        )
+        reference = forward_and_input_grad(PROVIDERS[BASELINE_PROVIDER].load(op), inputs)
         return inputs, reference
 
     def check(self, fn: OpFn, inputs: Inputs, reference: Reference) -> str:
@@ -487,11 +469,10 @@ def _describe(row: Measurement) -> str:
     where = f"{row.dtype} {row.op} {row.shape} {row.provider} {row.mode}"
     if row.status != OK:
         return f"{where}: {row.status}: {row.message}"
-    percent = (
-        f" ({row.pct_of_copy:.0f}% of copy)" if row.pct_of_copy is not None else ""
-    )
+    percent = f" ({row.pct_of_copy:.0f}% of copy)" if row.pct_of_copy is not None else ""
     check = "" if row.check in ("", OK) else f" [{row.check}]"
-    return f"{where}: {row.median_ms * 1e3:.1f} us, {row.gbps:.0f} GB/s{percent}, n={row.iterations}{check}"
+    timing = f"{row.median_ms * 1e3:.1f} us, {row.gbps:.0f} GB/s{percent}, n={row.iterations}"
+    return f"{where}: {timing}{check}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -499,9 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = make_plan(parse_args(arguments), arguments)
     torch.manual_seed(0)
     if plan.preset_name == "cpu-smoke":
-        torch.set_num_threads(
-            1
-        )  # two-core CI machines: thread wake-ups dominate tiny ops
+        torch.set_num_threads(1)  # two-core CI machines: thread wake-ups dominate tiny ops
     session = Session(plan, create_environment(plan.preset_name == "cpu-smoke"))
     try:
         session.run()

@@ -171,9 +171,7 @@ def measure(clock: Clock, work: Workload, rep_ms: float) -> Stats:
     began = time.perf_counter()
     _iterate(clock, work, ESTIMATE_ITERATIONS)
     iteration_ms = (time.perf_counter() - began) * 1e3 / ESTIMATE_ITERATIONS
-    iterations = int(
-        min(MAX_ITERATIONS, max(MIN_ITERATIONS, rep_ms / max(iteration_ms, 1e-6)))
-    )
+    iterations = int(min(MAX_ITERATIONS, max(MIN_ITERATIONS, rep_ms / max(iteration_ms, 1e-6))))
     return Stats.from_samples(_iterate(clock, work, iterations))
 
 

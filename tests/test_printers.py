@@ -1,0 +1,57 @@
+"""The printers, as tiny exact-string tests."""
+
+import pytest
+import sympy
+
+from codegen.printers import TORCH, TRITON, KernelPrinter, PrintError
+
+x, y, rstd, total = sympy.symbols("x y rstd total", real=True)
+N = sympy.Symbol("N", positive=True, integer=True)
+ELEMENTS = {"x", "y"}
+
+
+def triton(expr: sympy.Expr) -> str:
+    return KernelPrinter(TRITON, ELEMENTS.__contains__)(expr)
+
+
+def torch_(expr: sympy.Expr) -> str:
+    return KernelPrinter(TORCH, ELEMENTS.__contains__)(expr)
+
+
+@pytest.mark.parametrize(("expr", "source"), [
+    (x + y, "x + y"),
+    (x - y, "x - y"),
+    (-x, "-x"),
+    (x * y, "x * y"),
+    (x / y, "x / y"),
+    (total / N * x, "total / N * x"),
+    (rstd * (x - total / N), "rstd * (x - total / N)"),
+    (x**2, "x * x"),
+    (x**-2, "1.0 / (x * x)"),
+    (sympy.sqrt(x), "_sqrt(x)"),
+    (1 / sympy.sqrt(x + y), "1.0 / _sqrt(x + y)"),
+    (x ** sympy.Rational(3, 2), "x * _sqrt(x)"),
+    (sympy.exp(x - total), "tl.exp(x - total)"),
+    (sympy.Rational(1, 2) * x, "0.5 * x"),
+    (sympy.Max(x, y), "tl.maximum(x, y)"),
+    (sympy.Piecewise((x, x > 0), (y, True)), "tl.where((x > 0.0), x, y)"),
+])
+def test_triton_printer(expr: sympy.Expr, source: str) -> None:
+    assert triton(expr) == source
+
+
+def test_torch_printer_uses_torch_functions() -> None:
+    assert torch_(sympy.exp(x) / sympy.sqrt(y)) == "tl.exp(x) / torch.sqrt(y)".replace(
+        "tl.exp", "torch.exp")
+    assert torch_(sympy.erf(x)) == "torch.erf(x)"
+
+
+def test_row_invariant_factors_print_first() -> None:
+    # sum / N evaluates once per row, not once per element.
+    assert triton(x * total / N) == "total / N * x"
+
+
+@pytest.mark.parametrize("expr", [x ** sympy.Rational(1, 3), sympy.sin(x), sympy.zoo])
+def test_unprintable_expressions_raise(expr: sympy.Expr) -> None:
+    with pytest.raises(PrintError):
+        triton(expr)
