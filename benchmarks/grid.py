@@ -68,25 +68,45 @@ HOST_OVERHEAD_SHAPES: tuple[Shape, ...] = (Shape(1, 256), Shape(32, 1024))
 class Preset:
     shapes: tuple[Shape, ...]
     default_dtypes: tuple[str, ...]
-    host_overhead_shapes: tuple[Shape, ...]
     rep_ms: float
-    host_calls: int
-    copy_bytes: int
+    """Timed milliseconds per measurement (the iteration count follows from it)."""
     budget_s: float
+    """No measurement starts after this many seconds; what was measured is still written."""
+    copy_bytes: int
+    host_shapes: tuple[Shape, ...]
+    host_modes: tuple[str, ...]
+    host_calls: int
 
 
 PRESETS: dict[str, Preset] = {
     "full": Preset(
-        GRID_SHAPES + LLM_SHAPES,
-        ("bf16", "fp16", "fp32"),
-        HOST_OVERHEAD_SHAPES,
-        25.0,
-        300,
-        2**30,
-        500.0,
+        shapes=GRID_SHAPES + LLM_SHAPES,
+        default_dtypes=("bf16", "fp16", "fp32"),
+        rep_ms=25.0,
+        budget_s=480.0,
+        copy_bytes=2**30,
+        host_shapes=HOST_OVERHEAD_SHAPES,
+        host_modes=("fwd", "fwd+bwd"),
+        host_calls=300,
     ),
-    "quick": Preset(QUICK_SHAPES, ("bf16",), HOST_OVERHEAD_SHAPES[:1], 10.0, 200, 2**30, 50.0),
+    "quick": Preset(
+        shapes=QUICK_SHAPES,
+        default_dtypes=("bf16",),
+        rep_ms=10.0,
+        budget_s=50.0,
+        copy_bytes=2**30,
+        host_shapes=HOST_OVERHEAD_SHAPES[:1],
+        host_modes=("fwd",),
+        host_calls=200,
+    ),
     "cpu-smoke": Preset(
-        CPU_SMOKE_SHAPES, ("bf16",), HOST_OVERHEAD_SHAPES, 5.0, 50, 64 * 2**20, 600.0
+        shapes=CPU_SMOKE_SHAPES,
+        default_dtypes=("bf16",),
+        rep_ms=5.0,
+        budget_s=600.0,
+        copy_bytes=64 * 2**20,
+        host_shapes=HOST_OVERHEAD_SHAPES,
+        host_modes=("fwd", "fwd+bwd"),
+        host_calls=50,
     ),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ class ProviderUnavailable(Exception):
     """The provider cannot run this op here (package missing, op not offered)."""
 
 
-def _resolve(dotted: str) -> object:
+def _resolve(dotted: str) -> Any:
     """Import ``package.module.attr`` and return ``attr``."""
     module_name, _, attr = dotted.rpartition(".")
     try:
@@ -38,22 +39,22 @@ VJPFORGE_FUNCTIONS: dict[str, str] = {
 }
 
 
-def _liger_layer_norm(function: type, x: Tensor, params: Sequence[Tensor]) -> Tensor:
+def _liger_layer_norm(function: Any, x: Tensor, params: Sequence[Tensor]) -> Tensor:
     weight, bias = params
     return function.apply(x, weight, bias, LAYER_NORM_EPS)
 
 
-def _liger_rms_norm(function: type, x: Tensor, params: Sequence[Tensor]) -> Tensor:
+def _liger_rms_norm(function: Any, x: Tensor, params: Sequence[Tensor]) -> Tensor:
     # offset 0 and casting_mode "llama" are Liger's defaults; in_place=False keeps dy intact.
     (weight,) = params
     return function.apply(x, weight, RMS_NORM_EPS, 0.0, "llama", False)
 
 
-def _liger_softmax(function: type, x: Tensor, params: Sequence[Tensor]) -> Tensor:
+def _liger_softmax(function: Any, x: Tensor, params: Sequence[Tensor]) -> Tensor:
     return function.apply(x)
 
 
-LIGER_FUNCTIONS: dict[str, tuple[str, Callable[[type, Tensor, Sequence[Tensor]], Tensor]]] = {
+LIGER_FUNCTIONS: dict[str, tuple[str, Callable[[Any, Tensor, Sequence[Tensor]], Tensor]]] = {
     "layernorm": (
         "liger_kernel.ops.layer_norm.LigerLayerNormFunction",
         _liger_layer_norm,
@@ -63,18 +64,18 @@ LIGER_FUNCTIONS: dict[str, tuple[str, Callable[[type, Tensor, Sequence[Tensor]],
 }
 
 
-def _lookup(table: dict[str, str], op: OpSpec) -> object:
+def _lookup(table: dict[str, str], op: OpSpec) -> Any:
     if op.name not in table:
         raise ProviderUnavailable(f"no {op.name}")
     return _resolve(table[op.name])
 
 
 def load_torch(op: OpSpec) -> OpFn:
-    return op.bind(_lookup(TORCH_FUNCTIONS, op))  # type: ignore[arg-type]
+    return op.bind(_lookup(TORCH_FUNCTIONS, op))
 
 
 def load_vjpforge(op: OpSpec) -> OpFn:
-    return op.bind(_lookup(VJPFORGE_FUNCTIONS, op))  # type: ignore[arg-type]
+    return op.bind(_lookup(VJPFORGE_FUNCTIONS, op))
 
 
 def load_liger(op: OpSpec) -> OpFn:
@@ -84,7 +85,7 @@ def load_liger(op: OpSpec) -> OpFn:
     function = _resolve(dotted)
 
     def op_fn(x: Tensor, params: Sequence[Tensor]) -> Tensor:
-        return call(function, x, params)  # type: ignore[arg-type]
+        return call(function, x, params)
 
     return op_fn
 
@@ -105,7 +106,7 @@ def raise_recompile_limits() -> None:
 def load_compile(op: OpSpec) -> OpFn:
     """torch.compile of the eager function, fresh for each shape (static shapes)."""
     torch._dynamo.reset()
-    return torch.compile(load_torch(op), dynamic=False)  # type: ignore[return-value]
+    return torch.compile(load_torch(op), dynamic=False)
 
 
 @dataclass(frozen=True)

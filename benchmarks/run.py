@@ -61,7 +61,6 @@ from benchmarks.records import (
 from benchmarks.report import write_markdown
 from benchmarks.timing import Workload, host_overhead_us, measure
 
-HOST_OVERHEAD_MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 MEMORY_FACTOR = 10
 """Activation-sized tensors one shape may need at once (x, dy, y, dx, saved, reference, ...)."""
 Reference = tuple[torch.Tensor, torch.Tensor]
@@ -108,13 +107,13 @@ def _csv(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.run", description=(__doc__ or "").split("\n\n")[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="bf16, 3 shapes: a smoke test under a minute",
+        help="bf16, 3 shapes, 50 s budget: a GPU smoke test",
     )
     parser.add_argument(
         "--cpu-smoke",
@@ -126,17 +125,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtypes",
         type=_csv(tuple(DTYPES)),
         default=None,
-        help="default: bf16,fp16,fp32",
+        help="default: bf16,fp16,fp32 (bf16 with --quick / --cpu-smoke)",
     )
     parser.add_argument("--providers", type=_csv(tuple(PROVIDERS)), default=tuple(PROVIDERS))
     parser.add_argument(
-        "--rep-ms", type=float, default=None, help="timed milliseconds per measurement"
+        "--rep-ms",
+        type=float,
+        default=None,
+        help="timed ms per measurement (default 25; 10 with --quick)",
     )
     parser.add_argument(
         "--budget-s",
         type=float,
         default=None,
-        help="stop starting measurements after this many seconds",
+        help="start no measurement after this many seconds (default 480; 50 with --quick)",
     )
     return parser.parse_args(argv)
 
@@ -267,16 +269,24 @@ class Session:
 
     # ----------------------------------------------------------------- phases
     def run(self) -> None:
+        """All phases; whatever happens, the results so far are written."""
         raise_recompile_limits()
         planned = self.plan.measurement_count
         self.log(f"device: {self.env.info['device_name']}; plan: {planned} measurements")
-        self.bench_copy()
-        self.bench_host_overhead()
-        self.bench_grid()
-        self.save()
-        self.write_plots()
-        planned = self.plan.measurement_count
-        self.log(f"done: {self.done}/{planned} measurements; output in {self.plan.out}")
+        try:
+            self.bench_copy()
+            self.bench_host_overhead()
+            self.bench_grid()
+        except BaseException as exc:
+            self.stop_reason = self.stop_reason or f"aborted: {describe_error(exc)}"
+            raise
+        finally:
+            self.save()
+            self.write_plots()
+            spent = ", ".join(f"{name} {sec:.0f} s" for name, sec in self.wall_by_provider.items())
+            self.log(
+                f"done: {self.done}/{planned} measurements ({spent}); output in {self.plan.out}"
+            )
 
     def bench_copy(self) -> None:
         copy = measure_copy_bandwidth(self.env, self.plan.preset.copy_bytes, 4 * self.plan.rep_ms)
@@ -293,11 +303,11 @@ class Session:
     def bench_host_overhead(self) -> None:
         dtype_name = self.plan.dtypes[0]
         for op in self.plan.ops:
-            for shape in self.plan.preset.host_overhead_shapes:
+            for shape in self.plan.preset.host_shapes:
                 inputs = make_inputs(op, shape.m, shape.n, DTYPES[dtype_name], self.env.device)
                 for provider in self.plan.providers:
                     fn = None if self.should_stop() else self.load(provider, op)
-                    for mode in HOST_OVERHEAD_MODES:
+                    for mode in self.plan.preset.host_modes:
                         row = HostOverhead(
                             op.name, mode, dtype_name, shape.name, provider.name, SKIP
                         )
@@ -392,12 +402,12 @@ class Session:
         reference = forward_and_input_grad(PROVIDERS[BASELINE_PROVIDER].load(op), inputs)
         return inputs, reference
 
-    def check(self, fn: OpFn, inputs: Inputs, reference: Reference) -> str:
-        """Compare output and input gradient with torch eager (informational)."""
-        outcome = self.attempt(lambda: forward_and_input_grad(fn, inputs))
-        if outcome.value is None:  # the per-mode measurements record the error too
-            return f"{outcome.status}: {outcome.message}"
-        y, dx = outcome.value
+    def check(self, fn: OpFn, inputs: Inputs, reference: Reference) -> Outcome[str]:
+        """Compare output and input gradient with torch eager: "ok" or "mismatch: ..."."""
+        return self.attempt(lambda: self.compare(fn, inputs, reference))
+
+    def compare(self, fn: OpFn, inputs: Inputs, reference: Reference) -> str:
+        y, dx = forward_and_input_grad(fn, inputs)
         errors = (
             max_relative_error(y, reference[0]),
             max_relative_error(dx, reference[1]),
@@ -418,16 +428,22 @@ class Session:
     ) -> None:
         began = time.perf_counter()
         fn = None if self.should_stop() else self.load(provider, op)
-        check = (
-            ""
+        checked = (
+            Outcome("")
             if fn is None or provider.name == BASELINE_PROVIDER
             else self.check(fn, inputs, reference)
         )
         for mode in MODES:
             row = self.new_measurement(op, dtype_name, shape, provider, mode)
-            row.check = check
+            row.check = (
+                checked.value
+                if checked.value is not None
+                else f"{checked.status}: {checked.message}"
+            )
             if fn is None:
                 row.status, row.message = self.missing_status(provider, op)
+            elif checked.value is None and self.should_stop():  # the check's failure stopped us
+                row.status, row.message = checked.status, checked.message
             elif self.should_stop():
                 row.message = self.stop_reason
             else:
@@ -449,6 +465,7 @@ class Session:
                 stats.min_ms,
             )
             row.iterations = stats.iterations
+            row.host_us = stats.host_ms * 1e3
             row.gbps = row.bytes / (stats.median_ms * 1e6)
             copy_gbps = self.record.copy_gbps
             row.pct_of_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
@@ -481,13 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     if plan.preset_name == "cpu-smoke":
         torch.set_num_threads(1)  # two-core CI machines: thread wake-ups dominate tiny ops
-    session = Session(plan, create_environment(plan.preset_name == "cpu-smoke"))
-    try:
-        session.run()
-    except KeyboardInterrupt:
-        session.stop_reason = "interrupted"
-        session.save()
-        raise
+    Session(plan, create_environment(plan.preset_name == "cpu-smoke")).run()
     return 0
 
 

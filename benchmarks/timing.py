@@ -3,9 +3,11 @@
 Each timed iteration is ``state = setup(); prepare(); start; call(state); stop``:
 
 * ``setup`` is untimed work the call needs (the backward mode runs a fresh forward here),
-* ``prepare`` (CUDA only) enqueues a short GPU sleep and then overwrites a buffer of at
-  least 256 MiB (> 5x the H100's 50 MB L2), so the timed call starts with a cold L2 and,
-  thanks to the sleep, with its launches already queued: host overhead is not timed.
+* ``prepare`` (CUDA only) enqueues a GPU sleep (150 us, or 1.5x the call's host time
+  when that is longer) and then overwrites a buffer of at least 256 MiB (> 5x the
+  H100's 50 MB L2): the timed call starts with a cold L2 and with its launches already
+  queued, so neither L2 hits nor host overhead are timed. (This replaces rotating
+  among input copies: it works for any working-set size.)
 * events around ``call`` time only the call's kernels.
 
 The result is the median over as many iterations as fit in ``rep_ms`` (at least
@@ -22,13 +24,16 @@ from typing import Protocol
 
 import torch
 
-MIN_ITERATIONS = 5
+MIN_ITERATIONS = 10
 MAX_ITERATIONS = 2000
 WARMUP_CALLS = 2
 ESTIMATE_ITERATIONS = 3
 FLUSH_BYTES_MIN = 256 * 2**20
 GPU_SLACK_US = 150.0
-"""GPU sleep before each timed call; must exceed the host time of one call."""
+"""Least GPU sleep before each timed call."""
+HOST_SLACK_FACTOR = 1.5
+"""The sleep also covers this multiple of the call's host (enqueue) time."""
+MAX_SLACK_US = 5000.0
 
 
 def _no_setup() -> None:
@@ -50,9 +55,11 @@ class Stats:
     p80_ms: float
     min_ms: float
     iterations: int
+    host_ms: float
+    """Host (CPU) time to issue one call, median of the estimate iterations."""
 
     @classmethod
-    def from_samples(cls, samples_ms: list[float]) -> Stats:
+    def from_samples(cls, samples_ms: list[float], host_ms: float) -> Stats:
         ordered = sorted(samples_ms)
 
         def quantile(q: float) -> float:
@@ -64,11 +71,16 @@ class Stats:
             quantile(0.8),
             ordered[0],
             len(ordered),
+            host_ms,
         )
 
 
 class Clock(Protocol):
     def sync(self) -> None: ...
+    def cover_host_time(self, host_ms: float) -> None:
+        """Make ``prepare`` leave the host at least this long to issue the call."""
+        ...
+
     def prepare(self) -> None: ...
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -85,6 +97,9 @@ class WallClock:
         self._intervals: list[float] = []
 
     def sync(self) -> None:
+        return None
+
+    def cover_host_time(self, host_ms: float) -> None:
         return None
 
     def prepare(self) -> None:
@@ -121,12 +136,17 @@ class CudaClock:
         self._flush = torch.empty(
             max(FLUSH_BYTES_MIN, 4 * l2_bytes), dtype=torch.int8, device=device
         )
-        self._slack_cycles = int(GPU_SLACK_US * _sleep_cycles_per_us())
+        self._cycles_per_us = _sleep_cycles_per_us()
+        self._slack_cycles = int(GPU_SLACK_US * self._cycles_per_us)
         self._opened: torch.cuda.Event | None = None
         self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def sync(self) -> None:
         torch.cuda.synchronize()
+
+    def cover_host_time(self, host_ms: float) -> None:
+        slack_us = min(MAX_SLACK_US, max(GPU_SLACK_US, HOST_SLACK_FACTOR * host_ms * 1e3))
+        self._slack_cycles = int(slack_us * self._cycles_per_us)
 
     def prepare(self) -> None:
         torch.cuda._sleep(self._slack_cycles)
@@ -152,27 +172,34 @@ class CudaClock:
         return intervals
 
 
-def _iterate(clock: Clock, work: Workload, iterations: int) -> list[float]:
+def _iterate(clock: Clock, work: Workload, iterations: int) -> tuple[list[float], float]:
+    """Device milliseconds of each call, and the median host milliseconds to issue one."""
+    host_ms: list[float] = []
     for _ in range(iterations):
         state = work.setup()
         clock.prepare()
         clock.start()
+        issued = time.perf_counter()
         work.call(state)
+        host_ms.append((time.perf_counter() - issued) * 1e3)
         clock.stop()
         del state
-    return clock.collect_ms()
+    return clock.collect_ms(), statistics.median(host_ms)
 
 
 def measure(clock: Clock, work: Workload, rep_ms: float) -> Stats:
     """Median time of ``work.call`` (see the module docstring)."""
     for _ in range(WARMUP_CALLS):
         work.call(work.setup())
-    clock.sync()
+    clock.collect_ms()  # waits, and drops intervals a failed measurement left behind
+    clock.cover_host_time(0.0)
     began = time.perf_counter()
-    _iterate(clock, work, ESTIMATE_ITERATIONS)
+    _samples, host_ms = _iterate(clock, work, ESTIMATE_ITERATIONS)
     iteration_ms = (time.perf_counter() - began) * 1e3 / ESTIMATE_ITERATIONS
     iterations = int(min(MAX_ITERATIONS, max(MIN_ITERATIONS, rep_ms / max(iteration_ms, 1e-6))))
-    return Stats.from_samples(_iterate(clock, work, iterations))
+    clock.cover_host_time(host_ms)
+    samples, _host_ms = _iterate(clock, work, iterations)
+    return Stats.from_samples(samples, host_ms)
 
 
 def host_overhead_us(clock: Clock, work: Workload, calls: int) -> float:

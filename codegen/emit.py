@@ -85,7 +85,8 @@ class KernelContext:
     def column_load_lines(self, columns: list[dict[str, Any]]) -> list[str]:
         lines = []
         for c in columns:
-            load = f"{c['name']} = tl.load({c['name']}_ptr + cols, mask=col_mask, other=0.0).to(ACC)"
+            name = c["name"]
+            load = f"{name} = tl.load({name}_ptr + cols, mask=col_mask, other=0.0).to(ACC)"
             if c["flag"]:
                 lines += [f"if {c['flag']}:", f"    {load}", "else:",
                           f"    {c['name']} = {c['absent']}"]

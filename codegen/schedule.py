@@ -13,20 +13,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ScheduleTable:
+    """Measured: `python -m benchmarks.sweep` on an H100 (torch 2.11, triton 3.6, bf16,
+    2026-11-21) over 4096x512 ... 1024x262144. One program per SM beat four for every
+    backward (LayerNorm 32768x256: 916 vs 239 GB/s; 4096x4096: 1366 vs 980), and 256 elements
+    per warp beat 1024 from 4096 columns up. See docs/benchmarks.md."""
+
     #: rows whose next power of two is at most this keep the whole row in registers
     persistent_max_block_n: int = 16384
     #: columns per step of a looped row
     looped_block_n: int = 4096
     #: target elements per program step when N is small (several rows per program)
-    row_block_elements: int = 4096
+    row_block_elements: int = 8192
     max_rows: int = 64
     #: grid-stride kernels (those with column partials) launch this many programs per SM
-    programs_per_sm: int = 4
+    programs_per_sm: int = 1
     #: programs when no GPU is there to count SMs (the Triton interpreter)
     interpreter_programs: int = 4
     min_warps: int = 4
     max_warps: int = 16
-    elements_per_warp: int = 1024
+    elements_per_warp: int = 256
 
     def constants(self) -> dict[str, int]:
         return {

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from derive.spec import N, Level
+from derive.spec import Level, N
 
 
 class RowSum(sympy.Function):

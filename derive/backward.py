@@ -17,7 +17,7 @@ import sympy
 from derive.algebra import Algebra, RowSum, sorted_symbols, substitute
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult
-from derive.spec import N, Kind, Level, Node, OpSpec
+from derive.spec import Kind, Level, N, Node, OpSpec
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import sympy
 from codegen.emit import environment
 from codegen.ir import Kernel
 from derive.engine import Derivation
-from derive.spec import N, Kind
+from derive.spec import Kind, N
 
 
 def latex(expr: sympy.Expr) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sympy
 
 from derive.graph import ColumnParam, Definition, RowGraph
-from derive.spec import N, Kind, Level, OpSpec
+from derive.spec import Kind, Level, N, OpSpec
 
 
 def forward_graph(spec: OpSpec) -> RowGraph:

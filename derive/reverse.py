@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import sympy
 
 from derive.algebra import Algebra, RowSum, sorted_symbols
-from derive.spec import N, Kind, Level, Node, OpSpec
+from derive.spec import Kind, Level, N, Node, OpSpec
 
 
 class DerivationError(ValueError):

@@ -17,13 +17,13 @@ import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
 LOOPED_BLOCK_N = 4096
-ROW_BLOCK_ELEMENTS = 4096
+ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 1
 INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
-ELEMENTS_PER_WARP = 1024
+ELEMENTS_PER_WARP = 256
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -637,4 +637,6 @@ class LayerNorm(torch.nn.Module):
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
+            f", bias={self.bias is not None}"
+        )

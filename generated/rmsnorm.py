@@ -17,13 +17,13 @@ import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
 LOOPED_BLOCK_N = 4096
-ROW_BLOCK_ELEMENTS = 4096
+ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 1
 INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
-ELEMENTS_PER_WARP = 1024
+ELEMENTS_PER_WARP = 256
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

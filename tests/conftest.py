@@ -23,9 +23,7 @@ if str(REPO_ROOT) not in sys.path:
 
 
 @pytest.fixture(params=PATHS)
-def device(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> torch.device:
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.device:
     """Device of a test's tensors; the test runs once per dispatch path."""
     return select_path(monkeypatch, request.param)
 

@@ -1,8 +1,8 @@
 """Shared helpers for the numerics tests of the generated modules.
 
-Every check compares a generated function ("ours") with its torch
-counterpart ("theirs"); both are callables taking the tensors of an
-input list (``None`` for an absent weight/bias) and returning one tensor.
+Every check compares a generated function ("ours") with its torch counterpart
+("theirs"): callables taking the tensors of an input list (``None`` for an
+absent weight or bias) and returning one tensor.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,20 +23,24 @@ LOW_PRECISION_DTYPES = tuple(LOW_PRECISION_ATOL)
 BAD_INPUT = (TypeError, ValueError, RuntimeError)
 LOOPED_BLOCK_N = 16
 # Enough rows that a racy column reduction would show on a GPU; few for the interpreter.
-DETERMINISM_ROWS = 4096 if HAS_CUDA else 64
+DETERMINISM_ROWS = 4096 if HAS_CUDA else 130
 NAMES = ("output", "dinput", "dweight", "dbias")
 GRAD_SEED = 1234
 
 Fn = Callable[..., torch.Tensor]
 Inputs = Sequence[torch.Tensor | None]
+Results = list[torch.Tensor | None]
+
+
+# Paths and schedules
 
 
 def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     """Route calls to `path` ("triton" or "torch"); return the device for its tensors.
 
-    On a CUDA machine the Triton path means CUDA tensors and the torch path
-    CPU tensors.  Without CUDA both use CPU tensors and the generated dispatch
-    picks the path from TRITON_INTERPRET at call time.
+    On a CUDA machine the Triton path means CUDA tensors and the torch path CPU
+    tensors. Without CUDA both use CPU tensors and the generated dispatch picks
+    the path from TRITON_INTERPRET at call time.
     """
     if path == "torch":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -47,6 +52,9 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
 def force_looped(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
     """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule."""
     monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
+
+
+# Inputs
 
 
 def randn(
@@ -85,38 +93,59 @@ def cast(inputs: Inputs, dtype: torch.dtype) -> list[torch.Tensor | None]:
     return [None if t is None else t.to(dtype) for t in inputs]
 
 
+NON_CONTIGUOUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # Each gives x's values and shape in another layout.
+    "transposed": lambda x: x.mT.contiguous().mT,
+    "element_stride_2": lambda x: torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0],
+    "row_stride_2n": lambda x: torch.cat([x, torch.zeros_like(x)], dim=-1)[..., : x.shape[-1]],
+}
+
+
+# Running and judging
+
+
 def forward_backward(
-    fn: Fn, inputs: Inputs, grad_dtype: torch.dtype | None = None
-) -> list[torch.Tensor | None]:
+    fn: Fn,
+    inputs: Inputs,
+    grad_dtype: torch.dtype | None = None,
+    wrt: Sequence[int] | None = None,
+) -> Results:
     """[output, grad of each input] of fn on fresh leaf copies of `inputs`.
 
-    The output gradient is seeded noise rounded to `grad_dtype` (default: the
-    output's dtype), so runs in different dtypes can share it.
+    Only the inputs at indices `wrt` (default: all) require grad. The output
+    gradient is seeded noise rounded to `grad_dtype` (default: the output's
+    dtype), so runs in different dtypes can share it.
     """
     leaves = [
-        None if t is None else t.detach().clone().requires_grad_() for t in inputs
+        None if t is None else t.detach().clone().requires_grad_(wrt is None or i in wrt)
+        for i, t in enumerate(inputs)
     ]
     out = fn(*leaves)
-    grad = randn(
-        out.shape, seed=GRAD_SEED, device=out.device, dtype=grad_dtype or out.dtype
-    )
+    grad = randn(out.shape, seed=GRAD_SEED, device=out.device, dtype=grad_dtype or out.dtype)
     out.backward(grad.to(out.dtype))
     return [out.detach(), *(None if t is None else t.grad for t in leaves)]
 
 
-def assert_matches_torch(ours: Fn, theirs: Fn, inputs: Inputs, **tol: float) -> None:
-    """Output and input gradients of ours equal torch's to fp64 tolerance."""
-    tol = {**FP64_TOL, **tol}
-    results = zip(
-        NAMES, forward_backward(ours, inputs), forward_backward(theirs, inputs)
-    )
-    for name, got, want in results:
-        if want is None:
+def assert_matches_torch(
+    ours: Fn, theirs: Fn, inputs: Inputs, wrt: Sequence[int] | None = None
+) -> None:
+    """Output (with and without autograd) and input gradients equal torch's to fp64 tolerance."""
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(*inputs),
+            theirs(*inputs),
+            equal_nan=True,
+            msg=lambda m: f"no-grad output: {m}",
+            **FP64_TOL,
+        )
+    mine, want = forward_backward(ours, inputs, wrt=wrt), forward_backward(theirs, inputs, wrt=wrt)
+    for name, got, expected in zip(NAMES, mine, want, strict=False):
+        if expected is None:
             assert got is None, f"{name}: expected None, got a tensor"
             continue
         assert got is not None, f"{name}: missing"
         torch.testing.assert_close(
-            got, want, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}", **tol
+            got, expected, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}", **FP64_TOL
         )
 
 
@@ -128,10 +157,10 @@ def max_abs_error(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def interpreter_rounds_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether x's call runs Triton's interpreter with stores to bf16.
+    """Whether a call on x runs Triton's interpreter and stores bf16.
 
     The interpreter (triton 3.9) converts fp32 -> bf16 by truncation; GPUs and
-    torch round to nearest even, half the error.
+    torch round to nearest even, with half the error.
     """
     interpreted = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     return interpreted and dtype == torch.bfloat16
@@ -139,43 +168,34 @@ def interpreter_rounds_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def bf16_toward_zero(t: torch.Tensor) -> torch.Tensor:
     """t rounded to bf16 toward zero: the low 16 bits of its fp32 form dropped."""
-    return (
-        (t.float().view(torch.int32) & -(1 << 16))
-        .view(torch.float32)
-        .to(torch.bfloat16)
-    )
+    return (t.float().view(torch.int32) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
 
 
-def torch_baseline(
-    theirs: Fn, low: Inputs, dtype: torch.dtype
-) -> list[torch.Tensor | None]:
-    """torch's own [output, grads] in `dtype`, rounded like the path under test rounds."""
+def torch_baseline(theirs: Fn, low: Inputs, dtype: torch.dtype) -> Results:
+    """torch's own [output, grads] in `dtype`, rounded the way the path under test rounds."""
     if not interpreter_rounds_toward_zero(low[0], dtype):
         return forward_backward(theirs, low)
     results = forward_backward(theirs, cast(low, torch.float32), grad_dtype=dtype)
     return [None if t is None else bf16_toward_zero(t) for t in results]
 
 
-def assert_low_precision_ok(
-    ours: Fn, theirs: Fn, inputs64: Inputs, dtype: torch.dtype
-) -> None:
+def assert_low_precision_ok(ours: Fn, theirs: Fn, inputs64: Inputs, dtype: torch.dtype) -> None:
     """Judge ours in `dtype` against an fp64 reference on the same rounded inputs.
 
-    Each of output and input gradients must keep the dtype of its tensor and
-    have a max abs error at most twice torch's own same-dtype error plus a
-    small atol.
+    The output and each input gradient must have its tensor's dtype and a max
+    abs error at most twice torch's own same-dtype error plus a small atol;
+    a parameter gradient sums over rows, so its atol grows with sqrt(rows).
     """
     low = cast(inputs64, dtype)
     exact = forward_backward(theirs, cast(low, torch.float64), grad_dtype=dtype)
     baseline = torch_baseline(theirs, low, dtype)
     mine = forward_backward(ours, low)
     x = low[0]
-    for name, tensor, got, base, ref in zip(NAMES, [x, *low], mine, baseline, exact):
+    for name, tensor, got, base, ref in zip(NAMES, [x, *low], mine, baseline, exact, strict=False):
         if ref is None:
             continue
         assert got is not None, f"{name}: missing"
         assert got.dtype == dtype, f"{name}: dtype {got.dtype}, expected {dtype}"
-        # A parameter gradient sums over the rows: its atol grows with sqrt(rows).
         rows = max(1, x.numel() // max(1, tensor.numel()))
         atol = LOW_PRECISION_ATOL[dtype] * math.sqrt(rows)
         err, torch_err = max_abs_error(got, ref), max_abs_error(base, ref)
@@ -191,29 +211,20 @@ def gradcheck(fn: Fn, inputs: Inputs, *, fast: bool) -> None:
 
     def call(*tensors: torch.Tensor) -> torch.Tensor:
         args: list[torch.Tensor | None] = [None] * len(inputs)
-        for i, t in zip(present, tensors):
+        for i, t in zip(present, tensors, strict=True):
             args[i] = t
         return fn(*args)
 
     assert torch.autograd.gradcheck(call, leaves, fast_mode=fast)
 
 
-def assert_rejects(call: Callable[[], object], *words: str) -> None:
-    """call() raises a bad-input error whose message contains every word."""
-    with pytest.raises(BAD_INPUT) as info:
-        call()
-    message = str(info.value)
-    missing = [w for w in words if w not in message]
-    assert not missing, f"error message {message!r} does not name {missing}"
-
-
 def assert_nan_stays_in_its_row(
     ours: Fn, theirs: Fn, inputs: Inputs, index: tuple[int, int]
 ) -> None:
-    """A NaN put in the 2-D input at `index` makes that whole row NaN, no other."""
+    """A NaN put in the 2-D input at `index` makes that whole row NaN, and no other."""
     x = inputs[0].clone()
     x[index] = float("nan")
-    out = ours(x, *inputs[1:]).detach()
+    out = ours(x, *inputs[1:])
     row = index[0]
     assert out[row].isnan().all(), f"row {row} should be all NaN: {out[row]}"
     others = torch.cat([out[:row], out[row + 1 :]])
@@ -224,18 +235,39 @@ def assert_nan_stays_in_its_row(
 def assert_deterministic_grads(fn: Fn, inputs: Inputs) -> None:
     """Two backward runs give bitwise identical gradients of every input."""
     first, second = forward_backward(fn, inputs), forward_backward(fn, inputs)
-    for name, t, a, b in zip(NAMES[1:], inputs, first[1:], second[1:]):
+    for name, t, a, b in zip(NAMES[1:], inputs, first[1:], second[1:], strict=False):
         if t is not None:
-            assert a is not None and torch.equal(a, b), (
-                f"{name} differs between two identical runs"
-            )
+            assert a is not None and torch.equal(a, b), f"{name} differs between two identical runs"
 
 
-NON_CONTIGUOUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    # Same values and shape as x, laid out column-major / with element stride 2.
-    "transposed": lambda x: x.mT.contiguous().mT,
-    "strided": lambda x: torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0],
-}
+# Bad input
+
+
+class BadCall(NamedTuple):
+    """A call given a (4, 8) fp32 input x and (8,) fp32 weight w, and what its error names."""
+
+    call: Callable[[torch.Tensor, torch.Tensor], object]
+    words: tuple[str, ...]
+    errors: tuple[type[Exception], ...] = BAD_INPUT
+
+
+def assert_bad_call_rejected(case: BadCall, device: torch.device) -> None:
+    """The call raises one of case.errors whose message contains every word."""
+    x = randn((4, 8), device=device, dtype=torch.float32)
+    with pytest.raises(case.errors) as info:
+        case.call(x, torch.ones(8, device=device))
+    message = str(info.value)
+    missing = [w for w in case.words if w not in message]
+    assert not missing, f"error message {message!r} does not name {missing}"
+
+
+# Modules
+
+
+def randomize_parameters(module: torch.nn.Module, seed: int = 3) -> None:
+    with torch.no_grad():
+        for i, param in enumerate(module.parameters()):
+            param.copy_(randn(param.shape, seed=seed + i, device=param.device, dtype=param.dtype))
 
 
 def assert_module_like_torch(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
@@ -245,32 +277,14 @@ def assert_module_like_torch(ours: torch.nn.Module, theirs: torch.nn.Module) -> 
     assert list(mine) == list(want)
     for name, param in want.items():
         got = mine[name]
-        assert (got.dtype, got.device, got.shape) == (
-            param.dtype,
-            param.device,
-            param.shape,
-        ), name
+        assert (got.dtype, got.device, got.shape) == (param.dtype, param.device, param.shape)
         if param.device.type != "meta":
-            assert torch.equal(got, param), f"{name} initial value differs from torch"
+            assert torch.equal(got, param), f"{name} differs from torch's"
     for name in ("weight", "bias"):
         if hasattr(theirs, name):
-            assert (getattr(ours, name, "missing") is None) == (
-                getattr(theirs, name) is None
-            ), name
+            assert (getattr(ours, name, "missing") is None) == (getattr(theirs, name) is None), name
     mine_repr, torch_repr = ours.extra_repr(), theirs.extra_repr()
-    assert mine_repr == torch_repr, (
-        f"extra_repr {mine_repr!r} != torch's {torch_repr!r}"
-    )
-
-
-def randomize_parameters(module: torch.nn.Module, seed: int = 3) -> None:
-    with torch.no_grad():
-        for i, param in enumerate(module.parameters()):
-            param.copy_(
-                randn(
-                    param.shape, seed=seed + i, device=param.device, dtype=param.dtype
-                )
-            )
+    assert mine_repr == torch_repr, f"extra_repr {mine_repr!r} != torch's {torch_repr!r}"
 
 
 def assert_built_like_torch(
@@ -289,11 +303,7 @@ def assert_reset_like_torch(ours_cls: type, torch_cls: type, shape: object) -> N
 
 
 def assert_loads_torch_state_dict(
-    ours_cls: type,
-    torch_cls: type,
-    shape: object,
-    device: torch.device,
-    **kwargs: object,
+    ours_cls: type, torch_cls: type, shape: object, device: torch.device, **kwargs: object
 ) -> None:
     """Ours, loaded with a torch module's random state_dict, matches it in fp64."""
     kwargs = {**kwargs, "device": device, "dtype": torch.float64}
@@ -303,13 +313,3 @@ def assert_loads_torch_state_dict(
     ours.load_state_dict(theirs.state_dict())
     x = randn((4, *theirs.normalized_shape), device=device, shift=1.5)
     assert_matches_torch(ours, theirs, [x])
-
-
-BadCall = tuple[Callable[[torch.Tensor, torch.Tensor], object], tuple[str, ...]]
-
-
-def assert_bad_call_rejected(case: BadCall, device: torch.device) -> None:
-    """case = (call given a (4, 8) fp32 input and (8,) fp32 weight, words its error names)."""
-    call, words = case
-    x = randn((4, 8), device=device, dtype=torch.float32)
-    assert_rejects(lambda: call(x, torch.ones(8, device=device)), *words)

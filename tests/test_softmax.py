@@ -3,8 +3,10 @@
 import pytest
 import torch
 from reference import (
+    BAD_INPUT,
     LOW_PRECISION_DTYPES,
     NON_CONTIGUOUS,
+    BadCall,
     assert_bad_call_rejected,
     assert_low_precision_ok,
     assert_matches_torch,
@@ -48,6 +50,14 @@ def test_looped_schedule_matches_torch(device, monkeypatch, n):
 
 def test_dim_defaults_to_last(device):
     assert_matches_torch(softmax.softmax, pair(-1)[1], inputs((2, 3, 37), device))
+
+
+def test_many_row_blocks(device, schedule):
+    assert_matches_torch(*pair(), inputs((130, 100), device))
+
+
+def test_zero_dim_input(device):
+    assert_matches_torch(*pair(0), inputs((), device))
 
 
 @pytest.mark.parametrize("dim", [0, 1, -2])
@@ -102,14 +112,12 @@ def test_fully_masked_row_is_nan_like_torch(device, schedule):
     assert_matches_torch(*pair(), [x])
 
 
-def _softmax(*args):
-    return softmax.softmax(*args)
-
-
+# torch raises IndexError for a dim out of range; accept it beside the contract's types.
+DIM_ERRORS = (*BAD_INPUT, IndexError)
 BAD_CALLS = {
-    "integer_input": (lambda x, w: _softmax(x.long(), -1), ("input", "int64")),
-    "dim_too_large": (lambda x, w: _softmax(x, 2), ("dim", "2")),
-    "dim_too_small": (lambda x, w: _softmax(x, -3), ("dim", "-3")),
+    "integer_input": BadCall(lambda x, w: softmax.softmax(x.long(), -1), ("input", "int64")),
+    "dim_too_large": BadCall(lambda x, w: softmax.softmax(x, 2), ("dim", "2"), DIM_ERRORS),
+    "dim_too_small": BadCall(lambda x, w: softmax.softmax(x, -3), ("dim", "-3"), DIM_ERRORS),
 }
 
 

@@ -12,7 +12,7 @@ import sympy
 from derive.engine import derive, load_spec
 from derive.graph import RowGraph
 from derive.reverse import DerivationError
-from derive.spec import N, Kind, OpSpec, SpecError
+from derive.spec import Kind, N, OpSpec, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = sorted(p.stem for p in (ROOT / "derive" / "ops").glob("*.py") if p.stem != "__init__")
@@ -134,7 +134,8 @@ def test_unsaved_and_underivable_value_is_reported() -> None:
 def test_spec_errors_point_to_the_spec_line() -> None:
     op = OpSpec("bad")
     x = op.input("x")
-    with pytest.raises(SpecError, match=r"test_symbolic\.py:\d+: 'z': the expression .* uses q, not declared"):
+    where = r"test_symbolic\.py:\d+: 'z': the expression .* uses q, not declared"
+    with pytest.raises(SpecError, match=where):
         op.element("z", x + sympy.Symbol("q"))
     with pytest.raises(SpecError, match="declared twice"):
         op.input("x")

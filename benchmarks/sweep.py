@@ -1,0 +1,113 @@
+"""Sweep the schedule constants of the generated modules on a GPU and print what each costs.
+
+    python -m benchmarks.sweep [--ops layernorm,rmsnorm,softmax] [--dtype bf16]
+
+For each op and shape, every combination of the constants below is set on the generated
+module (the schedule heuristic reads them at call time), the forward and backward launchers
+are timed with triton.testing.do_bench (median, cold-ish L2 via its cache flush), and the
+result is printed as GB/s with the same bytes model as benchmarks.run. The schedule table in
+codegen/schedule.py is chosen from these measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+
+import torch
+import triton.testing
+
+from benchmarks.ops import OPS, bytes_moved, make_inputs
+
+SHAPES = (
+    (4096, 512),
+    (4096, 1024),
+    (4096, 4096),
+    (8192, 8192),
+    (4096, 16384),
+    (4096, 32768),
+    (32768, 256),
+    (1024, 262144),
+)
+CHOICES = {
+    "ROW_BLOCK_ELEMENTS": (2048, 8192),
+    "PROGRAMS_PER_SM": (1, 4),
+    "ELEMENTS_PER_WARP": (256, 1024),
+    "PERSISTENT_MAX_BLOCK_N": (16384, 65536),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def time_launchers(forward, backward, x, params, scalars, dy, saved, stores
+                   ) -> tuple[float, float]:
+    fwd_ms = time_ms(lambda: forward(x, *params, *scalars, store_saved=False))
+    bwd_ms = time_ms(lambda: backward(dy, *saved, *stores, store_saved=False))
+    return fwd_ms, bwd_ms
+
+
+def sweep(op_name: str, dtype: torch.dtype) -> None:
+    module = importlib.import_module(f"generated.{op_name}")
+    op = OPS[op_name]
+    defaults = {name: getattr(module, name) for name in CHOICES}
+    forward = getattr(module, f"_{op_name}_fwd")
+    backward = getattr(module, f"_{op_name}_bwd")
+    for m, n in SHAPES:
+        inputs = make_inputs(op, m, n, dtype, torch.device("cuda"))
+        x = inputs.x.detach().reshape(m, n)
+        params = [p.detach() for p in inputs.params]
+        scalars = (1e-5,) if op_name != "softmax" else ()
+        outs = forward(x, *params, *scalars, store_saved=True)
+        dy = torch.randn_like(x)
+        saved = {
+            "layernorm": (x, *params, outs[1], outs[2]),
+            "rmsnorm": (x, *params, outs[1]),
+            "softmax": (outs[0],),
+        }[op_name]
+        stores = tuple(True for _ in params)
+        best = {}
+        for values in itertools.product(*CHOICES.values()):
+            for name, value in zip(CHOICES, values, strict=True):
+                setattr(module, name, value)
+            module._schedule.cache_clear()
+            try:
+                fwd_ms, bwd_ms = time_launchers(forward, backward, x, params, scalars, dy, saved,
+                                                stores)
+            except Exception as error:  # noqa: BLE001 - report and go on
+                print(f"{op_name} {m}x{n} {values}: error {type(error).__name__}: {error}")
+                continue
+            fwd = bytes_moved(op, "fwd", m, n, x.element_size()) / fwd_ms / 1e6
+            bwd = bytes_moved(op, "bwd", m, n, x.element_size()) / bwd_ms / 1e6
+            for mode, gbps in (("fwd", fwd), ("bwd", bwd)):
+                if gbps > best.get(mode, (0, None))[0]:
+                    best[mode] = (gbps, values)
+        for name, value in defaults.items():
+            setattr(module, name, value)
+        module._schedule.cache_clear()
+        fwd_ms, bwd_ms = time_launchers(forward, backward, x, params, scalars, dy, saved, stores)
+        default_fwd = bytes_moved(op, "fwd", m, n, x.element_size()) / fwd_ms / 1e6
+        default_bwd = bytes_moved(op, "bwd", m, n, x.element_size()) / bwd_ms / 1e6
+        names = ",".join(CHOICES)
+        print(
+            f"{op_name} {m}x{n}: default fwd {default_fwd:.0f} bwd {default_bwd:.0f} GB/s; "
+            f"best fwd {best['fwd'][0]:.0f} at {best['fwd'][1]}, "
+            f"best bwd {best['bwd'][0]:.0f} at {best['bwd'][1]} ({names})",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ops", default="layernorm,rmsnorm,softmax")
+    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    args = parser.parse_args()
+    for op_name in args.ops.split(","):
+        sweep(op_name, DTYPES[args.dtype])
+
+
+if __name__ == "__main__":
+    main()
