@@ -63,8 +63,9 @@ def test_looped_schedule_matches_torch(device, monkeypatch, n, affine):
     assert_matches_torch(*pair((n,)), inputs((3, n), device, affine=affine))
 
 
-def test_many_row_blocks(device, schedule):
-    assert_matches_torch(*pair((100,)), inputs((130, 100), device))
+def test_many_row_blocks(device):
+    # Persistent rows, many per program, in more row blocks than grid-stride programs.
+    assert_matches_torch(*pair((100,)), inputs((600, 100), device))
 
 
 @pytest.mark.parametrize("wrt", [(0,), (1, 2)], ids=["input_only", "params_only"])

@@ -52,8 +52,9 @@ def test_dim_defaults_to_last(device):
     assert_matches_torch(softmax.softmax, pair(-1)[1], inputs((2, 3, 37), device))
 
 
-def test_many_row_blocks(device, schedule):
-    assert_matches_torch(*pair(), inputs((130, 100), device))
+def test_many_row_blocks(device):
+    # Persistent rows, many per program, in more row blocks than grid-stride programs.
+    assert_matches_torch(*pair(), inputs((600, 100), device))
 
 
 def test_zero_dim_input(device):
