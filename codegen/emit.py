@@ -15,6 +15,7 @@ import sympy
 from codegen.ir import Assign, Kernel, Pass
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter
 from codegen.schedule import DEFAULT, ScheduleTable
+from derive.algebra import GuardedReciprocal
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -41,7 +42,7 @@ class ModuleSpec:
     params: tuple[tuple[str, str], ...]  # (name, absent value source or "")
     scalars: tuple[str, ...]
     outputs: tuple[str, ...]
-    saved: tuple[str, ...]
+    modes: tuple[tuple[str, tuple[str, ...], str], ...]  # (mode, saved names, doc)
     upstream: tuple[str, ...]
 
 
@@ -77,7 +78,11 @@ class KernelContext:
             done |= {a["name"] for a in fresh}
             self.persistent_passes.append({**p, "assigns": fresh})
         self.persistent_epilogue = [a for a in self.epilogue["assigns"] if a["name"] not in done]
+        self.flagged_stores = [s for s in self.element_stores + self.row_stores + self.column_stores
+                               if s["flag"]]
         self.args = self._args()
+        self.inputs = (self.element_inputs + self.kernel_columns + self.row_inputs + self.scalars)
+        self.params = self.inputs + [f"store_{s['name']}" for s in self.flagged_stores]
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
         self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
 
@@ -108,12 +113,15 @@ class KernelContext:
         for s in self.element_stores:
             store = (f"tl.store({s['name']}_ptr + offsets * {s['name']}_row_stride + cols, "
                      f"({s['src']}).to({s['name']}_ptr.dtype.element_ty), mask=mask)")
-            lines += ["if STORE_SAVED:", f"    {store}"] if s["saved"] else [store]
+            lines += [f"if {s['flag']}:", f"    {store}"] if s["flag"] else [store]
         return lines
 
     def row_store_lines(self) -> list[str]:
-        return [line for s in self.row_stores for line in (
-            "if STORE_SAVED:", f"    tl.store({s['name']}_ptr + rows, {s['src']}, mask=row_mask)")]
+        lines = []
+        for s in self.row_stores:
+            store = f"tl.store({s['name']}_ptr + rows, {s['src']}, mask=row_mask)"
+            lines += [f"if {s['flag']}:", f"    {store}"] if s["flag"] else [store]
+        return lines
 
     def row_load_lines(self) -> list[str]:
         return [f"{r} = tl.load({r}_ptr + rows, mask=row_mask, other=0.0).to(ACC)"
@@ -155,8 +163,9 @@ class KernelContext:
         }
 
     def _store(self, store: Any) -> dict[str, Any]:
-        return {"name": store.name, "src": self.printer(store.expr), "saved": store.saved,
-                "like": store.like, "flag": f"STORE_{store.name.upper()}",
+        flag = f"STORE_{store.name.upper()}" if store.level == "column" else store.flag
+        return {"name": store.name, "src": self.printer(store.expr), "like": store.like,
+                "flag": flag,
                 "formula": f"{store.name} = {formula(store.expr)}"}
 
     def _args(self) -> list[str]:
@@ -171,26 +180,38 @@ class KernelContext:
         args += [f"{s['name']}_partial_ptr" for s in self.column_stores]
         args += self.scalars + ["M", "N"]
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
-        args += [f"{s['flag']}: tl.constexpr" for s in self.column_stores]
-        args += ["STORE_SAVED: tl.constexpr", "ACC: tl.constexpr", "ROWS: tl.constexpr",
-                 "BLOCK_N: tl.constexpr"]
+        args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
+        args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         return args
 
 
-def render_module(module: ModuleSpec, forward: Kernel, backward: Kernel,
+def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
                   schedule: ScheduleTable = DEFAULT) -> str:
     env = environment()
+    params = [name for name, _ in module.params]
+    modes = []
+    for mode, saved, doc in module.modes:
+        backward = backwards[mode]
+        modes.append({
+            "name": mode,
+            "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
+            "doc": doc,
+            "saved": list(saved),
+            "saved_for_backward": [*saved, *params],
+            "store_flags": {s.name: s.name in saved for s in forward.stores if s.flag},
+            "bwd": KernelContext(backward, TRITON),
+            "bwd_torch": KernelContext(backward, TORCH),
+            "gradients": [s.name for s in (*backward.stores_of("element"),
+                                           *backward.stores_of("column"))],
+        })
     context = {
         "module": module,
+        "inversion_guard": float(GuardedReciprocal.guard),
         "fwd": KernelContext(forward, TRITON),
-        "bwd": KernelContext(backward, TRITON),
+        "modes": modes,
         "upstream": module.upstream,
-        "function_args": [*module.inputs, *(name for name, _ in module.params), *module.scalars],
-        "saved_for_backward": [*module.saved, *(name for name, _ in module.params)],
-        "gradients": [s.name for s in (*backward.stores_of("element"),
-                                       *backward.stores_of("column"))],
+        "function_args": [*module.inputs, *params, *module.scalars],
         "fwd_torch": KernelContext(forward, TORCH),
-        "bwd_torch": KernelContext(backward, TORCH),
         "schedule": schedule.constants(),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",

@@ -52,7 +52,7 @@ class Store:
     name: str  # the output tensor
     expr: sympy.Expr
     level: str  # "element" | "row" | "column" (column: Σ over rows, per-program partials)
-    saved: bool = False  # written only when the caller keeps values for a backward
+    flag: str | None = None  # written only when this constexpr is set (values for a backward)
     like: str | None = None  # a column output takes this column input's dtype
 
 
@@ -104,6 +104,6 @@ class Kernel:
                 lines.append(f"    {a.name} = {a.expr}")
         for s in self.stores:
             note = " (Σ over rows)" if s.level == "column" else ""
-            note += " (saved for backward)" if s.saved else ""
+            note += f" (if {s.flag})" if s.flag else ""
             lines.append(f"  store {s.name} = {s.expr}{note}")
         return "\n".join(lines)

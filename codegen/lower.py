@@ -44,7 +44,7 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     assigns, loads = _element_work([s.expr for s in element_stores], definitions, order, levels)
     shared, rewritten = _share_subexpressions([s.expr for s in element_stores], levels)
     by_name = {s.name: expr for s, expr in zip(element_stores, rewritten, strict=True)}
-    final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.saved, s.like)
+    final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.flag, s.like)
                          for s in stores)
     epilogue = Pass(loads=loads, assigns=assigns + shared, reductions=(), after=())
 
@@ -67,8 +67,11 @@ def _levels(graph: RowGraph) -> dict[str, str]:
 
 
 def _stores(graph: RowGraph, saved: frozenset[str]) -> list[Store]:
-    stores = [Store(n, e, "element", n in saved) for n, e in graph.element_outputs]
-    stores += [Store(n, e, "row", n in saved) for n, e in graph.row_outputs]
+    def flag(name: str) -> str | None:
+        return f"STORE_{name.upper()}" if name in saved else None
+
+    stores = [Store(n, e, "element", flag(n)) for n, e in graph.element_outputs]
+    stores += [Store(n, e, "row", flag(n)) for n, e in graph.row_outputs]
     stores += [Store(n, e, "column", like=param) for n, param, e in graph.column_outputs]
     return stores
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import sympy
 
+from derive.algebra import GuardedReciprocal
+
 
 class PrintError(ValueError):
     pass
@@ -30,7 +32,8 @@ class Dialect:
 TRITON = Dialect(
     name="triton",
     functions={sympy.exp: "tl.exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
-               sympy.tanh: "_tanh", sympy.Abs: "tl.abs"},
+               sympy.tanh: "_tanh", sympy.Abs: "tl.abs",
+               GuardedReciprocal: "_guarded_reciprocal"},
     sqrt="_sqrt",
     where="tl.where",
     maximum="tl.maximum",
@@ -40,7 +43,8 @@ TRITON = Dialect(
 TORCH = Dialect(
     name="torch",
     functions={sympy.exp: "torch.exp", sympy.log: "torch.log", sympy.erf: "torch.erf",
-               sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs"},
+               sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs",
+               GuardedReciprocal: "_guarded_reciprocal_torch"},
     sqrt="torch.sqrt",
     where="torch.where",
     maximum="torch.maximum",

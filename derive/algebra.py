@@ -28,6 +28,26 @@ class RowSum(sympy.Function):
         return "Σ_j(" + printer._print(self.args[0]) + ")"
 
 
+class GuardedReciprocal(sympy.Function):
+    """1 / w with |w| clamped from below (Apex's clamp_by_magnitude): the guard of a value
+    recovered by dividing by a parameter, so a zero weight gives finite gradients, not NaN."""
+
+    nargs = 1
+    is_real = True
+    #: the clamp, as the generated modules' INVERSION_GUARD
+    guard = sympy.Rational(1, 10**6)
+
+    @classmethod
+    def eval(cls, value: sympy.Expr) -> sympy.Expr | None:
+        if value.is_number and value.is_comparable:
+            magnitude = sympy.Max(abs(value), cls.guard)
+            return -1 / magnitude if value < 0 else 1 / magnitude
+        return None
+
+    def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
+        return r"\frac{1}{\lfloor " + printer._print(self.args[0]) + r" \rceil}"
+
+
 @dataclass
 class Algebra:
     """Knows each symbol's level and the recognition rules of one derivation."""

@@ -13,6 +13,15 @@ class Param:
     name: str
     init: str
     flag: str | None = None
+    offset: str | None = None  # a scalar option added to the parameter; init keeps the sum
+
+
+@dataclass(frozen=True)
+class Option:
+    """A keyword-only scalar option of the function and the module (beyond torch's API)."""
+
+    name: str
+    default: float
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,7 @@ class NormalizedShapeAPI:
     torch_module: str
     params: tuple[Param, ...]
     eps: float | None
+    options: tuple[Option, ...] = ()
 
     kind = "normalized_shape"
 

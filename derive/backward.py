@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from derive.algebra import Algebra, RowSum, sorted_symbols, substitute
+from derive.algebra import Algebra, GuardedReciprocal, RowSum, sorted_symbols, substitute
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult
 from derive.spec import Kind, Level, N, Node, OpSpec
@@ -42,7 +42,8 @@ def gradient_name(name: str) -> str:
     return "d" + name
 
 
-def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult) -> BackwardResult:
+def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
+                    saved: list[str]) -> BackwardResult:
     differentiable = [n for n in spec.nodes if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM)]
     targets = {n.name: reverse.adjoints.get(n.name, sympy.Integer(0)) for n in differentiable}
     pivots = pivot_table(spec, algebra)
@@ -53,11 +54,12 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult) -> B
             value = node.symbol * (N if node.reduction == "mean" else 1)
             basis_algebra.learn(substitute(node.expr, dict(pivots)), value)
     targets = {name: tidy(basis_algebra.normalize(expr)) for name, expr in targets.items()}
-    targets, resolutions = resolve(spec, basis_algebra, targets)
+    targets, resolutions = resolve(spec, basis_algebra, targets, saved)
     targets = {name: basis_algebra.normalize(expr) for name, expr in targets.items()}
+    targets = {name: merge_sums(expr, algebra) for name, expr in targets.items()}
     targets, reductions = name_reductions(targets, algebra)
     gradients = tuple((name, tidy(expr)) for name, expr in targets.items())
-    graph = backward_graph(spec, reverse, gradients, resolutions, reductions)
+    graph = backward_graph(spec, reverse, gradients, resolutions, reductions, saved)
     return BackwardResult(graph, gradients, tuple(pivots), tuple(resolutions), tuple(reductions))
 
 
@@ -78,10 +80,10 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
     return pivots
 
 
-def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr]
+def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], saved: list[str]
             ) -> tuple[dict[str, sympy.Expr], list[Resolution]]:
     """Make every value the gradients use available to the backward (see module doc)."""
-    available = set(spec.saved) | {n.name for n in spec.nodes
+    available = set(saved) | {n.name for n in spec.nodes
                                    if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR)}
     available |= {"d" + name for name in spec.outputs}
     resolutions: list[Resolution] = []
@@ -102,19 +104,30 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr]
                            for r in resolutions]
             resolutions.append(Resolution(node.name, "solved", solved))
             continue
-        if node.is_definition and node.kind is not Kind.INPUT:
+        if _recomputable(spec, node.name, available):
             resolutions.append(Resolution(node.name, "recomputed", node.expr))
             continue
         inverted = _invert_from_saved_element(spec, node, available)
         if inverted is None:
             raise DerivationError(
                 f"{node.where}: the backward needs '{node.name}', but the spec saves "
-                f"{', '.join(spec.saved) or 'nothing'}, from which it can neither be recomputed "
+                f"{', '.join(saved) or 'nothing'}, from which it can neither be recomputed "
                 "nor solved for. Save it, or save a value that determines it.")
-        resolutions.append(Resolution(node.name, "inverted", inverted))
+        resolutions.append(Resolution(node.name, "inverted",
+                                      guard_parameter_division(spec, inverted)))
     recomputed = [r for r in resolutions if r.how != "solved"]
     recomputed.sort(key=lambda r: order[r.name])
     return targets, [r for r in resolutions if r.how == "solved"] + recomputed
+
+
+def _recomputable(spec: OpSpec, name: str, available: set[str]) -> bool:
+    """name follows from saved values by re-running forward definitions alone."""
+    if name in available or name == N.name:
+        return True
+    node = spec.node(name)
+    if not node.is_definition:
+        return False
+    return all(_recomputable(spec, s.name, available) for s in node.expr.free_symbols)
 
 
 def _solve_from_saved_row(spec: OpSpec, node: Node, available: set[str]) -> sympy.Expr | None:
@@ -149,6 +162,34 @@ def _invert_from_saved_element(spec: OpSpec, node: Node, available: set[str]
     return None
 
 
+def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:
+    """Undo what linearity split apart: sums multiplied by the same non-constant factor merge
+    into one, constants moving inside (Σ dy·w·x̂ + c·Σ dy·x̂ = Σ dy·x̂·(w + c))."""
+    groups: dict[sympy.Expr, list[sympy.Expr]] = {}
+    rest = sympy.Integer(0)
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        factors = sympy.Mul.make_args(term)
+        sums = [f for f in factors if isinstance(f, RowSum)]
+        if len(sums) != 1:
+            rest += term
+            continue
+        constant = sympy.Mul(*(f for f in factors if f is not sums[0] and _is_constant(f, algebra)))
+        key = sympy.Mul(*(f for f in factors if f is not sums[0]
+                          and not _is_constant(f, algebra)))
+        groups.setdefault(key, []).append(constant * sums[0].args[0])
+    merged = rest
+    for key in sorted(groups, key=sympy.default_sort_key):
+        coefficient, body = sympy.factor_terms(sympy.factor(sympy.Add(*groups[key]))
+                                               ).as_coeff_Mul()
+        merged += coefficient * key * RowSum(body)
+    return merged
+
+
+def _is_constant(expr: sympy.Expr, algebra: Algebra) -> bool:
+    # N stays outside: a sum divided once per row, not each element once.
+    return all(s != N and algebra.levels.get(s) is Level.SCALAR for s in expr.free_symbols)
+
+
 def name_reductions(targets: dict[str, sympy.Expr], algebra: Algebra
                     ) -> tuple[dict[str, sympy.Expr], list[tuple[str, sympy.Expr]]]:
     """Replace each Σ_j body by a row symbol named after the body's factors."""
@@ -171,6 +212,8 @@ def reduction_name(body: sympy.Expr, taken: set[str]) -> str:
         base, exponent = factor.as_base_exp()
         if isinstance(base, sympy.Symbol) and exponent.is_Integer and exponent > 0:
             parts.append(base.name + (str(exponent) if exponent != 1 else ""))
+        elif isinstance(base, sympy.Add) and exponent == 1:
+            parts.append("_".join(s.name for s in sorted_symbols(base.free_symbols)))
         elif not factor.is_Number:
             parts.append("term")
     name = "sum_" + "_".join(parts)
@@ -188,7 +231,7 @@ def tidy(expr: sympy.Expr) -> sympy.Expr:
 def backward_graph(spec: OpSpec, reverse: ReverseResult,
                    gradients: tuple[tuple[str, sympy.Expr], ...],
                    resolutions: list[Resolution] | tuple[Resolution, ...],
-                   reductions: list[tuple[str, sympy.Expr]]) -> RowGraph:
+                   reductions: list[tuple[str, sympy.Expr]], saved: list[str]) -> RowGraph:
     used = {s.name for _, e in gradients for s in e.free_symbols}
     used |= {s.name for r in resolutions if r.how != "solved" for s in r.expr.free_symbols}
     used |= {s.name for _, body in reductions for s in body.free_symbols}
@@ -206,9 +249,9 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
                                           else "element", r.expr))
     definitions += [Definition(name, "row", body, "sum") for name, body in reductions]
     upstream = [s.name for s in reverse.upstream.values()]
-    element_inputs = [n.name for n in spec.nodes if n.name in spec.saved and
+    element_inputs = [n.name for n in spec.nodes if n.name in saved and
                       n.level is Level.ELEMENT and n.name in used and n.name not in defined]
-    row_inputs = [n.name for n in spec.nodes if n.name in spec.saved and
+    row_inputs = [n.name for n in spec.nodes if n.name in saved and
                   n.level is Level.ROW and n.name in used and n.name not in defined]
     columns = [ColumnParam(n.name, n.absent) for n in spec.nodes
                if n.kind is Kind.COLUMN_PARAM]
@@ -226,6 +269,16 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         column_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
                              if kinds[k] is Kind.COLUMN_PARAM),
     )
+
+
+def guard_parameter_division(spec: OpSpec, expr: sympy.Expr) -> sympy.Expr:
+    params = {n.symbol for n in spec.nodes if n.kind is Kind.COLUMN_PARAM}
+
+    def is_division(e: sympy.Expr) -> bool:
+        return (isinstance(e, sympy.Pow) and bool(e.base.free_symbols & params)
+                and e.exp.is_Integer and e.exp < 0)
+
+    return expr.replace(is_division, lambda e: GuardedReciprocal(e.base) ** (-e.exp))
 
 
 def _has_functions(expr: sympy.Expr) -> bool:

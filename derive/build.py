@@ -25,7 +25,8 @@ def build_op(path: Path, display: str) -> tuple[Derivation, str, str]:
     spec = load_spec(path, display)
     derivation = derive(spec)
     forward = lower(derivation.forward, f"_{spec.name}_fwd", derivation.saved_outputs)
-    backward = lower(derivation.backward.graph, f"_{spec.name}_bwd")
+    backwards = {mode: lower(result.graph, f"_{spec.name}_bwd_{mode}")
+                 for mode, result in derivation.backwards.items()}
     module = ModuleSpec(
         op=spec.name,
         doc=spec.doc,
@@ -36,11 +37,12 @@ def build_op(path: Path, display: str) -> tuple[Derivation, str, str]:
                      if n.kind is Kind.COLUMN_PARAM),
         scalars=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR),
         outputs=tuple(spec.outputs),
-        saved=tuple(spec.saved),
+        modes=tuple((mode, tuple(saved), spec.mode_docs[mode])
+                    for mode, saved in spec.modes.items()),
         upstream=tuple(s.name for s in derivation.reverse.upstream.values()),
     )
-    source = render_module(module, forward, backward)
-    page = render_page(derivation, forward, backward)
+    source = render_module(module, forward, backwards)
+    page = render_page(derivation, forward, backwards)
     return derivation, source, page
 
 

@@ -6,6 +6,7 @@ import sympy
 
 from codegen.emit import environment
 from codegen.ir import Kernel
+from derive.algebra import RowSum
 from derive.engine import Derivation
 from derive.spec import Kind, N
 
@@ -14,7 +15,7 @@ def latex(expr: sympy.Expr) -> str:
     return sympy.latex(expr, order="lex")
 
 
-def render_page(derivation: Derivation, forward: Kernel, backward: Kernel) -> str:
+def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Kernel]) -> str:
     spec = derivation.spec
     definitions = []
     for node in spec.nodes:
@@ -32,7 +33,23 @@ def render_page(derivation: Derivation, forward: Kernel, backward: Kernel) -> st
                 note += f", {latex(node.absent)} when not given"
             math = rf"{symbol} \;:\; \text{{{note}}}"
         definitions.append({"name": node.name, "kind": node.kind.value, "math": math})
-    backward_result = derivation.backward
+    modes = []
+    for mode, result in derivation.backwards.items():
+        modes.append({
+            "name": mode,
+            "doc": spec.mode_docs[mode],
+            "saved": spec.modes[mode],
+            "pivots": [latex(sympy.Eq(u, g)) for u, g in result.pivots],
+            "resolutions": [{"name": r.name, "how": r.how,
+                             "math": latex(sympy.Eq(sympy.Symbol(r.name), r.expr))}
+                            for r in result.resolutions],
+            "reductions": [latex(sympy.Eq(sympy.Symbol(name), RowSum(body), evaluate=False))
+                           for name, body in result.reductions],
+            "gradients": [{"name": name,
+                           "math": latex(sympy.Eq(sympy.Symbol(r"\bar{" + name + "}"), expr))}
+                          for name, expr in result.gradients],
+            "ir": backwards[mode].listing(),
+        })
     context = {
         "spec": spec,
         "definitions": definitions,
@@ -40,19 +57,9 @@ def render_page(derivation: Derivation, forward: Kernel, backward: Kernel) -> st
         "steps": [{"rule": s.rule, "source": s.source, "target": s.target,
                    "math": latex(s.contribution)} for s in derivation.reverse.steps],
         "stabilisers": derivation.reverse.stabilisers,
-        "pivots": [latex(sympy.Eq(u, g)) for u, g in backward_result.pivots],
-        "resolutions": [{"name": r.name, "how": r.how,
-                         "math": latex(sympy.Eq(sympy.Symbol(r.name), r.expr))}
-                        for r in backward_result.resolutions],
-        "reductions": [latex(sympy.Eq(sympy.Symbol(name), sympy.Symbol(r"\sum_j") * body,
-                                      evaluate=False))
-                       for name, body in backward_result.reductions],
-        "gradients": [{"name": name, "math": latex(sympy.Eq(sympy.Symbol(r"\bar{" + name + "}"),
-                                                            expr))}
-                      for name, expr in backward_result.gradients],
+        "modes": modes,
         "column_params": [n.name for n in spec.nodes if n.kind is Kind.COLUMN_PARAM],
         "forward_ir": forward.listing(),
-        "backward_ir": backward.listing(),
         "row_length": latex(N),
     }
     return environment().get_template("doc_page.md.j2").render(**context)

@@ -22,8 +22,12 @@ class Derivation:
     forward: RowGraph
     saved_outputs: frozenset[str]
     reverse: ReverseResult
-    backward: BackwardResult
+    backwards: dict[str, BackwardResult]  # one per memory mode, default first
     rules: tuple[tuple[sympy.Expr, sympy.Expr], ...]
+
+    @property
+    def backward(self) -> BackwardResult:
+        return next(iter(self.backwards.values()))
 
 
 def derive(spec: OpSpec) -> Derivation:
@@ -31,8 +35,9 @@ def derive(spec: OpSpec) -> Derivation:
     learn_forward_reductions(spec, algebra)
     rules = tuple(algebra.rules.items())
     reverse = reverse_mode(spec, algebra)
-    backward = derive_backward(spec, algebra, reverse)
-    return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backward, rules)
+    backwards = {mode: derive_backward(spec, algebra, reverse, saved)
+                 for mode, saved in spec.modes.items()}
+    return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backwards, rules)
 
 
 def load_spec(path: Path, display: str) -> OpSpec:
@@ -50,6 +55,9 @@ def load_spec(path: Path, display: str) -> OpSpec:
         raise SpecError(f"{path}: spec() must return an OpSpec, got {type(op).__name__}")
     if not op.outputs:
         raise SpecError(f"{path}: spec '{op.name}' declares no output; call op.output(...)")
+    if not op.modes:
+        raise SpecError(f"{path}: spec '{op.name}' saves nothing; call op.save(...) (it may "
+                        "save no value at all: op.save())")
     if op.api is None:
         raise SpecError(f"{path}: spec '{op.name}' sets no op.api (NormalizedShapeAPI or DimAPI)")
     op.source = display

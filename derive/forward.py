@@ -19,8 +19,9 @@ def forward_graph(spec: OpSpec) -> RowGraph:
             definitions.append(Definition(node.name, node.level.value
                                           if node.level is Level.ROW else "element", node.expr))
     inputs = {n.name for n in spec.nodes if n.kind is Kind.INPUT}
+    saved = spec.saved_anywhere()
     stored_elements = [n for n in spec.nodes if n.name in spec.outputs or (
-        n.name in spec.saved and n.level is Level.ELEMENT and n.name not in inputs)]
+        n.name in saved and n.level is Level.ELEMENT and n.name not in inputs)]
     return RowGraph(
         element_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
         column_inputs=tuple(ColumnParam(n.name, n.absent) for n in spec.nodes
@@ -30,13 +31,14 @@ def forward_graph(spec: OpSpec) -> RowGraph:
         definitions=tuple(definitions),
         element_outputs=tuple((n.name, n.symbol) for n in stored_elements),
         row_outputs=tuple((n.name, n.symbol) for n in spec.nodes
-                          if n.name in spec.saved and n.level is Level.ROW),
+                          if n.name in saved and n.level is Level.ROW),
         column_outputs=(),
     )
 
 
 def saved_outputs(spec: OpSpec) -> frozenset[str]:
-    """Stores that exist only for the backward (skipped when no gradient is needed)."""
+    """Stores that exist only for a backward, each behind its own flag: a memory mode stores
+    only what it saves, and inference stores none."""
     return frozenset(n.name for n in spec.nodes
-                     if n.name in spec.saved and n.name not in spec.outputs
+                     if n.name in spec.saved_anywhere() and n.name not in spec.outputs
                      and n.kind is not Kind.INPUT)

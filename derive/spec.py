@@ -79,7 +79,8 @@ class OpSpec:
     doc: str = ""
     nodes: list[Node] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    saved: list[str] = field(default_factory=list)
+    modes: dict[str, list[str]] = field(default_factory=dict)
+    mode_docs: dict[str, str] = field(default_factory=dict)
     api: Any = None
     source: str = ""
 
@@ -141,15 +142,34 @@ class OpSpec:
                                              f"got {node.level.value}-level '{node.name}'")
             self.outputs.append(node.name)
 
-    def save(self, *symbols: sympy.Symbol) -> None:
-        """What the forward keeps for the backward (inputs, elementwise values, row scalars)."""
+    def save(self, *symbols: sympy.Symbol, mode: str = "default", doc: str = "") -> None:
+        """What the forward keeps for the backward (inputs, elementwise values, row scalars).
+
+        Each `mode` is one memory policy; the engine derives a backward for every mode from
+        its saved set alone. The first mode declared is the default.
+        """
+        if mode in self.modes:
+            raise SpecError(f"{_caller_location()}: memory mode '{mode}' is declared twice")
+        if not mode.isidentifier():
+            raise SpecError(f"{_caller_location()}: a memory mode name must be an identifier, "
+                            f"got {mode!r}")
+        self.modes[mode] = []
+        self.mode_docs[mode] = doc
         for symbol in symbols:
             node = self.node_of(symbol, "save")
             if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR):
                 raise self._error(node.name, f"save() keeps activations and row statistics; "
                                              f"'{node.name}' is a {node.kind.value} and is "
                                              "always available to the backward")
-            self.saved.append(node.name)
+            self.modes[mode].append(node.name)
+
+    @property
+    def saved(self) -> list[str]:
+        """The default mode's saved set."""
+        return next(iter(self.modes.values()), [])
+
+    def saved_anywhere(self) -> set[str]:
+        return {name for names in self.modes.values() for name in names}
 
     # ------------------------------------------------------------------ queries
     def node(self, name: str) -> Node:

@@ -25,6 +25,10 @@ MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
 
+#: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
+#: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
+INVERSION_GUARD = 1e-06
+
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -82,6 +86,19 @@ def _tanh(v):
 
 
 @triton.jit
+def _guarded_reciprocal(v):
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    magnitude = tl.maximum(tl.abs(v), INVERSION_GUARD)
+    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+
+
+def _guarded_reciprocal_torch(v):
+    v = torch.as_tensor(v)
+    magnitude = v.abs().clamp_min(INVERSION_GUARD)
+    return torch.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+
+
+@triton.jit
 def _layernorm_fwd_per(
     x_ptr,
     x_row_stride,
@@ -96,7 +113,8 @@ def _layernorm_fwd_per(
     N,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    STORE_SAVED: tl.constexpr,
+    STORE_MEAN: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,9 +144,9 @@ def _layernorm_fwd_per(
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         y = bias + weight * x_hat  # y = bias + weight*x_hat
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
-        if STORE_SAVED:
+        if STORE_MEAN:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
-        if STORE_SAVED:
+        if STORE_RSTD:
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
@@ -147,7 +165,8 @@ def _layernorm_fwd_red(
     N,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    STORE_SAVED: tl.constexpr,
+    STORE_MEAN: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -192,14 +211,14 @@ def _layernorm_fwd_red(
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             y = bias + weight * x_hat  # y = bias + weight*x_hat
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
-        if STORE_SAVED:
+        if STORE_MEAN:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
-        if STORE_SAVED:
+        if STORE_RSTD:
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
-def _layernorm_bwd_per(
+def _layernorm_bwd_default_per(
     dy_ptr,
     dy_row_stride,
     x_ptr,
@@ -218,12 +237,11 @@ def _layernorm_bwd_per(
     HAS_BIAS: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
-    STORE_SAVED: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """_layernorm_bwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+    """_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -258,7 +276,7 @@ def _layernorm_bwd_per(
 
 
 @triton.jit
-def _layernorm_bwd_red(
+def _layernorm_bwd_default_red(
     dy_ptr,
     dy_row_stride,
     x_ptr,
@@ -277,12 +295,11 @@ def _layernorm_bwd_red(
     HAS_BIAS: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
-    STORE_SAVED: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """_layernorm_bwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
@@ -332,12 +349,295 @@ def _layernorm_bwd_red(
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 
+@triton.jit
+def _layernorm_bwd_recompute_mean_per(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    bias_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+        rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
+        row_mask = rows < M
+        offsets = rows.to(tl.int64)
+        mask = row_mask & col_mask
+        dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        mean = tl.sum(tl.where(mask, x, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+        sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
+        sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DWEIGHT:
+            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+        if STORE_DBIAS:
+            dbias_acc += tl.where(mask, dy, 0.0)  # dbias = dy
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DBIAS:
+        tl.store(dbias_partial_ptr + pid * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
+
+
+@triton.jit
+def _layernorm_bwd_recompute_mean_red(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    bias_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+        rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
+        row_mask = rows < M
+        offsets = rows.to(tl.int64)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_weight_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = cols < N
+            mask = row_mask & col_mask
+            if HAS_WEIGHT:
+                weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                weight = 1.0
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            mean_acc += tl.where(mask, x, 0.0)
+            sum_dy_weight_acc += tl.where(mask, dy * weight, 0.0)
+        mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+        sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = cols < N
+            mask = row_mask & col_mask
+            if HAS_WEIGHT:
+                weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                weight = 1.0
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
+            sum_dy_weight_x_hat_acc += tl.where(mask, dy * weight * x_hat, 0.0)
+        sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = cols < N
+            mask = row_mask & col_mask
+            if HAS_WEIGHT:
+                weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                weight = 1.0
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+            if STORE_DWEIGHT:
+                # this program owns row pid of the partials: read-modify-write, no atomics
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
+            if STORE_DBIAS:
+                # this program owns row pid of the partials: read-modify-write, no atomics
+                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
+                tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
+
+
+@triton.jit
+def _layernorm_bwd_invertible_per(
+    dy_ptr,
+    dy_row_stride,
+    y_ptr,
+    y_row_stride,
+    weight_ptr,
+    bias_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        bias = 0.0
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+        rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
+        row_mask = rows < M
+        offsets = rows.to(tl.int64)
+        mask = row_mask & col_mask
+        dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+        sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DWEIGHT:
+            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+        if STORE_DBIAS:
+            dbias_acc += tl.where(mask, dy, 0.0)  # dbias = dy
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DBIAS:
+        tl.store(dbias_partial_ptr + pid * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
+
+
+@triton.jit
+def _layernorm_bwd_invertible_red(
+    dy_ptr,
+    dy_row_stride,
+    y_ptr,
+    y_row_stride,
+    weight_ptr,
+    bias_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+        rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
+        row_mask = rows < M
+        offsets = rows.to(tl.int64)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        sum_dy_weight_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = cols < N
+            mask = row_mask & col_mask
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                bias = 0.0
+            if HAS_WEIGHT:
+                weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                weight = 1.0
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+            sum_dy_weight_acc += tl.where(mask, dy * weight, 0.0)
+            sum_dy_weight_x_hat_acc += tl.where(mask, dy * weight * x_hat, 0.0)
+        sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = cols < N
+            mask = row_mask & col_mask
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                bias = 0.0
+            if HAS_WEIGHT:
+                weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+            else:
+                weight = 1.0
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+            if STORE_DWEIGHT:
+                # this program owns row pid of the partials: read-modify-write, no atomics
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
+            if STORE_DBIAS:
+                # this program owns row pid of the partials: read-modify-write, no atomics
+                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
+                tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
+
+
 def _layernorm_fwd_torch(
     x,
     weight,
     bias,
     eps,
-    store_saved,
+    store_mean,
+    store_rstd,
 ):
     """_layernorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
@@ -353,12 +653,12 @@ def _layernorm_fwd_torch(
     y = bias + weight * x_hat  # y = bias + weight*x_hat
     return (
         torch.broadcast_to(y, (M, N)).to(dtype),
-        torch.broadcast_to(mean, (M, 1)).reshape(M) if store_saved else None,
-        torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_saved else None,
+        torch.broadcast_to(mean, (M, 1)).reshape(M) if store_mean else None,
+        torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None,
     )
 
 
-def _layernorm_bwd_torch(
+def _layernorm_bwd_default_torch(
     dy,
     x,
     weight,
@@ -367,9 +667,8 @@ def _layernorm_bwd_torch(
     rstd,
     store_dweight,
     store_dbias,
-    store_saved,
 ):
-    """_layernorm_bwd in plain torch, emitted from the same IR as the Triton kernels."""
+    """_layernorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = _accumulator(dtype)
     M, N = dy.shape
@@ -389,36 +688,94 @@ def _layernorm_bwd_torch(
     )
 
 
+def _layernorm_bwd_recompute_mean_torch(
+    dy,
+    x,
+    weight,
+    bias,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    """_layernorm_bwd_recompute_mean in plain torch, emitted from the same IR as the Triton kernels."""
+    dtype = dy.dtype
+    acc = _accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    x = x.to(acc)
+    weight = weight.to(acc) if weight is not None else 1.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    rstd = rstd.to(acc)[:, None]
+    mean = (x).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(x)
+    sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
+    x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
+    sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    return (
+        torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype),
+        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
+        torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None,
+    )
+
+
+def _layernorm_bwd_invertible_torch(
+    dy,
+    y,
+    weight,
+    bias,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    """_layernorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
+    dtype = dy.dtype
+    acc = _accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    y = y.to(acc)
+    weight = weight.to(acc) if weight is not None else 1.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    rstd = rstd.to(acc)[:, None]
+    x_hat = (y - bias) * _guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+    sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
+    sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    return (
+        torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype),
+        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
+        torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None,
+    )
+
+
 def _layernorm_fwd(
     x,
     weight,
     bias,
     eps,
-    store_saved,
+    store_mean,
+    store_rstd,
 ):
     M, N = x.shape
     if M == 0 or N == 0 or not _use_triton(x):
-        return _layernorm_fwd_torch(
-x, weight, bias, eps, store_saved)
+        return _layernorm_fwd_torch(x, weight, bias, eps, store_mean, store_rstd)
     acc = _accumulator(x.dtype)
     device = x.device
     schedule = _schedule(M, N, False, device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
-    mean = torch.empty((M,), dtype=acc, device=device) if store_saved else None
-    rstd = torch.empty((M,), dtype=acc, device=device) if store_saved else None
+    mean = torch.empty((M,), dtype=acc, device=device) if store_mean else None
+    rstd = torch.empty((M,), dtype=acc, device=device) if store_rstd else None
     kernel = _layernorm_fwd_red if schedule.looped else _layernorm_fwd_per
     kernel[(schedule.programs,)](
         x, x.stride(0),
         weight if weight is not None else x,
         bias if bias is not None else x,
         y, y.stride(0),
-        mean if store_saved else x,
-        rstd if store_saved else x,
+        mean if store_mean else x,
+        rstd if store_rstd else x,
         eps,
         M, N,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
-        STORE_SAVED=store_saved,
+        STORE_MEAN=store_mean,
+        STORE_RSTD=store_rstd,
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
@@ -431,7 +788,7 @@ x, weight, bias, eps, store_saved)
     )
 
 
-def _layernorm_bwd(
+def _layernorm_bwd_default(
     dy,
     x,
     weight,
@@ -440,19 +797,17 @@ def _layernorm_bwd(
     rstd,
     store_dweight,
     store_dbias,
-    store_saved,
 ):
     M, N = dy.shape
     if M == 0 or N == 0 or not _use_triton(dy):
-        return _layernorm_bwd_torch(
-dy, x, weight, bias, mean, rstd, store_dweight, store_dbias, store_saved)
+        return _layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
     schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
     dbias_partial = _partials(store_dbias, schedule, N, acc, device)
-    kernel = _layernorm_bwd_red if schedule.looped else _layernorm_bwd_per
+    kernel = _layernorm_bwd_default_red if schedule.looped else _layernorm_bwd_default_per
     kernel[(schedule.programs,)](
         dy, dy.stride(0),
         x, x.stride(0),
@@ -461,14 +816,13 @@ dy, x, weight, bias, mean, rstd, store_dweight, store_dbias, store_saved)
         mean,
         rstd,
         dx, dx.stride(0),
-        dweight_partial,
-        dbias_partial,
+        dweight_partial if store_dweight else dy,
+        dbias_partial if store_dbias else dy,
         M, N,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
         STORE_DWEIGHT=store_dweight,
         STORE_DBIAS=store_dbias,
-        STORE_SAVED=store_saved,
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
@@ -481,12 +835,109 @@ dy, x, weight, bias, mean, rstd, store_dweight, store_dbias, store_saved)
     )
 
 
-class _Function(torch.autograd.Function):
-    """Rows in, rows out: (M, N) tensors whose last dim has stride 1."""
+def _layernorm_bwd_recompute_mean(
+    dy,
+    x,
+    weight,
+    bias,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    M, N = dy.shape
+    if M == 0 or N == 0 or not _use_triton(dy):
+        return _layernorm_bwd_recompute_mean_torch(dy, x, weight, bias, rstd, store_dweight, store_dbias)
+    acc = _accumulator(dy.dtype)
+    device = dy.device
+    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    dweight_partial = _partials(store_dweight, schedule, N, acc, device)
+    dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    kernel = _layernorm_bwd_recompute_mean_red if schedule.looped else _layernorm_bwd_recompute_mean_per
+    kernel[(schedule.programs,)](
+        dy, dy.stride(0),
+        x, x.stride(0),
+        weight if weight is not None else dy,
+        bias if bias is not None else dy,
+        rstd,
+        dx, dx.stride(0),
+        dweight_partial if store_dweight else dy,
+        dbias_partial if store_dbias else dy,
+        M, N,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        STORE_DWEIGHT=store_dweight,
+        STORE_DBIAS=store_dbias,
+        ACC=_TRITON_ACC[acc],
+        ROWS=schedule.rows,
+        BLOCK_N=schedule.block_n,
+        num_warps=schedule.warps,
+    )
+    return (
+        dx,
+        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
+        dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None,
+    )
+
+
+def _layernorm_bwd_invertible(
+    dy,
+    y,
+    weight,
+    bias,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    M, N = dy.shape
+    if M == 0 or N == 0 or not _use_triton(dy):
+        return _layernorm_bwd_invertible_torch(dy, y, weight, bias, rstd, store_dweight, store_dbias)
+    acc = _accumulator(dy.dtype)
+    device = dy.device
+    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    dweight_partial = _partials(store_dweight, schedule, N, acc, device)
+    dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    kernel = _layernorm_bwd_invertible_red if schedule.looped else _layernorm_bwd_invertible_per
+    kernel[(schedule.programs,)](
+        dy, dy.stride(0),
+        y, y.stride(0),
+        weight if weight is not None else dy,
+        bias if bias is not None else dy,
+        rstd,
+        dx, dx.stride(0),
+        dweight_partial if store_dweight else dy,
+        dbias_partial if store_dbias else dy,
+        M, N,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        STORE_DWEIGHT=store_dweight,
+        STORE_DBIAS=store_dbias,
+        ACC=_TRITON_ACC[acc],
+        ROWS=schedule.rows,
+        BLOCK_N=schedule.block_n,
+        num_warps=schedule.warps,
+    )
+    return (
+        dx,
+        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
+        dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None,
+    )
+
+
+class _DefaultFunction(torch.autograd.Function):
+    """Memory mode 'default': saves x, mean, rstd. The fastest backward: only x_hat is recomputed.
+
+    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd, = _layernorm_fwd(x, weight, bias, eps, store_saved=True)
+        y, mean, rstd, = _layernorm_fwd(
+            x, weight, bias, eps,
+            store_mean=True,
+            store_rstd=True,
+        )
         ctx.save_for_backward(x, mean, rstd, weight, bias)
         ctx.eps = eps
         return y
@@ -495,8 +946,78 @@ class _Function(torch.autograd.Function):
     def backward(ctx, dy):
         x, mean, rstd, weight, bias, = ctx.saved_tensors
         dy = _rows(dy.shape, dy)
-        dx, dweight, dbias, = _layernorm_bwd(dy, x, weight, bias, mean, rstd,             store_dweight=weight is not None and ctx.needs_input_grad[1],            store_dbias=bias is not None and ctx.needs_input_grad[2],            store_saved=False)
+        dx, dweight, dbias, = _layernorm_bwd_default(
+            dy, x, weight, bias, mean, rstd,
+            store_dweight=weight is not None and ctx.needs_input_grad[1],
+            store_dbias=bias is not None and ctx.needs_input_grad[2],
+        )
         return dx, dweight, dbias, None
+
+
+class _RecomputeMeanFunction(torch.autograd.Function):
+    """Memory mode 'recompute_mean': saves x, rstd. DeepSpeed's useMean=false: the backward recomputes the row mean from x.
+
+    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd, = _layernorm_fwd(
+            x, weight, bias, eps,
+            store_mean=False,
+            store_rstd=True,
+        )
+        ctx.save_for_backward(x, rstd, weight, bias)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, weight, bias, = ctx.saved_tensors
+        dy = _rows(dy.shape, dy)
+        dx, dweight, dbias, = _layernorm_bwd_recompute_mean(
+            dy, x, weight, bias, rstd,
+            store_dweight=weight is not None and ctx.needs_input_grad[1],
+            store_dbias=bias is not None and ctx.needs_input_grad[2],
+        )
+        return dx, dweight, dbias, None
+
+
+class _InvertibleFunction(torch.autograd.Function):
+    """Memory mode 'invertible': saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).
+
+    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd, = _layernorm_fwd(
+            x, weight, bias, eps,
+            store_mean=False,
+            store_rstd=True,
+        )
+        ctx.save_for_backward(y, rstd, weight, bias)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, weight, bias, = ctx.saved_tensors
+        dy = _rows(dy.shape, dy)
+        dx, dweight, dbias, = _layernorm_bwd_invertible(
+            dy, y, weight, bias, rstd,
+            store_dweight=weight is not None and ctx.needs_input_grad[1],
+            store_dbias=bias is not None and ctx.needs_input_grad[2],
+        )
+        return dx, dweight, dbias, None
+
+
+_FUNCTIONS = {
+    "default": _DefaultFunction,
+    "recompute_mean": _RecomputeMeanFunction,
+    "invertible": _InvertibleFunction,
+}
+
 
 def _rows(shape, tensor):
     """An (M, N) view whose last dim has stride 1, copying only when it must."""
@@ -570,11 +1091,28 @@ def _check_eps(function, eps, dtype):
     return eps
 
 
+def _check_real(function, name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{function}(): argument '{name}' must be finite, got {value}")
+    return value
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05):
+def _check_memory(function, memory):
+    if memory not in _FUNCTIONS:
+        raise ValueError(
+            f"{function}(): argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}"
+        )
+    return _FUNCTIONS[memory]
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05, *, memory="default"):
     """Same arguments, defaults and result as `torch.nn.functional.layer_norm`.
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
@@ -586,13 +1124,14 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05):
     weight = _check_param("layer_norm", "weight", weight, shape, input)
     bias = _check_param("layer_norm", "bias", bias, shape, input)
     eps = _check_eps("layer_norm", eps, input.dtype)
+    function = _check_memory("layer_norm", memory)
     if columns == 0:
         return input.clone()
     x = _rows((-1, columns), input)
     if _needs_grad(input, weight, bias):
-        y = _Function.apply(x, weight, bias, eps)
+        y = function.apply(x, weight, bias, eps)
     else:
-        y = _layernorm_fwd(x, weight, bias, eps, store_saved=False)[0]
+        y = _layernorm_fwd(x, weight, bias, eps, store_mean=False, store_rstd=False)[0]
     return y.reshape(input.shape)
 
 
@@ -609,6 +1148,8 @@ class LayerNorm(torch.nn.Module):
         bias=True,
         device=None,
         dtype=None,
+        *,
+        memory="default",
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -617,6 +1158,8 @@ class LayerNorm(torch.nn.Module):
         self.normalized_shape = tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        _check_memory("LayerNorm", memory)
+        self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
@@ -634,9 +1177,12 @@ class LayerNorm(torch.nn.Module):
             torch.nn.init.zeros_(self.bias)
 
     def forward(self, input):
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, memory=self.memory)
 
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
             f", bias={self.bias is not None}"
+         ) + (
+            f", memory={self.memory!r}" if self.memory != "default" else ""
         )
+

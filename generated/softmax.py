@@ -25,6 +25,10 @@ MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
 
+#: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
+#: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
+INVERSION_GUARD = 1e-06
+
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -82,6 +86,19 @@ def _tanh(v):
 
 
 @triton.jit
+def _guarded_reciprocal(v):
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    magnitude = tl.maximum(tl.abs(v), INVERSION_GUARD)
+    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+
+
+def _guarded_reciprocal_torch(v):
+    v = torch.as_tensor(v)
+    magnitude = v.abs().clamp_min(INVERSION_GUARD)
+    return torch.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+
+
+@triton.jit
 def _softmax_fwd_per(
     x_ptr,
     x_row_stride,
@@ -89,7 +106,6 @@ def _softmax_fwd_per(
     p_row_stride,
     M,
     N,
-    STORE_SAVED: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -120,7 +136,6 @@ def _softmax_fwd_red(
     p_row_stride,
     M,
     N,
-    STORE_SAVED: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -160,7 +175,7 @@ def _softmax_fwd_red(
 
 
 @triton.jit
-def _softmax_bwd_per(
+def _softmax_bwd_default_per(
     dp_ptr,
     dp_row_stride,
     p_ptr,
@@ -169,12 +184,11 @@ def _softmax_bwd_per(
     dx_row_stride,
     M,
     N,
-    STORE_SAVED: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """_softmax_bwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+    """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -191,7 +205,7 @@ def _softmax_bwd_per(
 
 
 @triton.jit
-def _softmax_bwd_red(
+def _softmax_bwd_default_red(
     dp_ptr,
     dp_row_stride,
     p_ptr,
@@ -200,12 +214,11 @@ def _softmax_bwd_red(
     dx_row_stride,
     M,
     N,
-    STORE_SAVED: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """_softmax_bwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
@@ -232,7 +245,6 @@ def _softmax_bwd_red(
 
 def _softmax_fwd_torch(
     x,
-    store_saved,
 ):
     """_softmax_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
@@ -248,12 +260,11 @@ def _softmax_fwd_torch(
     )
 
 
-def _softmax_bwd_torch(
+def _softmax_bwd_default_torch(
     dp,
     p,
-    store_saved,
 ):
-    """_softmax_bwd in plain torch, emitted from the same IR as the Triton kernels."""
+    """_softmax_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dp.dtype
     acc = _accumulator(dtype)
     M, N = dp.shape
@@ -267,12 +278,10 @@ def _softmax_bwd_torch(
 
 def _softmax_fwd(
     x,
-    store_saved,
 ):
     M, N = x.shape
     if M == 0 or N == 0 or not _use_triton(x):
-        return _softmax_fwd_torch(
-x, store_saved)
+        return _softmax_fwd_torch(x)
     acc = _accumulator(x.dtype)
     device = x.device
     schedule = _schedule(M, N, False, device, PERSISTENT_MAX_BLOCK_N)
@@ -282,7 +291,6 @@ x, store_saved)
         x, x.stride(0),
         p, p.stride(0),
         M, N,
-        STORE_SAVED=store_saved,
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
@@ -293,26 +301,23 @@ x, store_saved)
     )
 
 
-def _softmax_bwd(
+def _softmax_bwd_default(
     dp,
     p,
-    store_saved,
 ):
     M, N = dp.shape
     if M == 0 or N == 0 or not _use_triton(dp):
-        return _softmax_bwd_torch(
-dp, p, store_saved)
+        return _softmax_bwd_default_torch(dp, p)
     acc = _accumulator(dp.dtype)
     device = dp.device
     schedule = _schedule(M, N, False, device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dp.dtype, device=device)
-    kernel = _softmax_bwd_red if schedule.looped else _softmax_bwd_per
+    kernel = _softmax_bwd_default_red if schedule.looped else _softmax_bwd_default_per
     kernel[(schedule.programs,)](
         dp, dp.stride(0),
         p, p.stride(0),
         dx, dx.stride(0),
         M, N,
-        STORE_SAVED=store_saved,
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
@@ -323,12 +328,17 @@ dp, p, store_saved)
     )
 
 
-class _Function(torch.autograd.Function):
-    """Rows in, rows out: (M, N) tensors whose last dim has stride 1."""
+class _DefaultFunction(torch.autograd.Function):
+    """Memory mode 'default': saves p. 
+
+    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
+    """
 
     @staticmethod
     def forward(ctx, x):
-        p, = _softmax_fwd(x, store_saved=True)
+        p, = _softmax_fwd(
+            x,
+        )
         ctx.save_for_backward(p)
         return p
 
@@ -336,8 +346,16 @@ class _Function(torch.autograd.Function):
     def backward(ctx, dp):
         p, = ctx.saved_tensors
         dp = _rows(dp.shape, dp)
-        dx, = _softmax_bwd(dp, p,             store_saved=False)
+        dx, = _softmax_bwd_default(
+            dp, p,
+        )
         return dx
+
+
+_FUNCTIONS = {
+    "default": _DefaultFunction,
+}
+
 
 def _rows(shape, tensor):
     """An (M, N) view whose last dim has stride 1, copying only when it must."""
@@ -411,6 +429,15 @@ def _check_eps(function, eps, dtype):
     return eps
 
 
+def _check_real(function, name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{function}(): argument '{name}' must be finite, got {value}")
+    return value
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -443,9 +470,9 @@ def softmax(input, dim=-1):
         return input.clone()
     x = _rows((-1, columns), moved)
     if _needs_grad(input):
-        p = _Function.apply(x)
+        p = _FUNCTIONS["default"].apply(x)
     else:
-        p = _softmax_fwd(x, store_saved=False)[0]
+        p = _softmax_fwd(x, )[0]
     return p.reshape(moved.shape).movedim(-1, dim)
 
 

@@ -72,10 +72,18 @@ def test_derived_vjp_equals_transposed_jacobian(name: str) -> None:
     pairing = sum(upstream["d" + out][j] * elements[out][j]
                   for out in spec.outputs for j in range(ROW_LENGTH))
     # The derived backward, evaluated from what the forward saved.
-    back_rows = {k: v for k, v in rows.items()}
-    back_elements = {k: v for k, v in elements.items()} | upstream
-    evaluate_graph(derivation.backward.graph.definitions, back_rows, back_elements)
-    for gradient, expr in derivation.backward.gradients:
+    for mode, backward in derivation.backwards.items():
+        check_mode(spec, backward, rows, elements, upstream, pairing, point, mode)
+
+
+def check_mode(spec, backward, rows, elements, upstream, pairing, point, mode) -> None:
+    # Only what the mode saved (plus parameters and upstream gradients) reaches the backward.
+    keep = set(spec.modes[mode]) | {n.name for n in spec.nodes
+                                    if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR)}
+    back_rows = {k: v for k, v in rows.items() if k in keep}
+    back_elements = {k: v for k, v in elements.items() if k in keep} | upstream
+    evaluate_graph(backward.graph.definitions, back_rows, back_elements)
+    for gradient, expr in backward.gradients:
         node = spec.node(gradient)
         graph_env = {"rows": back_rows, "elements": back_elements}
         for j, symbol in enumerate(element_symbols(gradient)):
@@ -89,7 +97,7 @@ def test_derived_vjp_equals_transposed_jacobian(name: str) -> None:
             if node.kind is Kind.COLUMN_PARAM:
                 assert node.kind is Kind.COLUMN_PARAM  # one row: the column sum is this value
             difference = (expected - derived).xreplace(point)
-            assert abs(sympy.N(difference, 40)) < sympy.Float("1e-30"), (gradient, j)
+            assert abs(sympy.N(difference, 40)) < sympy.Float("1e-30"), (mode, gradient, j)
 
 
 def test_layernorm_backward_has_the_textbook_shape() -> None:
@@ -118,6 +126,7 @@ def test_a_max_that_matters_is_rejected() -> None:
     x = op.input("x")
     top = op.row_max("top", x)
     op.output(op.element("y", x * top))
+    op.save(x)
     with pytest.raises(DerivationError, match="'top' is a row max whose adjoint does not vanish"):
         derive(op)
 
@@ -127,6 +136,7 @@ def test_unsaved_and_underivable_value_is_reported() -> None:
     x = op.input("x")
     total = op.row_sum("total", x**2)
     op.output(op.element("y", sympy.sin(x) * total))
+    op.save()
     with pytest.raises(DerivationError, match="the backward needs 'x'"):
         derive(op)
 

@@ -16,8 +16,15 @@ def spec() -> OpSpec:
     var = op.row_mean("var", (x - mean) ** 2)
     rstd = op.row("rstd", 1 / sympy.sqrt(var + eps), positive=True)
     x_hat = op.element("x_hat", (x - mean) * rstd)
-    op.output(op.element("y", x_hat * weight + bias))
-    op.save(x, mean, rstd)
+    y = op.element("y", x_hat * weight + bias)
+    op.output(y)
+    op.save(x, mean, rstd, doc="The fastest backward: only x_hat is recomputed.")
+    op.save(x, rstd, mode="recompute_mean",
+            doc="DeepSpeed's useMean=false: the backward recomputes the row mean from x.")
+    op.save(y, rstd, mode="invertible",
+            doc="DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, "
+                "which the next layer keeps anyway, instead of the input; x_hat is recovered as "
+                "(y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).")
     op.api = NormalizedShapeAPI(
         function="layer_norm", module="LayerNorm",
         torch_function="torch.nn.functional.layer_norm", torch_module="torch.nn.LayerNorm",

@@ -1,8 +1,11 @@
-"""RMSNorm: y = x * rstd * weight, rstd = 1 / sqrt(mean(x**2) + eps)."""
+"""RMSNorm: y = x * rstd * (weight_offset + weight), rstd = 1 / sqrt(mean(x**2) + eps).
+
+weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight) scale.
+"""
 
 import sympy
 
-from derive.api import NormalizedShapeAPI, Param
+from derive.api import NormalizedShapeAPI, Option, Param
 from derive.spec import OpSpec
 
 
@@ -11,13 +14,19 @@ def spec() -> OpSpec:
     x = op.input("x")
     weight = op.column_param("weight", absent=1)
     eps = op.scalar("eps", positive=True)
+    weight_offset = op.scalar("weight_offset")
     mean_square = op.row_mean("mean_square", x**2)
     rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
     x_hat = op.element("x_hat", x * rstd)
-    op.output(op.element("y", x_hat * weight))
-    op.save(x, rstd)
+    y = op.element("y", x_hat * (weight_offset + weight))
+    op.output(y)
+    op.save(x, rstd, doc="Keeps the input and the row statistic.")
+    op.save(y, rstd, mode="invertible",
+            doc="Keeps the output instead of the input; x_hat is recovered as "
+                "y / (weight_offset + weight) with the divisor clamped below.")
     op.api = NormalizedShapeAPI(
         function="rms_norm", module="RMSNorm",
         torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
-        params=(Param("weight", "ones"),), eps=None)
+        params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
+        options=(Option("weight_offset", 0.0),))
     return op
