@@ -61,6 +61,11 @@ class KernelContext:
         self.kernel = kernel
         self.name = kernel.name
         self.element_inputs = [t.name for t in kernel.tensors("element")]
+        self.optional_elements = {t.name: self.printer(t.absent)
+                                  for t in kernel.tensors("element") if t.optional}
+        self.first = next(t.name for t in kernel.tensors("element") if not t.optional)
+        self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
+        self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]
         self.column_inputs = [self._column(t.name) for t in kernel.tensors("column")]
         self.kernel_columns = [c["name"] for c in self.column_inputs]
@@ -83,6 +88,10 @@ class KernelContext:
         self.args = self._args()
         self.inputs = (self.element_inputs + self.kernel_columns + self.row_inputs + self.scalars)
         self.params = self.inputs + [f"store_{s['name']}" for s in self.flagged_stores]
+        # flagged element outputs may take another dtype (a residual stream kept in fp32)
+        self.params += [f"{s['name']}_dtype=None" for s in self.element_stores if s["flag"]]
+        self.call_params = [p.split("=")[0] for p in self.params]
+        self.returns = [self.aliases.get(o.name, o.name) for o in kernel.outputs]
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
         self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
 
@@ -99,10 +108,17 @@ class KernelContext:
                 lines.append(load)
         return lines
 
-    @staticmethod
-    def element_load_lines(names: list[str]) -> list[str]:
-        return [f"{e} = tl.load({e}_ptr + offsets * {e}_row_stride + cols, mask=mask, "
-                "other=0.0).to(ACC)" for e in names]
+    def element_load_lines(self, names: list[str]) -> list[str]:
+        lines = []
+        for e in names:
+            load = (f"{e} = tl.load({e}_ptr + offsets * {e}_row_stride + cols, mask=mask, "
+                    "other=0.0).to(ACC)")
+            if e in self.optional_elements:
+                lines += [f"if {self.element_flags[e]}:", f"    {load}", "else:",
+                          f"    {e} = {self.optional_elements[e]}"]
+            else:
+                lines.append(load)
+        return lines
 
     @staticmethod
     def assign_lines(assigns: list[dict[str, str]]) -> list[str]:
@@ -179,6 +195,7 @@ class KernelContext:
         args += [f"{s['name']}_ptr" for s in self.row_stores]
         args += [f"{s['name']}_partial_ptr" for s in self.column_stores]
         args += self.scalars + ["M", "N"]
+        args += [f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
         args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
@@ -192,17 +209,22 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     modes = []
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
+        gradients = [o.name for o in backward.outputs if o.level in ("element", "column")]
         modes.append({
             "name": mode,
             "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
             "doc": doc,
             "saved": list(saved),
             "saved_for_backward": [*saved, *params],
-            "store_flags": {s.name: s.name in saved for s in forward.stores if s.flag},
+            "store_flags": {s.name: (True if s.name in saved else
+                                     f"want_{s.name}" if s.name in module.outputs else False)
+                            for s in forward.stores if s.flag},
             "bwd": KernelContext(backward, TRITON),
             "bwd_torch": KernelContext(backward, TORCH),
-            "gradients": [s.name for s in (*backward.stores_of("element"),
-                                           *backward.stores_of("column"))],
+            "gradients": gradients,
+            "returns": ", ".join(
+                [f"{g} if needs[{i}] else None" for i, g in enumerate(gradients)]
+                + ["None"] * (len(module.scalars) + 2 * len(module.outputs[1:]))),
         })
     context = {
         "module": module,
@@ -211,6 +233,12 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "modes": modes,
         "upstream": module.upstream,
         "function_args": [*module.inputs, *params, *module.scalars],
+        "optional_outputs": list(module.outputs[1:]),
+        "function_tensors": [*module.inputs, *params],
+        "checked_params": [*getattr(module.api, "call_params", ()),
+                           *(p.name for p in getattr(module.api, "params", ()))],
+        "extra_args": [arg for name in module.outputs[1:]
+                       for arg in (f"want_{name}", f"{name}_dtype")],
         "fwd_torch": KernelContext(forward, TORCH),
         "schedule": schedule.constants(),
         "sympy_version": sympy.__version__,

@@ -74,6 +74,7 @@ class Kernel:
     passes: tuple[Pass, ...]
     epilogue: Pass
     stores: tuple[Store, ...]
+    aliases: tuple[tuple[str, str], ...] = ()  # (output, the stored output it equals)
 
     def tensors(self, level: str) -> tuple[Tensor, ...]:
         return tuple(t for t in self.inputs if t.level == level)
@@ -102,6 +103,8 @@ class Kernel:
                 lines.append(f"    {r.name} = {r.scale} * {r.op}_j({r.body})")
             for a in step.after:
                 lines.append(f"    {a.name} = {a.expr}")
+        for alias, target in self.aliases:
+            lines.append(f"  output {alias} is {target} (same values, stored once)")
         for s in self.stores:
             note = " (Σ over rows)" if s.level == "column" else ""
             note += f" (if {s.flag})" if s.flag else ""

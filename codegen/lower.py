@@ -46,14 +46,32 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     by_name = {s.name: expr for s, expr in zip(element_stores, rewritten, strict=True)}
     final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.flag, s.like)
                          for s in stores)
+    outputs = tuple(Tensor(s.name, s.level) for s in final_stores)
+    final_stores, aliases = _alias_identical(final_stores)
     epilogue = Pass(loads=loads, assigns=assigns + shared, reductions=(), after=())
 
-    inputs = tuple(Tensor(t, "element") for t in graph.element_inputs)
+    absent = dict(graph.element_absent)
+    inputs = tuple(Tensor(t, "element", absent.get(t)) for t in graph.element_inputs)
     inputs += tuple(Tensor(p.name, "column", p.absent) for p in graph.column_inputs)
     inputs += tuple(Tensor(t, "row") for t in graph.row_inputs)
-    outputs = tuple(Tensor(s.name, s.level) for s in final_stores)
     return Kernel(name, inputs, outputs, graph.scalars, prologue, tuple(passes), epilogue,
-                  final_stores)
+                  final_stores, aliases)
+
+
+def _alias_identical(stores: tuple[Store, ...]
+                     ) -> tuple[tuple[Store, ...], tuple[tuple[str, str], ...]]:
+    """An element output equal to an earlier unconditional one is not written twice: it is
+    that tensor (dx and dresidual of a fused residual add)."""
+    kept: list[Store] = []
+    aliases: list[tuple[str, str]] = []
+    for store in stores:
+        twin = next((k for k in kept if k.level == "element" == store.level
+                     and k.flag is None and k.expr == store.expr), None)
+        if twin is None:
+            kept.append(store)
+        else:
+            aliases.append((store.name, twin.name))
+    return tuple(kept), tuple(aliases)
 
 
 def _levels(graph: RowGraph) -> dict[str, str]:

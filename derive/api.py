@@ -39,6 +39,11 @@ class NormalizedShapeAPI:
     params: tuple[Param, ...]
     eps: float | None
     options: tuple[Option, ...] = ()
+    #: the spec input added to `input` (function argument after input), for fused add + norm:
+    #: then `prenorm=True` also returns the sum, `residual_in_fp32=True` keeps it in fp32
+    residual: str | None = None
+    #: per-column tensors passed at each call (keyword-only), not owned by the module
+    call_params: tuple[str, ...] = ()
 
     kind = "normalized_shape"
 

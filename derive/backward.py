@@ -268,6 +268,7 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         row_outputs=(),
         column_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
                              if kinds[k] is Kind.COLUMN_PARAM),
+        element_absent=tuple((u, sympy.Integer(0)) for u in upstream[1:]),
     )
 
 

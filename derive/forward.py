@@ -20,8 +20,10 @@ def forward_graph(spec: OpSpec) -> RowGraph:
                                           if node.level is Level.ROW else "element", node.expr))
     inputs = {n.name for n in spec.nodes if n.kind is Kind.INPUT}
     saved = spec.saved_anywhere()
-    stored_elements = [n for n in spec.nodes if n.name in spec.outputs or (
-        n.name in saved and n.level is Level.ELEMENT and n.name not in inputs)]
+    # Outputs first, in output order, then values stored only for a backward.
+    stored_elements = [spec.node(name) for name in spec.outputs]
+    stored_elements += [n for n in spec.nodes if n.name not in spec.outputs and
+                        n.name in saved and n.level is Level.ELEMENT and n.name not in inputs]
     return RowGraph(
         element_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
         column_inputs=tuple(ColumnParam(n.name, n.absent) for n in spec.nodes
@@ -33,12 +35,15 @@ def forward_graph(spec: OpSpec) -> RowGraph:
         row_outputs=tuple((n.name, n.symbol) for n in spec.nodes
                           if n.name in saved and n.level is Level.ROW),
         column_outputs=(),
+        element_absent=tuple((n.name, n.absent) for n in spec.nodes
+                             if n.kind is Kind.INPUT and n.absent is not None),
     )
 
 
 def saved_outputs(spec: OpSpec) -> frozenset[str]:
-    """Stores that exist only for a backward, each behind its own flag: a memory mode stores
-    only what it saves, and inference stores none."""
+    """Stores behind their own flag: values only a backward needs (a memory mode stores only
+    what it saves, inference none), and every output after the first (stored when asked for
+    or saved)."""
     return frozenset(n.name for n in spec.nodes
-                     if n.name in spec.saved_anywhere() and n.name not in spec.outputs
-                     and n.kind is not Kind.INPUT)
+                     if (n.name in spec.saved_anywhere() and n.name not in spec.outputs[:1]
+                         and n.kind is not Kind.INPUT) or n.name in spec.outputs[1:])

@@ -44,6 +44,8 @@ class RowGraph:
     element_outputs: tuple[tuple[str, sympy.Expr], ...]
     row_outputs: tuple[tuple[str, sympy.Expr], ...]
     column_outputs: tuple[tuple[str, str, sympy.Expr], ...]  # (name, parameter, row-local)
+    #: optional element inputs and the value each takes when absent
+    element_absent: tuple[tuple[str, sympy.Expr], ...] = ()
 
     def describe(self) -> str:
         lines = [f"reads elements {', '.join(self.element_inputs) or '-'}; "

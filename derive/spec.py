@@ -85,9 +85,16 @@ class OpSpec:
     source: str = ""
 
     # ------------------------------------------------------------------ declarations
-    def input(self, name: str) -> sympy.Symbol:
-        """An element of a row of an input tensor (the tensor is differentiated)."""
-        return self._declare(name, Kind.INPUT, Level.ELEMENT)
+    def input(self, name: str, absent: float | None = None) -> sympy.Symbol:
+        """An element of a row of an input tensor (the tensor is differentiated).
+
+        `absent` makes the tensor optional: the value it takes when the caller passes None
+        (0 for a residual). The first input is always required.
+        """
+        if absent is not None and not any(n.kind is Kind.INPUT for n in self.nodes):
+            raise SpecError(f"{_caller_location()}: the first input '{name}' cannot be optional")
+        node_absent = None if absent is None else sympy.sympify(absent)
+        return self._declare(name, Kind.INPUT, Level.ELEMENT, absent=node_absent)
 
     def column_param(self, name: str, absent: float | None = None) -> sympy.Symbol:
         """A per-column parameter shared by all rows; its gradient is a column reduction.

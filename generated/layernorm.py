@@ -651,11 +651,10 @@ def _layernorm_fwd_torch(
     rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     y = bias + weight * x_hat  # y = bias + weight*x_hat
-    return (
-        torch.broadcast_to(y, (M, N)).to(dtype),
-        torch.broadcast_to(mean, (M, 1)).reshape(M) if store_mean else None,
-        torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None,
-    )
+    y = torch.broadcast_to(y, (M, N)).to(dtype)
+    mean = torch.broadcast_to(mean, (M, 1)).reshape(M) if store_mean else None
+    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
+    return y, mean, rstd,
 
 
 def _layernorm_bwd_default_torch(
@@ -681,11 +680,10 @@ def _layernorm_bwd_default_torch(
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    return (
-        torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype),
-        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
-        torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None,
-    )
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype)
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
 
 
 def _layernorm_bwd_recompute_mean_torch(
@@ -710,11 +708,10 @@ def _layernorm_bwd_recompute_mean_torch(
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    return (
-        torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype),
-        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
-        torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None,
-    )
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype)
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
 
 
 def _layernorm_bwd_invertible_torch(
@@ -738,11 +735,10 @@ def _layernorm_bwd_invertible_torch(
     x_hat = (y - bias) * _guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    return (
-        torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype),
-        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
-        torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None,
-    )
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype)
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
 
 
 def _layernorm_fwd(
@@ -781,11 +777,7 @@ def _layernorm_fwd(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        y,
-        mean,
-        rstd,
-    )
+    return y, mean, rstd,
 
 
 def _layernorm_bwd_default(
@@ -828,11 +820,9 @@ def _layernorm_bwd_default(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        dx,
-        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
-        dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None,
-    )
+    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
 
 
 def _layernorm_bwd_recompute_mean(
@@ -873,11 +863,9 @@ def _layernorm_bwd_recompute_mean(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        dx,
-        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
-        dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None,
-    )
+    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
 
 
 def _layernorm_bwd_invertible(
@@ -918,11 +906,9 @@ def _layernorm_bwd_invertible(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        dx,
-        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
-        dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None,
-    )
+    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
 
 
 class _DefaultFunction(torch.autograd.Function):
@@ -939,19 +925,22 @@ class _DefaultFunction(torch.autograd.Function):
             store_rstd=True,
         )
         ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, mean, rstd, weight, bias, = ctx.saved_tensors
-        dy = _rows(dy.shape, dy)
+        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dweight, dbias, = _layernorm_bwd_default(
             dy, x, weight, bias, mean, rstd,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
             store_dbias=bias is not None and ctx.needs_input_grad[2],
         )
-        return dx, dweight, dbias, None
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
 
 
 class _RecomputeMeanFunction(torch.autograd.Function):
@@ -968,19 +957,22 @@ class _RecomputeMeanFunction(torch.autograd.Function):
             store_rstd=True,
         )
         ctx.save_for_backward(x, rstd, weight, bias)
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight, bias, = ctx.saved_tensors
-        dy = _rows(dy.shape, dy)
+        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dweight, dbias, = _layernorm_bwd_recompute_mean(
             dy, x, weight, bias, rstd,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
             store_dbias=bias is not None and ctx.needs_input_grad[2],
         )
-        return dx, dweight, dbias, None
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -997,19 +989,22 @@ class _InvertibleFunction(torch.autograd.Function):
             store_rstd=True,
         )
         ctx.save_for_backward(y, rstd, weight, bias)
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, rstd, weight, bias, = ctx.saved_tensors
-        dy = _rows(dy.shape, dy)
+        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dweight, dbias, = _layernorm_bwd_invertible(
             dy, y, weight, bias, rstd,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
             store_dbias=bias is not None and ctx.needs_input_grad[2],
         )
-        return dx, dweight, dbias, None
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
 
 
 _FUNCTIONS = {
@@ -1054,6 +1049,26 @@ def _check_param(function, name, param, shape, input):
             f"float16/bfloat16 input, got {param.dtype}"
         )
     return param.reshape(-1)
+
+
+def _check_like_input(function, name, tensor, input):
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.shape != input.shape:
+        raise ValueError(
+            f"{function}(): argument '{name}' must have the shape of 'input' {list(input.shape)}, got {list(tensor.shape)}"
+        )
+    if tensor.device != input.device:
+        raise ValueError(
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {tensor.device}"
+        )
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {tensor.dtype}"
+        )
+    return tensor
 
 
 def _check_normalized_shape(function, normalized_shape, input):
@@ -1112,12 +1127,27 @@ def _check_memory(function, memory):
     return _FUNCTIONS[memory]
 
 
-def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05, *, memory="default"):
+def layer_norm(
+    input,
+    normalized_shape,
+    weight=None,
+    bias=None,
+    eps=1e-05,
+    *,
+    memory="default",
+):
     """Same arguments, defaults and result as `torch.nn.functional.layer_norm`.
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
     bfloat16 input may come with float32 parameters. CUDA tensors run the generated Triton
     kernels; CPU tensors run the generated torch path (the kernels under TRITON_INTERPRET=1).
+
+    memory (keyword-only): what the forward keeps for the backward, each with its own derived
+    backward kernel (see docs/ops/layernorm.md):
+        "default": saves x, mean, rstd. The fastest backward: only x_hat is recomputed.
+        "recompute_mean": saves x, rstd. DeepSpeed's useMean=false: the backward recomputes the row mean from x.
+        "invertible": saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).
+    With no gradient needed, nothing is saved whatever the mode.
     """
     _check_input("layer_norm", input)
     shape, columns = _check_normalized_shape("layer_norm", normalized_shape, input)
@@ -1128,11 +1158,15 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05, *, me
     if columns == 0:
         return input.clone()
     x = _rows((-1, columns), input)
-    if _needs_grad(input, weight, bias):
-        y = function.apply(x, weight, bias, eps)
+    if _needs_grad(x, weight, bias):
+        outputs = function.apply(x, weight, bias, eps),
     else:
-        y = _layernorm_fwd(x, weight, bias, eps, store_mean=False, store_rstd=False)[0]
-    return y.reshape(input.shape)
+        outputs = _layernorm_fwd(
+            x, weight, bias, eps,
+            store_mean=False,
+            store_rstd=False,
+        )
+    return outputs[0].reshape(input.shape)
 
 
 class LayerNorm(torch.nn.Module):

@@ -425,10 +425,9 @@ def _rmsnorm_fwd_torch(
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
-    return (
-        torch.broadcast_to(y, (M, N)).to(dtype),
-        torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None,
-    )
+    y = torch.broadcast_to(y, (M, N)).to(dtype)
+    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
+    return y, rstd,
 
 
 def _rmsnorm_bwd_default_torch(
@@ -449,10 +448,9 @@ def _rmsnorm_bwd_default_torch(
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    return (
-        torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype),
-        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
-    )
+    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype)
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    return dx, dweight,
 
 
 def _rmsnorm_bwd_invertible_torch(
@@ -473,10 +471,9 @@ def _rmsnorm_bwd_invertible_torch(
     rstd = rstd.to(acc)[:, None]
     x_hat = y * _guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    return (
-        torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype),
-        torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None,
-    )
+    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype)
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    return dx, dweight,
 
 
 def _rmsnorm_fwd(
@@ -510,10 +507,7 @@ def _rmsnorm_fwd(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        y,
-        rstd,
-    )
+    return y, rstd,
 
 
 def _rmsnorm_bwd_default(
@@ -549,10 +543,8 @@ def _rmsnorm_bwd_default(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        dx,
-        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
-    )
+    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    return dx, dweight,
 
 
 def _rmsnorm_bwd_invertible(
@@ -588,10 +580,8 @@ def _rmsnorm_bwd_invertible(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        dx,
-        dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None,
-    )
+    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    return dx, dweight,
 
 
 class _DefaultFunction(torch.autograd.Function):
@@ -607,6 +597,8 @@ class _DefaultFunction(torch.autograd.Function):
             store_rstd=True,
         )
         ctx.save_for_backward(x, rstd, weight)
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         return y
@@ -614,13 +606,14 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight, = ctx.saved_tensors
-        dy = _rows(dy.shape, dy)
+        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dweight, = _rmsnorm_bwd_default(
             dy, x, weight, rstd,
             ctx.weight_offset,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
         )
-        return dx, dweight, None, None
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dweight if needs[1] else None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -636,6 +629,8 @@ class _InvertibleFunction(torch.autograd.Function):
             store_rstd=True,
         )
         ctx.save_for_backward(y, rstd, weight)
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         return y
@@ -643,13 +638,14 @@ class _InvertibleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, rstd, weight, = ctx.saved_tensors
-        dy = _rows(dy.shape, dy)
+        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dweight, = _rmsnorm_bwd_invertible(
             dy, y, weight, rstd,
             ctx.weight_offset,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
         )
-        return dx, dweight, None, None
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dweight if needs[1] else None, None, None
 
 
 _FUNCTIONS = {
@@ -693,6 +689,26 @@ def _check_param(function, name, param, shape, input):
             f"float16/bfloat16 input, got {param.dtype}"
         )
     return param.reshape(-1)
+
+
+def _check_like_input(function, name, tensor, input):
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.shape != input.shape:
+        raise ValueError(
+            f"{function}(): argument '{name}' must have the shape of 'input' {list(input.shape)}, got {list(tensor.shape)}"
+        )
+    if tensor.device != input.device:
+        raise ValueError(
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {tensor.device}"
+        )
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {tensor.dtype}"
+        )
+    return tensor
 
 
 def _check_normalized_shape(function, normalized_shape, input):
@@ -751,12 +767,26 @@ def _check_memory(function, memory):
     return _FUNCTIONS[memory]
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None, *, weight_offset=0.0, memory="default"):
+def rms_norm(
+    input,
+    normalized_shape,
+    weight=None,
+    eps=None,
+    *,
+    weight_offset=0.0,
+    memory="default",
+):
     """Same arguments, defaults and result as `torch.nn.functional.rms_norm`.
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
     bfloat16 input may come with float32 parameters. CUDA tensors run the generated Triton
     kernels; CPU tensors run the generated torch path (the kernels under TRITON_INTERPRET=1).
+
+    memory (keyword-only): what the forward keeps for the backward, each with its own derived
+    backward kernel (see docs/ops/rmsnorm.md):
+        "default": saves x, rstd. Keeps the input and the row statistic.
+        "invertible": saves y, rstd. Keeps the output instead of the input; x_hat is recovered as y / (weight_offset + weight) with the divisor clamped below.
+    With no gradient needed, nothing is saved whatever the mode.
     """
     _check_input("rms_norm", input)
     shape, columns = _check_normalized_shape("rms_norm", normalized_shape, input)
@@ -767,11 +797,14 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, weight_offset=0.
     if columns == 0:
         return input.clone()
     x = _rows((-1, columns), input)
-    if _needs_grad(input, weight):
-        y = function.apply(x, weight, eps, weight_offset)
+    if _needs_grad(x, weight):
+        outputs = function.apply(x, weight, eps, weight_offset),
     else:
-        y = _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd=False)[0]
-    return y.reshape(input.shape)
+        outputs = _rmsnorm_fwd(
+            x, weight, eps, weight_offset,
+            store_rstd=False,
+        )
+    return outputs[0].reshape(input.shape)
 
 
 class RMSNorm(torch.nn.Module):

@@ -255,9 +255,8 @@ def _softmax_fwd_torch(
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = 1.0 / denominator * e  # p = e/denominator
-    return (
-        torch.broadcast_to(p, (M, N)).to(dtype),
-    )
+    p = torch.broadcast_to(p, (M, N)).to(dtype)
+    return p,
 
 
 def _softmax_bwd_default_torch(
@@ -271,9 +270,8 @@ def _softmax_bwd_default_torch(
     dp = dp.to(acc)
     p = p.to(acc)
     sum_dp_p = (dp * p).sum(dim=-1, keepdim=True)  # sum_dp_p = 1 * sum_j(dp*p)
-    return (
-        torch.broadcast_to(p * (dp - sum_dp_p), (M, N)).to(dtype),
-    )
+    dx = torch.broadcast_to(p * (dp - sum_dp_p), (M, N)).to(dtype)
+    return dx,
 
 
 def _softmax_fwd(
@@ -296,9 +294,7 @@ def _softmax_fwd(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        p,
-    )
+    return p,
 
 
 def _softmax_bwd_default(
@@ -323,9 +319,7 @@ def _softmax_bwd_default(
         BLOCK_N=schedule.block_n,
         num_warps=schedule.warps,
     )
-    return (
-        dx,
-    )
+    return dx,
 
 
 class _DefaultFunction(torch.autograd.Function):
@@ -340,16 +334,19 @@ class _DefaultFunction(torch.autograd.Function):
             x,
         )
         ctx.save_for_backward(p)
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         return p
 
     @staticmethod
     def backward(ctx, dp):
         p, = ctx.saved_tensors
-        dp = _rows(dp.shape, dp)
+        dp = _rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, = _softmax_bwd_default(
             dp, p,
         )
-        return dx
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None
 
 
 _FUNCTIONS = {
@@ -392,6 +389,26 @@ def _check_param(function, name, param, shape, input):
             f"float16/bfloat16 input, got {param.dtype}"
         )
     return param.reshape(-1)
+
+
+def _check_like_input(function, name, tensor, input):
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.shape != input.shape:
+        raise ValueError(
+            f"{function}(): argument '{name}' must have the shape of 'input' {list(input.shape)}, got {list(tensor.shape)}"
+        )
+    if tensor.device != input.device:
+        raise ValueError(
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {tensor.device}"
+        )
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {tensor.dtype}"
+        )
+    return tensor
 
 
 def _check_normalized_shape(function, normalized_shape, input):

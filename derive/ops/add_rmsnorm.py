@@ -1,0 +1,37 @@
+"""Fused (bias +) residual add + RMSNorm: s = x + input_bias + residual; y = RMSNorm(s).
+
+The prenorm residual stream s can be returned (kept in fp32 if asked); its gradient is added
+into dx inside the same backward kernel.
+"""
+
+import sympy
+
+from derive.api import NormalizedShapeAPI, Option, Param
+from derive.spec import OpSpec
+
+
+def spec() -> OpSpec:
+    op = OpSpec("add_rmsnorm", doc=__doc__)
+    x = op.input("x")
+    residual = op.input("residual", absent=0)
+    input_bias = op.column_param("input_bias", absent=0)
+    weight = op.column_param("weight", absent=1)
+    eps = op.scalar("eps", positive=True)
+    weight_offset = op.scalar("weight_offset")
+    residual_out = op.element("residual_out", x + input_bias + residual)
+    mean_square = op.row_mean("mean_square", residual_out**2)
+    rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
+    x_hat = op.element("x_hat", residual_out * rstd)
+    y = op.element("y", x_hat * (weight_offset + weight))
+    op.output(y, residual_out)
+    op.save(residual_out, rstd, doc="Keeps the sum and the row statistic.")
+    op.save(y, rstd, mode="invertible",
+            doc="Keeps the output instead of the sum; x_hat = y / (weight_offset + weight).")
+    op.api = NormalizedShapeAPI(
+        function="add_rms_norm", module="AddRMSNorm",
+        torch_function="torch.nn.functional.rms_norm(input + input_bias + residual, ...)",
+        torch_module="torch.nn.RMSNorm",
+        params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
+        options=(Option("weight_offset", 0.0),), residual="residual",
+        call_params=("input_bias",))
+    return op
