@@ -1,0 +1,57 @@
+"""Where the host time of one small call goes: cProfile over many forward+backward calls.
+
+    python -m benchmarks.host_profile [--op layernorm] [--rows 32] [--cols 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import pstats
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--op", default="layernorm")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--cols", type=int, default=1024)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    module = importlib.import_module(f"generated.{args.op}")
+    function = {"layernorm": "layer_norm", "rmsnorm": "rms_norm", "softmax": "softmax"}[args.op]
+    call = getattr(module, function)
+    x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    extra = () if args.op == "softmax" else ((args.cols,),)
+
+    def step(backward: bool) -> None:
+        y = call(x, *extra)
+        if backward:
+            y.backward(torch.ones_like(y))
+
+    for backward in (False, True):
+        for _ in range(20):
+            step(backward)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            step(backward)
+        torch.cuda.synchronize()
+        micros = (time.perf_counter() - start) / args.calls * 1e6
+        print(f"{args.op} {args.rows}x{args.cols} {'fwd+bwd' if backward else 'fwd'}: "
+              f"{micros:.1f} us per call")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.calls):
+        step(True)
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
