@@ -32,6 +32,7 @@ ELEMENTS_PER_WARP = 256
 #: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
+_INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -92,7 +93,7 @@ def _tanh(v):
 @triton.jit
 def _guarded_reciprocal(v):
     """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
-    magnitude = tl.maximum(tl.abs(v), INVERSION_GUARD)
+    magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
     return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
 
 
@@ -1435,6 +1436,10 @@ def add_layer_norm(
     return outputs[0].reshape(input.shape)
 
 
+# newer torch shows `bias=` in the repr of torch.nn.LayerNorm: match the installed one.
+_TORCH_REPR_SHOWS_BIAS = "bias=" in torch.nn.LayerNorm(1).extra_repr()
+
+
 class AddLayerNorm(torch.nn.Module):
     """Same constructor, state_dict keys and behaviour as `torch.nn.LayerNorm`."""
 
@@ -1488,8 +1493,8 @@ class AddLayerNorm(torch.nn.Module):
 
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
-            f", bias={self.bias is not None}"
-         ) + (
+            f", bias={self.bias is not None}" if _TORCH_REPR_SHOWS_BIAS else ""
+        ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 

@@ -28,6 +28,7 @@ ELEMENTS_PER_WARP = 256
 #: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
+_INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -88,7 +89,7 @@ def _tanh(v):
 @triton.jit
 def _guarded_reciprocal(v):
     """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
-    magnitude = tl.maximum(tl.abs(v), INVERSION_GUARD)
+    magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
     return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
 
 
