@@ -70,10 +70,14 @@ def _schedule(M, N, grid_stride, device, persistent_max_block_n):
 
 
 def _partials(needed, schedule, N, acc, device):
-    """Per-program fp32 column partials, summed once at the end: deterministic, no atomics."""
+    """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
+
+    A persistent kernel writes every row of them; a looped one accumulates into them.
+    """
     if not needed:
         return None
-    return torch.zeros((schedule.programs, N), dtype=acc, device=device)
+    allocate = torch.zeros if schedule.looped else torch.empty
+    return allocate((schedule.programs, N), dtype=acc, device=device)
 
 
 @triton.jit
