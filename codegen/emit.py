@@ -92,6 +92,15 @@ class KernelContext:
         self.params += [f"{s['name']}_dtype=None" for s in self.element_stores if s["flag"]]
         self.call_params = [p.split("=")[0] for p in self.params]
         self.returns = [self.aliases.get(o.name, o.name) for o in kernel.outputs]
+        self.unique_returns = [o.name for o in kernel.outputs if o.name not in self.aliases]
+        # torch.library schema types of the launcher's inputs
+        self.typed_inputs = (
+            [(e, "Optional[torch.Tensor]" if e in self.optional_elements else "torch.Tensor")
+             for e in self.element_inputs]
+            + [(c["name"], "Optional[torch.Tensor]" if c["flag"] else "torch.Tensor")
+               for c in self.column_inputs]
+            + [(r, "torch.Tensor") for r in self.row_inputs]
+            + [(name, "float") for name in self.scalars])
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
         self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
 
@@ -234,6 +243,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "upstream": module.upstream,
         "function_args": [*module.inputs, *params, *module.scalars],
         "optional_outputs": list(module.outputs[1:]),
+        "extra_flags": [arg for name in module.outputs[1:]
+                        for arg in (f"want_{name}", f"{name}_fp32")],
         "function_tensors": [*module.inputs, *params],
         "checked_params": [*getattr(module.api, "call_params", ()),
                            *(p.name for p in getattr(module.api, "params", ()))],

@@ -13,6 +13,7 @@ import functools
 import numbers
 import os
 from collections import namedtuple
+from typing import Optional
 
 import torch
 import triton
@@ -557,8 +558,8 @@ def _add_rmsnorm_fwd_torch(
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
-    y = torch.broadcast_to(y, (M, N)).to(dtype)
-    residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype) if store_residual_out else None
+    y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
+    residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
     return y, residual_out, rstd,
 
@@ -588,7 +589,7 @@ def _add_rmsnorm_bwd_default_torch(
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     common_0 = rstd * dy  # common_0 = dy*rstd
     common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-    dx = torch.broadcast_to(common_1, (M, N)).to(dtype)
+    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
@@ -619,7 +620,7 @@ def _add_rmsnorm_bwd_invertible_torch(
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     common_0 = rstd * dy  # common_0 = dy*rstd
     common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-    dx = torch.broadcast_to(common_1, (M, N)).to(dtype)
+    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
@@ -844,6 +845,178 @@ _FUNCTIONS = {
 }
 
 
+def _add_rmsnorm_stores(memory, want_residual_out):
+    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
+    if memory == "default":
+        return {"residual_out": True, "rstd": True, }
+    if memory == "invertible":
+        return {"residual_out": want_residual_out, "rstd": True, }
+    raise ValueError(f"vjpforge::add_rmsnorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+
+
+@torch.library.custom_op("vjpforge::add_rmsnorm", mutates_args=())
+def _add_rmsnorm_op(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    input_bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    eps: float,
+    weight_offset: float,
+    memory: str,
+    want_residual_out: bool,
+    residual_out_fp32: bool,
+) -> list[torch.Tensor]:
+    stores = _add_rmsnorm_stores(memory, want_residual_out)
+    outputs = _add_rmsnorm_fwd(
+        x, residual, input_bias, weight, eps, weight_offset,
+        store_residual_out=stores["residual_out"],
+        store_rstd=stores["rstd"],
+        residual_out_dtype=torch.float32 if residual_out_fp32 else None,
+    )
+    return [t if t is not None else x.new_empty(0) for t in outputs]
+
+
+@_add_rmsnorm_op.register_fake
+def _(
+    x,
+    residual,
+    input_bias,
+    weight,
+    eps,
+    weight_offset,
+    memory,
+    want_residual_out,
+    residual_out_fp32,
+):
+    stores = _add_rmsnorm_stores(memory, want_residual_out)
+    M, N = x.shape
+    acc = _accumulator(x.dtype)
+    empty = x.new_empty(0)
+    return [
+        x.new_empty((M, N)),
+        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty,
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+    ]
+
+
+@torch.library.custom_op("vjpforge::add_rmsnorm_backward_default", mutates_args=())
+def _add_rmsnorm_backward_default_op(
+    dy: torch.Tensor,
+    dresidual_out: Optional[torch.Tensor],
+    residual_out: torch.Tensor,
+    input_bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    weight_offset: float,
+    store_dinput_bias: bool,
+    store_dweight: bool,
+) -> list[torch.Tensor]:
+    outputs = _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+    named = dict(zip(['dx', 'dx', 'dinput_bias', 'dweight'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dinput_bias', 'dweight']]
+
+
+@_add_rmsnorm_backward_default_op.register_fake
+def _(
+    dy,
+    dresidual_out,
+    residual_out,
+    input_bias,
+    weight,
+    rstd,
+    weight_offset,
+    store_dinput_bias,
+    store_dweight,
+):
+    return [
+        dy.new_empty(dy.shape),
+        input_bias.new_empty(input_bias.shape) if store_dinput_bias else dy.new_empty(0),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+    ]
+
+
+@torch.library.custom_op("vjpforge::add_rmsnorm_backward_invertible", mutates_args=())
+def _add_rmsnorm_backward_invertible_op(
+    dy: torch.Tensor,
+    dresidual_out: Optional[torch.Tensor],
+    y: torch.Tensor,
+    input_bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    weight_offset: float,
+    store_dinput_bias: bool,
+    store_dweight: bool,
+) -> list[torch.Tensor]:
+    outputs = _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+    named = dict(zip(['dx', 'dx', 'dinput_bias', 'dweight'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dinput_bias', 'dweight']]
+
+
+@_add_rmsnorm_backward_invertible_op.register_fake
+def _(
+    dy,
+    dresidual_out,
+    y,
+    input_bias,
+    weight,
+    rstd,
+    weight_offset,
+    store_dinput_bias,
+    store_dweight,
+):
+    return [
+        dy.new_empty(dy.shape),
+        input_bias.new_empty(input_bias.shape) if store_dinput_bias else dy.new_empty(0),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+    ]
+
+
+def _add_rmsnorm_setup_context(ctx, inputs, output):
+    x, residual, input_bias, weight, eps, weight_offset, memory, want_residual_out, residual_out_fp32, = inputs
+    y, residual_out, rstd, = output
+    ctx.memory = memory
+    ctx.eps = eps
+    ctx.weight_offset = weight_offset
+    if memory == "default":
+        ctx.save_for_backward(residual_out, rstd, input_bias, weight)
+    elif memory == "invertible":
+        ctx.save_for_backward(y, rstd, input_bias, weight)
+
+
+def _add_rmsnorm_backward(ctx, grads):
+    dy, dresidual_out, = grads[:2]
+    dy = _rows(dy.shape, dy)
+    dresidual_out = _rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
+    needs = ctx.needs_input_grad
+    if ctx.memory == "default":
+        residual_out, rstd, input_bias, weight, = ctx.saved_tensors
+        dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_default(
+            dy, dresidual_out, residual_out, input_bias, weight, rstd,
+            ctx.weight_offset,
+            input_bias is not None and needs[2],
+            weight is not None and needs[3],
+        )
+        dresidual = dx
+        gradients = [dx, dresidual, dinput_bias, dweight]
+    elif ctx.memory == "invertible":
+        y, rstd, input_bias, weight, = ctx.saved_tensors
+        dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_invertible(
+            dy, dresidual_out, y, input_bias, weight, rstd,
+            ctx.weight_offset,
+            input_bias is not None and needs[2],
+            weight is not None and needs[3],
+        )
+        dresidual = dx
+        gradients = [dx, dresidual, dinput_bias, dweight]
+    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
+    return *gradients, None, None, None, None, None, 
+
+
+torch.library.register_autograd(
+    "vjpforge::add_rmsnorm", _add_rmsnorm_backward, setup_context=_add_rmsnorm_setup_context
+)
+
+
 def _rows(shape, tensor):
     """An (M, N) view whose last dim has stride 1, copying only when it must."""
     rows = tensor.reshape(shape)
@@ -1002,7 +1175,12 @@ def add_rms_norm(
         return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
     x = _rows((-1, columns), input)
     residual = _rows((-1, columns), residual) if residual is not None else None
-    if _needs_grad(x, residual, input_bias, weight):
+    if torch.compiler.is_compiling():
+        # one opaque op with schema, fake and autograd: no graph break under torch.compile
+        outputs = torch.ops.vjpforge.add_rmsnorm(
+            x, residual, input_bias, weight, eps, weight_offset, memory, prenorm, residual_in_fp32
+        )
+    elif _needs_grad(x, residual, input_bias, weight):
         outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, prenorm, residual_out_dtype)
     else:
         outputs = _add_rmsnorm_fwd(

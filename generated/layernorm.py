@@ -10,6 +10,7 @@ import functools
 import numbers
 import os
 from collections import namedtuple
+from typing import Optional
 
 import torch
 import triton
@@ -656,7 +657,7 @@ def _layernorm_fwd_torch(
     rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     y = bias + weight * x_hat  # y = bias + weight*x_hat
-    y = torch.broadcast_to(y, (M, N)).to(dtype)
+    y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     mean = torch.broadcast_to(mean, (M, 1)).reshape(M) if store_mean else None
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
     return y, mean, rstd,
@@ -685,7 +686,7 @@ def _layernorm_bwd_default_torch(
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype)
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,
@@ -713,7 +714,7 @@ def _layernorm_bwd_recompute_mean_torch(
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype)
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,
@@ -740,7 +741,7 @@ def _layernorm_bwd_invertible_torch(
     x_hat = (y - bias) * _guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype)
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,
@@ -1019,6 +1020,201 @@ _FUNCTIONS = {
 }
 
 
+def _layernorm_stores(memory):
+    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
+    if memory == "default":
+        return {"mean": True, "rstd": True, }
+    if memory == "recompute_mean":
+        return {"mean": False, "rstd": True, }
+    if memory == "invertible":
+        return {"mean": False, "rstd": True, }
+    raise ValueError(f"vjpforge::layernorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+
+
+@torch.library.custom_op("vjpforge::layernorm", mutates_args=())
+def _layernorm_op(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    memory: str,
+) -> list[torch.Tensor]:
+    stores = _layernorm_stores(memory)
+    outputs = _layernorm_fwd(
+        x, weight, bias, eps,
+        store_mean=stores["mean"],
+        store_rstd=stores["rstd"],
+    )
+    return [t if t is not None else x.new_empty(0) for t in outputs]
+
+
+@_layernorm_op.register_fake
+def _(
+    x,
+    weight,
+    bias,
+    eps,
+    memory,
+):
+    stores = _layernorm_stores(memory)
+    M, N = x.shape
+    acc = _accumulator(x.dtype)
+    empty = x.new_empty(0)
+    return [
+        x.new_empty((M, N)),
+        x.new_empty((M,), dtype=acc) if stores["mean"] else empty,
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+    ]
+
+
+@torch.library.custom_op("vjpforge::layernorm_backward_default", mutates_args=())
+def _layernorm_backward_default_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    store_dweight: bool,
+    store_dbias: bool,
+) -> list[torch.Tensor]:
+    outputs = _layernorm_bwd_default(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias)
+    named = dict(zip(['dx', 'dweight', 'dbias'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight', 'dbias']]
+
+
+@_layernorm_backward_default_op.register_fake
+def _(
+    dy,
+    x,
+    weight,
+    bias,
+    mean,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    return [
+        dy.new_empty(dy.shape),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+        bias.new_empty(bias.shape) if store_dbias else dy.new_empty(0),
+    ]
+
+
+@torch.library.custom_op("vjpforge::layernorm_backward_recompute_mean", mutates_args=())
+def _layernorm_backward_recompute_mean_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    store_dweight: bool,
+    store_dbias: bool,
+) -> list[torch.Tensor]:
+    outputs = _layernorm_bwd_recompute_mean(dy, x, weight, bias, rstd, store_dweight, store_dbias)
+    named = dict(zip(['dx', 'dweight', 'dbias'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight', 'dbias']]
+
+
+@_layernorm_backward_recompute_mean_op.register_fake
+def _(
+    dy,
+    x,
+    weight,
+    bias,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    return [
+        dy.new_empty(dy.shape),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+        bias.new_empty(bias.shape) if store_dbias else dy.new_empty(0),
+    ]
+
+
+@torch.library.custom_op("vjpforge::layernorm_backward_invertible", mutates_args=())
+def _layernorm_backward_invertible_op(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    store_dweight: bool,
+    store_dbias: bool,
+) -> list[torch.Tensor]:
+    outputs = _layernorm_bwd_invertible(dy, y, weight, bias, rstd, store_dweight, store_dbias)
+    named = dict(zip(['dx', 'dweight', 'dbias'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight', 'dbias']]
+
+
+@_layernorm_backward_invertible_op.register_fake
+def _(
+    dy,
+    y,
+    weight,
+    bias,
+    rstd,
+    store_dweight,
+    store_dbias,
+):
+    return [
+        dy.new_empty(dy.shape),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+        bias.new_empty(bias.shape) if store_dbias else dy.new_empty(0),
+    ]
+
+
+def _layernorm_setup_context(ctx, inputs, output):
+    x, weight, bias, eps, memory, = inputs
+    y, mean, rstd, = output
+    ctx.memory = memory
+    ctx.eps = eps
+    if memory == "default":
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+    elif memory == "recompute_mean":
+        ctx.save_for_backward(x, rstd, weight, bias)
+    elif memory == "invertible":
+        ctx.save_for_backward(y, rstd, weight, bias)
+
+
+def _layernorm_backward(ctx, grads):
+    dy, = grads[:1]
+    dy = _rows(dy.shape, dy)
+    needs = ctx.needs_input_grad
+    if ctx.memory == "default":
+        x, mean, rstd, weight, bias, = ctx.saved_tensors
+        dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_default(
+            dy, x, weight, bias, mean, rstd,
+            weight is not None and needs[1],
+            bias is not None and needs[2],
+        )
+        gradients = [dx, dweight, dbias]
+    elif ctx.memory == "recompute_mean":
+        x, rstd, weight, bias, = ctx.saved_tensors
+        dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_recompute_mean(
+            dy, x, weight, bias, rstd,
+            weight is not None and needs[1],
+            bias is not None and needs[2],
+        )
+        gradients = [dx, dweight, dbias]
+    elif ctx.memory == "invertible":
+        y, rstd, weight, bias, = ctx.saved_tensors
+        dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_invertible(
+            dy, y, weight, bias, rstd,
+            weight is not None and needs[1],
+            bias is not None and needs[2],
+        )
+        gradients = [dx, dweight, dbias]
+    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
+    return *gradients, None, None, 
+
+
+torch.library.register_autograd(
+    "vjpforge::layernorm", _layernorm_backward, setup_context=_layernorm_setup_context
+)
+
+
 def _rows(shape, tensor):
     """An (M, N) view whose last dim has stride 1, copying only when it must."""
     rows = tensor.reshape(shape)
@@ -1163,7 +1359,12 @@ def layer_norm(
     if columns == 0:
         return input.clone()
     x = _rows((-1, columns), input)
-    if _needs_grad(x, weight, bias):
+    if torch.compiler.is_compiling():
+        # one opaque op with schema, fake and autograd: no graph break under torch.compile
+        outputs = torch.ops.vjpforge.layernorm(
+            x, weight, bias, eps, memory
+        )
+    elif _needs_grad(x, weight, bias):
         outputs = function.apply(x, weight, bias, eps),
     else:
         outputs = _layernorm_fwd(

@@ -12,6 +12,7 @@ import functools
 import numbers
 import os
 from collections import namedtuple
+from typing import Optional
 
 import torch
 import triton
@@ -430,7 +431,7 @@ def _rmsnorm_fwd_torch(
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
-    y = torch.broadcast_to(y, (M, N)).to(dtype)
+    y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
     return y, rstd,
 
@@ -453,7 +454,7 @@ def _rmsnorm_bwd_default_torch(
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype)
+    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
@@ -476,7 +477,7 @@ def _rmsnorm_bwd_invertible_torch(
     rstd = rstd.to(acc)[:, None]
     x_hat = y * _guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype)
+    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
@@ -659,6 +660,148 @@ _FUNCTIONS = {
 }
 
 
+def _rmsnorm_stores(memory):
+    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
+    if memory == "default":
+        return {"rstd": True, }
+    if memory == "invertible":
+        return {"rstd": True, }
+    raise ValueError(f"vjpforge::rmsnorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+
+
+@torch.library.custom_op("vjpforge::rmsnorm", mutates_args=())
+def _rmsnorm_op(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    weight_offset: float,
+    memory: str,
+) -> list[torch.Tensor]:
+    stores = _rmsnorm_stores(memory)
+    outputs = _rmsnorm_fwd(
+        x, weight, eps, weight_offset,
+        store_rstd=stores["rstd"],
+    )
+    return [t if t is not None else x.new_empty(0) for t in outputs]
+
+
+@_rmsnorm_op.register_fake
+def _(
+    x,
+    weight,
+    eps,
+    weight_offset,
+    memory,
+):
+    stores = _rmsnorm_stores(memory)
+    M, N = x.shape
+    acc = _accumulator(x.dtype)
+    empty = x.new_empty(0)
+    return [
+        x.new_empty((M, N)),
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+    ]
+
+
+@torch.library.custom_op("vjpforge::rmsnorm_backward_default", mutates_args=())
+def _rmsnorm_backward_default_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    weight_offset: float,
+    store_dweight: bool,
+) -> list[torch.Tensor]:
+    outputs = _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight)
+    named = dict(zip(['dx', 'dweight'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
+
+
+@_rmsnorm_backward_default_op.register_fake
+def _(
+    dy,
+    x,
+    weight,
+    rstd,
+    weight_offset,
+    store_dweight,
+):
+    return [
+        dy.new_empty(dy.shape),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+    ]
+
+
+@torch.library.custom_op("vjpforge::rmsnorm_backward_invertible", mutates_args=())
+def _rmsnorm_backward_invertible_op(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    weight_offset: float,
+    store_dweight: bool,
+) -> list[torch.Tensor]:
+    outputs = _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight)
+    named = dict(zip(['dx', 'dweight'], outputs))
+    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
+
+
+@_rmsnorm_backward_invertible_op.register_fake
+def _(
+    dy,
+    y,
+    weight,
+    rstd,
+    weight_offset,
+    store_dweight,
+):
+    return [
+        dy.new_empty(dy.shape),
+        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
+    ]
+
+
+def _rmsnorm_setup_context(ctx, inputs, output):
+    x, weight, eps, weight_offset, memory, = inputs
+    y, rstd, = output
+    ctx.memory = memory
+    ctx.eps = eps
+    ctx.weight_offset = weight_offset
+    if memory == "default":
+        ctx.save_for_backward(x, rstd, weight)
+    elif memory == "invertible":
+        ctx.save_for_backward(y, rstd, weight)
+
+
+def _rmsnorm_backward(ctx, grads):
+    dy, = grads[:1]
+    dy = _rows(dy.shape, dy)
+    needs = ctx.needs_input_grad
+    if ctx.memory == "default":
+        x, rstd, weight, = ctx.saved_tensors
+        dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_default(
+            dy, x, weight, rstd,
+            ctx.weight_offset,
+            weight is not None and needs[1],
+        )
+        gradients = [dx, dweight]
+    elif ctx.memory == "invertible":
+        y, rstd, weight, = ctx.saved_tensors
+        dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_invertible(
+            dy, y, weight, rstd,
+            ctx.weight_offset,
+            weight is not None and needs[1],
+        )
+        gradients = [dx, dweight]
+    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
+    return *gradients, None, None, None, 
+
+
+torch.library.register_autograd(
+    "vjpforge::rmsnorm", _rmsnorm_backward, setup_context=_rmsnorm_setup_context
+)
+
+
 def _rows(shape, tensor):
     """An (M, N) view whose last dim has stride 1, copying only when it must."""
     rows = tensor.reshape(shape)
@@ -802,7 +945,12 @@ def rms_norm(
     if columns == 0:
         return input.clone()
     x = _rows((-1, columns), input)
-    if _needs_grad(x, weight):
+    if torch.compiler.is_compiling():
+        # one opaque op with schema, fake and autograd: no graph break under torch.compile
+        outputs = torch.ops.vjpforge.rmsnorm(
+            x, weight, eps, weight_offset, memory
+        )
+    elif _needs_grad(x, weight):
         outputs = function.apply(x, weight, eps, weight_offset),
     else:
         outputs = _rmsnorm_fwd(

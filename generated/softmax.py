@@ -10,6 +10,7 @@ import functools
 import numbers
 import os
 from collections import namedtuple
+from typing import Optional
 
 import torch
 import triton
@@ -260,7 +261,7 @@ def _softmax_fwd_torch(
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = 1.0 / denominator * e  # p = e/denominator
-    p = torch.broadcast_to(p, (M, N)).to(dtype)
+    p = torch.broadcast_to(p, (M, N)).to(dtype).contiguous()
     return p,
 
 
@@ -275,7 +276,7 @@ def _softmax_bwd_default_torch(
     dp = dp.to(acc)
     p = p.to(acc)
     sum_dp_p = (dp * p).sum(dim=-1, keepdim=True)  # sum_dp_p = 1 * sum_j(dp*p)
-    dx = torch.broadcast_to(p * (dp - sum_dp_p), (M, N)).to(dtype)
+    dx = torch.broadcast_to(p * (dp - sum_dp_p), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -357,6 +358,86 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+def _softmax_stores(memory):
+    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
+    if memory == "default":
+        return {}
+    raise ValueError(f"vjpforge::softmax: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+
+
+@torch.library.custom_op("vjpforge::softmax", mutates_args=())
+def _softmax_op(
+    x: torch.Tensor,
+    memory: str,
+) -> list[torch.Tensor]:
+    stores = _softmax_stores(memory)
+    outputs = _softmax_fwd(
+        x,
+    )
+    return [t if t is not None else x.new_empty(0) for t in outputs]
+
+
+@_softmax_op.register_fake
+def _(
+    x,
+    memory,
+):
+    stores = _softmax_stores(memory)
+    M, N = x.shape
+    acc = _accumulator(x.dtype)
+    empty = x.new_empty(0)
+    return [
+        x.new_empty((M, N)),
+    ]
+
+
+@torch.library.custom_op("vjpforge::softmax_backward_default", mutates_args=())
+def _softmax_backward_default_op(
+    dp: torch.Tensor,
+    p: torch.Tensor,
+) -> list[torch.Tensor]:
+    outputs = _softmax_bwd_default(dp, p)
+    named = dict(zip(['dx'], outputs))
+    return [named[name] if named[name] is not None else dp.new_empty(0) for name in ['dx']]
+
+
+@_softmax_backward_default_op.register_fake
+def _(
+    dp,
+    p,
+):
+    return [
+        dp.new_empty(dp.shape),
+    ]
+
+
+def _softmax_setup_context(ctx, inputs, output):
+    x, memory, = inputs
+    p, = output
+    ctx.memory = memory
+    if memory == "default":
+        ctx.save_for_backward(p)
+
+
+def _softmax_backward(ctx, grads):
+    dp, = grads[:1]
+    dp = _rows(dp.shape, dp)
+    needs = ctx.needs_input_grad
+    if ctx.memory == "default":
+        p, = ctx.saved_tensors
+        dx, = torch.ops.vjpforge.softmax_backward_default(
+            dp, p,
+        )
+        gradients = [dx]
+    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
+    return *gradients, None, 
+
+
+torch.library.register_autograd(
+    "vjpforge::softmax", _softmax_backward, setup_context=_softmax_setup_context
+)
 
 
 def _rows(shape, tensor):
@@ -491,7 +572,10 @@ def softmax(input, dim=-1):
     if columns == 0 or moved.numel() == 0:
         return input.clone()
     x = _rows((-1, columns), moved)
-    if _needs_grad(input):
+    if torch.compiler.is_compiling():
+        # one opaque op with schema, fake and autograd: no graph break under torch.compile
+        p = torch.ops.vjpforge.softmax(x, "default")[0]
+    elif _needs_grad(input):
         p = _FUNCTIONS["default"].apply(x)
     else:
         p = _softmax_fwd(x, )[0]

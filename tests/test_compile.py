@@ -1,0 +1,102 @@
+"""torch.library registration: opcheck on every generated op, and torch.compile(fullgraph=True)
+(zero graph breaks) giving eager's outputs and gradients."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import randn
+
+import generated.add_layernorm as add_layernorm
+import generated.add_rmsnorm as add_rmsnorm
+import generated.layernorm as layernorm
+import generated.rmsnorm as rmsnorm
+import generated.softmax as softmax
+
+N = 16
+
+
+def leaf(shape, seed, dtype=torch.float64):
+    return randn(shape, seed=seed, dtype=dtype).requires_grad_()
+
+
+def op_cases():
+    x, residual = leaf((4, N), 1), leaf((4, N), 2)
+    weight, bias, input_bias = leaf((N,), 3) + 2, leaf((N,), 4), leaf((N,), 5)
+    weight = weight.detach().requires_grad_()
+    cases = []
+    for mode in ("default", "recompute_mean", "invertible"):
+        cases.append((f"layernorm-{mode}", torch.ops.vjpforge.layernorm.default,
+                      (x, weight, bias, 1e-5, mode)))
+        cases.append((f"add_layernorm-{mode}", torch.ops.vjpforge.add_layernorm.default,
+                      (x, residual, input_bias, weight, bias, 1e-5, mode, True, False)))
+    for mode in ("default", "invertible"):
+        cases.append((f"rmsnorm-{mode}", torch.ops.vjpforge.rmsnorm.default,
+                      (x, weight, 1e-6, 1.0, mode)))
+        cases.append((f"add_rmsnorm-{mode}", torch.ops.vjpforge.add_rmsnorm.default,
+                      (x, None, None, weight, 1e-6, 0.0, mode, False, False)))
+    cases.append(("softmax", torch.ops.vjpforge.softmax.default, (x, "default")))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "op", "args"), op_cases(), ids=[c[0] for c in op_cases()])
+def test_opcheck(device, name, op, args):
+    args = tuple(a.detach().to(device).requires_grad_() if isinstance(a, torch.Tensor) else a
+                 for a in args)
+    torch.library.opcheck(op, args)
+
+
+def model(x, residual, weight, bias):
+    hidden, stream = add_layernorm.add_layer_norm(x, residual, (N,), weight, bias, prenorm=True)
+    hidden = layernorm.layer_norm(hidden, (N,), weight, bias, memory="invertible")
+    hidden = add_rmsnorm.add_rms_norm(hidden, stream, (N,), weight, 1e-6)
+    hidden = rmsnorm.rms_norm(hidden, (N,), weight, weight_offset=1.0)
+    return softmax.softmax(hidden, dim=0)
+
+
+@pytest.fixture
+def interpreter_safe_threads(device):
+    """Triton's CPU interpreter inside an Inductor-compiled CPU graph gave wrong gradients with
+    several OpenMP threads (2 cores, triton 3.9, torch 2.13) and exact ones with one thread;
+    the torch path under Inductor and the interpreter under aot_eager are exact either way.
+    Real kernels (CUDA) never run the interpreter, so this pins one thread for that case only."""
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    threads = torch.get_num_threads()
+    if interpreted:
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_matches_eager(device, backend, interpreter_safe_threads):
+    torch._dynamo.reset()
+    inputs = [leaf((4, N), 1), leaf((4, N), 2), leaf((N,), 3), leaf((N,), 4)]
+    inputs = [t.detach().to(device).requires_grad_() for t in inputs]
+    upstream = randn((4, N), seed=9, device=device)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    got = compiled(*inputs)
+    got_grads = torch.autograd.grad(got, inputs, upstream)
+    want = model(*inputs)
+    want_grads = torch.autograd.grad(want, inputs, upstream)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_compiled_scalars_stay_in_the_input_dtype(device):
+    # A Python float (eps) must not turn the math into fp64 (Liger #1350, #1358).
+    torch._dynamo.reset()
+    x = randn((8, N), seed=1, device=device, dtype=torch.float32)
+
+    def norm(x, eps):
+        return layernorm.layer_norm(x, (N,), eps=eps)
+
+    compiled = torch.compile(norm, fullgraph=True, backend="inductor")
+    for eps in (1e-5, 1e-3):
+        got = compiled(x, eps)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.layer_norm(x, (N,), eps=eps))
