@@ -14,6 +14,39 @@ import time
 import torch
 
 
+def host_micros(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def launcher_breakdown(module, x: torch.Tensor, calls: int) -> None:
+    """Host µs of the backward's pieces, called directly on the main thread."""
+    n = x.shape[-1]
+    weight = torch.ones(n, device=x.device, dtype=x.dtype)
+    bias = torch.zeros_like(weight)
+    _, mean, rstd = module._layernorm_fwd(x, weight, bias, 1e-5, store_mean=True,
+                                          store_rstd=True)
+    dy = torch.randn_like(x)
+    pieces = {
+        "backward launcher (1 kernel + partials)": lambda: module._layernorm_bwd_default(
+            dy, x, weight, bias, mean, rstd, store_dweight=True, store_dbias=True),
+        "backward launcher, no param grads": lambda: module._layernorm_bwd_default(
+            dy, x, weight, bias, mean, rstd, store_dweight=False, store_dbias=False),
+        "forward launcher": lambda: module._layernorm_fwd(
+            x, weight, bias, 1e-5, store_mean=True, store_rstd=True),
+        "torch.empty((132, N)) + sum(0) + to": lambda: torch.empty(
+            (132, n), device=x.device).sum(0).to(x.dtype),
+    }
+    for name, fn in pieces.items():
+        print(f"  {name}: {host_micros(fn, calls):.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--op", default="layernorm")
@@ -65,6 +98,8 @@ def main() -> None:
         micros = (time.perf_counter() - start) / args.calls * 1e6
         print(f"{args.op} {args.rows}x{args.cols} fwd+bwd via torch.ops.vjpforge: "
               f"{micros:.1f} us per call")
+    if args.op == "layernorm":
+        launcher_breakdown(module, x.detach(), args.calls)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
