@@ -256,3 +256,15 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "api_template": f"api_{module.api.kind}.py.j2",
     }
     return env.get_template("module.py.j2").render(**context)
+
+
+def render_patch(apis: list[tuple[str, Any]]) -> str:
+    """generated/patch.py: the replacement rules every spec's API declares, in spec order."""
+    rules = []
+    for op, api in apis:
+        for pattern, options in getattr(api, "replaces", ()):
+            rules.append({"pattern": pattern, "op": op, "module": api.module,
+                          "options": options,
+                          "flags": [(p.flag, p.name) for p in api.params if p.flag]})
+    ops = sorted({rule["op"] for rule in rules})
+    return environment().get_template("patch.py.j2").render(rules=rules, ops=ops)

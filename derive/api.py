@@ -44,6 +44,9 @@ class NormalizedShapeAPI:
     residual: str | None = None
     #: per-column tensors passed at each call (keyword-only), not owned by the module
     call_params: tuple[str, ...] = ()
+    #: modules of other libraries this module stands in for in patch_model(): (fnmatch pattern
+    #: on the class name, options for our module), first match wins
+    replaces: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
     kind = "normalized_shape"
 

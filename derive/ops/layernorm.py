@@ -28,5 +28,6 @@ def spec() -> OpSpec:
     op.api = NormalizedShapeAPI(
         function="layer_norm", module="LayerNorm",
         torch_function="torch.nn.functional.layer_norm", torch_module="torch.nn.LayerNorm",
-        params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5)
+        params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
+        replaces=(("LayerNorm", ()),))
     return op

@@ -28,5 +28,8 @@ def spec() -> OpSpec:
         function="rms_norm", module="RMSNorm",
         torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
-        options=(Option("weight_offset", 0.0),))
+        options=(Option("weight_offset", 0.0),),
+        # HF: LlamaRMSNorm, MistralRMSNorm, ... and Gemma's (1 + weight); T5's is an RMSNorm
+        replaces=(("Gemma*RMSNorm", (("weight_offset", 1.0),)), ("*RMSNorm", ()),
+                  ("T5LayerNorm", ())))
     return op
