@@ -67,6 +67,7 @@ class KernelContext:
         self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
         self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]
+        self.scalar_inputs = [t.name for t in kernel.tensors("scalar")]
         self.column_inputs = [self._column(t.name) for t in kernel.tensors("column")]
         self.kernel_columns = [c["name"] for c in self.column_inputs]
         self.scalars = list(kernel.scalars)
@@ -76,6 +77,8 @@ class KernelContext:
         self.element_stores = [self._store(s) for s in kernel.stores_of("element")]
         self.row_stores = [self._store(s) for s in kernel.stores_of("row")]
         self.column_stores = [self._store(s) for s in kernel.stores_of("column")]
+        self.scalar_stores = [self._store(s) for s in kernel.stores_of("scalar")]
+        self.reduced_stores = self.column_stores + self.scalar_stores
         done: set[str] = set()
         self.persistent_passes = []
         for p in self.passes:
@@ -83,10 +86,11 @@ class KernelContext:
             done |= {a["name"] for a in fresh}
             self.persistent_passes.append({**p, "assigns": fresh})
         self.persistent_epilogue = [a for a in self.epilogue["assigns"] if a["name"] not in done]
-        self.flagged_stores = [s for s in self.element_stores + self.row_stores + self.column_stores
-                               if s["flag"]]
+        self.flagged_stores = [s for s in self.element_stores + self.row_stores
+                               + self.reduced_stores if s["flag"]]
         self.args = self._args()
-        self.inputs = (self.element_inputs + self.kernel_columns + self.row_inputs + self.scalars)
+        self.inputs = (self.element_inputs + self.kernel_columns + self.scalar_inputs
+                       + self.row_inputs + self.scalars)
         self.params = self.inputs + [f"store_{s['name']}" for s in self.flagged_stores]
         # flagged element outputs may take another dtype (a residual stream kept in fp32)
         self.params += [f"{s['name']}_dtype=None" for s in self.element_stores if s["flag"]]
@@ -99,6 +103,7 @@ class KernelContext:
              for e in self.element_inputs]
             + [(c["name"], "Optional[torch.Tensor]" if c["flag"] else "torch.Tensor")
                for c in self.column_inputs]
+            + [(name, "torch.Tensor") for name in self.scalar_inputs]
             + [(r, "torch.Tensor") for r in self.row_inputs]
             + [(name, "float") for name in self.scalars])
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
@@ -148,6 +153,20 @@ class KernelContext:
             lines += [f"if {s['flag']}:", f"    {store}"] if s["flag"] else [store]
         return lines
 
+    def scalar_load_lines(self) -> list[str]:
+        return [f"{name} = tl.load({name}_ptr).to(ACC)" for name in self.scalar_inputs]
+
+    def scalar_accumulate_lines(self) -> list[str]:
+        return [line for s in self.scalar_stores for line in (
+            f"if {s['flag']}:",
+            f"    {s['name']}_acc += tl.where(row_mask, {s['src']}, 0.0)  # {s['formula']}")]
+
+    def scalar_store_lines(self) -> list[str]:
+        return [line for s in self.scalar_stores for line in (
+            f"if {s['flag']}:",
+            f"    tl.store({s['name']}_partial_ptr + pid + tl.arange(0, 1), "
+            f"tl.sum({s['name']}_acc, axis=0))")]
+
     def row_load_lines(self) -> list[str]:
         return [f"{r} = tl.load({r}_ptr + rows, mask=row_mask, other=0.0).to(ACC)"
                 for r in self.row_inputs]
@@ -188,7 +207,8 @@ class KernelContext:
         }
 
     def _store(self, store: Any) -> dict[str, Any]:
-        flag = f"STORE_{store.name.upper()}" if store.level == "column" else store.flag
+        flag = (f"STORE_{store.name.upper()}" if store.level in ("column", "scalar")
+                else store.flag)
         return {"name": store.name, "src": self.printer(store.expr), "like": store.like,
                 "flag": flag,
                 "formula": f"{store.name} = {formula(store.expr)}"}
@@ -198,11 +218,12 @@ class KernelContext:
         for name in self.element_inputs:
             args += [f"{name}_ptr", f"{name}_row_stride"]
         args += [f"{c['name']}_ptr" for c in self.column_inputs]
+        args += [f"{name}_ptr" for name in self.scalar_inputs]
         args += [f"{name}_ptr" for name in self.row_inputs]
         for store in self.element_stores:
             args += [f"{store['name']}_ptr", f"{store['name']}_row_stride"]
         args += [f"{s['name']}_ptr" for s in self.row_stores]
-        args += [f"{s['name']}_partial_ptr" for s in self.column_stores]
+        args += [f"{s['name']}_partial_ptr" for s in self.reduced_stores]
         args += self.scalars + ["M", "N"]
         args += [f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
@@ -218,7 +239,11 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     modes = []
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
-        gradients = [o.name for o in backward.outputs if o.level in ("element", "column")]
+        unpack = [o.name for o in backward.outputs]
+        # one gradient per function argument tensor, in argument order
+        tensors = [*module.inputs, *params]
+        gradients = [next(o.name for o in backward.outputs if o.name == "d" + name)
+                     for name in tensors]
         modes.append({
             "name": mode,
             "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
@@ -231,6 +256,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "bwd": KernelContext(backward, TRITON),
             "bwd_torch": KernelContext(backward, TORCH),
             "gradients": gradients,
+            "unpack": unpack,
+            "needs_index": {f"d{name}": i for i, name in enumerate(tensors)},
             "returns": ", ".join(
                 [f"{g} if needs[{i}] else None" for i, g in enumerate(gradients)]
                 + ["None"] * (len(module.scalars) + 2 * len(module.outputs[1:]))),

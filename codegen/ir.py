@@ -22,7 +22,7 @@ class Tensor:
     left out (None: the tensor is required)."""
 
     name: str
-    level: str  # "element" | "column" | "row"
+    level: str  # "element" | "column" | "row" | "scalar" (a 0-d tensor)
     absent: sympy.Expr | None = None
 
     @property
@@ -51,7 +51,7 @@ class RowReduce:
 class Store:
     name: str  # the output tensor
     expr: sympy.Expr
-    level: str  # "element" | "row" | "column" (column: Σ over rows, per-program partials)
+    level: str  # "element" | "row" | "column" | "scalar" (the last two: Σ over rows, partials)
     flag: str | None = None  # written only when this constexpr is set (values for a backward)
     like: str | None = None  # a column output takes this column input's dtype
 
@@ -106,7 +106,7 @@ class Kernel:
         for alias, target in self.aliases:
             lines.append(f"  output {alias} is {target} (same values, stored once)")
         for s in self.stores:
-            note = " (Σ over rows)" if s.level == "column" else ""
+            note = " (Σ over rows)" if s.level in ("column", "scalar") else ""
             note += f" (if {s.flag})" if s.flag else ""
             lines.append(f"  store {s.name} = {s.expr}{note}")
         return "\n".join(lines)

@@ -53,6 +53,7 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     absent = dict(graph.element_absent)
     inputs = tuple(Tensor(t, "element", absent.get(t)) for t in graph.element_inputs)
     inputs += tuple(Tensor(p.name, "column", p.absent) for p in graph.column_inputs)
+    inputs += tuple(Tensor(t, "scalar") for t in graph.scalar_inputs)
     inputs += tuple(Tensor(t, "row") for t in graph.row_inputs)
     return Kernel(name, inputs, outputs, graph.scalars, prologue, tuple(passes), epilogue,
                   final_stores, aliases)
@@ -77,7 +78,7 @@ def _alias_identical(stores: tuple[Store, ...]
 def _levels(graph: RowGraph) -> dict[str, str]:
     levels = {t: "element" for t in graph.element_inputs}
     levels |= {p.name: "element" for p in graph.column_inputs}
-    levels |= {t: "row" for t in graph.row_inputs}
+    levels |= {t: "row" for t in graph.row_inputs + graph.scalar_inputs}
     levels |= {s: "row" for s in graph.scalars}
     levels[ROW_LENGTH] = "row"
     levels |= {d.name: d.level for d in graph.definitions}
@@ -91,6 +92,7 @@ def _stores(graph: RowGraph, saved: frozenset[str]) -> list[Store]:
     stores = [Store(n, e, "element", flag(n)) for n, e in graph.element_outputs]
     stores += [Store(n, e, "row", flag(n)) for n, e in graph.row_outputs]
     stores += [Store(n, e, "column", like=param) for n, param, e in graph.column_outputs]
+    stores += [Store(n, e, "scalar", like=param) for n, param, e in graph.scalar_outputs]
     return stores
 
 

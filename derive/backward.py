@@ -44,7 +44,8 @@ def gradient_name(name: str) -> str:
 
 def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
                     saved: list[str]) -> BackwardResult:
-    differentiable = [n for n in spec.nodes if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM)]
+    differentiable = [n for n in spec.nodes
+                      if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)]
     targets = {n.name: reverse.adjoints.get(n.name, sympy.Integer(0)) for n in differentiable}
     pivots = pivot_table(spec, algebra)
     targets = {name: substitute(expr, dict(pivots)) for name, expr in targets.items()}
@@ -84,7 +85,7 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], save
             ) -> tuple[dict[str, sympy.Expr], list[Resolution]]:
     """Make every value the gradients use available to the backward (see module doc)."""
     available = set(saved) | {n.name for n in spec.nodes
-                                   if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR)}
+                                   if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR)}
     available |= {"d" + name for name in spec.outputs}
     resolutions: list[Resolution] = []
     order = {node.name: index for index, node in enumerate(spec.nodes)}
@@ -179,8 +180,10 @@ def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:
         groups.setdefault(key, []).append(constant * sums[0].args[0])
     merged = rest
     for key in sorted(groups, key=sympy.default_sort_key):
-        coefficient, body = sympy.factor_terms(sympy.factor(sympy.Add(*groups[key]))
-                                               ).as_coeff_Mul()
+        combined = sympy.Add(*groups[key])
+        if len(groups[key]) > 1:
+            combined = sympy.factor(combined)
+        coefficient, body = sympy.factor_terms(combined).as_coeff_Mul()
         merged += coefficient * key * RowSum(body)
     return merged
 
@@ -269,6 +272,9 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         column_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
                              if kinds[k] is Kind.COLUMN_PARAM),
         element_absent=tuple((u, sympy.Integer(0)) for u in upstream[1:]),
+        scalar_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR_PARAM),
+        scalar_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
+                             if kinds[k] is Kind.SCALAR_PARAM),
     )
 
 

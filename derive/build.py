@@ -34,7 +34,7 @@ def build_op(path: Path, display: str) -> tuple[Derivation, str, str]:
         api=spec.api,
         inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
         params=tuple((n.name, str(n.absent)) for n in spec.nodes
-                     if n.kind is Kind.COLUMN_PARAM),
+                     if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)),
         scalars=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR),
         outputs=tuple(spec.outputs),
         modes=tuple((mode, tuple(saved), spec.mode_docs[mode])

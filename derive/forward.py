@@ -37,6 +37,7 @@ def forward_graph(spec: OpSpec) -> RowGraph:
         column_outputs=(),
         element_absent=tuple((n.name, n.absent) for n in spec.nodes
                              if n.kind is Kind.INPUT and n.absent is not None),
+        scalar_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR_PARAM),
     )
 
 

@@ -46,6 +46,10 @@ class RowGraph:
     column_outputs: tuple[tuple[str, str, sympy.Expr], ...]  # (name, parameter, row-local)
     #: optional element inputs and the value each takes when absent
     element_absent: tuple[tuple[str, sympy.Expr], ...] = ()
+    #: learnable scalars (0-d tensors) read by the kernel
+    scalar_inputs: tuple[str, ...] = ()
+    #: (name, parameter, row-level value) summed over all rows: a scalar parameter's gradient
+    scalar_outputs: tuple[tuple[str, str, sympy.Expr], ...] = ()
 
     def describe(self) -> str:
         lines = [f"reads elements {', '.join(self.element_inputs) or '-'}; "
@@ -62,4 +66,6 @@ class RowGraph:
                 lines.append(f"  write {kind} {name} = {expr}")
         for name, _, expr in self.column_outputs:
             lines.append(f"  write column {name} = Σ_rows {expr}")
+        for name, _, expr in self.scalar_outputs:
+            lines.append(f"  write scalar {name} = Σ_rows {expr}")
         return "\n".join(lines)

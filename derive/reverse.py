@@ -65,7 +65,7 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
 
     def add(rule: str, source: Node, target: sympy.Symbol, contribution: sympy.Expr) -> None:
         target_node = spec.node_of(target, "adjoint")
-        if target_node.kind is Kind.SCALAR or contribution == 0:
+        if target_node.kind is Kind.SCALAR or contribution == 0:  # constants have no gradient
             return
         adjoint[target_node.name] += contribution
         steps.append(Step(rule, source.name, target_node.name, contribution))

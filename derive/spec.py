@@ -37,6 +37,7 @@ class Level(Enum):
 class Kind(Enum):
     INPUT = "input"
     COLUMN_PARAM = "column_param"
+    SCALAR_PARAM = "scalar_param"
     SCALAR = "scalar"
     ELEMENT = "element"
     ROW = "row"
@@ -105,6 +106,11 @@ class OpSpec:
         node_absent = None if absent is None else sympy.sympify(absent)
         return self._declare(name, Kind.COLUMN_PARAM, Level.COLUMN, absent=node_absent)
 
+    def scalar_param(self, name: str) -> sympy.Symbol:
+        """A learnable scalar (a 0-d tensor) shared by every element: its gradient is a sum over
+        all rows and columns (DyT's alpha)."""
+        return self._declare(name, Kind.SCALAR_PARAM, Level.SCALAR)
+
     def scalar(self, name: str, positive: bool = False) -> sympy.Symbol:
         """A constant of the call, not differentiated (eps, a scale)."""
         return self._declare(name, Kind.SCALAR, Level.SCALAR, positive=positive)
@@ -164,7 +170,7 @@ class OpSpec:
         self.mode_docs[mode] = doc
         for symbol in symbols:
             node = self.node_of(symbol, "save")
-            if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR):
+            if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR):
                 raise self._error(node.name, f"save() keeps activations and row statistics; "
                                              f"'{node.name}' is a {node.kind.value} and is "
                                              "always available to the backward")
