@@ -13,7 +13,7 @@ import jinja2
 import sympy
 
 from codegen.ir import Assign, Kernel, Pass
-from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter
+from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
 from derive.algebra import GuardedReciprocal
 
@@ -176,8 +176,15 @@ class KernelContext:
         return {"name": name, "flag": f"HAS_{name.upper()}" if tensor.optional else None,
                 "absent": self.printer(tensor.absent) if tensor.optional else None}
 
+    def print_named(self, name: str, expr: sympy.Expr) -> str:
+        """Print expr; a failure names the value it defines (for the spec-line error)."""
+        try:
+            return self.printer(expr)
+        except PrintError as error:
+            raise PrintError(f"'{name}' = {expr}: {error}", name, error.offending) from error
+
     def _assigns(self, assigns: tuple[Assign, ...]) -> list[dict[str, str]]:
-        return [{"name": a.name, "src": self.printer(a.expr),
+        return [{"name": a.name, "src": self.print_named(a.name, a.expr),
                  "formula": f"{a.name} = {formula(a.expr)}"} for a in assigns]
 
     def _pass(self, step: Pass) -> dict[str, Any]:
@@ -193,7 +200,7 @@ class KernelContext:
             else:
                 prefix, suffix = f"{self.printer(r.scale)} * ", ""
             reductions.append({
-                "name": r.name, "op": r.op, "body": self.printer(r.body),
+                "name": r.name, "op": r.op, "body": self.print_named(r.name, r.body),
                 "identity": 'float("-inf")' if r.op == "max" else "0.0",
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
@@ -209,7 +216,8 @@ class KernelContext:
     def _store(self, store: Any) -> dict[str, Any]:
         flag = (f"STORE_{store.name.upper()}" if store.level in ("column", "scalar")
                 else store.flag)
-        return {"name": store.name, "src": self.printer(store.expr), "like": store.like,
+        return {"name": store.name, "src": self.print_named(store.name, store.expr),
+                "like": store.like,
                 "flag": flag,
                 "formula": f"{store.name} = {formula(store.expr)}"}
 
@@ -273,8 +281,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "extra_flags": [arg for name in module.outputs[1:]
                         for arg in (f"want_{name}", f"{name}_fp32")],
         "function_tensors": [*module.inputs, *params],
-        "checked_params": [*getattr(module.api, "call_params", ()),
-                           *(p.name for p in getattr(module.api, "params", ()))],
         "extra_args": [arg for name in module.outputs[1:]
                        for arg in (f"want_{name}", f"{name}_dtype")],
         "fwd_torch": KernelContext(forward, TORCH),
@@ -295,3 +301,12 @@ def render_patch(apis: list[tuple[str, Any]]) -> str:
                           "flags": [(p.flag, p.name) for p in api.params if p.flag]})
     ops = sorted({rule["op"] for rule in rules})
     return environment().get_template("patch.py.j2").render(rules=rules, ops=ops)
+
+
+def render_user_test(module: ModuleSpec, spec_path: str) -> str:
+    """A finite-difference test that sits next to a module derived from a user's spec."""
+    api = module.api
+    params = [{"name": p.name, "scalar": p.scalar} for p in getattr(api, "params", ())]
+    return environment().get_template("user_test.py.j2").render(
+        module=module, api=api, params=params, spec_path=spec_path,
+        modes=[mode for mode, _, _ in module.modes])

@@ -16,7 +16,13 @@ from derive.algebra import GuardedReciprocal
 
 
 class PrintError(ValueError):
-    pass
+    """An expression outside the printer's tables; `name` is the value it defines, if known."""
+
+    def __init__(self, message: str, name: str | None = None,
+                 offending: sympy.Expr | None = None):
+        super().__init__(message)
+        self.name = name
+        self.offending = offending
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ class KernelPrinter:
             lhs, rhs = self._wrap(expr.lhs, _ADD), self._wrap(expr.rhs, _ADD)
             return f"({lhs} {expr.rel_op} {rhs})", _ATOM
         raise PrintError(f"the {self.dialect.name} printer has no rule for "
-                         f"{type(expr).__name__}: {expr}")
+                         f"{type(expr).__name__}: {expr}", offending=expr)
 
     def _wrap(self, expr: sympy.Expr, strength: int) -> str:
         source, own = self._print(expr)
@@ -180,7 +186,8 @@ class KernelPrinter:
                 return (f"1.0 / ({source})" if integer else f"1.0 / {root}"), _MUL
             return source, (_MUL if integer else _ATOM)
         raise PrintError(f"the {self.dialect.name} printer has no rule for the power {expr}: "
-                         "integer powers up to 4 and half-integer powers up to 3/2 print")
+                         "integer powers up to 4 and half-integer powers up to 3/2 print",
+                         offending=expr)
 
     def _piecewise(self, expr: sympy.Piecewise) -> tuple[str, int]:
         *cases, (last_value, last_condition) = expr.args

@@ -3,6 +3,8 @@
     derive                     regenerate everything, a progress line per op
     derive --check             regenerate in memory; fail with a unified diff if anything differs
     derive --show NAME         print every stage of one op's derivation
+    derive my_op.py --out DIR  derive a spec written outside this repo: DIR/<op>.py (kernels,
+                               autograd, API), DIR/<op>.md (derivation), DIR/test_<op>.py
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import argparse
 import difflib
 import sys
 import time
+from pathlib import Path
 
-from derive.build import OPS, ROOT, build_all, build_op
+from derive.build import OPS, ROOT, build_all, build_op, build_user_op
+from derive.reverse import DerivationError
+from derive.spec import SpecError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,13 +26,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="fail with a diff when generated/ or docs/ops/ is out of date")
     parser.add_argument("--show", metavar="NAME", help="print every stage of one op")
+    parser.add_argument("spec", nargs="?", type=Path, help="a spec file outside derive/ops/")
+    parser.add_argument("--out", type=Path, help="where `derive SPEC` writes (required with SPEC)")
     args = parser.parse_args(argv)
 
-    if args.show:
-        return show(args.show)
+    try:
+        if args.spec is not None:
+            return user_op(parser, args.spec, args.out)
+        if args.show:
+            return show(args.show)
+        return regenerate(only_check=args.check)
+    except (SpecError, DerivationError) as error:
+        print(f"derive: error: {error}", file=sys.stderr)
+        return 2
+
+
+def user_op(parser: argparse.ArgumentParser, spec: Path, out: Path | None) -> int:
+    if out is None:
+        parser.error("derive SPEC needs --out DIR")
+    if not spec.is_file():
+        parser.error(f"argument spec: no such file: {spec}")
+    files = build_user_op(spec, out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path, text in files.items():
+        path.write_text(text)
+        print(f"derive: wrote {path}")
+    return 0
+
+
+def regenerate(only_check: bool) -> int:
     start = time.perf_counter()
     files = build_all(progress=lambda line: print(line, flush=True))
-    if args.check:
+    if only_check:
         return check(files)
     for relative, text in files.items():
         target = ROOT / relative

@@ -11,9 +11,10 @@ class Param:
     constructor switch (besides elementwise_affine) that can turn it off, if any."""
 
     name: str
-    init: str
+    init: str  # "ones" | "zeros", or for a scalar parameter the option holding its init value
     flag: str | None = None
     offset: str | None = None  # a scalar option added to the parameter; init keeps the sum
+    scalar: bool = False  # a 0-d learnable scalar (a required argument of the function)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Option:
 
     name: str
     default: float
+    module_only: bool = False  # a constructor argument only (an init value)
 
 
 @dataclass(frozen=True)

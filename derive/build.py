@@ -6,11 +6,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from codegen.emit import ModuleSpec, render_module, render_patch
+import sympy
+
+from codegen.emit import ModuleSpec, render_module, render_patch, render_user_test
 from codegen.lower import lower
+from codegen.printers import PrintError
+from derive.algebra import sorted_symbols
 from derive.docs import render_page
 from derive.engine import Derivation, derive, load_spec
-from derive.spec import Kind
+from derive.spec import Kind, OpSpec, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "derive" / "ops"
@@ -23,14 +27,55 @@ def op_files() -> list[Path]:
 def build_op(path: Path, display: str) -> tuple[Derivation, str, str]:
     """(derivation, module source, docs page) of one spec file."""
     spec = load_spec(path, display)
+    try:
+        return _build(spec)
+    except PrintError as error:
+        raise SpecError(f"{_culprit(spec, error, display)}: cannot generate kernel code for "
+                        f"{error}") from error
+
+
+def _culprit(spec: OpSpec, error: PrintError, display: str) -> str:
+    """The spec line to blame: the value that failed to print, else the first definition
+    using the function that has no printer rule (a backward only differentiates it)."""
+    for node in spec.nodes:
+        if node.name == error.name:
+            return node.where
+    if error.offending is not None:
+        kind = type(error.offending)
+        for node in spec.nodes:
+            if node.expr is None:
+                continue
+            derivatives = [sympy.diff(node.expr, s) for s in sorted_symbols(node.expr.free_symbols)]
+            if node.expr.atoms(kind) or any(d.atoms(kind) for d in derivatives):
+                return node.where
+    return display
+
+
+def build_user_op(path: Path, out: Path) -> dict[Path, str]:
+    """`derive path/to/my_op.py --out DIR`: the module, its page and a finite-difference test."""
+    derivation, source, page = build_op(path, path.name)
+    name = derivation.spec.name
+    return {out / f"{name}.py": source, out / f"{name}.md": page,
+            out / f"test_{name}.py": render_user_test(module_spec(derivation.spec, derivation),
+                                                      path.name)}
+
+
+def _build(spec: OpSpec) -> tuple[Derivation, str, str]:
     derivation = derive(spec)
+    module = module_spec(spec, derivation)
     forward = lower(derivation.forward, f"_{spec.name}_fwd", derivation.saved_outputs)
     backwards = {mode: lower(result.graph, f"_{spec.name}_bwd_{mode}")
                  for mode, result in derivation.backwards.items()}
-    module = ModuleSpec(
+    source = render_module(module, forward, backwards)
+    page = render_page(derivation, forward, backwards)
+    return derivation, source, page
+
+
+def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
+    return ModuleSpec(
         op=spec.name,
         doc=spec.doc,
-        source=display,
+        source=spec.source,
         api=spec.api,
         inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
         params=tuple((n.name, str(n.absent)) for n in spec.nodes
@@ -41,9 +86,6 @@ def build_op(path: Path, display: str) -> tuple[Derivation, str, str]:
                     for mode, saved in spec.modes.items()),
         upstream=tuple(s.name for s in derivation.reverse.upstream.values()),
     )
-    source = render_module(module, forward, backwards)
-    page = render_page(derivation, forward, backwards)
-    return derivation, source, page
 
 
 def build_all(progress: Callable[[str], None] = lambda line: None) -> dict[str, str]:

@@ -28,7 +28,7 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
             math = f"{symbol} = {latex(node.expr)}"
         else:
             note = {Kind.INPUT: "input element", Kind.COLUMN_PARAM: "per-column parameter",
-                    Kind.SCALAR: "scalar"}[node.kind]
+                    Kind.SCALAR_PARAM: "learnable scalar", Kind.SCALAR: "scalar"}[node.kind]
             if node.absent is not None:
                 note += f", {latex(node.absent)} when not given"
             math = rf"{symbol} \;:\; \text{{{note}}}"

@@ -1074,6 +1074,20 @@ def _check_like_input(function, name, tensor, input):
     return tensor
 
 
+def _check_scalar_param(function, name, param, input):
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}")
+    if param.numel() != 1:
+        raise ValueError(f"{function}(): argument '{name}' must hold one value (shape () or (1,)), got shape {tuple(param.shape)}")
+    if param.device != input.device:
+        raise ValueError(
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
+        )
+    if param.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}")
+    return param.reshape(())
+
+
 def _check_normalized_shape(function, normalized_shape, input):
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
