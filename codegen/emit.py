@@ -295,10 +295,11 @@ def render_patch(apis: list[tuple[str, Any]]) -> str:
     """generated/patch.py: the replacement rules every spec's API declares, in spec order."""
     rules = []
     for op, api in apis:
-        for pattern, options in getattr(api, "replaces", ()):
-            rules.append({"pattern": pattern, "op": op, "module": api.module,
-                          "options": options,
-                          "flags": [(p.flag, p.name) for p in api.params if p.flag]})
+        for rule in getattr(api, "replaces", ()):
+            params = getattr(api, "params", ())
+            rules.append({"pattern": rule.pattern, "op": op, "module": api.module,
+                          "options": rule.options, "when": rule.when, "norm": bool(params),
+                          "flags": [(p.flag, p.name) for p in params if p.flag]})
     ops = sorted({rule["op"] for rule in rules})
     return environment().get_template("patch.py.j2").render(rules=rules, ops=ops)
 

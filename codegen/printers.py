@@ -7,6 +7,7 @@ Row-invariant factors of a product print first, so `sum_dy / N * x_hat` divides 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class Dialect:
     where: str
     maximum: str
     minimum: str
+    split_constants: bool
 
 
 TRITON = Dialect(
@@ -44,6 +46,7 @@ TRITON = Dialect(
     where="tl.where",
     maximum="tl.maximum",
     minimum="tl.minimum",
+    split_constants=True,
 )
 
 TORCH = Dialect(
@@ -55,6 +58,7 @@ TORCH = Dialect(
     where="torch.where",
     maximum="torch.maximum",
     minimum="torch.minimum",
+    split_constants=False,
 )
 
 # Binding strength, for parentheses: atoms bind tightest.
@@ -75,7 +79,7 @@ class KernelPrinter:
     def _print(self, expr: sympy.Expr) -> tuple[str, int]:
         if isinstance(expr, sympy.Symbol):
             return expr.name, _ATOM
-        if expr.is_Number:
+        if expr.is_Number or (expr.is_number and expr.is_real and not expr.free_symbols):
             return self._number(expr)
         if isinstance(expr, sympy.Add):
             return self._add(expr)
@@ -111,8 +115,15 @@ class KernelPrinter:
             return 'float("-inf")', _ATOM
         if not expr.is_finite:
             raise PrintError(f"cannot print the number {expr}")
-        value = repr(float(expr))
-        return value, (_UNARY if value.startswith("-") else _ATOM)
+        value = float(sympy.N(expr, 30))
+        high = struct.unpack("f", struct.pack("f", value))[0]
+        if self.dialect.split_constants and high != value:
+            # Triton makes a float literal fp32: carry the rest in a second one, summed at ACC
+            # (fp64 for fp64 tensors) so an irrational constant keeps full precision.
+            low = value - high
+            return f"(tl.full([], {high!r}, ACC) + tl.full([], {low!r}, ACC))", _ATOM
+        text = repr(value)
+        return text, (_UNARY if text.startswith("-") else _ATOM)
 
     def _add(self, expr: sympy.Add) -> tuple[str, int]:
         terms = sorted(expr.args, key=lambda t: (t.could_extract_minus_sign(),
@@ -135,7 +146,13 @@ class KernelPrinter:
             inner = self._wrap(-expr, _MUL)
             return f"-{inner}", _UNARY
         numerator, denominator = [], []
+        # All numeric factors (sqrt(2), 1/sqrt(pi), 1/2, ...) print as one constant.
+        constant = sympy.Mul(*(f for f in sympy.Mul.make_args(expr) if f.is_number))
+        if constant != 1:
+            numerator.append(constant)
         for factor in sympy.Mul.make_args(expr):
+            if factor.is_number:
+                continue
             base, exponent = factor.as_base_exp()
             if exponent.is_Number and exponent < 0 and not factor.is_Number:
                 denominator.append(base if exponent == -1 else sympy.Pow(base, -exponent))

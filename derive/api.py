@@ -27,6 +27,16 @@ class Option:
 
 
 @dataclass(frozen=True)
+class Replaces:
+    """A module of another library that ours stands in for in patch_model(): its class name
+    (an fnmatch pattern), attribute values it must have (`when`), options for our module."""
+
+    pattern: str
+    options: tuple[tuple[str, float], ...] = ()
+    when: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class NormalizedShapeAPI:
     """`function(input, normalized_shape, <params>=None, eps=...)` plus an nn.Module, exactly as
     torch.nn.functional.<torch_name> and torch.nn.<module>.
@@ -46,9 +56,8 @@ class NormalizedShapeAPI:
     residual: str | None = None
     #: per-column tensors passed at each call (keyword-only), not owned by the module
     call_params: tuple[str, ...] = ()
-    #: modules of other libraries this module stands in for in patch_model(): (fnmatch pattern
-    #: on the class name, options for our module), first match wins
-    replaces: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    #: modules of other libraries this module stands in for in patch_model(), first match wins
+    replaces: tuple[Replaces, ...] = ()
 
     kind = "normalized_shape"
 
@@ -62,3 +71,18 @@ class DimAPI:
     torch_function: str
 
     kind = "dim"
+
+
+@dataclass(frozen=True)
+class ElementwiseAPI:
+    """`function(input, *, <params>=None)` over the last dim of any tensor, plus a module with no
+    parameters (the per-column tensors, such as the bias of the previous linear layer, are
+    passed at each call)."""
+
+    function: str
+    module: str
+    torch_function: str
+    call_params: tuple[str, ...] = ()
+    replaces: tuple[Replaces, ...] = ()
+
+    kind = "elementwise"

@@ -74,7 +74,9 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
         varying = [s for s in sorted_symbols(node.expr.free_symbols) if algebra.varies(s)]
         if len(varying) != 1 or algebra.levels[varying[0]] is not Level.ELEMENT:
             continue
-        solutions = sympy.solve(sympy.Eq(node.symbol, node.expr), varying[0], dict=False)
+        if _has_functions(node.expr):  # only rational inverses are worth a pivot
+            continue
+        solutions = solve_for(node.symbol, node.expr, varying[0])
         if len(solutions) == 1 and not _has_functions(solutions[0]):
             pivots = [(u, substitute(g, {varying[0]: solutions[0]})) for u, g in pivots]
             pivots.append((varying[0], solutions[0]))
@@ -143,7 +145,7 @@ def _solve_from_saved_row(spec: OpSpec, node: Node, available: set[str]) -> symp
         if any(s.name not in available and s != node.symbol and s != N
                for s in other.expr.free_symbols):
             continue
-        solutions = sympy.solve(sympy.Eq(other.symbol, other.expr), node.symbol, dict=False)
+        solutions = solve_for(other.symbol, other.expr, node.symbol)
         if len(solutions) == 1:
             return solutions[0]
     return None
@@ -157,10 +159,18 @@ def _invert_from_saved_element(spec: OpSpec, node: Node, available: set[str]
             continue
         if node.symbol not in other.expr.free_symbols:
             continue
-        solutions = sympy.solve(sympy.Eq(other.symbol, other.expr), node.symbol, dict=False)
+        solutions = solve_for(other.symbol, other.expr, node.symbol)
         if len(solutions) == 1:
             return solutions[0]
     return None
+
+
+def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> list[sympy.Expr]:
+    """The solutions of symbol = expr for unknown; none when SymPy has no algorithm for it."""
+    try:
+        return list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
+    except NotImplementedError:
+        return []
 
 
 def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:
@@ -227,8 +237,11 @@ def reduction_name(body: sympy.Expr, taken: set[str]) -> str:
 
 
 def tidy(expr: sympy.Expr) -> sympy.Expr:
-    """A compact form for printing and for the kernel: common factors pulled out."""
-    return sympy.factor_terms(sympy.expand(expr))
+    """The cheapest of a few equivalent forms (by operation count): expanded with common
+    factors pulled out suits sums of reductions; elementwise chains are cheaper left nested."""
+    expanded = sympy.factor_terms(sympy.expand(expr))
+    candidates = [expanded, sympy.factor_terms(expr), expr]
+    return min(candidates, key=sympy.count_ops)
 
 
 def backward_graph(spec: OpSpec, reverse: ReverseResult,

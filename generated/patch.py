@@ -6,28 +6,43 @@
     counts = patch_model(model)          # e.g. {"LayerNorm": 25}
 
 Matches by class name (torch's and Hugging Face transformers' modules alike), first rule wins:
+    GELU with approximate == "none" -> generated.gelu.GELU
+    GELUActivation -> generated.gelu.GELU
+    GELU with approximate == "tanh" -> generated.gelu_tanh.GELUTanh
+    NewGELUActivation -> generated.gelu_tanh.GELUTanh
+    GELUTanh -> generated.gelu_tanh.GELUTanh
+    PytorchGELUTanh -> generated.gelu_tanh.GELUTanh
     LayerNorm -> generated.layernorm.LayerNorm
     Gemma*RMSNorm -> generated.rmsnorm.RMSNorm (weight_offset=1.0)
     *RMSNorm -> generated.rmsnorm.RMSNorm
     T5LayerNorm -> generated.rmsnorm.RMSNorm
-The new module shares the old one's Parameter objects (weights, optimizer state and tied
+A new norm module shares the old one's Parameter objects (weights, optimizer state and tied
 references are kept), its eps (`eps` or `variance_epsilon`) and its device and dtype.
+Activations have no parameters.
 """
 
 import fnmatch
 
 import torch
 
+from generated import gelu
+from generated import gelu_tanh
 from generated import layernorm
 from generated import rmsnorm
 
 _RULES = (
-    ("LayerNorm", layernorm.LayerNorm, {}, (("bias", "bias"), )),
-    ("Gemma*RMSNorm", rmsnorm.RMSNorm, {"weight_offset": 1.0, }, ()),
-    ("*RMSNorm", rmsnorm.RMSNorm, {}, ()),
-    ("T5LayerNorm", rmsnorm.RMSNorm, {}, ()),
+    ("GELU", gelu.GELU, {}, (), {"approximate": "none", }, False),
+    ("GELUActivation", gelu.GELU, {}, (), {}, False),
+    ("GELU", gelu_tanh.GELUTanh, {}, (), {"approximate": "tanh", }, False),
+    ("NewGELUActivation", gelu_tanh.GELUTanh, {}, (), {}, False),
+    ("GELUTanh", gelu_tanh.GELUTanh, {}, (), {}, False),
+    ("PytorchGELUTanh", gelu_tanh.GELUTanh, {}, (), {}, False),
+    ("LayerNorm", layernorm.LayerNorm, {}, (("bias", "bias"), ), {}, True),
+    ("Gemma*RMSNorm", rmsnorm.RMSNorm, {"weight_offset": 1.0, }, (), {}, True),
+    ("*RMSNorm", rmsnorm.RMSNorm, {}, (), {}, True),
+    ("T5LayerNorm", rmsnorm.RMSNorm, {}, (), {}, True),
 )
-_GENERATED = tuple({module for _, module, _, _ in _RULES})
+_GENERATED = tuple({rule[1] for rule in _RULES})
 
 
 def patch_model(model, *, memory=None):
@@ -50,8 +65,12 @@ def _replacement(module, memory):
     if isinstance(module, _GENERATED):
         return None
     kind = type(module).__name__
-    for pattern, cls, options, flags in _RULES:
-        if fnmatch.fnmatchcase(kind, pattern):
+    for pattern, cls, options, flags, when, norm in _RULES:
+        if fnmatch.fnmatchcase(kind, pattern) and all(
+            getattr(module, name, None) == value for name, value in when.items()
+        ):
+            if not norm:
+                return cls().train(module.training)
             return _build(module, cls, options, flags, memory)
     return None
 

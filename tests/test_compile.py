@@ -12,6 +12,8 @@ from reference import randn
 
 import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
+import generated.gelu as gelu
+import generated.gelu_tanh as gelu_tanh
 import generated.layernorm as layernorm
 import generated.rmsnorm as rmsnorm
 import generated.softmax as softmax
@@ -39,6 +41,8 @@ def op_cases():
         cases.append((f"add_rmsnorm-{mode}", torch.ops.vjpforge.add_rmsnorm.default,
                       (x, None, None, weight, 1e-6, 0.0, mode, False, False)))
     cases.append(("softmax", torch.ops.vjpforge.softmax.default, (x, "default")))
+    cases.append(("gelu", torch.ops.vjpforge.gelu.default, (x, input_bias, "default")))
+    cases.append(("gelu_tanh", torch.ops.vjpforge.gelu_tanh.default, (x, None, "default")))
     return cases
 
 
@@ -54,6 +58,7 @@ def model(x, residual, weight, bias):
     hidden = layernorm.layer_norm(hidden, (N,), weight, bias, memory="invertible")
     hidden = add_rmsnorm.add_rms_norm(hidden, stream, (N,), weight, 1e-6)
     hidden = rmsnorm.rms_norm(hidden, (N,), weight, weight_offset=1.0)
+    hidden = gelu.gelu(hidden, bias=bias) + gelu_tanh.gelu_tanh(hidden)
     return softmax.softmax(hidden, dim=0)
 
 

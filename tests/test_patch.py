@@ -9,7 +9,7 @@ import pytest
 import torch
 from reference import randn
 
-from generated import layernorm, rmsnorm
+from generated import gelu, gelu_tanh, layernorm, rmsnorm
 from generated.patch import patch_model
 
 transformers = pytest.importorskip("transformers")
@@ -73,8 +73,9 @@ def exact_reference(model: torch.nn.Module) -> torch.nn.Module:
     return exact
 
 
-EXPECTED = {"bert": {"LayerNorm": 5}, "gpt2": {"LayerNorm": 5},
-            "llama": {"LlamaRMSNorm": 5}, "gemma": {"GemmaRMSNorm": 5}}
+EXPECTED = {"bert": {"LayerNorm": 5, "GELUActivation": 2},
+            "gpt2": {"LayerNorm": 5, "NewGELUActivation": 2},
+            "llama": {"LlamaRMSNorm": 5}, "gemma": {"GemmaRMSNorm": 5, "GELUTanh": 2}}
 
 
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
@@ -107,10 +108,12 @@ def test_patched_hf_model_matches(kind, monkeypatch):
 
 def test_patch_keeps_parameters_and_options():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8, bias=False),
-                                torch.nn.RMSNorm(8, eps=1e-3), torch.nn.LayerNorm(8))
+                                torch.nn.RMSNorm(8, eps=1e-3), torch.nn.LayerNorm(8),
+                                torch.nn.GELU(), torch.nn.GELU(approximate="tanh"))
     weight = model[1].weight
     counts = patch_model(model, memory="invertible")
-    assert counts == {"LayerNorm": 2, "RMSNorm": 1}
+    assert counts == {"LayerNorm": 2, "RMSNorm": 1, "GELU": 2}
+    assert isinstance(model[4], gelu.GELU) and isinstance(model[5], gelu_tanh.GELUTanh)
     assert isinstance(model[1], layernorm.LayerNorm) and model[1].bias is None
     assert model[1].weight is weight, "the Parameter object is shared, not copied"
     assert isinstance(model[2], rmsnorm.RMSNorm) and model[2].eps == 1e-3

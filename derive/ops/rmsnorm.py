@@ -5,7 +5,7 @@ weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight)
 
 import sympy
 
-from derive.api import NormalizedShapeAPI, Option, Param
+from derive.api import NormalizedShapeAPI, Option, Param, Replaces
 from derive.spec import OpSpec
 
 
@@ -30,6 +30,6 @@ def spec() -> OpSpec:
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),),
         # HF: LlamaRMSNorm, MistralRMSNorm, ... and Gemma's (1 + weight); T5's is an RMSNorm
-        replaces=(("Gemma*RMSNorm", (("weight_offset", 1.0),)), ("*RMSNorm", ()),
-                  ("T5LayerNorm", ())))
+        replaces=(Replaces("Gemma*RMSNorm", options=(("weight_offset", 1.0),)),
+                  Replaces("*RMSNorm"), Replaces("T5LayerNorm")))
     return op

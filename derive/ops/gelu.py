@@ -1,0 +1,25 @@
+"""bias + GELU, exact: y = z * (1 + erf(z / sqrt(2))) / 2 with z = x + bias.
+
+The bias of the preceding linear layer is fused in; its gradient is a column reduction. Only the
+input is saved: the activation is recomputed in the backward (DeepSpeed's gelu_checkpoint).
+"""
+
+import sympy
+
+from derive.api import ElementwiseAPI, Replaces
+from derive.spec import OpSpec
+
+
+def spec() -> OpSpec:
+    op = OpSpec("gelu", doc=__doc__)
+    x = op.input("x")
+    bias = op.column_param("bias", absent=0)
+    z = op.element("z", x + bias)
+    op.output(op.element("y", z * (1 + sympy.erf(z / sympy.sqrt(2))) / 2))
+    op.save(x)
+    op.api = ElementwiseAPI(
+        function="gelu", module="GELU", torch_function="torch.nn.functional.gelu(input + bias)",
+        call_params=("bias",),
+        replaces=(Replaces("GELU", when=(("approximate", "none"),)),
+                  Replaces("GELUActivation")))
+    return op

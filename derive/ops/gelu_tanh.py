@@ -1,0 +1,27 @@
+"""bias + GELU, tanh approximation: y = z * (1 + tanh(sqrt(2 / pi) * (z + 0.044715 z^3))) / 2,
+z = x + bias (GPT-2's NewGELUActivation, torch's approximate="tanh", DeepSpeed's bias_gelu).
+"""
+
+import sympy
+
+from derive.api import ElementwiseAPI, Replaces
+from derive.spec import OpSpec
+
+
+def spec() -> OpSpec:
+    op = OpSpec("gelu_tanh", doc=__doc__)
+    x = op.input("x")
+    bias = op.column_param("bias", absent=0)
+    z = op.element("z", x + bias)
+    inner = sympy.sqrt(2 / sympy.pi) * (z + sympy.Rational(44715, 10**6) * z**3)
+    t = op.element("t", sympy.tanh(inner))
+    op.output(op.element("y", z * (1 + t) / 2))
+    op.save(x)
+    op.api = ElementwiseAPI(
+        function="gelu_tanh", module="GELUTanh",
+        torch_function='torch.nn.functional.gelu(input + bias, approximate="tanh")',
+        call_params=("bias",),
+        replaces=(Replaces("GELU", when=(("approximate", "tanh"),)),
+                  Replaces("NewGELUActivation"), Replaces("GELUTanh"),
+                  Replaces("PytorchGELUTanh")))
+    return op
