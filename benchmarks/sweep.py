@@ -30,6 +30,13 @@ SHAPES = (
     (32768, 256),
     (1024, 262144),
 )
+LARGE_SHAPES = ((4096, 32768), (4096, 65536), (1024, 262144), (16384, 5120))
+#: `--large`: the looped-row schedule of wide rows
+LARGE_CHOICES = {
+    "LOOPED_GRID_STRIDE_ROWS": (1, 2, 4, 8),
+    "LOOPED_BLOCK_N": (2048, 4096, 8192),
+    "PROGRAMS_PER_SM": (1, 2),
+}
 CHOICES = {
     "ROW_BLOCK_ELEMENTS": (2048, 8192),
     "PROGRAMS_PER_SM": (1, 4),
@@ -50,13 +57,13 @@ def time_launchers(forward, backward, x, params, scalars, dy, saved, stores
     return fwd_ms, bwd_ms
 
 
-def sweep(op_name: str, dtype: torch.dtype) -> None:
+def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES) -> None:
     module = importlib.import_module(f"generated.{op_name}")
     op = OPS[op_name]
-    defaults = {name: getattr(module, name) for name in CHOICES}
+    defaults = {name: getattr(module, name) for name in choices}
     forward = getattr(module, f"_{op_name}_fwd")
     backward = getattr(module, f"_{op_name}_bwd")
-    for m, n in SHAPES:
+    for m, n in shapes:
         inputs = make_inputs(op, m, n, dtype, torch.device("cuda"))
         x = inputs.x.detach().reshape(m, n)
         params = [p.detach() for p in inputs.params]
@@ -70,8 +77,8 @@ def sweep(op_name: str, dtype: torch.dtype) -> None:
         }[op_name]
         stores = tuple(True for _ in params)
         best = {}
-        for values in itertools.product(*CHOICES.values()):
-            for name, value in zip(CHOICES, values, strict=True):
+        for values in itertools.product(*choices.values()):
+            for name, value in zip(choices, values, strict=True):
                 setattr(module, name, value)
             module._schedule.cache_clear()
             try:
@@ -91,7 +98,7 @@ def sweep(op_name: str, dtype: torch.dtype) -> None:
         fwd_ms, bwd_ms = time_launchers(forward, backward, x, params, scalars, dy, saved, stores)
         default_fwd = bytes_moved(op, "fwd", m, n, x.element_size()) / fwd_ms / 1e6
         default_bwd = bytes_moved(op, "bwd", m, n, x.element_size()) / bwd_ms / 1e6
-        names = ",".join(CHOICES)
+        names = ",".join(choices)
         print(
             f"{op_name} {m}x{n}: default fwd {default_fwd:.0f} bwd {default_bwd:.0f} GB/s; "
             f"best fwd {best['fwd'][0]:.0f} at {best['fwd'][1]}, "
@@ -104,9 +111,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", default="layernorm,rmsnorm,softmax")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    parser.add_argument("--large", action="store_true", help="sweep the looped-row schedule")
     args = parser.parse_args()
     for op_name in args.ops.split(","):
-        sweep(op_name, DTYPES[args.dtype])
+        if args.large:
+            sweep(op_name, DTYPES[args.dtype], LARGE_SHAPES, LARGE_CHOICES)
+        else:
+            sweep(op_name, DTYPES[args.dtype])
 
 
 if __name__ == "__main__":

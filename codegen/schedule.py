@@ -22,6 +22,9 @@ class ScheduleTable:
     persistent_max_block_n: int = 16384
     #: columns per step of a looped row
     looped_block_n: int = 4096
+    #: rows per step of a looped kernel that accumulates column partials: each step's
+    #: read-modify-write of the fp32 partials (8 bytes a column per partial) is shared by them
+    looped_grid_stride_rows: int = 4
     #: target elements per program step when N is small (several rows per program)
     row_block_elements: int = 8192
     max_rows: int = 64
@@ -37,6 +40,7 @@ class ScheduleTable:
         return {
             "PERSISTENT_MAX_BLOCK_N": self.persistent_max_block_n,
             "LOOPED_BLOCK_N": self.looped_block_n,
+            "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,
             "MAX_ROWS": self.max_rows,
             "PROGRAMS_PER_SM": self.programs_per_sm,

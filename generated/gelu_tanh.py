@@ -19,6 +19,7 @@ import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
 LOOPED_BLOCK_N = 4096
+LOOPED_GRID_STRIDE_ROWS = 4
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
 PROGRAMS_PER_SM = 1
@@ -52,8 +53,8 @@ def _schedule(M, N, grid_stride, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
     looped = block_n > persistent_max_block_n
     if looped:
-        block_n = min(LOOPED_BLOCK_N, persistent_max_block_n)
-        rows = 1
+        rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
+        block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
     else:
         rows = max(1, min(MAX_ROWS, ROW_BLOCK_ELEMENTS // block_n, triton.next_power_of_2(M)))
     warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
