@@ -52,8 +52,9 @@ def time_ms(fn) -> float:
 
 def time_launchers(forward, backward, x, params, scalars, dy, saved, stores
                    ) -> tuple[float, float]:
-    fwd_ms = time_ms(lambda: forward(x, *params, *scalars, store_saved=False))
-    bwd_ms = time_ms(lambda: backward(dy, *saved, *stores, store_saved=False))
+    forward_scalars, forward_flags, backward_scalars = scalars
+    fwd_ms = time_ms(lambda: forward(x, *params, *forward_scalars, *[False] * forward_flags))
+    bwd_ms = time_ms(lambda: backward(dy, *saved, *backward_scalars, *stores))
     return fwd_ms, bwd_ms
 
 
@@ -62,20 +63,23 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES) -> N
     op = OPS[op_name]
     defaults = {name: getattr(module, name) for name in choices}
     forward = getattr(module, f"_{op_name}_fwd")
-    backward = getattr(module, f"_{op_name}_bwd")
+    backward = getattr(module, f"_{op_name}_bwd_default")
     for m, n in shapes:
         inputs = make_inputs(op, m, n, dtype, torch.device("cuda"))
         x = inputs.x.detach().reshape(m, n)
         params = [p.detach() for p in inputs.params]
-        scalars = (1e-5,) if op_name != "softmax" else ()
-        outs = forward(x, *params, *scalars, store_saved=True)
+        # the launchers' own arguments: tensors, then scalars (see generated/<op>.py)
+        forward_scalars = {"layernorm": (1e-5,), "rmsnorm": (1e-6, 0.0), "softmax": ()}[op_name]
+        forward_flags = {"layernorm": 2, "rmsnorm": 1, "softmax": 0}[op_name]
+        outs = forward(x, *params, *forward_scalars, *[True] * forward_flags)
         dy = torch.randn_like(x)
-        saved = {
-            "layernorm": (x, *params, outs[1], outs[2]),
-            "rmsnorm": (x, *params, outs[1]),
-            "softmax": (outs[0],),
-        }[op_name]
+        if op_name == "softmax":
+            saved, backward_scalars = (outs[0],), ()
+        else:
+            saved = (x, *params, *outs[1:])
+            backward_scalars = (0.0,) if op_name == "rmsnorm" else ()
         stores = tuple(True for _ in params)
+        scalars = (forward_scalars, forward_flags, backward_scalars)
         best = {}
         for values in itertools.product(*choices.values()):
             for name, value in zip(choices, values, strict=True):
