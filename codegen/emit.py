@@ -281,6 +281,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "extra_flags": [arg for name in module.outputs[1:]
                         for arg in (f"want_{name}", f"{name}_fp32")],
         "function_tensors": [*module.inputs, *params],
+        # public argument name -> spec input name (elementwise APIs name every input)
+        "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
         "extra_args": [arg for name in module.outputs[1:]
                        for arg in (f"want_{name}", f"{name}_dtype")],
         "fwd_torch": KernelContext(forward, TORCH),

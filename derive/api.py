@@ -84,5 +84,7 @@ class ElementwiseAPI:
     torch_function: str
     call_params: tuple[str, ...] = ()
     replaces: tuple[Replaces, ...] = ()
+    #: public names of the element inputs, in spec order (same shapes)
+    inputs: tuple[str, ...] = ("input",)
 
     kind = "elementwise"

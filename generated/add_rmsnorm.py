@@ -1024,12 +1024,12 @@ def _rows(shape, tensor):
     return rows if rows.stride(-1) == 1 or rows.numel() == 0 else rows.contiguous()
 
 
-def _check_input(function, input):
+def _check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"{function}(): argument 'input' must be a torch.Tensor, got {type(input).__name__}")
+        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"{function}(): argument 'input' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
         )
 
 
@@ -1055,18 +1055,18 @@ def _check_param(function, name, param, shape, input):
     return param.reshape(-1)
 
 
-def _check_like_input(function, name, tensor, input):
+def _check_like_input(function, name, tensor, input, reference="input"):
     if tensor is None:
         return None
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
     if tensor.shape != input.shape:
         raise ValueError(
-            f"{function}(): argument '{name}' must have the shape of 'input' {list(input.shape)}, got {list(tensor.shape)}"
+            f"{function}(): argument '{name}' must have the shape of '{reference}' {list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
         raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {tensor.device}"
+            f"{function}(): argument '{name}' must be on the device of '{reference}' ({input.device}), got {tensor.device}"
         )
     if tensor.dtype not in _FLOAT_DTYPES:
         raise TypeError(

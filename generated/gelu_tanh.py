@@ -501,12 +501,12 @@ def _rows(shape, tensor):
     return rows if rows.stride(-1) == 1 or rows.numel() == 0 else rows.contiguous()
 
 
-def _check_input(function, input):
+def _check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"{function}(): argument 'input' must be a torch.Tensor, got {type(input).__name__}")
+        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"{function}(): argument 'input' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
         )
 
 
@@ -532,18 +532,18 @@ def _check_param(function, name, param, shape, input):
     return param.reshape(-1)
 
 
-def _check_like_input(function, name, tensor, input):
+def _check_like_input(function, name, tensor, input, reference="input"):
     if tensor is None:
         return None
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
     if tensor.shape != input.shape:
         raise ValueError(
-            f"{function}(): argument '{name}' must have the shape of 'input' {list(input.shape)}, got {list(tensor.shape)}"
+            f"{function}(): argument '{name}' must have the shape of '{reference}' {list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
         raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {tensor.device}"
+            f"{function}(): argument '{name}' must be on the device of '{reference}' ({input.device}), got {tensor.device}"
         )
     if tensor.dtype not in _FLOAT_DTYPES:
         raise TypeError(
@@ -615,15 +615,17 @@ def _needs_grad(*tensors):
 
 
 def gelu_tanh(input, *, bias=None):
-    """`torch.nn.functional.gelu(input + bias, approximate="tanh")` in one kernel each way, over the last dim of `input`.
+    """`torch.nn.functional.gelu(input + bias, approximate="tanh")` in one kernel each way, over the last dim.
 
-`bias` (shape (input.shape[-1],) or None) is fused in and gets its gradient
-    as a column reduction. Computed in fp32 (fp64 for fp64 input); only the input is kept for the
-    backward, which recomputes the activation. CUDA tensors run the generated Triton kernels,
-    CPU tensors the generated torch path (the kernels under TRITON_INTERPRET=1).
+    Fused in: `bias` (shape (input.shape[-1],) or None),
+    whose gradient is a column reduction.
+    Computed in fp32 (fp64 for fp64 input); only the inputs are kept for the backward, which
+    recomputes the activation. CUDA tensors run the generated Triton kernels, CPU tensors the
+    generated torch path (the kernels under TRITON_INTERPRET=1).
     """
-    _check_input("gelu_tanh", input)
-    columns = input.shape[-1] if input.dim() else 1
+    _check_input("gelu_tanh", input, "input")
+    shape = input.shape
+    columns = shape[-1] if len(shape) else 1
     bias = _check_param("gelu_tanh", "bias", bias, (columns,), input)
     if input.numel() == 0:
         return input.clone()
@@ -636,7 +638,7 @@ def gelu_tanh(input, *, bias=None):
         outputs = function.apply(x, bias),
     else:
         outputs = _gelu_tanh_fwd(x, bias)
-    return outputs[0].reshape(input.shape)
+    return outputs[0].reshape(shape)
 
 
 class GELUTanh(torch.nn.Module):

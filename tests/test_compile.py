@@ -12,11 +12,13 @@ from reference import randn
 
 import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
+import generated.geglu as geglu
 import generated.gelu as gelu
 import generated.gelu_tanh as gelu_tanh
 import generated.layernorm as layernorm
 import generated.rmsnorm as rmsnorm
 import generated.softmax as softmax
+import generated.swiglu as swiglu
 
 N = 16
 
@@ -43,6 +45,8 @@ def op_cases():
     cases.append(("softmax", torch.ops.vjpforge.softmax.default, (x, "default")))
     cases.append(("gelu", torch.ops.vjpforge.gelu.default, (x, input_bias, "default")))
     cases.append(("gelu_tanh", torch.ops.vjpforge.gelu_tanh.default, (x, None, "default")))
+    cases.append(("swiglu", torch.ops.vjpforge.swiglu.default, (x, residual, "default")))
+    cases.append(("geglu", torch.ops.vjpforge.geglu.default, (x, residual, "default")))
     return cases
 
 
@@ -59,6 +63,7 @@ def model(x, residual, weight, bias):
     hidden = add_rmsnorm.add_rms_norm(hidden, stream, (N,), weight, 1e-6)
     hidden = rmsnorm.rms_norm(hidden, (N,), weight, weight_offset=1.0)
     hidden = gelu.gelu(hidden, bias=bias) + gelu_tanh.gelu_tanh(hidden)
+    hidden = swiglu.swiglu(hidden, stream) + geglu.geglu(stream, hidden)
     return softmax.softmax(hidden, dim=0)
 
 

@@ -1,0 +1,20 @@
+"""GeGLU: y = gelu(gate) * up with the exact (erf) GELU. Only the inputs are saved; the
+activation is recomputed in the backward."""
+
+import sympy
+
+from derive.api import ElementwiseAPI
+from derive.spec import OpSpec
+
+
+def spec() -> OpSpec:
+    op = OpSpec("geglu", doc=__doc__)
+    gate = op.input("gate")
+    up = op.input("up")
+    activation = op.element("activation", gate * (1 + sympy.erf(gate / sympy.sqrt(2))) / 2)
+    op.output(op.element("y", activation * up))
+    op.save(gate, up)
+    op.api = ElementwiseAPI(function="geglu", module="GeGLU",
+                            torch_function="torch.nn.functional.gelu(gate) * up",
+                            inputs=("gate", "up"))
+    return op

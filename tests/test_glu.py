@@ -1,0 +1,75 @@
+"""SwiGLU and GeGLU against torch compositions; finite far out on the sigmoid's tails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import (
+    assert_low_precision_ok,
+    assert_matches_torch,
+    force_looped,
+    gradcheck,
+    randn,
+)
+
+import generated.geglu as geglu
+import generated.swiglu as swiglu
+
+N = 37
+VARIANTS = {
+    "swiglu": (swiglu.swiglu, lambda gate, up: F.silu(gate) * up),
+    "geglu": (geglu.geglu, lambda gate, up: F.gelu(gate) * up),
+}
+
+
+@pytest.fixture(params=["persistent", "looped"])
+def schedule(request, monkeypatch):
+    if request.param == "looped":
+        force_looped(monkeypatch, swiglu)
+        force_looped(monkeypatch, geglu)
+    return request.param
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_matches_torch(device, schedule, variant):
+    ours, theirs = VARIANTS[variant]
+    inputs = [randn((4, 3, N), seed=1, device=device) * 3, randn((4, 3, N), seed=2, device=device)]
+    assert_matches_torch(ours, theirs, inputs)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gradcheck(device, variant):
+    ours, _ = VARIANTS[variant]
+    gradcheck(ours, [randn((3, 5), seed=1, device=device), randn((3, 5), seed=2, device=device)],
+              fast=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_low_precision(device, variant, dtype):
+    ours, theirs = VARIANTS[variant]
+    inputs = [randn((64, N), seed=1, device=device) * 2, randn((64, N), seed=2, device=device)]
+    assert_low_precision_ok(ours, theirs, inputs, dtype)
+
+
+def test_swiglu_gradient_is_finite_on_the_tails(device):
+    gate = torch.tensor([[-1000.0, -100.0, 0.0, 100.0, 1000.0]], dtype=torch.float32,
+                        device=device, requires_grad=True)
+    up = torch.ones_like(gate, requires_grad=True)
+    y = swiglu.swiglu(gate, up)
+    grads = torch.autograd.grad(y, (gate, up), torch.ones_like(y))
+    assert all(bool(g.isfinite().all()) for g in grads)
+    expected = torch.autograd.grad(F.silu(gate) * up, (gate, up), torch.ones_like(y))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_inputs_must_match(device):
+    gate = randn((2, N), device=device)
+    with pytest.raises(ValueError, match="argument 'up' must have the shape of 'gate'"):
+        swiglu.swiglu(gate, randn((2, N + 1), device=device))
+    with pytest.raises(TypeError, match="argument 'up' must be a torch.Tensor, got NoneType"):
+        geglu.geglu(gate, None)
+    with pytest.raises(TypeError, match="argument 'gate' must have dtype"):
+        swiglu.swiglu(torch.ones(2, 3, dtype=torch.int32, device=device), gate)
