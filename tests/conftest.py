@@ -32,5 +32,7 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> t
 def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Kernel schedule of the test module's generated module `OP`; runs once per schedule."""
     if request.param == "looped":
-        force_looped(monkeypatch, request.module.OP)
+        modules = request.module.OP
+        for module in modules if isinstance(modules, tuple) else (modules,):
+            force_looped(monkeypatch, module)
     return request.param

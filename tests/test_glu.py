@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from reference import (
     assert_low_precision_ok,
     assert_matches_torch,
-    force_looped,
     gradcheck,
     randn,
 )
@@ -17,18 +16,12 @@ import generated.geglu as geglu
 import generated.swiglu as swiglu
 
 N = 37
+OP = (swiglu, geglu)  # the conftest's schedule fixture forces these looped
 VARIANTS = {
     "swiglu": (swiglu.swiglu, lambda gate, up: F.silu(gate) * up),
     "geglu": (geglu.geglu, lambda gate, up: F.gelu(gate) * up),
 }
 
-
-@pytest.fixture(params=["persistent", "looped"])
-def schedule(request, monkeypatch):
-    if request.param == "looped":
-        force_looped(monkeypatch, swiglu)
-        force_looped(monkeypatch, geglu)
-    return request.param
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from reference import (
     assert_low_precision_ok,
     assert_matches_torch,
-    force_looped,
     gradcheck,
     randn,
 )
@@ -24,16 +23,10 @@ N = 37
 RMS_EPS = 1e-6
 MODULES = {"layernorm": layernorm, "rmsnorm": rmsnorm, "add_layernorm": add_layernorm,
            "add_rmsnorm": add_rmsnorm}
+OP = tuple(MODULES.values())  # the conftest's schedule fixture forces these looped
 LN_MODES = ("default", "recompute_mean", "invertible")
 RMS_MODES = ("default", "invertible")
 
-
-@pytest.fixture(params=["persistent", "looped"])
-def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "looped":
-        for module in MODULES.values():
-            force_looped(monkeypatch, module)
-    return request.param
 
 
 def weight_away_from_zero(device: torch.device, seed: int = 5) -> torch.Tensor:
