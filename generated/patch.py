@@ -3,7 +3,7 @@
 """One call swaps a model's norm modules for generated ones, keeping their parameters.
 
     from generated.patch import patch_model
-    counts = patch_model(model)          # e.g. {"LayerNorm": 25}
+    counts = patch_model(model)          # {class name: how many were swapped}
 
 Matches by class name (torch's and Hugging Face transformers' modules alike), first rule wins:
     GELU with approximate == "none" -> generated.gelu.GELU
