@@ -18,8 +18,9 @@ class ScheduleTable:
     norm backward (32768x256: 916 vs 239 GB/s; 4096x4096: 1366 vs 980), and 256 elements
     per warp beat 1024 from 4096 columns up. See docs/benchmarks.md.
     Looped rows (`python -m benchmarks.sweep --large`, same machine and day): 2 rows x 4096
-    columns per step for kernels with column partials beat 1 x 4096 and 4 x 1024 (mean-and-variance
-    norm bwd 4096x32768: 783 vs 543 and 273 GB/s; RMS norm: 1174 vs 465); forwards are flat in it."""
+    columns per step for kernels with column partials beat 1 x 4096 and 4 x 1024 (mean-and-
+    variance norm bwd 4096x32768: 783 vs 543 and 273 GB/s; RMS norm: 1174 vs 465); forwards are
+    flat in it."""
 
     #: rows whose next power of two is at most this keep the whole row in registers
     persistent_max_block_n: int = 16384
