@@ -39,11 +39,13 @@ class ModuleSpec:
     source: str
     api: Any
     inputs: tuple[str, ...]
-    params: tuple[tuple[str, str], ...]  # (name, absent value source or "")
+    params: tuple[str, ...]  # column and scalar parameters, in spec order
     scalars: tuple[str, ...]
     outputs: tuple[str, ...]
     modes: tuple[tuple[str, tuple[str, ...], str], ...]  # (mode, saved names, doc)
     upstream: tuple[str, ...]
+    #: the gradient output of each input, then of each parameter (the function's tensors)
+    gradients: tuple[str, ...]
 
 
 def formula(expr: sympy.Expr) -> str:
@@ -243,15 +245,12 @@ class KernelContext:
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
                   schedule: ScheduleTable = DEFAULT) -> str:
     env = environment()
-    params = [name for name, _ in module.params]
+    params = list(module.params)
     modes = []
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
         unpack = [o.name for o in backward.outputs]
-        # one gradient per function argument tensor, in argument order
-        tensors = [*module.inputs, *params]
-        gradients = [next(o.name for o in backward.outputs if o.name == "d" + name)
-                     for name in tensors]
+        gradients = list(module.gradients)
         modes.append({
             "name": mode,
             "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
@@ -265,7 +264,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "bwd_torch": KernelContext(backward, TORCH),
             "gradients": gradients,
             "unpack": unpack,
-            "needs_index": {f"d{name}": i for i, name in enumerate(tensors)},
+            "needs_index": {name: i for i, name in enumerate(gradients)},
             "returns": ", ".join(
                 [f"{g} if needs[{i}] else None" for i, g in enumerate(gradients)]
                 + ["None"] * (len(module.scalars) + 2 * len(module.outputs[1:]))),

@@ -79,9 +79,6 @@ class Kernel:
     def tensors(self, level: str) -> tuple[Tensor, ...]:
         return tuple(t for t in self.inputs if t.level == level)
 
-    def outputs_of(self, level: str) -> tuple[Tensor, ...]:
-        return tuple(t for t in self.outputs if t.level == level)
-
     def stores_of(self, level: str) -> tuple[Store, ...]:
         return tuple(s for s in self.stores if s.level == level)
 

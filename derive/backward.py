@@ -16,7 +16,7 @@ import sympy
 
 from derive.algebra import Algebra, GuardedReciprocal, RowSum, sorted_symbols, substitute
 from derive.graph import ColumnParam, Definition, RowGraph
-from derive.reverse import DerivationError, ReverseResult
+from derive.reverse import DerivationError, ReverseResult, upstream_symbol
 from derive.spec import Kind, Level, N, Node, OpSpec
 
 
@@ -88,7 +88,7 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], save
     """Make every value the gradients use available to the backward (see module doc)."""
     available = set(saved) | {n.name for n in spec.nodes
                                    if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR)}
-    available |= {"d" + name for name in spec.outputs}
+    available |= {upstream_symbol(name).name for name in spec.outputs}
     resolutions: list[Resolution] = []
     order = {node.name: index for index, node in enumerate(spec.nodes)}
     while True:

@@ -12,6 +12,7 @@ from codegen.emit import ModuleSpec, render_module, render_patch, render_user_te
 from codegen.lower import lower
 from codegen.printers import PrintError
 from derive.algebra import sorted_symbols
+from derive.backward import gradient_name
 from derive.docs import render_page
 from derive.engine import Derivation, derive, load_spec
 from derive.spec import Kind, OpSpec, SpecError
@@ -78,13 +79,16 @@ def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
         source=spec.source,
         api=spec.api,
         inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
-        params=tuple((n.name, str(n.absent)) for n in spec.nodes
+        params=tuple(n.name for n in spec.nodes
                      if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)),
         scalars=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR),
         outputs=tuple(spec.outputs),
         modes=tuple((mode, tuple(saved), spec.mode_docs[mode])
                     for mode, saved in spec.modes.items()),
         upstream=tuple(s.name for s in derivation.reverse.upstream.values()),
+        gradients=tuple(gradient_name(n.name) for kinds in ((Kind.INPUT,),
+                                                            (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM))
+                        for n in spec.nodes if n.kind in kinds),
     )
 
 

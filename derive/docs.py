@@ -8,7 +8,7 @@ from codegen.emit import environment
 from codegen.ir import Kernel
 from derive.algebra import RowSum
 from derive.engine import Derivation
-from derive.spec import Kind, N
+from derive.spec import Kind
 
 
 def latex(expr: sympy.Expr) -> str:
@@ -60,7 +60,6 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
         "modes": modes,
         "column_params": [n.name for n in spec.nodes if n.kind is Kind.COLUMN_PARAM],
         "forward_ir": forward.listing(),
-        "row_length": latex(N),
     }
     return environment().get_template("doc_page.md.j2").render(**context)
 

@@ -7,12 +7,11 @@ import copy
 
 import pytest
 import torch
+import transformers  # a declared test dependency (the `test` extra): import, never skip
 from reference import randn
 
 from generated import gelu, gelu_tanh, layernorm, rmsnorm
 from generated.patch import patch_model
-
-transformers = pytest.importorskip("transformers")
 
 
 def tiny(kind: str) -> torch.nn.Module:
