@@ -1,8 +1,8 @@
-"""`derive`: regenerate generated/ and docs/ops/ from the op specs.
+"""`derive`: regenerate generated/, docs/ops/ and docs/layers/ from the op and block specs.
 
-    derive                     regenerate everything, a progress line per op
+    derive                     regenerate everything, a progress line per op and layer
     derive --check             regenerate in memory; fail with a unified diff if anything differs
-    derive --show NAME         print every stage of one op's derivation
+    derive --show NAME         print every stage of one op's derivation, or a layer's page
     derive my_op.py --out DIR  derive a spec written outside this repo: DIR/<op>.py (kernels,
                                autograd, API), DIR/<op>.md (derivation), DIR/test_<op>.py
 """
@@ -15,7 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from derive.build import OPS, ROOT, build_all, build_op, build_user_op
+from derive.build import (
+    LAYERS,
+    OPS,
+    ROOT,
+    build_all,
+    build_layer,
+    build_op,
+    build_user_op,
+    op_files,
+)
+from derive.engine import load_spec
 from derive.reverse import DerivationError
 from derive.spec import SpecError
 
@@ -24,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="derive", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
-                        help="fail with a diff when generated/ or docs/ops/ is out of date")
-    parser.add_argument("--show", metavar="NAME", help="print every stage of one op")
+                        help="fail with a diff when generated/ or docs/ is out of date")
+    parser.add_argument("--show", metavar="NAME",
+                        help="print every stage of one op, or a layer's page")
     parser.add_argument("spec", nargs="?", type=Path, help="a spec file outside derive/ops/")
     parser.add_argument("--out", type=Path, help="where `derive SPEC` writes (required with SPEC)")
     args = parser.parse_args(argv)
@@ -78,7 +89,7 @@ def check(files: dict[str, str]) -> int:
             sys.stdout.writelines(difflib.unified_diff(
                 current.splitlines(keepends=True), text.splitlines(keepends=True),
                 fromfile=f"a/{relative}", tofile=f"b/{relative}"))
-    for directory in ("generated", "docs/ops"):
+    for directory in ("generated", "docs/ops", "docs/layers"):
         for path in sorted((ROOT / directory).glob("*.*")):
             relative = path.relative_to(ROOT).as_posix()
             if relative not in files and path.suffix in (".py", ".md"):
@@ -94,6 +105,11 @@ def check(files: dict[str, str]) -> int:
 
 def show(name: str) -> int:
     path = OPS / f"{name}.py"
+    layer = LAYERS / f"{name}.py"
+    if not path.exists() and layer.exists() and not name.startswith("_"):
+        specs = [load_spec(p, p.relative_to(ROOT).as_posix()) for p in op_files()]
+        print(build_layer(layer, {spec.name: spec.api.function for spec in specs})[2])
+        return 0
     if not path.exists():
         print(f"derive --show: no spec {path.relative_to(ROOT)}", file=sys.stderr)
         return 2
