@@ -607,7 +607,7 @@ def _(
     empty = x.new_empty(0)
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if p_fp32 else x.dtype) if stores["p"] else empty,
+        x.new_empty((M, N)) if stores["p"] else empty,
     ]
 
 
