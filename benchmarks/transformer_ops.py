@@ -11,7 +11,8 @@ Ops and shapes (bf16 by default):
   bytes = fwd: read x + write y + write p (3X); bwd: read dy, p + write dx (3X);
 - cross_entropy, mean reduction, 5% ignored targets: rows x V in {4096x32000, 8192x128256,
   2048x256000}; bytes = fwd: read x (X); bwd: read x + write dx (2X).
-Every provider is charged the same bytes; "vjpforge speed-up" is the provider's time over ours. Timing: CUDA events, median after warm-up, the L2
+Every provider is charged the same bytes; "vjpforge speed-up" is the provider's time over
+ours. Timing: CUDA events, median after warm-up, the L2
 flushed before each call (benchmarks/timing.py). torch.compile is compiled fresh per shape.
 """
 
@@ -43,7 +44,7 @@ def _liger_cross_entropy() -> Callable | None:
 
 
 def cases(smoke: bool):
-    """(op, shape label, make inputs, providers {name: fn(*inputs) -> loss-like}, bytes fwd, bwd)."""
+    """(op, shape, make inputs, {provider: fn(*inputs)}, bytes fwd / bwd in X, elements)."""
     def torch_bda(x, residual, bias):
         return residual + F.dropout(x + bias, 0.1)
 
@@ -131,7 +132,7 @@ def main() -> None:
             upstream_like = torch.randn_like(out) if out.dim() else torch.ones_like(out)
             leaves = [t for t in inputs if t.requires_grad]
 
-            def forward(_state=None, fn=fn):
+            def forward(_state=None, fn=fn, inputs=inputs):
                 return fn(*inputs)
 
             def backward(out, leaves=leaves, upstream=upstream_like):
