@@ -44,8 +44,16 @@ class ModuleSpec:
     outputs: tuple[str, ...]
     modes: tuple[tuple[str, tuple[str, ...], str], ...]  # (mode, saved names, doc)
     upstream: tuple[str, ...]
-    #: the gradient output of each input, then of each parameter (the function's tensors)
-    gradients: tuple[str, ...]
+    #: (argument, its gradient output) for each differentiable input, then each parameter
+    gradients: tuple[tuple[str, str], ...]
+    #: per-row tensors of the call, never differentiated (class indices)
+    row_inputs: tuple[str, ...] = ()
+    #: upstream gradients of per-row outputs (a loss): (M,) tensors
+    row_upstream: tuple[str, ...] = ()
+    #: the call takes a seed (a 0-d int64 tensor): random values regenerated in the backward
+    seeded: bool = False
+    #: the kernels index rows by the input's leading dims (broadcast inputs, row indices)
+    row_shape: bool = False
 
 
 def formula(expr: sympy.Expr) -> str:
@@ -59,9 +67,16 @@ class KernelContext:
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
         element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
                     if a.level == "element"}
+        self.generated = dict(kernel.generated)
+        element |= {name for name, kind in kernel.generated if kind != "row_index"}
         self.printer = KernelPrinter(dialect, element.__contains__)
         self.kernel = kernel
         self.name = kernel.name
+        self.generated_elements = [n for n, kind in kernel.generated if kind != "row_index"]
+        self.broadcast_inputs = [t.name for t in kernel.tensors("element") if t.broadcast]
+        self.integer_inputs = [t.name for t in kernel.tensors("row") if t.integer]
+        self.seeded = "random" in self.generated.values()
+        self.row_shape = bool(self.broadcast_inputs) or "row_index" in self.generated.values()
         self.element_inputs = [t.name for t in kernel.tensors("element")]
         self.optional_elements = {t.name: self.printer(t.absent)
                                   for t in kernel.tensors("element") if t.optional}
@@ -91,8 +106,9 @@ class KernelContext:
         self.flagged_stores = [s for s in self.element_stores + self.row_stores
                                + self.reduced_stores if s["flag"]]
         self.args = self._args()
+        self.extra_inputs = ["seed"] * self.seeded + ["row_shape"] * self.row_shape
         self.inputs = (self.element_inputs + self.kernel_columns + self.scalar_inputs
-                       + self.row_inputs + self.scalars)
+                       + self.row_inputs + self.scalars + self.extra_inputs)
         self.params = self.inputs + [f"store_{s['name']}" for s in self.flagged_stores]
         # flagged element outputs may take another dtype (a residual stream kept in fp32)
         self.params += [f"{s['name']}_dtype=None" for s in self.element_stores if s["flag"]]
@@ -107,7 +123,9 @@ class KernelContext:
                for c in self.column_inputs]
             + [(name, "torch.Tensor") for name in self.scalar_inputs]
             + [(r, "torch.Tensor") for r in self.row_inputs]
-            + [(name, "float") for name in self.scalars])
+            + [(name, "float") for name in self.scalars]
+            + [("seed", "torch.Tensor")] * self.seeded
+            + [("row_shape", "list[int]")] * self.row_shape)
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
         self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
 
@@ -127,8 +145,15 @@ class KernelContext:
     def element_load_lines(self, names: list[str]) -> list[str]:
         lines = []
         for e in names:
-            load = (f"{e} = tl.load({e}_ptr + offsets * {e}_row_stride + cols, mask=mask, "
-                    "other=0.0).to(ACC)")
+            kind = self.generated.get(e)
+            if kind == "column_index":
+                lines.append(f"{e} = cols")
+                continue
+            if kind == "random":
+                lines.append(f"{e} = _uniform(seed, offsets * N + cols).to(ACC)")
+                continue
+            row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
+            load = f"{e} = tl.load({e}_ptr + {row} + cols, mask=mask, other=0.0).to(ACC)"
             if e in self.optional_elements:
                 lines += [f"if {self.element_flags[e]}:", f"    {load}", "else:",
                           f"    {e} = {self.optional_elements[e]}"]
@@ -156,7 +181,8 @@ class KernelContext:
         return lines
 
     def scalar_load_lines(self) -> list[str]:
-        return [f"{name} = tl.load({name}_ptr).to(ACC)" for name in self.scalar_inputs]
+        lines = [f"{name} = tl.load({name}_ptr).to(ACC)" for name in self.scalar_inputs]
+        return lines + ["seed = tl.load(seed_ptr)"] * self.seeded
 
     def scalar_accumulate_lines(self) -> list[str]:
         return [line for s in self.scalar_stores for line in (
@@ -170,8 +196,16 @@ class KernelContext:
             f"tl.sum({s['name']}_acc, axis=0))")]
 
     def row_load_lines(self) -> list[str]:
-        return [f"{r} = tl.load({r}_ptr + rows, mask=row_mask, other=0.0).to(ACC)"
-                for r in self.row_inputs]
+        lines = [f"{r} = tl.load({r}_ptr + rows, mask=row_mask, other=0)"
+                 if r in self.integer_inputs else
+                 f"{r} = tl.load({r}_ptr + rows, mask=row_mask, other=0.0).to(ACC)"
+                 for r in self.row_inputs]
+        lines += [f"{name} = offsets % D2" for name, kind in self.kernel.generated
+                  if kind == "row_index"]
+        # a broadcast tensor's row: leading dims (D0, D1, D2) through its (zero) strides
+        lines += [f"{e}_rows = offsets // (D1 * D2) * {e}_stride0 + offsets // D2 % D1 * "
+                  f"{e}_stride1 + offsets % D2 * {e}_stride2" for e in self.broadcast_inputs]
+        return lines
 
     def _column(self, name: str) -> dict[str, Any]:
         tensor = next(t for t in self.kernel.inputs if t.name == name)
@@ -206,7 +240,10 @@ class KernelContext:
                 "identity": 'float("-inf")' if r.op == "max" else "0.0",
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
-                "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})"})
+                "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
+                # a max is only ever a proven stabiliser, so any finite value serves a row
+                # with no finite element (fully masked), where -inf would make exp NaN
+                "finite": "a stabiliser: any finite value serves an all -inf row"})
         return {
             "element_loads": [n for n in step.loads if n not in columns],
             "column_inputs": [self._column(n) for n in step.loads if n in columns],
@@ -226,15 +263,19 @@ class KernelContext:
     def _args(self) -> list[str]:
         args = []
         for name in self.element_inputs:
-            args += [f"{name}_ptr", f"{name}_row_stride"]
+            if name in self.broadcast_inputs:
+                args += [f"{name}_ptr", f"{name}_stride0", f"{name}_stride1", f"{name}_stride2"]
+            else:
+                args += [f"{name}_ptr", f"{name}_row_stride"]
         args += [f"{c['name']}_ptr" for c in self.column_inputs]
         args += [f"{name}_ptr" for name in self.scalar_inputs]
         args += [f"{name}_ptr" for name in self.row_inputs]
+        args += ["seed_ptr"] * self.seeded
         for store in self.element_stores:
             args += [f"{store['name']}_ptr", f"{store['name']}_row_stride"]
         args += [f"{s['name']}_ptr" for s in self.row_stores]
         args += [f"{s['name']}_partial_ptr" for s in self.reduced_stores]
-        args += self.scalars + ["M", "N"]
+        args += self.scalars + ["M", "N"] + ["D1", "D2"] * self.row_shape
         args += [f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
         args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
@@ -246,40 +287,50 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
                   schedule: ScheduleTable = DEFAULT) -> str:
     env = environment()
     params = list(module.params)
+    extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
+    function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
+    gradient_of = dict(module.gradients)
+    fwd = KernelContext(forward, TRITON)
     modes = []
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
         unpack = [o.name for o in backward.outputs]
-        gradients = list(module.gradients)
+        gradients = [gradient for _, gradient in module.gradients]
         modes.append({
             "name": mode,
             "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
             "doc": doc,
             "saved": list(saved),
-            "saved_for_backward": [*saved, *params],
+            "saved_for_backward": [*saved, *params] + ["seed"] * module.seeded,
             "store_flags": {s.name: (True if s.name in saved else
                                      f"want_{s.name}" if s.name in module.outputs else False)
                             for s in forward.stores if s.flag},
             "bwd": KernelContext(backward, TRITON),
             "bwd_torch": KernelContext(backward, TORCH),
             "gradients": gradients,
+            # the gradient of each custom-op input, in the op's argument order
+            "op_gradients": [gradient_of.get(name, "None") for name in fwd.inputs],
+            "op_needs_index": {gradient_of[a]: i for i, a in enumerate(fwd.inputs)
+                               if a in gradient_of},
             "unpack": unpack,
-            "needs_index": {name: i for i, name in enumerate(gradients)},
+            "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
+                            if a in gradient_of},
             "returns": ", ".join(
-                [f"{g} if needs[{i}] else None" for i, g in enumerate(gradients)]
-                + ["None"] * (len(module.scalars) + 2 * len(module.outputs[1:]))),
+                [f"{gradient_of[a]} if needs[{i}] else None" if a in gradient_of else "None"
+                 for i, a in enumerate(function_args)]
+                + ["None"] * (2 * len(module.outputs[1:]))),
         })
     context = {
         "module": module,
         "inversion_guard": float(GuardedReciprocal.guard),
-        "fwd": KernelContext(forward, TRITON),
+        "fwd": fwd,
         "modes": modes,
         "upstream": module.upstream,
-        "function_args": [*module.inputs, *params, *module.scalars],
+        "function_args": function_args,
         "optional_outputs": list(module.outputs[1:]),
         "extra_flags": [arg for name in module.outputs[1:]
                         for arg in (f"want_{name}", f"{name}_fp32")],
-        "function_tensors": [*module.inputs, *params],
+        "function_tensors": [*(name for name, _ in module.gradients)],
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
         "extra_args": [arg for name in module.outputs[1:]

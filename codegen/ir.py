@@ -24,6 +24,8 @@ class Tensor:
     name: str
     level: str  # "element" | "column" | "row" | "scalar" (a 0-d tensor)
     absent: sympy.Expr | None = None
+    broadcast: bool = False  # an element tensor read through strides over the leading dims
+    integer: bool = False  # a row tensor of integers, read as they are
 
     @property
     def optional(self) -> bool:
@@ -75,6 +77,8 @@ class Kernel:
     epilogue: Pass
     stores: tuple[Store, ...]
     aliases: tuple[tuple[str, str], ...] = ()  # (output, the stored output it equals)
+    #: values made in the kernel: (name, "column_index" | "row_index" | "random")
+    generated: tuple[tuple[str, str], ...] = ()
 
     def tensors(self, level: str) -> tuple[Tensor, ...]:
         return tuple(t for t in self.inputs if t.level == level)
@@ -89,6 +93,8 @@ class Kernel:
         lines.append("  outputs: " + ", ".join(f"{t.name}[{t.level}]" for t in self.outputs))
         if self.scalars:
             lines.append("  scalars: " + ", ".join(self.scalars))
+        for name, kind in self.generated:
+            lines.append(f"  {name} = {kind.replace('_', ' ')}")
         for a in self.prologue:
             lines.append(f"  {a.name} = {a.expr}")
         for index, step in enumerate((*self.passes, self.epilogue), start=1):

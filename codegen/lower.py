@@ -47,25 +47,34 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.flag, s.like)
                          for s in stores)
     outputs = tuple(Tensor(s.name, s.level) for s in final_stores)
-    final_stores, aliases = _alias_identical(final_stores)
     epilogue = Pass(loads=loads, assigns=assigns + shared, reductions=(), after=())
 
     absent = dict(graph.element_absent)
-    inputs = tuple(Tensor(t, "element", absent.get(t)) for t in graph.element_inputs)
+    inputs = tuple(Tensor(t, "element", absent.get(t), broadcast=t in graph.broadcast_inputs)
+                   for t in graph.element_inputs)
     inputs += tuple(Tensor(p.name, "column", p.absent) for p in graph.column_inputs)
     inputs += tuple(Tensor(t, "scalar") for t in graph.scalar_inputs)
-    inputs += tuple(Tensor(t, "row") for t in graph.row_inputs)
+    inputs += tuple(Tensor(t, "row", integer=t in graph.integer_inputs)
+                    for t in graph.row_inputs)
+    generated = tuple((n, kind) for n, kind in graph.generated if n in needed)
+    element_inputs = {t.name for t in inputs if t.level == "element"}
+    final_stores, aliases = _alias_identical(final_stores, element_inputs)
     return Kernel(name, inputs, outputs, graph.scalars, prologue, tuple(passes), epilogue,
-                  final_stores, aliases)
+                  final_stores, aliases, generated)
 
 
-def _alias_identical(stores: tuple[Store, ...]
+def _alias_identical(stores: tuple[Store, ...], element_inputs: set[str]
                      ) -> tuple[tuple[Store, ...], tuple[tuple[str, str], ...]]:
     """An element output equal to an earlier unconditional one is not written twice: it is
-    that tensor (dx and dresidual of a fused residual add)."""
+    that tensor (dx and dresidual of a fused residual add); one equal to an element input is
+    that input (the upstream gradient passed through to a residual)."""
     kept: list[Store] = []
     aliases: list[tuple[str, str]] = []
     for store in stores:
+        if (store.level == "element" and store.flag is None
+                and isinstance(store.expr, sympy.Symbol) and store.expr.name in element_inputs):
+            aliases.append((store.name, store.expr.name))
+            continue
         twin = next((k for k in kept if k.level == "element" == store.level
                      and k.flag is None and k.expr == store.expr), None)
         if twin is None:
@@ -81,6 +90,7 @@ def _levels(graph: RowGraph) -> dict[str, str]:
     levels |= {t: "row" for t in graph.row_inputs + graph.scalar_inputs}
     levels |= {s: "row" for s in graph.scalars}
     levels[ROW_LENGTH] = "row"
+    levels |= {n: "row" if kind == "row_index" else "element" for n, kind in graph.generated}
     levels |= {d.name: d.level for d in graph.definitions}
     return levels
 

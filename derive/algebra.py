@@ -44,8 +44,18 @@ class GuardedReciprocal(sympy.Function):
             return -1 / magnitude if value < 0 else 1 / magnitude
         return None
 
+    def fdiff(self, argindex: int = 1) -> sympy.Expr:
+        """d/dw (1/w) = -1/w², the guard's flat region aside (where it binds, the value it
+        guards is defined by the spec, not by a limit)."""
+        return -GuardedReciprocal(self.args[0]) ** 2
+
     def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
         return r"\frac{1}{\lfloor " + printer._print(self.args[0]) + r" \rceil}"
+
+
+def unguarded(expr: sympy.Expr) -> sympy.Expr:
+    """expr with every guarded reciprocal a plain one: equal wherever no guard binds."""
+    return expr.replace(lambda e: isinstance(e, GuardedReciprocal), lambda e: 1 / e.args[0])
 
 
 @dataclass

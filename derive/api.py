@@ -24,6 +24,18 @@ class Option:
     name: str
     default: float
     module_only: bool = False  # a constructor argument only (an init value)
+    #: a range the value must lie in: "probability" is [0, 1)
+    check: str | None = None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A keyword-only bool of the function that sets a spec scalar (causal -> window = 0)."""
+
+    name: str
+    scalar: str
+    on: float
+    off: float
 
 
 @dataclass(frozen=True)
@@ -86,5 +98,30 @@ class ElementwiseAPI:
     replaces: tuple[Replaces, ...] = ()
     #: public names of the element inputs, in spec order (same shapes)
     inputs: tuple[str, ...] = ("input",)
+    #: keyword-only scalar options of the function (constructor arguments of the module)
+    options: tuple[Option, ...] = ()
+    #: the option that is a dropout probability: the function takes `training` and `seed`,
+    #: and outside training the probability is 0 (an exact identity)
+    dropout: str | None = None
+    #: bool keyword options that set a scalar of the spec
+    switches: tuple[Switch, ...] = ()
+    #: broadcast inputs that are additive masks: a bool tensor is taken as keep (0) / drop (-inf)
+    additive_masks: tuple[str, ...] = ()
 
     kind = "elementwise"
+
+
+@dataclass(frozen=True)
+class RowLossAPI:
+    """`function(input, target, *, <options>, reduction="mean")` as torch.nn.functional.<name>:
+    one loss per row of `input` (..., N) with an integer class `target` (...) per row; rows whose
+    target is the `ignore` option weigh 0 and do not count in the mean. Plus an nn.Module."""
+
+    function: str
+    module: str
+    torch_function: str
+    target: str
+    ignore: str
+    options: tuple[Option, ...] = ()
+
+    kind = "row_loss"

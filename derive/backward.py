@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import sympy
 
 from derive.algebra import Algebra, GuardedReciprocal, RowSum, sorted_symbols, substitute
+from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult, upstream_symbol
-from derive.spec import Kind, Level, N, Node, OpSpec
+from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,15 @@ def gradient_name(name: str) -> str:
     return "d" + name
 
 
+def differentiable_nodes(spec: OpSpec) -> list[Node]:
+    """Inputs with a gradient, then parameters, in spec order."""
+    return [n for kinds in ((Kind.INPUT,), (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM))
+            for n in spec.nodes if n.kind in kinds and n.grad]
+
+
 def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
                     saved: list[str]) -> BackwardResult:
-    differentiable = [n for n in spec.nodes
-                      if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)]
+    differentiable = differentiable_nodes(spec)
     targets = {n.name: reverse.adjoints.get(n.name, sympy.Integer(0)) for n in differentiable}
     pivots = pivot_table(spec, algebra)
     targets = {name: substitute(expr, dict(pivots)) for name, expr in targets.items()}
@@ -74,10 +80,10 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
         varying = [s for s in sorted_symbols(node.expr.free_symbols) if algebra.varies(s)]
         if len(varying) != 1 or algebra.levels[varying[0]] is not Level.ELEMENT:
             continue
-        if _has_functions(node.expr):  # only rational inverses are worth a pivot
+        if _has_functions(node.expr, algebra):  # only rational inverses are worth a pivot
             continue
         solutions = solve_for(node.symbol, node.expr, varying[0])
-        if len(solutions) == 1 and not _has_functions(solutions[0]):
+        if len(solutions) == 1 and not _has_functions(solutions[0], algebra):
             pivots = [(u, substitute(g, {varying[0]: solutions[0]})) for u, g in pivots]
             pivots.append((varying[0], solutions[0]))
     return pivots
@@ -86,8 +92,8 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
 def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], saved: list[str]
             ) -> tuple[dict[str, sympy.Expr], list[Resolution]]:
     """Make every value the gradients use available to the backward (see module doc)."""
-    available = set(saved) | {n.name for n in spec.nodes
-                                   if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR)}
+    available = set(saved) | {n.name for n in spec.nodes if n.kind in (
+        Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR, *REGENERATED)}
     available |= {upstream_symbol(name).name for name in spec.outputs}
     resolutions: list[Resolution] = []
     order = {node.name: index for index, node in enumerate(spec.nodes)}
@@ -264,11 +270,14 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
             definitions.append(Definition(r.name, node.level.value if node.level is Level.ROW
                                           else "element", r.expr))
     definitions += [Definition(name, "row", body, "sum") for name, body in reductions]
-    upstream = [s.name for s in reverse.upstream.values()]
+    upstream = [s.name for name, s in reverse.upstream.items()
+                if spec.node(name).level is Level.ELEMENT]
+    row_upstream = [s.name for name, s in reverse.upstream.items()
+                    if spec.node(name).level is Level.ROW]
     element_inputs = [n.name for n in spec.nodes if n.name in saved and
                       n.level is Level.ELEMENT and n.name in used and n.name not in defined]
-    row_inputs = [n.name for n in spec.nodes if n.name in saved and
-                  n.level is Level.ROW and n.name in used and n.name not in defined]
+    row_inputs = row_upstream + [n.name for n in spec.nodes if n.name in saved and
+                                 n.level is Level.ROW and n.name in used and n.name not in defined]
     columns = [ColumnParam(n.name, n.absent) for n in spec.nodes
                if n.kind is Kind.COLUMN_PARAM]
     scalars = [n.name for n in spec.nodes if n.kind is Kind.SCALAR and n.name in used]
@@ -288,6 +297,7 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         scalar_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR_PARAM),
         scalar_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
                              if kinds[k] is Kind.SCALAR_PARAM),
+        **extras(spec),
     )
 
 
@@ -301,5 +311,7 @@ def guard_parameter_division(spec: OpSpec, expr: sympy.Expr) -> sympy.Expr:
     return expr.replace(is_division, lambda e: GuardedReciprocal(e.base) ** (-e.exp))
 
 
-def _has_functions(expr: sympy.Expr) -> bool:
-    return any(isinstance(sub, sympy.Function) for sub in sympy.preorder_traversal(expr))
+def _has_functions(expr: sympy.Expr, algebra: Algebra) -> bool:
+    """A function of an elementwise value (a function of row scalars is a row constant)."""
+    return any(isinstance(sub, sympy.Function) and algebra.varies(sub)
+               for sub in sympy.preorder_traversal(expr))

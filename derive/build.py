@@ -14,11 +14,12 @@ from codegen.layers import render_layer, render_layer_page
 from codegen.lower import lower
 from codegen.printers import PrintError
 from derive.algebra import sorted_symbols
-from derive.backward import gradient_name
+from derive.backward import differentiable_nodes, gradient_name
 from derive.blocks import check_ops, load_block
 from derive.docs import render_page
 from derive.engine import Derivation, derive, load_spec
-from derive.spec import Kind, OpSpec, SpecError
+from derive.reverse import upstream_symbol
+from derive.spec import Kind, Level, OpSpec, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "derive" / "ops"
@@ -105,9 +106,13 @@ def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
         modes=tuple((mode, tuple(saved), spec.mode_docs[mode])
                     for mode, saved in spec.modes.items()),
         upstream=tuple(s.name for s in derivation.reverse.upstream.values()),
-        gradients=tuple(gradient_name(n.name) for kinds in ((Kind.INPUT,),
-                                                            (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM))
-                        for n in spec.nodes if n.kind in kinds),
+        gradients=tuple((n.name, gradient_name(n.name)) for n in differentiable_nodes(spec)),
+        row_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.ROW_INPUT),
+        row_upstream=tuple(upstream_symbol(name).name for name in spec.outputs
+                           if spec.node(name).level is Level.ROW),
+        seeded=any(n.kind is Kind.RANDOM for n in spec.nodes),
+        row_shape=any(n.broadcast or (n.kind is Kind.INDEX and n.level is Level.ROW)
+                      for n in spec.nodes),
     )
 
 

@@ -28,7 +28,15 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
             math = f"{symbol} = {latex(node.expr)}"
         else:
             note = {Kind.INPUT: "input element", Kind.COLUMN_PARAM: "per-column parameter",
-                    Kind.SCALAR_PARAM: "learnable scalar", Kind.SCALAR: "scalar"}[node.kind]
+                    Kind.SCALAR_PARAM: "learnable scalar", Kind.SCALAR: "scalar",
+                    Kind.ROW_INPUT: "per-row input",
+                    Kind.RANDOM: "uniform random in [0, 1), regenerated from the seed",
+                    Kind.INDEX: "column index" if node.level.value == "column"
+                    else "row index along dim -2"}[node.kind]
+            if node.kind is Kind.INPUT and not node.grad:
+                note += ", not differentiated"
+            if node.broadcast:
+                note += ", broadcast over the leading dims"
             if node.absent is not None:
                 note += f", {latex(node.absent)} when not given"
             math = rf"{symbol} \;:\; \text{{{note}}}"

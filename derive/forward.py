@@ -5,7 +5,7 @@ from __future__ import annotations
 import sympy
 
 from derive.graph import ColumnParam, Definition, RowGraph
-from derive.spec import Kind, Level, N, OpSpec
+from derive.spec import REGENERATED, Kind, Level, N, OpSpec
 
 
 def forward_graph(spec: OpSpec) -> RowGraph:
@@ -18,27 +18,44 @@ def forward_graph(spec: OpSpec) -> RowGraph:
         elif node.kind in (Kind.ELEMENT, Kind.ROW):
             definitions.append(Definition(node.name, node.level.value
                                           if node.level is Level.ROW else "element", node.expr))
-    inputs = {n.name for n in spec.nodes if n.kind is Kind.INPUT}
+    inputs = {n.name for n in spec.nodes if n.kind in (Kind.INPUT, Kind.ROW_INPUT)}
     saved = spec.saved_anywhere()
     # Outputs first, in output order, then values stored only for a backward.
-    stored_elements = [spec.node(name) for name in spec.outputs]
+    stored_elements = [spec.node(name) for name in spec.outputs
+                       if spec.node(name).level is Level.ELEMENT]
     stored_elements += [n for n in spec.nodes if n.name not in spec.outputs and
                         n.name in saved and n.level is Level.ELEMENT and n.name not in inputs]
+    stored_rows = [spec.node(name) for name in spec.outputs
+                   if spec.node(name).level is Level.ROW]
+    stored_rows += [n for n in spec.nodes if n.name not in spec.outputs and n.name in saved
+                    and n.level is Level.ROW and n.name not in inputs]
     return RowGraph(
         element_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.INPUT),
         column_inputs=tuple(ColumnParam(n.name, n.absent) for n in spec.nodes
                             if n.kind is Kind.COLUMN_PARAM),
-        row_inputs=(),
+        row_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.ROW_INPUT),
         scalars=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR),
         definitions=tuple(definitions),
         element_outputs=tuple((n.name, n.symbol) for n in stored_elements),
-        row_outputs=tuple((n.name, n.symbol) for n in spec.nodes
-                          if n.name in saved and n.level is Level.ROW),
+        row_outputs=tuple((n.name, n.symbol) for n in stored_rows),
         column_outputs=(),
         element_absent=tuple((n.name, n.absent) for n in spec.nodes
                              if n.kind is Kind.INPUT and n.absent is not None),
         scalar_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR_PARAM),
+        **extras(spec),
     )
+
+
+def extras(spec: OpSpec) -> dict[str, tuple]:
+    """What both kernels of a spec share: generated values, broadcast and integer inputs."""
+    kinds = {Level.COLUMN: "column_index", Level.ROW: "row_index", Level.ELEMENT: "random"}
+    return {
+        "generated": tuple((n.name, kinds[n.level]) for n in spec.nodes
+                           if n.kind in REGENERATED),
+        "broadcast_inputs": tuple(n.name for n in spec.nodes if n.broadcast),
+        "integer_inputs": tuple(n.name for n in spec.nodes
+                                if n.integer and n.kind is Kind.ROW_INPUT),
+    }
 
 
 def saved_outputs(spec: OpSpec) -> frozenset[str]:
@@ -47,4 +64,5 @@ def saved_outputs(spec: OpSpec) -> frozenset[str]:
     or saved)."""
     return frozenset(n.name for n in spec.nodes
                      if (n.name in spec.saved_anywhere() and n.name not in spec.outputs[:1]
-                         and n.kind is not Kind.INPUT) or n.name in spec.outputs[1:])
+                         and n.kind not in (Kind.INPUT, Kind.ROW_INPUT))
+                     or n.name in spec.outputs[1:])

@@ -50,6 +50,12 @@ class RowGraph:
     scalar_inputs: tuple[str, ...] = ()
     #: (name, parameter, row-level value) summed over all rows: a scalar parameter's gradient
     scalar_outputs: tuple[tuple[str, str, sympy.Expr], ...] = ()
+    #: values the kernel makes itself: (name, "column_index" | "row_index" | "random")
+    generated: tuple[tuple[str, str], ...] = ()
+    #: element inputs read through broadcast strides over the leading dims
+    broadcast_inputs: tuple[str, ...] = ()
+    #: row inputs that stay integers (class indices)
+    integer_inputs: tuple[str, ...] = ()
 
     def describe(self) -> str:
         lines = [f"reads elements {', '.join(self.element_inputs) or '-'}; "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from derive.algebra import Algebra, RowSum, sorted_symbols
+from derive.algebra import Algebra, RowSum, sorted_symbols, unguarded
 from derive.spec import Kind, Level, N, Node, OpSpec
 
 
@@ -55,8 +55,8 @@ def upstream_symbol(output: str) -> sympy.Symbol:
 def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
     """Walk the forward definitions backwards, keeping an adjoint for every node."""
     upstream = {name: upstream_symbol(name) for name in spec.outputs}
-    for symbol in upstream.values():
-        algebra.levels[symbol] = Level.ELEMENT
+    for name, symbol in upstream.items():
+        algebra.levels[symbol] = spec.node(name).level
     adjoint: dict[str, sympy.Expr] = defaultdict(lambda: sympy.Integer(0))
     for name, symbol in upstream.items():
         adjoint[name] += symbol
@@ -65,8 +65,8 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
 
     def add(rule: str, source: Node, target: sympy.Symbol, contribution: sympy.Expr) -> None:
         target_node = spec.node_of(target, "adjoint")
-        if target_node.kind is Kind.SCALAR or contribution == 0:  # constants have no gradient
-            return
+        if target_node.kind is Kind.SCALAR or not target_node.grad or contribution == 0:
+            return  # constants, indices, random values and masks have no gradient
         adjoint[target_node.name] += contribution
         steps.append(Step(rule, source.name, target_node.name, contribution))
 
@@ -112,11 +112,11 @@ def _vanishes(expr: sympy.Expr, spec: OpSpec, algebra: Algebra) -> bool:
     """Prove expr == 0, inlining elementwise definitions one at a time, latest first, so the
     recognition rules still see the names the forward reductions were written in."""
     definitions = [n for n in spec.nodes if n.kind is Kind.ELEMENT]
-    expr = algebra.normalize(expr)
+    expr = algebra.normalize(unguarded(expr))
     for node in reversed(definitions):
         if sympy.simplify(expr) == 0:
             return True
         if node.symbol in expr.free_symbols or any(
                 node.symbol in atom.free_symbols for atom in expr.atoms(RowSum)):
-            expr = algebra.normalize(expr.xreplace({node.symbol: node.expr}))
+            expr = algebra.normalize(unguarded(expr.xreplace({node.symbol: node.expr})))
     return sympy.simplify(expr) == 0

@@ -42,9 +42,23 @@ class Kind(Enum):
     ELEMENT = "element"
     ROW = "row"
     REDUCE = "reduce"
+    ROW_INPUT = "row_input"
+    INDEX = "index"
+    RANDOM = "random"
+
+
+#: kinds that are never differentiated and that a backward can always regenerate
+REGENERATED = (Kind.INDEX, Kind.RANDOM)
 
 
 REDUCTIONS = ("sum", "mean", "max")
+
+#: Names the generated code uses for itself (kernel, launcher and API locals).
+RESERVED = frozenset({
+    "mask", "row_mask", "col_mask", "rows", "cols", "offsets", "pid", "programs", "row_block",
+    "start", "seed", "row_shape", "M", "D1", "D2", "acc", "dtype", "device", "shape", "columns",
+    "function", "outputs", "schedule", "kernel", "ctx", "needs", "torch", "tl", "triton",
+    "training", "memory", "stores", "gradients", "input"})
 
 #: The row length. Every mean carries a 1/N.
 N = sympy.Symbol("N", positive=True, integer=True)
@@ -66,6 +80,9 @@ class Node:
     reduction: str | None = None
     absent: sympy.Expr | None = None
     where: str = ""
+    grad: bool = True  # an input that gets a gradient
+    broadcast: bool = False  # an element input given broadcastable to the first input
+    integer: bool = False  # a per-row integer (a class index)
 
     @property
     def is_definition(self) -> bool:
@@ -86,16 +103,45 @@ class OpSpec:
     source: str = ""
 
     # ------------------------------------------------------------------ declarations
-    def input(self, name: str, absent: float | None = None) -> sympy.Symbol:
+    def input(self, name: str, absent: float | None = None, grad: bool = True,
+              broadcast: bool = False) -> sympy.Symbol:
         """An element of a row of an input tensor (the tensor is differentiated).
 
         `absent` makes the tensor optional: the value it takes when the caller passes None
-        (0 for a residual). The first input is always required.
+        (0 for a residual). The first input is always required. `grad=False` declares a
+        tensor that is never differentiated (an attention mask); `broadcast=True` lets the
+        caller pass it broadcastable to the first input over its leading dims (the kernel
+        reads it through strides, never materialising the broadcast).
         """
-        if absent is not None and not any(n.kind is Kind.INPUT for n in self.nodes):
-            raise SpecError(f"{_caller_location()}: the first input '{name}' cannot be optional")
+        first = not any(n.kind is Kind.INPUT for n in self.nodes)
+        if first and (absent is not None or not grad or broadcast):
+            raise SpecError(f"{_caller_location()}: the first input '{name}' sets the shape: "
+                            "it cannot be optional, broadcast or without a gradient")
+        if broadcast and grad:
+            raise SpecError(f"{_caller_location()}: '{name}': a broadcast input must be "
+                            "declared grad=False (its gradient would be a sum over broadcasts)")
         node_absent = None if absent is None else sympy.sympify(absent)
-        return self._declare(name, Kind.INPUT, Level.ELEMENT, absent=node_absent)
+        return self._declare(name, Kind.INPUT, Level.ELEMENT, absent=node_absent, grad=grad,
+                             broadcast=broadcast)
+
+    def row_input(self, name: str, integer: bool = False) -> sympy.Symbol:
+        """One value per row given by the caller and never differentiated (a class index:
+        `integer=True` keeps it an integer in the kernel)."""
+        return self._declare(name, Kind.ROW_INPUT, Level.ROW, grad=False, integer=integer)
+
+    def column_index(self, name: str) -> sympy.Symbol:
+        """The index j of the element within its row (0 .. N-1)."""
+        return self._declare(name, Kind.INDEX, Level.COLUMN, grad=False, integer=True)
+
+    def row_index(self, name: str) -> sympy.Symbol:
+        """The index of the row along the input's dim -2 (a query position of attention
+        scores (..., Q, K))."""
+        return self._declare(name, Kind.INDEX, Level.ROW, grad=False, integer=True)
+
+    def random(self, name: str) -> sympy.Symbol:
+        """A uniform random value in [0, 1) for every element, from the call's seed and the
+        element's index (Philox). Never stored: a backward regenerates it."""
+        return self._declare(name, Kind.RANDOM, Level.ELEMENT, grad=False)
 
     def column_param(self, name: str, absent: float | None = None) -> sympy.Symbol:
         """A per-column parameter shared by all rows; its gradient is a column reduction.
@@ -147,12 +193,14 @@ class OpSpec:
         return self._reduce(name, "max", body, False)
 
     def output(self, *symbols: sympy.Symbol) -> None:
-        """The elementwise results returned by the forward, in order."""
+        """The results returned by the forward, in order: elementwise values, or one value per
+        row (a loss)."""
         for symbol in symbols:
             node = self.node_of(symbol, "output")
-            if node.level is not Level.ELEMENT:
-                raise self._error(node.name, "output() takes elementwise values; "
-                                             f"got {node.level.value}-level '{node.name}'")
+            if node.level not in (Level.ELEMENT, Level.ROW) or not node.is_definition:
+                raise self._error(node.name, "output() takes elementwise or per-row "
+                                             f"definitions; got {node.level.value}-level "
+                                             f"{node.kind.value} '{node.name}'")
             self.outputs.append(node.name)
 
     def save(self, *symbols: sympy.Symbol, mode: str = "default", doc: str = "") -> None:
@@ -170,7 +218,7 @@ class OpSpec:
         self.mode_docs[mode] = doc
         for symbol in symbols:
             node = self.node_of(symbol, "save")
-            if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR):
+            if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR, *REGENERATED):
                 raise self._error(node.name, f"save() keeps activations and row statistics; "
                                              f"'{node.name}' is a {node.kind.value} and is "
                                              "always available to the backward")
@@ -206,16 +254,22 @@ class OpSpec:
     # ------------------------------------------------------------------ internals
     def _declare(self, name: str, kind: Kind, level: Level, expr: sympy.Expr | None = None,
                  reduction: str | None = None, absent: sympy.Expr | None = None,
-                 positive: bool = False) -> sympy.Symbol:
+                 positive: bool = False, grad: bool = True, broadcast: bool = False,
+                 integer: bool = False) -> sympy.Symbol:
         where = _caller_location()
         if not name.isidentifier() or name.startswith("_") or name == "N":
             raise SpecError(f"{where}: a name must be a Python identifier that does not start "
                             f"with '_' and is not 'N'; got {name!r}")
+        if name in RESERVED:
+            raise SpecError(f"{where}: '{name}' is a name the generated code uses for itself; "
+                            f"choose another (reserved: {', '.join(sorted(RESERVED))})")
         if any(node.name == name for node in self.nodes):
             raise SpecError(f"{where}: '{name}' is declared twice in spec '{self.name}'")
-        assumptions = {"positive": True} if positive else {"real": True}
+        assumptions = ({"positive": True} if positive else {"integer": True} if integer
+                       else {"real": True})
         symbol = sympy.Symbol(name, **assumptions)
-        self.nodes.append(Node(name, symbol, kind, level, expr, reduction, absent, where))
+        self.nodes.append(Node(name, symbol, kind, level, expr, reduction, absent, where, grad,
+                               broadcast, integer))
         return symbol
 
     def _reduce(self, name: str, reduction: str, body: Any, positive: bool) -> sympy.Symbol:

@@ -332,14 +332,14 @@ def _add_layernorm_bwd_default_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
             dresidual_out = 0.0
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -497,13 +497,13 @@ def _add_layernorm_bwd_recompute_mean_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
             dresidual_out = 0.0
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         mean = tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
@@ -677,13 +677,13 @@ def _add_layernorm_bwd_invertible_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
             dresidual_out = 0.0
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -1472,7 +1472,7 @@ def _add_layernorm_backward(ctx, grads):
             bias is not None and needs[4],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, dbias]
+        gradients = [dx, dresidual, dinput_bias, dweight, dbias, None]
     elif ctx.memory == "recompute_mean":
         residual_out, rstd, input_bias, weight, bias, = ctx.saved_tensors
         dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_recompute_mean(
@@ -1482,7 +1482,7 @@ def _add_layernorm_backward(ctx, grads):
             bias is not None and needs[4],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, dbias]
+        gradients = [dx, dresidual, dinput_bias, dweight, dbias, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, bias, = ctx.saved_tensors
         dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_invertible(
@@ -1492,9 +1492,9 @@ def _add_layernorm_backward(ctx, grads):
             bias is not None and needs[4],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, dbias]
+        gradients = [dx, dresidual, dinput_bias, dweight, dbias, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, None, None, 
+    return *gradients, None, None, None, 
 
 
 torch.library.register_autograd(

@@ -290,13 +290,13 @@ def _add_rmsnorm_bwd_default_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
             dresidual_out = 0.0
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = rstd * dy  # common_0 = dy*rstd
@@ -434,13 +434,13 @@ def _add_rmsnorm_bwd_invertible_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
             dresidual_out = 0.0
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = rstd * dy  # common_0 = dy*rstd
@@ -998,7 +998,7 @@ def _add_rmsnorm_backward(ctx, grads):
             weight is not None and needs[3],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, = ctx.saved_tensors
         dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_invertible(
@@ -1008,9 +1008,9 @@ def _add_rmsnorm_backward(ctx, grads):
             weight is not None and needs[3],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, None, None, None, 
+    return *gradients, None, None, None, 
 
 
 torch.library.register_autograd(
@@ -1135,6 +1135,19 @@ def _check_real(function, name, value):
 
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _check_option(function, name, value, check):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if check == "probability" and not 0.0 <= value < 1.0:
+        raise ValueError(f"{function}(): argument '{name}' must be a probability in [0, 1), got {value}")
+    if check == "unit" and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
+    if check == "integer" and not value.is_integer():
+        raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
+    return value
 
 
 def _check_memory(function, memory):

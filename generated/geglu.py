@@ -572,10 +572,10 @@ def _needs_grad(*tensors):
 def geglu(gate, up):
     """`torch.nn.functional.gelu(gate) * up` in one kernel each way, over the last dim.
 
-    Same shape as `gate`: `up`.
-    Computed in fp32 (fp64 for fp64 input); only the inputs are kept for the backward, which
-    recomputes the activation. CUDA tensors run the generated Triton kernels, CPU tensors the
-    generated torch path (the kernels under TRITON_INTERPRET=1).
+    `up`: same shape as `gate`.
+    Computed in fp32 (fp64 for fp64 input); gate, up kept for the backward.
+    CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
+    kernels under TRITON_INTERPRET=1).
     """
     _check_input("geglu", gate, "gate")
     if up is None:

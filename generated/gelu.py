@@ -609,9 +609,9 @@ def gelu(input, *, bias=None):
 
     Fused in: `bias` (shape (input.shape[-1],) or None),
     whose gradient is a column reduction.
-    Computed in fp32 (fp64 for fp64 input); only the inputs are kept for the backward, which
-    recomputes the activation. CUDA tensors run the generated Triton kernels, CPU tensors the
-    generated torch path (the kernels under TRITON_INTERPRET=1).
+    Computed in fp32 (fp64 for fp64 input); x kept for the backward.
+    CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
+    kernels under TRITON_INTERPRET=1).
     """
     _check_input("gelu", input, "input")
     shape = input.shape

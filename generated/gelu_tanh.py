@@ -619,9 +619,9 @@ def gelu_tanh(input, *, bias=None):
 
     Fused in: `bias` (shape (input.shape[-1],) or None),
     whose gradient is a column reduction.
-    Computed in fp32 (fp64 for fp64 input); only the inputs are kept for the backward, which
-    recomputes the activation. CUDA tensors run the generated Triton kernels, CPU tensors the
-    generated torch path (the kernels under TRITON_INTERPRET=1).
+    Computed in fp32 (fp64 for fp64 input); x kept for the backward.
+    CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
+    kernels under TRITON_INTERPRET=1).
     """
     _check_input("gelu_tanh", input, "input")
     shape = input.shape

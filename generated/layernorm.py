@@ -264,10 +264,10 @@ def _layernorm_bwd_default_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
-        dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -395,9 +395,9 @@ def _layernorm_bwd_recompute_mean_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         mean = tl.sum(tl.where(mask, x, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
@@ -541,9 +541,9 @@ def _layernorm_bwd_invertible_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -1190,7 +1190,7 @@ def _layernorm_backward(ctx, grads):
             weight is not None and needs[1],
             bias is not None and needs[2],
         )
-        gradients = [dx, dweight, dbias]
+        gradients = [dx, dweight, dbias, None]
     elif ctx.memory == "recompute_mean":
         x, rstd, weight, bias, = ctx.saved_tensors
         dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_recompute_mean(
@@ -1198,7 +1198,7 @@ def _layernorm_backward(ctx, grads):
             weight is not None and needs[1],
             bias is not None and needs[2],
         )
-        gradients = [dx, dweight, dbias]
+        gradients = [dx, dweight, dbias, None]
     elif ctx.memory == "invertible":
         y, rstd, weight, bias, = ctx.saved_tensors
         dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_invertible(
@@ -1206,9 +1206,9 @@ def _layernorm_backward(ctx, grads):
             weight is not None and needs[1],
             bias is not None and needs[2],
         )
-        gradients = [dx, dweight, dbias]
+        gradients = [dx, dweight, dbias, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, 
+    return *gradients, None, 
 
 
 torch.library.register_autograd(

@@ -234,9 +234,9 @@ def _rmsnorm_bwd_default_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = rstd * x  # x_hat = rstd*x
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -342,9 +342,9 @@ def _rmsnorm_bwd_invertible_per(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -785,7 +785,7 @@ def _rmsnorm_backward(ctx, grads):
             ctx.weight_offset,
             weight is not None and needs[1],
         )
-        gradients = [dx, dweight]
+        gradients = [dx, dweight, None, None]
     elif ctx.memory == "invertible":
         y, rstd, weight, = ctx.saved_tensors
         dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_invertible(
@@ -793,9 +793,9 @@ def _rmsnorm_backward(ctx, grads):
             ctx.weight_offset,
             weight is not None and needs[1],
         )
-        gradients = [dx, dweight]
+        gradients = [dx, dweight, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, None, 
+    return *gradients, None, 
 
 
 torch.library.register_autograd(
@@ -920,6 +920,19 @@ def _check_real(function, name, value):
 
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _check_option(function, name, value, check):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if check == "probability" and not 0.0 <= value < 1.0:
+        raise ValueError(f"{function}(): argument '{name}' must be a probability in [0, 1), got {value}")
+    if check == "unit" and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
+    if check == "integer" and not value.is_integer():
+        raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
+    return value
 
 
 def _check_memory(function, memory):

@@ -129,6 +129,7 @@ def _softmax_fwd_per(
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
         e = tl.exp(x - row_max)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = 1.0 / denominator * e  # p = e/denominator
@@ -162,6 +163,7 @@ def _softmax_fwd_red(
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
         row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
         denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
@@ -259,6 +261,7 @@ def _softmax_fwd_torch(
     M, N = x.shape
     x = x.to(acc)
     row_max = (x).amax(dim=-1, keepdim=True)  # row_max = 1 * max_j(x)
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = 1.0 / denominator * e  # p = e/denominator

@@ -12,10 +12,13 @@ from reference import randn
 
 import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
+import generated.bias_dropout_add as bias_dropout_add
+import generated.cross_entropy as cross_entropy
 import generated.geglu as geglu
 import generated.gelu as gelu
 import generated.gelu_tanh as gelu_tanh
 import generated.layernorm as layernorm
+import generated.masked_softmax as masked_softmax
 import generated.rmsnorm as rmsnorm
 import generated.softmax as softmax
 import generated.swiglu as swiglu
@@ -47,13 +50,22 @@ def op_cases():
     cases.append(("gelu_tanh", torch.ops.vjpforge.gelu_tanh.default, (x, None, "default")))
     cases.append(("swiglu", torch.ops.vjpforge.swiglu.default, (x, residual, "default")))
     cases.append(("geglu", torch.ops.vjpforge.geglu.default, (x, residual, "default")))
+    seed = torch.tensor(7)
+    cases.append(("bias_dropout_add", torch.ops.vjpforge.bias_dropout_add.default,
+                  (x, residual, input_bias, 0.3, seed, "default")))
+    mask = randn((1, 1, 1, N), seed=6).expand(1, 1, 4, N)  # read through zero strides
+    cases.append(("masked_softmax", torch.ops.vjpforge.masked_softmax.default,
+                  (x, mask, 0.5, 0.0, 0.2, seed, [1, 1, 4], "default")))
+    target = torch.tensor([3, -100, 0, N - 1])
+    cases.append(("cross_entropy", torch.ops.vjpforge.cross_entropy.default,
+                  (x, target, -100.0, 0.1, "default")))
     return cases
 
 
 @pytest.mark.parametrize(("name", "op", "args"), op_cases(), ids=[c[0] for c in op_cases()])
 def test_opcheck(device, name, op, args):
-    args = tuple(a.detach().to(device).requires_grad_() if isinstance(a, torch.Tensor) else a
-                 for a in args)
+    args = tuple(a.detach().to(device).requires_grad_(a.requires_grad)
+                 if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(op, args)
 
 
@@ -64,7 +76,14 @@ def model(x, residual, weight, bias):
     hidden = rmsnorm.rms_norm(hidden, (N,), weight, weight_offset=1.0)
     hidden = gelu.gelu(hidden, bias=bias) + gelu_tanh.gelu_tanh(hidden)
     hidden = swiglu.swiglu(hidden, stream) + geglu.geglu(stream, hidden)
-    return softmax.softmax(hidden, dim=0)
+    hidden = bias_dropout_add.bias_dropout_add(hidden, stream, bias=bias, p=0.25, seed=3)
+    scores = hidden.reshape(2, 2, N)
+    probabilities = masked_softmax.masked_softmax(scores, (bias > 0)[None, None, :], scale=0.5,
+                                                  causal=True, dropout_p=0.25, seed=4)
+    hidden = probabilities.reshape(4, N) * hidden
+    target = torch.arange(4, device=x.device) * 3
+    loss = cross_entropy.cross_entropy(hidden, target, label_smoothing=0.25)
+    return softmax.softmax(hidden, dim=0) * loss
 
 
 @pytest.fixture

@@ -14,14 +14,15 @@ import pytest
 import torch
 import transformers  # a declared test dependency (the `test` extra): import, never skip
 from layer_reference import ReferenceLayer
-from reference import BAD_INPUT, FP64_TOL, HAS_CUDA, randn
+from reference import BAD_INPUT, FP64_TOL, HAS_CUDA, randn, select_path
 
 from derive.blocks import HELPERS
 from generated import bert_layer, gpt_layer
 from generated.bert_layer import BertLayer
 from generated.gpt_layer import GPTLayer
 
-HIDDEN, HEADS, INTER, BATCH, SEQ = 16, 2, 32, 2, 5
+# head_dim 4: scale = 0.5, an fp32 number (see test_materialized_attention_irrational_scale)
+HIDDEN, HEADS, INTER, BATCH, SEQ = 16, 4, 32, 2, 5
 LAYERS = {"bert": BertLayer, "gpt": GPTLayer}
 
 # Each option alone, then together (every layer takes every option but pre_layer_norm, which
@@ -239,19 +240,45 @@ GRADCHECK = [("bert", {}), ("bert", {"pre_layer_norm": True, "gelu_checkpoint": 
              ("gpt", {}), ("gpt", {"attention": "materialized", "gelu_checkpoint": True})]
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-@pytest.mark.parametrize("case", GRADCHECK, ids=map(case_id, GRADCHECK))
-def test_gradcheck(device, case, dropout):
-    """Finite differences w.r.t. the input and every parameter, at tiny sizes; with dropout the
-    generator is reseeded before each evaluation (same masks)."""
-    kind, options = case
+def assert_gradcheck(kind: str, options: dict, dropout: float, device: torch.device | str,
+                     fast: bool) -> None:
+    """Finite differences w.r.t. the input and every parameter (random projections for the
+    parameters), at tiny sizes; with dropout the generator is reseeded before each evaluation
+    (same masks)."""
     layer = build(kind, device=device, dropout=dropout, sizes=(8, 2, 12), **options).train()
     x = randn((1, 3, 8), seed=100, device=device).requires_grad_()
     params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
-    mask = additive_mask(device, batch=1, seq=3)
-    fn = functional(layer, mask, seed=7 if dropout else None)
+    fn = functional(layer, additive_mask(device, batch=1, seq=3), seed=7 if dropout else None)
     assert torch.autograd.gradcheck(fn, (x, *params), fast_mode=True)
-    assert torch.autograd.gradcheck(lambda x: fn(x, *params), (x,))
+    assert torch.autograd.gradcheck(lambda x: fn(x, *params), (x,), fast_mode=fast)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("case", GRADCHECK, ids=map(case_id, GRADCHECK))
+def test_gradcheck(monkeypatch, case, dropout):
+    """On the generated torch path: the interpreter is too slow for many evaluations."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kind, options = case
+    assert_gradcheck(kind, options, dropout, "cpu", fast=False)
+
+
+def test_gradcheck_triton_kernels(monkeypatch):
+    """The Triton kernels (interpreted without a GPU), every option and dropout at once."""
+    device = select_path(monkeypatch, "triton")
+    kind, options = GRADCHECK[1]
+    assert_gradcheck(kind, options, 0.2, device, fast=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "generated.masked_softmax's backward rounds `scale` to fp32 (torch.where(cond, scale, 0.0) "
+    "in the torch path, a float kernel argument in Triton): ~1e-9 relative error in fp64 when "
+    "scale is not an fp32 number, e.g. head_dim 8; the op's bug, not the layer's"))
+def test_materialized_attention_irrational_scale():
+    layer = build("bert", sizes=(16, 2, 32)).train()
+    reference = ReferenceLayer.like(layer)
+    x = randn((BATCH, SEQ, 16), seed=100)
+    grad = randn((BATCH, SEQ, 16), seed=101)
+    assert_results_close(run(layer, x, None, grad), run(reference, x, None, grad), **FP64_TOL)
 
 
 @pytest.mark.parametrize("case", PARAMS, ids=map(case_id, PARAMS))
@@ -290,7 +317,7 @@ def test_state_dict_and_repr():
     assert list(layer.state_dict()) == [  # DeepSpeedTransformerLayer's keys, in its order
         "attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn_nb", "inter_w",
         "inter_b", "output_w", "output_b", "norm_w", "norm_b"]
-    assert repr(layer) == "BertLayer(hidden_size=16, num_heads=2, intermediate_size=32, " \
+    assert repr(layer) == "BertLayer(hidden_size=16, num_heads=4, intermediate_size=32, " \
                           "pre_layer_norm=True)"
     assert layer.attn_qkvw.shape == (3 * HIDDEN, HIDDEN) and layer.inter_w.shape == (INTER, HIDDEN)
     assert torch.equal(layer.norm_w, torch.ones(HIDDEN)) and torch.equal(layer.inter_b,
@@ -327,8 +354,8 @@ FORWARD_ERRORS = [
     (lambda x: x[..., :8], None, ("'hidden_states'", "hidden_size=16", "[2, 5, 8]")),
     (lambda x: x[0], None, ("'hidden_states'", "(batch, seq, hidden_size=16)", "[5, 16]")),
     (lambda x: x.long(), None, ("'hidden_states'", "floating", "torch.int64")),
-    (lambda x: x, torch.zeros(BATCH, SEQ), ("'attention_mask'", "[2, 2, 5, 5]", "[2, 5]")),
-    (lambda x: x, torch.zeros(3, 1, 1, SEQ), ("'attention_mask'", "[2, 2, 5, 5]", "[3, 1, 1, 5]")),
+    (lambda x: x, torch.zeros(BATCH, SEQ), ("'attention_mask'", "[2, 4, 5, 5]", "[2, 5]")),
+    (lambda x: x, torch.zeros(3, 1, 1, SEQ), ("'attention_mask'", "[2, 4, 5, 5]", "[3, 1, 1, 5]")),
     (lambda x: x, torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.long),
      ("'attention_mask'", "bool", "floating", "torch.int64")),
 ]
