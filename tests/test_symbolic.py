@@ -12,7 +12,7 @@ import sympy
 from derive.engine import derive, load_spec
 from derive.graph import RowGraph
 from derive.reverse import DerivationError
-from derive.spec import Kind, N, OpSpec, SpecError
+from derive.spec import REGENERATED, Kind, Level, N, OpSpec, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = sorted(p.stem for p in (ROOT / "derive" / "ops").glob("*.py") if p.stem != "__init__")
@@ -47,10 +47,20 @@ def evaluate_graph(definitions, env_rows: dict, env_elements: dict) -> None:
             env_elements[d.name] = [at(j) for j in range(ROW_LENGTH)]
 
 
-def concrete_forward(spec: OpSpec, graph: RowGraph, scalars: dict[str, sympy.Expr]):
+def concrete_forward(spec: OpSpec, graph: RowGraph, scalars: dict[str, sympy.Expr],
+                     rng: random.Random):
+    """One concrete row: symbolic inputs and parameters; random values, indices and per-row
+    integer inputs take concrete values (they are not differentiated)."""
     rows = {name: value for name, value in scalars.items()}
     elements = {n.name: element_symbols(n.name) for n in spec.nodes
                 if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM)}
+    for n in spec.nodes:
+        if n.kind is Kind.RANDOM:
+            elements[n.name] = [sympy.Rational(rng.randint(0, 9), 1000) for _ in range(ROW_LENGTH)]
+        elif n.kind is Kind.INDEX and n.level is Level.COLUMN:
+            elements[n.name] = [sympy.Integer(j) for j in range(ROW_LENGTH)]
+        elif n.kind is Kind.INDEX or n.kind is Kind.ROW_INPUT:
+            rows[n.name] = sympy.Integer(rng.randint(0, ROW_LENGTH - 1))
     evaluate_graph(graph.definitions, rows, elements)
     return rows, elements
 
@@ -62,26 +72,32 @@ def test_derived_vjp_equals_transposed_jacobian(name: str) -> None:
     rng = random.Random(0)
     scalars = {n.name: sympy.Rational(rng.randint(1, 9), 1000) for n in spec.nodes
                if n.kind is Kind.SCALAR}
-    rows, elements = concrete_forward(spec, derivation.forward, scalars)
-    upstream = {s.name: element_symbols(s.name) for s in derivation.reverse.upstream.values()}
+    rows, elements = concrete_forward(spec, derivation.forward, scalars, rng)
+    upstream = {s.name: element_symbols(s.name) if spec.node(out).level is Level.ELEMENT
+                else sympy.Symbol(s.name, real=True)
+                for out, s in derivation.reverse.upstream.items()}
     point = {s: sympy.Rational(rng.randint(-30, 30), 10) for values in elements.values()
              for s in values if isinstance(s, sympy.Symbol)}
     point |= {s: sympy.Rational(rng.randint(-30, 30), 10) for values in upstream.values()
-              for s in values}
+              for s in (values if isinstance(values, list) else [values])}
     # Transposed Jacobian applied to the upstream gradient, by plain differentiation.
     pairing = sum(upstream["d" + out][j] * elements[out][j]
-                  for out in spec.outputs for j in range(ROW_LENGTH))
+                  for out in spec.outputs if out in elements for j in range(ROW_LENGTH))
+    pairing += sum(upstream["d" + out] * rows[out] for out in spec.outputs if out in rows)
     # The derived backward, evaluated from what the forward saved.
     for mode, backward in derivation.backwards.items():
         check_mode(spec, backward, rows, elements, upstream, pairing, point, mode)
 
 
 def check_mode(spec, backward, rows, elements, upstream, pairing, point, mode) -> None:
-    # Only what the mode saved (plus parameters and upstream gradients) reaches the backward.
+    # Only what the mode saved (plus parameters, scalars, regenerated values and upstream
+    # gradients) reaches the backward.
     keep = set(spec.modes[mode]) | {n.name for n in spec.nodes
-                                    if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR)}
+                                    if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR, *REGENERATED)}
     back_rows = {k: v for k, v in rows.items() if k in keep}
-    back_elements = {k: v for k, v in elements.items() if k in keep} | upstream
+    back_rows |= {k: v for k, v in upstream.items() if not isinstance(v, list)}
+    back_elements = {k: v for k, v in elements.items() if k in keep}
+    back_elements |= {k: v for k, v in upstream.items() if isinstance(v, list)}
     evaluate_graph(backward.graph.definitions, back_rows, back_elements)
     for gradient, expr in backward.gradients:
         node = spec.node(gradient)
@@ -94,6 +110,7 @@ def check_mode(spec, backward, rows, elements, upstream, pairing, point, mode) -
                        if s.name in graph_env["elements"]}
             values[N] = ROW_LENGTH
             derived = expr.xreplace(values)
+            assert not derived.free_symbols - set(point), (mode, gradient, derived)
             if node.kind is Kind.COLUMN_PARAM:
                 assert node.kind is Kind.COLUMN_PARAM  # one row: the column sum is this value
             difference = (expected - derived).xreplace(point)
