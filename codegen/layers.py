@@ -247,6 +247,11 @@ def described(name: str, doc: str, indent: int) -> list[str]:
                          subsequent_indent=" " * (indent + len(INDENT)))
 
 
+#: the Python type of each option kind, for the docstrings
+OPTION_TYPES = {"size": "int", "probability": "float", "positive": "float", "flag": "bool",
+                "choice": "str"}
+
+
 def signature(block: BlockSpec) -> list[str]:
     """The constructor's arguments after self."""
     arguments, keyword_only = [], False
@@ -267,7 +272,7 @@ def forward_signature(block: BlockSpec) -> list[str]:
 
 def _options(block: BlockSpec) -> list[dict[str, Any]]:
     return [{"name": o.name, "kind": o.kind, "doc": o.doc, "required": o.required,
-             "doc_lines": described(o.name, o.doc, 8),
+             "doc_lines": described(f"{o.name} ({OPTION_TYPES[o.kind]})", o.doc, 8),
              "default": None if o.required else PRINT(Const(o.default)),
              "choices": PRINT(Const(None)) if not o.choices else
              "(" + ", ".join(PRINT(Const(c)) for c in o.choices) + ")"}
@@ -318,14 +323,16 @@ def _context(block: BlockSpec) -> dict[str, Any]:
         "signature": signature(block),
         "forward_signature": forward_signature(block),
         "options": _options(block),
-        "derived": [{"name": d.name, "doc": d.doc, "src": PRINT(d.expr)} for d in block.derived],
+        "derived": [{"name": d.name, "doc": d.doc[:1].upper() + d.doc[1:], "src": PRINT(d.expr),
+                     "bare": PRINT_BARE(d.expr)} for d in block.derived],
         "requirements": _requirements(block),
         "params": _params(block),
         "returns": ", ".join(o.value.name for o in block.outputs),
         "listing": _listing(block, layer),
-        "input_lines": [line for i in block.inputs for line in described(i.name, i.doc, 12)],
+        "input_lines": [line for i in block.inputs for line in described(
+            f"{i.name} (torch.Tensor{' | None' if i.optional else ''})", i.doc, 12)],
         "output_lines": [line for o in block.outputs
-                         for line in described(o.value.name, o.doc, 12)],
+                         for line in described(f"{o.value.name} (torch.Tensor)", o.doc, 12)],
     }
 
 

@@ -132,25 +132,29 @@ class GPTLayer(torch.nn.Module):
     (out_features, in_features): GPT-2's Conv1D weights load transposed.
 
     Args:
-        hidden_size: width of the hidden states (GPT-2's n_embd)
-        num_heads: attention heads; must divide hidden_size
-        intermediate_size: width of the feed-forward layer (4 * hidden_size)
-        attn_dropout_ratio: dropout on the attention probabilities (attn_pdrop)
-        hidden_dropout_ratio: dropout on the attention and feed-forward outputs (resid_pdrop)
-        layer_norm_eps: LayerNorm epsilon
-        initializer_range: standard deviation of the GEMM weights at init (biases 0, norms 1)
-        attention: "materialized": scores, then the generated masked softmax (scale, mask, causal
-            mask and dropout fused; it keeps only its output), then probs @ value, as DeepSpeed
-            computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash / memory-
-            efficient kernels on the GPU; nothing of size seq x seq is kept)
-        gelu_checkpoint: recompute bias + GELU and the second GEMM in the backward: the GELU output
-            (batch x seq x intermediate_size) is not kept
-        attn_dropout_checkpoint: recompute the masked softmax (with its dropout) and probs @ value
-            in the backward, so neither the probabilities nor the dropped probabilities are kept,
-            only the scores (DeepSpeed's attn_dropout_checkpoint); needs attention="materialized"
-        normalize_invertible: every LayerNorm keeps its output instead of its input
+        hidden_size (int): width of the hidden states (GPT-2's n_embd)
+        num_heads (int): attention heads; must divide hidden_size
+        intermediate_size (int): width of the feed-forward layer (4 * hidden_size)
+        attn_dropout_ratio (float): dropout on the attention probabilities (attn_pdrop)
+        hidden_dropout_ratio (float): dropout on the attention and feed-forward outputs
+            (resid_pdrop)
+        layer_norm_eps (float): LayerNorm epsilon
+        initializer_range (float): standard deviation of the GEMM weights at init (biases 0, norms
+            1)
+        attention (str): "materialized": scores, then the generated masked softmax (scale, mask,
+            causal mask and dropout fused; it keeps only its output), then probs @ value, as
+            DeepSpeed computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash /
+            memory-efficient kernels on the GPU; nothing of size seq x seq is kept)
+        gelu_checkpoint (bool): recompute bias + GELU and the second GEMM in the backward: the GELU
+            output (batch x seq x intermediate_size) is not kept
+        attn_dropout_checkpoint (bool): recompute the masked softmax (with its dropout) and probs @
+            value in the backward, so neither the probabilities nor the dropped probabilities are
+            kept, only the scores (DeepSpeed's attn_dropout_checkpoint); needs
+            attention="materialized"
+        normalize_invertible (bool): every LayerNorm keeps its output instead of its input
             (memory="invertible"): the output is kept by the next GEMM anyway
-        device, dtype: of the parameters, as in torch.nn.Linear.
+        device (torch.device | str | None): of the parameters, as in torch.nn.Linear.
+        dtype (torch.dtype | None): of the parameters.
     """
 
     def __init__(
@@ -186,12 +190,6 @@ class GPTLayer(torch.nn.Module):
             raise ValueError(f"GPTLayer(): num_heads must divide hidden_size, got hidden_size={self.hidden_size!r}, num_heads={self.num_heads!r}")
         if self.attn_dropout_checkpoint and self.attention == "sdpa":
             raise ValueError(f"GPTLayer(): attn_dropout_checkpoint needs attention='materialized' (sdpa keeps no probabilities to recompute), got attn_dropout_checkpoint={self.attn_dropout_checkpoint!r}, attention={self.attention!r}")
-        #: width of one head
-        self.head_dim = self.hidden_size // self.num_heads
-        #: 1 / sqrt(head_dim), applied to the scores
-        self.scale = self.head_dim ** -0.5
-        #: memory mode of every LayerNorm
-        self.norm_memory = "invertible" if self.normalize_invertible else "default"
         factory = {"device": device, "dtype": dtype}
         #: LayerNorm before attention
         self.ln_1_weight = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
@@ -219,6 +217,21 @@ class GPTLayer(torch.nn.Module):
         self.mlp_proj_bias = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
         self.reset_parameters()
 
+    @property
+    def head_dim(self):
+        """Width of one head: `hidden_size // num_heads`."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def scale(self):
+        """1 / sqrt(head_dim), applied to the scores: `head_dim ** -0.5`."""
+        return self.head_dim ** -0.5
+
+    @property
+    def norm_memory(self):
+        """Memory mode of every LayerNorm: `"invertible" if normalize_invertible else "default"`."""
+        return "invertible" if self.normalize_invertible else "default"
+
     def reset_parameters(self):
         torch.nn.init.ones_(self.ln_1_weight)
         torch.nn.init.zeros_(self.ln_1_bias)
@@ -237,12 +250,12 @@ class GPTLayer(torch.nn.Module):
         """GPTLayer forward.
 
         Args:
-            hidden_states: (batch, seq, hidden_size)
-            attention_mask: None, or broadcastable to (batch, num_heads, seq, seq): additive
-                (floating) or bool (True = attend); applied on top of the causal mask
+            hidden_states (torch.Tensor): (batch, seq, hidden_size)
+            attention_mask (torch.Tensor | None): None, or broadcastable to (batch, num_heads, seq,
+                seq): additive (floating) or bool (True = attend); applied on top of the causal mask
 
         Returns:
-            output: (batch, seq, hidden_size)
+            output (torch.Tensor): (batch, seq, hidden_size)
         """
         _check_hidden_states("GPTLayer.forward", "hidden_states", hidden_states, self.hidden_size)
         _check_attention_mask(
