@@ -199,8 +199,8 @@ MERGE_HEADS = Function("_merge_heads")
 ATTENTION = Function("_attention")
 #: (label, name, tensor, hidden_size): a (batch, seq, hidden_size) floating tensor
 CHECK_HIDDEN = Function("_check_hidden_states")
-#: (label, name, mask, hidden_states, num_heads): None, or bool / floating, broadcastable to
-#: (batch, num_heads, seq, seq)
+#: (label, name, mask, hidden_states, num_heads): None, or bool or of hidden_states' dtype,
+#: broadcastable to (batch, num_heads, seq, seq)
 CHECK_MASK = Function("_check_attention_mask")
 #: every helper the layer template defines
 HELPERS = (SPLIT_HEADS, MERGE_HEADS, ATTENTION, CHECK_HIDDEN, CHECK_MASK)

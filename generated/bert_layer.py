@@ -64,10 +64,10 @@ def _check_attention_mask(function, name, mask, hidden_states, num_heads):
         return
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
+    if mask.dtype != torch.bool and mask.dtype != hidden_states.dtype:
         raise TypeError(
-            f"{function}(): argument '{name}' must be bool (True = attend) or floating (added to the "
-            f"scores), got {mask.dtype}"
+            f"{function}(): argument '{name}' must be bool (True = attend) or have the dtype of "
+            f"'hidden_states' ({hidden_states.dtype}; added to the scores), got {mask.dtype}"
         )
     batch, seq = hidden_states.shape[:2]
     scores = torch.Size((batch, num_heads, seq, seq))

@@ -306,6 +306,22 @@ def test_dropout_is_seeded_and_recomputed_alike(case):
                              rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_compiles_without_graph_breaks(monkeypatch, kind):
+    """torch.compile(fullgraph=True) traces the whole layer, checkpoint regions included (the
+    generated ops are torch.library ops under compile)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    options = {"attention": "materialized", "gelu_checkpoint": True,
+               "attn_dropout_checkpoint": True, "normalize_invertible": True}
+    layer = build(kind, **options)
+    x = randn((BATCH, SEQ, HIDDEN), seed=100)
+    grad = randn((BATCH, SEQ, HIDDEN), seed=101)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    traced = {name.removeprefix("_orig_mod."): value
+              for name, value in run(compiled, x, additive_mask(), grad).items()}
+    assert_results_close(traced, run(layer, x, additive_mask(), grad), **FP64_TOL)
+
+
 def test_layer_template_defines_every_helper():
     for module in (bert_layer, gpt_layer):
         missing = [f.name for f in HELPERS if not callable(getattr(module, f.name, None))]
@@ -354,10 +370,14 @@ FORWARD_ERRORS = [
     (lambda x: x[..., :8], None, ("'hidden_states'", "hidden_size=16", "[2, 5, 8]")),
     (lambda x: x[0], None, ("'hidden_states'", "(batch, seq, hidden_size=16)", "[5, 16]")),
     (lambda x: x.long(), None, ("'hidden_states'", "floating", "torch.int64")),
-    (lambda x: x, torch.zeros(BATCH, SEQ), ("'attention_mask'", "[2, 4, 5, 5]", "[2, 5]")),
-    (lambda x: x, torch.zeros(3, 1, 1, SEQ), ("'attention_mask'", "[2, 4, 5, 5]", "[3, 1, 1, 5]")),
+    (lambda x: x, torch.zeros(BATCH, SEQ, dtype=torch.float64),
+     ("'attention_mask'", "[2, 4, 5, 5]", "[2, 5]")),
+    (lambda x: x, torch.zeros(3, 1, 1, SEQ, dtype=torch.float64),
+     ("'attention_mask'", "[2, 4, 5, 5]", "[3, 1, 1, 5]")),
     (lambda x: x, torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.long),
-     ("'attention_mask'", "bool", "floating", "torch.int64")),
+     ("'attention_mask'", "bool", "torch.float64", "torch.int64")),
+    (lambda x: x, torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.float32),
+     ("'attention_mask'", "dtype of 'hidden_states' (torch.float64", "got torch.float32")),
 ]
 
 
@@ -378,7 +398,7 @@ def test_bad_input_is_rejected(kind, index):
 # On a GPU: bf16 numerics, and a training step of a 4-layer model.
 
 
-def model_step(kind: str, layers: list[torch.nn.Module], x: torch.Tensor, mask: torch.Tensor,
+def model_step(layers: list[torch.nn.Module], x: torch.Tensor, mask: torch.Tensor,
                target: torch.Tensor, lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One SGD step of a stack of layers under a squared-error loss: (loss, updated params)."""
     params = [p for layer in layers for p in layer.parameters()]
@@ -408,7 +428,7 @@ def assert_training_step_matches(kind: str, options: dict, device: str,
 
     def step(layers: list[torch.nn.Module], step_dtype: torch.dtype):
         layers = [layer.to(step_dtype).train() for layer in layers]
-        return model_step(kind, layers, x.to(step_dtype), mask.to(step_dtype), target, lr=0.5)
+        return model_step(layers, x.to(step_dtype), mask.to(step_dtype), target, lr=0.5)
 
     exact_loss, exact = step([ReferenceLayer.like(layer) for layer in ours], torch.float64)
     torch_loss, torch_params = step([ReferenceLayer.like(layer) for layer in ours], dtype)
