@@ -181,7 +181,9 @@ class KernelContext:
         return lines
 
     def scalar_load_lines(self) -> list[str]:
-        lines = [f"{name} = tl.load({name}_ptr).to(ACC)" for name in self.scalar_inputs]
+        # Python floats arrive as fp32: widen them so fp64 kernels do their scalar math in fp64
+        lines = [f"{name} = tl.cast({name}, ACC)" for name in self.scalars]
+        lines += [f"{name} = tl.load({name}_ptr).to(ACC)" for name in self.scalar_inputs]
         return lines + ["seed = tl.load(seed_ptr)"] * self.seeded
 
     def scalar_accumulate_lines(self) -> list[str]:

@@ -35,6 +35,8 @@ class Dialect:
     maximum: str
     minimum: str
     split_constants: bool
+    #: appended to a where(): torch.where of two Python numbers is float32 whatever `acc` is
+    where_cast: str = ""
 
 
 TRITON = Dialect(
@@ -59,6 +61,7 @@ TORCH = Dialect(
     maximum="torch.maximum",
     minimum="torch.minimum",
     split_constants=False,
+    where_cast=".to(acc)",
 )
 
 # Binding strength, for parentheses: atoms bind tightest.
@@ -213,7 +216,7 @@ class KernelPrinter:
         source = self._print(last_value)[0]
         for value, condition in reversed(cases):
             source = (f"{self.dialect.where}({self._print(condition)[0]}, "
-                      f"{self._print(value)[0]}, {source})")
+                      f"{self._print(value)[0]}, {source}){self.dialect.where_cast}")
         return source, _ATOM
 
     def _varies_expr(self, expr: sympy.Expr) -> bool:

@@ -247,7 +247,21 @@ def tidy(expr: sympy.Expr) -> sympy.Expr:
     factors pulled out suits sums of reductions; elementwise chains are cheaper left nested."""
     expanded = sympy.factor_terms(sympy.expand(expr))
     candidates = [expanded, sympy.factor_terms(expr), expr]
-    return min(candidates, key=sympy.count_ops)
+    return hoist_zero_branches(min(candidates, key=sympy.count_ops))
+
+
+def hoist_zero_branches(expr: sympy.Expr) -> sympy.Expr:
+    """Piecewise((0, c), (rest, True)) when the whole expression vanishes under condition c:
+    one test instead of one per term, and the 0 is exact whatever `rest` holds (NaN logits of
+    an ignored row give a zero gradient, not 0 * NaN)."""
+    for piece in sorted(expr.atoms(sympy.Piecewise), key=sympy.default_sort_key):
+        value, condition = piece.args[0]
+        if value != 0 or condition == sympy.true:
+            continue
+        if sympy.simplify(expr.xreplace({condition: sympy.true})) == 0:
+            rest = hoist_zero_branches(expr.xreplace({condition: sympy.false}))
+            return sympy.Piecewise((0, condition), (rest, True))
+    return expr
 
 
 def backward_graph(spec: OpSpec, reverse: ReverseResult,

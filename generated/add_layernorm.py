@@ -98,9 +98,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -143,6 +144,7 @@ def _add_layernorm_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    eps = tl.cast(eps, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -212,6 +214,7 @@ def _add_layernorm_fwd_red(
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    eps = tl.cast(eps, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -821,6 +824,7 @@ def _add_layernorm_fwd_torch(
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     bias = bias.to(acc) if bias is not None else 0.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
     mean = (residual_out).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(residual_out)
     var = ((residual_out - mean) * (residual_out - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + residual_out)^2)

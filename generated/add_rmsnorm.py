@@ -97,9 +97,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -139,6 +140,8 @@ def _add_rmsnorm_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    eps = tl.cast(eps, ACC)
+    weight_offset = tl.cast(weight_offset, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -198,6 +201,8 @@ def _add_rmsnorm_fwd_red(
     """_add_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    eps = tl.cast(eps, ACC)
+    weight_offset = tl.cast(weight_offset, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -279,6 +284,7 @@ def _add_rmsnorm_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    weight_offset = tl.cast(weight_offset, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -342,6 +348,7 @@ def _add_rmsnorm_bwd_default_red(
     """_add_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    weight_offset = tl.cast(weight_offset, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -423,6 +430,7 @@ def _add_rmsnorm_bwd_invertible_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    weight_offset = tl.cast(weight_offset, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -486,6 +494,7 @@ def _add_rmsnorm_bwd_invertible_red(
     """_add_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    weight_offset = tl.cast(weight_offset, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -554,6 +563,8 @@ def _add_rmsnorm_fwd_torch(
     residual = residual.to(acc) if residual is not None else 0.0
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
@@ -585,6 +596,7 @@ def _add_rmsnorm_bwd_default_torch(
     residual_out = residual_out.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -616,6 +628,7 @@ def _add_rmsnorm_bwd_invertible_torch(
     y = y.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = y * _guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))

@@ -98,9 +98,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -176,6 +177,7 @@ def _bias_dropout_add_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    p = tl.cast(p, ACC)
     seed = tl.load(seed_ptr)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -193,7 +195,8 @@ def _bias_dropout_add_fwd_per(
             residual = 0.0
         u = _uniform(seed, offsets * N + cols).to(ACC)
         z = bias + x  # z = bias + x
-        kept = tl.where((p <= u), 1.0 / (1.0 - p) * z, 0.0)  # kept = Piecewise((z/(-p + 1), p <= u), (0, True))
+        keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
+        kept = 1.0 / (1.0 - p) * keep * z  # kept = keep*z/(-p + 1)
         y = kept + residual  # y = kept + residual
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -220,6 +223,7 @@ def _bias_dropout_add_fwd_red(
     """_bias_dropout_add_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    p = tl.cast(p, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -240,7 +244,8 @@ def _bias_dropout_add_fwd_red(
             u = _uniform(seed, offsets * N + cols).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             z = bias + x  # z = bias + x
-            kept = tl.where((p <= u), 1.0 / (1.0 - p) * z, 0.0)  # kept = Piecewise((z/(-p + 1), p <= u), (0, True))
+            keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
+            kept = 1.0 / (1.0 - p) * keep * z  # kept = keep*z/(-p + 1)
             y = kept + residual  # y = kept + residual
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -268,6 +273,7 @@ def _bias_dropout_add_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    p = tl.cast(p, ACC)
     seed = tl.load(seed_ptr)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
@@ -277,7 +283,8 @@ def _bias_dropout_add_bwd_default_per(
         mask = row_mask & col_mask
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         u = _uniform(seed, offsets * N + cols).to(ACC)
-        common_0 = dy * tl.where((p <= u), 1.0 / (1.0 - p), 0.0)  # common_0 = dy*Piecewise((1/(-p + 1), p <= u), (0, True))
+        keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
+        common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += tl.where(mask, common_0, 0.0)  # dbias = common_0
@@ -306,6 +313,7 @@ def _bias_dropout_add_bwd_default_red(
     """_bias_dropout_add_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    p = tl.cast(p, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -317,7 +325,8 @@ def _bias_dropout_add_bwd_default_red(
             mask = row_mask & col_mask
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             u = _uniform(seed, offsets * N + cols).to(ACC)
-            common_0 = dy * tl.where((p <= u), 1.0 / (1.0 - p), 0.0)  # common_0 = dy*Piecewise((1/(-p + 1), p <= u), (0, True))
+            keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
+            common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -340,9 +349,11 @@ def _bias_dropout_add_fwd_torch(
     x = x.to(acc)
     residual = residual.to(acc) if residual is not None else 0.0
     bias = bias.to(acc) if bias is not None else 0.0
+    p = torch.tensor(p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = _uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     z = bias + x  # z = bias + x
-    kept = torch.where((p <= u), 1.0 / (1.0 - p) * z, 0.0)  # kept = Piecewise((z/(-p + 1), p <= u), (0, True))
+    keep = torch.where((p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, p <= u), (0, True))
+    kept = 1.0 / (1.0 - p) * keep * z  # kept = keep*z/(-p + 1)
     y = kept + residual  # y = kept + residual
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
@@ -361,8 +372,10 @@ def _bias_dropout_add_bwd_default_torch(
     M, N = dy.shape
     dy = dy.to(acc)
     bias = bias.to(acc) if bias is not None else 0.0
+    p = torch.tensor(p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = _uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
-    common_0 = dy * torch.where((p <= u), 1.0 / (1.0 - p), 0.0)  # common_0 = dy*Piecewise((1/(-p + 1), p <= u), (0, True))
+    keep = torch.where((p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, p <= u), (0, True))
+    common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
     dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     dbias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dy, dbias,
@@ -739,6 +752,7 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     residual = _check_like_input("bias_dropout_add", "residual", residual, input, "input")
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
+    rows = shape.numel() // columns if columns else 0
     bias = _check_param("bias_dropout_add", "bias", bias, (columns,), input)
     p = _check_option("bias_dropout_add", "p", p, "probability")
     if not isinstance(training, bool):
@@ -746,10 +760,8 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     if not training:
         p = 0.0
     seed = _seed("bias_dropout_add", seed, input.device)
-    if input.numel() == 0:
-        return input.clone()
-    x = _rows((-1, columns), input)
-    residual = _rows((-1, columns), residual) if residual is not None else None
+    x = _rows((rows, columns), input)
+    residual = _rows((rows, columns), residual) if residual is not None else None
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

@@ -2,13 +2,13 @@
 # triton_kernels.py.j2, torch_path.py.j2, launcher.py.j2, api_row_loss.py.j2}, SymPy 1.14.0.
 # Do NOT modify by hand: edit the spec or the templates and run `derive`.
 """Cross-entropy of logits over a large vocabulary, one loss per row:
-loss = valid * (logsumexp(x) - (1 - smoothing) * x[target] - smoothing * mean(x)),
-valid = 0 where target == ignore_index.
+loss = logsumexp(x) - (1 - smoothing) * x[target] - smoothing * mean(x), and 0 where
+target == ignore_index.
 
 The row max is a stabiliser of logsumexp (the engine proves the loss does not depend on it);
 the softmax is never stored: the backward recomputes exp(x - row_max) / denominator from the
 saved logits and two row statistics, and the gradient is the textbook
-dloss * valid * (softmax - (1 - smoothing) * onehot - smoothing / N).
+dloss * (softmax - (1 - smoothing) * onehot - smoothing / N) on rows that are not ignored.
 
 The backward is derived symbolically; see docs/ops/cross_entropy.md for every step.
 """
@@ -101,9 +101,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -135,6 +136,8 @@ def _cross_entropy_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    ignore_index = tl.cast(ignore_index, ACC)
+    label_smoothing = tl.cast(label_smoothing, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -143,14 +146,14 @@ def _cross_entropy_fwd_per(
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
-        valid = tl.where((ignore_index == target), 0.0, 1.0)  # valid = Piecewise((0, Eq(ignore_index, target)), (1, True))
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
         target_logit = tl.sum(tl.where(mask, tl.where((key == target), x, 0.0), 0.0), axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
         logit_mean = tl.sum(tl.where(mask, x, 0.0), axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
         e = tl.exp(x - row_max)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        loss = valid * (row_max + tl.log(denominator) - label_smoothing * logit_mean - target_logit * (1.0 - label_smoothing))  # loss = valid*(-label_smoothing*logit_mean + row_max - target_logit*(-label_smoothing + 1) + log(denominator))
+        loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
@@ -179,12 +182,13 @@ def _cross_entropy_fwd_red(
     """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    ignore_index = tl.cast(ignore_index, ACC)
+    label_smoothing = tl.cast(label_smoothing, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
-        valid = tl.where((ignore_index == target), 0.0, 1.0)  # valid = Piecewise((0, Eq(ignore_index, target)), (1, True))
         row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
         target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -201,6 +205,7 @@ def _cross_entropy_fwd_red(
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
         target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
         logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
         denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
@@ -210,7 +215,7 @@ def _cross_entropy_fwd_red(
             e = tl.exp(x - row_max)  # e = exp(-row_max + x)
             denominator_acc += tl.where(mask, e, 0.0)
         denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        loss = valid * (row_max + tl.log(denominator) - label_smoothing * logit_mean - target_logit * (1.0 - label_smoothing))  # loss = valid*(-label_smoothing*logit_mean + row_max - target_logit*(-label_smoothing + 1) + log(denominator))
+        loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
@@ -241,6 +246,8 @@ def _cross_entropy_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    ignore_index = tl.cast(ignore_index, ACC)
+    label_smoothing = tl.cast(label_smoothing, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -252,10 +259,9 @@ def _cross_entropy_bwd_default_per(
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
-        valid = tl.where((ignore_index == target), 0.0, 1.0)  # valid = Piecewise((0, Eq(ignore_index, target)), (1, True))
         e = tl.exp(x - row_max)  # e = exp(-row_max + x)
         common_0 = tl.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (dloss * valid * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - label_smoothing / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -279,6 +285,8 @@ def _cross_entropy_bwd_default_red(
     """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    ignore_index = tl.cast(ignore_index, ACC)
+    label_smoothing = tl.cast(label_smoothing, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -287,7 +295,6 @@ def _cross_entropy_bwd_default_red(
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         row_max = tl.load(row_max_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        valid = tl.where((ignore_index == target), 0.0, 1.0)  # valid = Piecewise((0, Eq(ignore_index, target)), (1, True))
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
@@ -296,7 +303,7 @@ def _cross_entropy_bwd_default_red(
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             e = tl.exp(x - row_max)  # e = exp(-row_max + x)
             common_0 = tl.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (dloss * valid * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - label_smoothing / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _cross_entropy_fwd_torch(
@@ -312,16 +319,18 @@ def _cross_entropy_fwd_torch(
     acc = _accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
+    ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
-    valid = torch.where((ignore_index == target), 0.0, 1.0)  # valid = Piecewise((0, Eq(ignore_index, target)), (1, True))
-    row_max = (x).amax(dim=-1, keepdim=True)  # row_max = 1 * max_j(x)
+    row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-    target_logit = (torch.where((key == target), x, 0.0)).sum(dim=-1, keepdim=True)  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+    target_logit = (torch.where((key == target), x, 0.0).to(acc)).sum(dim=-1, keepdim=True)  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
     logit_mean = (x).sum(dim=-1, keepdim=True) / N  # logit_mean = 1/N * sum_j(x)
+    smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    loss = valid * (row_max + torch.log(denominator) - label_smoothing * logit_mean - target_logit * (1.0 - label_smoothing))  # loss = valid*(-label_smoothing*logit_mean + row_max - target_logit*(-label_smoothing + 1) + log(denominator))
+    loss = torch.where((ignore_index == target), 0.0, row_max + torch.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing)).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M)
     row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M) if store_row_max else None
     denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M) if store_denominator else None
@@ -342,15 +351,16 @@ def _cross_entropy_bwd_default_torch(
     acc = _accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
+    ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dloss = dloss.to(acc)[:, None]
     target = target[:, None]
     row_max = row_max.to(acc)[:, None]
     denominator = denominator.to(acc)[:, None]
     key = torch.arange(N, device=x.device)[None, :]
-    valid = torch.where((ignore_index == target), 0.0, 1.0)  # valid = Piecewise((0, Eq(ignore_index, target)), (1, True))
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
-    common_0 = torch.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-    dx = torch.broadcast_to(dloss * valid * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - label_smoothing / N), (M, N)).to(dtype).contiguous()
+    common_0 = torch.where((key == target), 1.0, 0.0).to(acc)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
+    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc) / N)).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -764,7 +774,10 @@ def cross_entropy(input, target, *, ignore_index=-100, label_smoothing=0.0, redu
         return loss.reshape(shape[:-1]).to(input.dtype)
     if reduction == "sum":
         return loss.sum().to(input.dtype)
-    return (loss.sum() / (target != ignore_index).sum()).to(input.dtype)
+    counted = (target != ignore_index).sum()
+    # all rows ignored: a NaN mean, as torch, but zero (not NaN) gradients, as torch
+    mean = torch.where(counted > 0, loss.sum() / counted.clamp_min(1), float("nan"))
+    return mean.to(input.dtype)
 
 
 class CrossEntropyLoss(torch.nn.Module):

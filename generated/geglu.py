@@ -95,9 +95,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -583,10 +584,9 @@ def geglu(gate, up):
     up = _check_like_input("geglu", "up", up, gate, "gate")
     shape = gate.shape
     columns = shape[-1] if len(shape) else 1
-    if gate.numel() == 0:
-        return gate.clone()
-    gate = _rows((-1, columns), gate)
-    up = _rows((-1, columns), up)
+    rows = shape.numel() // columns if columns else 0
+    gate = _rows((rows, columns), gate)
+    up = _rows((rows, columns), up)
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

@@ -97,9 +97,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -616,10 +617,9 @@ def gelu(input, *, bias=None):
     _check_input("gelu", input, "input")
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
+    rows = shape.numel() // columns if columns else 0
     bias = _check_param("gelu", "bias", bias, (columns,), input)
-    if input.numel() == 0:
-        return input.clone()
-    x = _rows((-1, columns), input)
+    x = _rows((rows, columns), input)
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

@@ -102,9 +102,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -187,6 +188,9 @@ def _masked_softmax_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    scale = tl.cast(scale, ACC)
+    window = tl.cast(window, ACC)
+    dropout_p = tl.cast(dropout_p, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -208,7 +212,8 @@ def _masked_softmax_fwd_per(
         e = tl.exp(z - row_max)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = _guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
-        y = tl.where((dropout_p <= u), 1.0 / (1.0 - dropout_p) * p, 0.0)  # y = Piecewise((p/(-dropout_p + 1), dropout_p <= u), (0, True))
+        keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+        y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_P:
             tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
@@ -243,6 +248,9 @@ def _masked_softmax_fwd_red(
     """_masked_softmax_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    scale = tl.cast(scale, ACC)
+    window = tl.cast(window, ACC)
+    dropout_p = tl.cast(dropout_p, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -294,7 +302,8 @@ def _masked_softmax_fwd_red(
             z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
             e = tl.exp(z - row_max)  # e = exp(-row_max + z)
             p = _guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
-            y = tl.where((dropout_p <= u), 1.0 / (1.0 - dropout_p) * p, 0.0)  # y = Piecewise((p/(-dropout_p + 1), dropout_p <= u), (0, True))
+            keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+            y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
             if STORE_P:
                 tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
@@ -325,6 +334,9 @@ def _masked_softmax_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    scale = tl.cast(scale, ACC)
+    window = tl.cast(window, ACC)
+    dropout_p = tl.cast(dropout_p, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -336,8 +348,9 @@ def _masked_softmax_bwd_default_per(
         p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         u = _uniform(seed, offsets * N + cols).to(ACC)
-        sum_dy_p_term = tl.sum(tl.where(mask, dy * p * tl.where((dropout_p <= u), 1.0 / (1.0 - dropout_p), 0.0), 0.0), axis=1)[:, None]  # sum_dy_p_term = 1 * sum_j(dy*p*Piecewise((1/(-dropout_p + 1), dropout_p <= u), (0, True)))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dy * tl.where((dropout_p <= u), 1.0 / (1.0 - dropout_p), 0.0) - sum_dy_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
+        keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+        sum_dy_keep_p_term = tl.sum(tl.where(mask, 1.0 / (1.0 - dropout_p) * dy * keep * p, 0.0), axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -363,13 +376,16 @@ def _masked_softmax_bwd_default_red(
     """_masked_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    scale = tl.cast(scale, ACC)
+    window = tl.cast(window, ACC)
+    dropout_p = tl.cast(dropout_p, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         query = offsets % D2
-        sum_dy_p_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_keep_p_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
@@ -377,8 +393,9 @@ def _masked_softmax_bwd_default_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
             u = _uniform(seed, offsets * N + cols).to(ACC)
-            sum_dy_p_term_acc += tl.where(mask, dy * p * tl.where((dropout_p <= u), 1.0 / (1.0 - dropout_p), 0.0), 0.0)
-        sum_dy_p_term = tl.sum(sum_dy_p_term_acc, axis=1)[:, None]  # sum_dy_p_term = 1 * sum_j(dy*p*Piecewise((1/(-dropout_p + 1), dropout_p <= u), (0, True)))
+            keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+            sum_dy_keep_p_term_acc += tl.where(mask, 1.0 / (1.0 - dropout_p) * dy * keep * p, 0.0)
+        sum_dy_keep_p_term = tl.sum(sum_dy_keep_p_term_acc, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
@@ -387,7 +404,8 @@ def _masked_softmax_bwd_default_red(
             key = cols
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
             u = _uniform(seed, offsets * N + cols).to(ACC)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dy * tl.where((dropout_p <= u), 1.0 / (1.0 - dropout_p), 0.0) - sum_dy_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
+            keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _masked_softmax_fwd_torch(
@@ -407,16 +425,20 @@ def _masked_softmax_fwd_torch(
     M, N = x.shape
     x = x.to(acc)
     attention_mask = attention_mask.reshape(M, N).to(acc) if attention_mask is not None else 0.0
+    scale = torch.tensor(scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    window = torch.tensor(window, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     key = torch.arange(N, device=x.device)[None, :]
     query = (torch.arange(M, device=x.device) % row_shape[2])[:, None]
     u = _uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
-    z = torch.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-    row_max = (z).amax(dim=-1, keepdim=True)  # row_max = 1 * max_j(z)
+    z = torch.where((key <= query + window), attention_mask + scale * x, float("-inf")).to(acc)  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+    row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = _guarded_reciprocal_torch(denominator) * e  # p = e*GuardedReciprocal(denominator)
-    y = torch.where((dropout_p <= u), 1.0 / (1.0 - dropout_p) * p, 0.0)  # y = Piecewise((p/(-dropout_p + 1), dropout_p <= u), (0, True))
+    keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+    y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     p = torch.broadcast_to(p, (M, N)).to(p_dtype or dtype).contiguous() if store_p else None
     return y, p,
@@ -437,11 +459,15 @@ def _masked_softmax_bwd_default_torch(
     M, N = dy.shape
     dy = dy.to(acc)
     p = p.to(acc)
+    scale = torch.tensor(scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    window = torch.tensor(window, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     key = torch.arange(N, device=dy.device)[None, :]
     query = (torch.arange(M, device=dy.device) % row_shape[2])[:, None]
     u = _uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
-    sum_dy_p_term = (dy * p * torch.where((dropout_p <= u), 1.0 / (1.0 - dropout_p), 0.0)).sum(dim=-1, keepdim=True)  # sum_dy_p_term = 1 * sum_j(dy*p*Piecewise((1/(-dropout_p + 1), dropout_p <= u), (0, True)))
-    dx = torch.broadcast_to(p * (dy * torch.where((dropout_p <= u), 1.0 / (1.0 - dropout_p), 0.0) - sum_dy_p_term) * torch.where((key <= query + window), scale, 0.0), (M, N)).to(dtype).contiguous()
+    keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+    sum_dy_keep_p_term = (1.0 / (1.0 - dropout_p) * dy * keep * p).sum(dim=-1, keepdim=True)  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
+    dx = torch.broadcast_to(p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * torch.where((key <= query + window), scale, 0.0).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -886,6 +912,7 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     mask = _check_broadcast("masked_softmax", "mask", mask, input, True)
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
+    rows = shape.numel() // columns if columns else 0
     scale = _check_option("masked_softmax", "scale", scale, None)
     dropout_p = _check_option("masked_softmax", "dropout_p", dropout_p, "probability")
     if not isinstance(causal, bool):
@@ -896,10 +923,8 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     if not training:
         dropout_p = 0.0
     seed = _seed("masked_softmax", seed, input.device)
-    if input.numel() == 0:
-        return input.clone()
     row_shape = _row_shape(shape)
-    x = _rows((-1, columns), input)
+    x = _rows((rows, columns), input)
     attention_mask = _broadcast_rows(mask, shape, row_shape) if mask is not None else None
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():

@@ -96,9 +96,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -130,6 +131,8 @@ def _rmsnorm_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    eps = tl.cast(eps, ACC)
+    weight_offset = tl.cast(weight_offset, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -170,6 +173,8 @@ def _rmsnorm_fwd_red(
     """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    eps = tl.cast(eps, ACC)
+    weight_offset = tl.cast(weight_offset, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -224,6 +229,7 @@ def _rmsnorm_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    weight_offset = tl.cast(weight_offset, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -269,6 +275,7 @@ def _rmsnorm_bwd_default_red(
     """_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    weight_offset = tl.cast(weight_offset, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -332,6 +339,7 @@ def _rmsnorm_bwd_invertible_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
+    weight_offset = tl.cast(weight_offset, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -377,6 +385,7 @@ def _rmsnorm_bwd_invertible_red(
     """_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    weight_offset = tl.cast(weight_offset, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -428,6 +437,8 @@ def _rmsnorm_fwd_torch(
     M, N = x.shape
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
@@ -452,6 +463,7 @@ def _rmsnorm_bwd_default_torch(
     dy = dy.to(acc)
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -475,6 +487,7 @@ def _rmsnorm_bwd_invertible_torch(
     dy = dy.to(acc)
     y = y.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = y * _guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))

@@ -94,9 +94,10 @@ def _tanh(v):
 
 @triton.jit
 def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude)."""
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
     magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
 
 
 def _guarded_reciprocal_torch(v):
@@ -260,7 +261,7 @@ def _softmax_fwd_torch(
     acc = _accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
-    row_max = (x).amax(dim=-1, keepdim=True)  # row_max = 1 * max_j(x)
+    row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)

@@ -19,7 +19,8 @@ def spec() -> OpSpec:
     p = op.scalar("p")
     u = op.random("u")
     z = op.element("z", x + bias)
-    kept = op.element("kept", sympy.Piecewise((z / (1 - p), u >= p), (0, True)))
+    keep = op.element("keep", sympy.Piecewise((1, u >= p), (0, True)))
+    kept = op.element("kept", z * keep / (1 - p))  # a product, as torch: a dropped NaN stays NaN
     op.output(op.element("y", residual + kept))
     op.save()
     op.api = ElementwiseAPI(

@@ -1,11 +1,11 @@
 """Cross-entropy of logits over a large vocabulary, one loss per row:
-loss = valid * (logsumexp(x) - (1 - smoothing) * x[target] - smoothing * mean(x)),
-valid = 0 where target == ignore_index.
+loss = logsumexp(x) - (1 - smoothing) * x[target] - smoothing * mean(x), and 0 where
+target == ignore_index.
 
 The row max is a stabiliser of logsumexp (the engine proves the loss does not depend on it);
 the softmax is never stored: the backward recomputes exp(x - row_max) / denominator from the
 saved logits and two row statistics, and the gradient is the textbook
-dloss * valid * (softmax - (1 - smoothing) * onehot - smoothing / N).
+dloss * (softmax - (1 - smoothing) * onehot - smoothing / N) on rows that are not ignored.
 """
 
 import sympy
@@ -27,9 +27,13 @@ def spec() -> OpSpec:
     target_logit = op.row_sum("target_logit", sympy.Piecewise((x, sympy.Eq(key, target)),
                                                               (0, True)))
     logit_mean = op.row_mean("logit_mean", x)
-    valid = op.row("valid", sympy.Piecewise((0, sympy.Eq(target, ignore_index)), (1, True)))
-    loss = op.row("loss", valid * (sympy.log(denominator) + row_max
-                                   - (1 - smoothing) * target_logit - smoothing * logit_mean))
+    # smoothing = 0 drops the term (a -inf logit is allowed, as in torch); an ignored row is
+    # selected away, not multiplied by 0, so NaN logits there give a loss of 0, as in torch
+    smoothed = op.row("smoothed", sympy.Piecewise((0, sympy.Eq(smoothing, 0)),
+                                                  (smoothing * logit_mean, True)))
+    loss = op.row("loss", sympy.Piecewise(
+        (0, sympy.Eq(target, ignore_index)),
+        (sympy.log(denominator) + row_max - (1 - smoothing) * target_logit - smoothed, True)))
     op.output(loss)
     op.save(x, target, row_max, denominator)
     op.api = RowLossAPI(

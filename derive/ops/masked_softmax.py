@@ -32,7 +32,8 @@ def spec() -> OpSpec:
     e = op.element("e", sympy.exp(z - row_max), positive=True)
     denominator = op.row_sum("denominator", e, positive=True)
     p = op.element("p", e * GuardedReciprocal(denominator), positive=True)
-    y = op.element("y", sympy.Piecewise((p / (1 - dropout_p), u >= dropout_p), (0, True)))
+    keep = op.element("keep", sympy.Piecewise((1, u >= dropout_p), (0, True)))
+    y = op.element("y", p * keep / (1 - dropout_p))
     op.output(y)
     op.save(p)
     op.api = ElementwiseAPI(
