@@ -211,9 +211,6 @@ HELPERS = (SPLIT_HEADS, MERGE_HEADS, ATTENTION, CHECK_HIDDEN, CHECK_MASK)
 #: a required constructor argument (positional, no default)
 REQUIRED = object()
 
-#: option kinds, each validated by the emitted constructor
-OPTION_KINDS = ("size", "probability", "positive", "flag", "choice")
-
 
 @dataclass(frozen=True)
 class Option:
@@ -302,7 +299,6 @@ class Branch:
     """if / elif / else: the first case whose condition holds runs."""
 
     cases: tuple[Case, ...]
-    where: str
 
 
 @dataclass(frozen=True)
@@ -314,7 +310,6 @@ class Checkpoint:
     flag: Attr
     doc: str
     steps: tuple[Call, ...]
-    where: str
 
 
 Step = Call | Branch | Checkpoint
@@ -440,13 +435,13 @@ class BlockSpec:
     @contextmanager
     def branch(self) -> Iterator[BranchBuilder]:
         where = caller_location()
-        builder = BranchBuilder(self, where)
+        builder = BranchBuilder(self)
         before = set(self._values)
         yield builder
         if not builder.cases:
             raise SpecError(f"{where}: a branch needs at least one case")
         self._values = before | builder.defined
-        self._top().append(Branch(tuple(builder.cases), where))
+        self._top().append(Branch(tuple(builder.cases)))
 
     @contextmanager
     def checkpoint(self, method: str, flag: Attr, doc: str) -> Iterator[None]:
@@ -466,7 +461,7 @@ class BlockSpec:
         if not steps or not all(isinstance(s, Call) for s in steps):
             raise SpecError(f"{where}: checkpoint '{method}' holds calls only (no branches, "
                             "no nested regions), at least one")
-        self._top().append(Checkpoint(method, flag, doc, tuple(steps), where))
+        self._top().append(Checkpoint(method, flag, doc, tuple(steps)))
 
     def output(self, value: Value, doc: str) -> None:
         self._read(value)
@@ -558,9 +553,8 @@ class BranchBuilder:
     """`with block.branch() as branch:` then `with branch.when(cond):` ... `with
     branch.otherwise():`."""
 
-    def __init__(self, block: BlockSpec, where: str):
+    def __init__(self, block: BlockSpec):
         self.block = block
-        self.where = where
         self.cases: list[Case] = []
         self.defined: set[str] = set()
         self._closed = False
