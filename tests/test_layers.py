@@ -107,6 +107,21 @@ def test_matches_reference_fp64(device, case):
         torch.testing.assert_close(layer.eval()(x, mask), reference.eval()(x, mask), **FP64_TOL)
 
 
+@pytest.mark.parametrize("case", PARAMS, ids=map(case_id, PARAMS))
+def test_dropout_path_matches_reference_at_tiny_p(case):
+    """With dropout on, the layer takes its dropout path (bias_dropout_add then layer_norm,
+    dropout in the masked softmax); at p = 1e-12 every element is kept (scaled by 1 + 1e-12), so
+    that path must give the reference layer's step without dropout."""
+    kind, options = case
+    torch.manual_seed(0)
+    layer = build(kind, dropout=1e-12, **options).train()
+    reference = ReferenceLayer.like(build(kind, **options)).train()
+    x = randn((BATCH, SEQ, HIDDEN), seed=100)
+    grad = randn((BATCH, SEQ, HIDDEN), seed=101)
+    mask = additive_mask()
+    assert_results_close(run(layer, x, mask, grad), run(reference, x, mask, grad), **FP64_TOL)
+
+
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "full"])
 def test_masks_match_reference(kind, mask_kind):
