@@ -298,29 +298,36 @@ def test_materialized_attention_irrational_scale(monkeypatch):
     assert_results_close(run(layer, x, None, grad), run(reference, x, None, grad), **FP64_TOL)
 
 
-@pytest.mark.parametrize("case", PARAMS, ids=map(case_id, PARAMS))
-def test_dropout_is_seeded_and_recomputed_alike(case):
+def assert_dropout_reproducible(kind: str, options: dict, device: torch.device | str = "cpu",
+                                sizes: tuple[int, int, int] = (HIDDEN, HEADS, INTER),
+                                batch: int = BATCH, seq: int = SEQ) -> None:
     """Training with dropout: a fixed torch seed gives bitwise the same step, another seed
     another one, and the checkpointed options (which recompute the dropout in the backward)
     give exactly what the plain layer gives."""
-    kind, options = case
-    x = randn((BATCH, SEQ, HIDDEN), seed=100)
-    grad = randn((BATCH, SEQ, HIDDEN), seed=101)
-    layer = build(kind, dropout=0.3, **options).train()
+    x = randn((batch, seq, sizes[0]), seed=100, device=device)
+    grad = randn((batch, seq, sizes[0]), seed=101, device=device)
+    mask = additive_mask(device, batch=batch, seq=seq)
 
-    def step(seed: int, module: torch.nn.Module = layer) -> dict[str, torch.Tensor]:
+    def step(seed: int, layer_options: dict = options) -> dict[str, torch.Tensor]:
+        layer = build(kind, device=device, dropout=0.3, sizes=sizes, **layer_options).train()
         torch.manual_seed(seed)
-        return run(module, x, additive_mask(), grad)
+        return run(layer, x, mask, grad)
 
     first = step(5)
     assert_results_close(step(5), first, rtol=0, atol=0)
     assert not torch.equal(step(6)["output"], first["output"]), "dropout draws from the seed"
     with torch.no_grad():
-        assert not torch.equal(layer.eval()(x, additive_mask()), first["output"])
+        evaluated = build(kind, device=device, dropout=0.3, sizes=sizes, **options).eval()
+        assert not torch.equal(evaluated(x, mask), first["output"])
     plain = {k: v for k, v in options.items() if not k.endswith("checkpoint")}
     if plain != options:
-        assert_results_close(step(5, build(kind, dropout=0.3, **plain).train()), first,
-                             rtol=0, atol=0)
+        assert_results_close(step(5, plain), first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", PARAMS, ids=map(case_id, PARAMS))
+def test_dropout_is_seeded_and_recomputed_alike(case):
+    kind, options = case
+    assert_dropout_reproducible(kind, options)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
@@ -507,3 +514,13 @@ def test_bf16_layer_on_gpu(case):
         assert ours[name].dtype == torch.bfloat16, name
         assert err <= 2 * torch_err + atol, (
             f"{name}: max abs error {err:.3g} > 2 * torch's {torch_err:.3g} + {atol:g}")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_dropout_is_seeded_and_recomputed_alike_on_gpu(kind):
+    """The same on the GPU (fp64; materialised attention, as torch's fused attention backward
+    may accumulate in a nondeterministic order)."""
+    options = {"attention": "materialized", "gelu_checkpoint": True,
+               "attn_dropout_checkpoint": True}
+    assert_dropout_reproducible(kind, options, "cuda", sizes=(256, 4, 1024), batch=4, seq=128)
