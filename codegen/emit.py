@@ -181,8 +181,10 @@ class KernelContext:
         return lines
 
     def scalar_load_lines(self) -> list[str]:
-        # Python floats arrive as fp32: widen them so fp64 kernels do their scalar math in fp64
-        lines = [f"{name} = tl.cast({name}, ACC)" for name in self.scalars]
+        # Triton passes Python floats as fp32: a scalar travels as two (its fp32 rounding and
+        # the rest), summed at the accumulator's precision (fp64 kernels get ~48 bits)
+        lines = [f"{name} = tl.cast({name}_high, ACC) + tl.cast({name}_low, ACC)"
+                 for name in self.scalars]
         lines += [f"{name} = tl.load({name}_ptr).to(ACC)" for name in self.scalar_inputs]
         return lines + ["seed = tl.load(seed_ptr)"] * self.seeded
 
@@ -277,7 +279,8 @@ class KernelContext:
             args += [f"{store['name']}_ptr", f"{store['name']}_row_stride"]
         args += [f"{s['name']}_ptr" for s in self.row_stores]
         args += [f"{s['name']}_partial_ptr" for s in self.reduced_stores]
-        args += self.scalars + ["M", "N"] + ["D1", "D2"] * self.row_shape
+        args += [f"{name}_{part}" for name in self.scalars for part in ("high", "low")]
+        args += ["M", "N"] + ["D1", "D2"] * self.row_shape
         args += [f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
         args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]

@@ -11,8 +11,10 @@ The backward is derived symbolically; see docs/ops/add_layernorm.md for every st
 """
 
 import functools
+import math
 import numbers
 import os
+import struct
 from collections import namedtuple
 from typing import Optional
 
@@ -44,6 +46,14 @@ _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _accumulator(dtype):
     """Accumulate in fp32, or in fp64 for fp64 tensors."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fp32_pair(value):
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
 
 
 def _use_triton(tensor):
@@ -125,7 +135,8 @@ def _add_layernorm_fwd_per(
     residual_out_row_stride,
     mean_ptr,
     rstd_ptr,
-    eps,
+    eps_high,
+    eps_low,
     M,
     N,
     HAS_RESIDUAL: tl.constexpr,
@@ -144,7 +155,7 @@ def _add_layernorm_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    eps = tl.cast(eps, ACC)
+    eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -197,7 +208,8 @@ def _add_layernorm_fwd_red(
     residual_out_row_stride,
     mean_ptr,
     rstd_ptr,
-    eps,
+    eps_high,
+    eps_low,
     M,
     N,
     HAS_RESIDUAL: tl.constexpr,
@@ -214,7 +226,7 @@ def _add_layernorm_fwd_red(
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    eps = tl.cast(eps, ACC)
+    eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -976,7 +988,7 @@ def _add_layernorm_fwd(
         residual_out if store_residual_out else x, residual_out.stride(0) if store_residual_out else 0,
         mean if store_mean else x,
         rstd if store_rstd else x,
-        eps,
+        *_fp32_pair(eps),
         M, N,
         HAS_RESIDUAL=residual is not None,
         HAS_INPUT_BIAS=input_bias is not None,

@@ -10,8 +10,10 @@ The backward is derived symbolically; see docs/ops/add_rmsnorm.md for every step
 """
 
 import functools
+import math
 import numbers
 import os
+import struct
 from collections import namedtuple
 from typing import Optional
 
@@ -43,6 +45,14 @@ _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _accumulator(dtype):
     """Accumulate in fp32, or in fp64 for fp64 tensors."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fp32_pair(value):
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
 
 
 def _use_triton(tensor):
@@ -122,8 +132,10 @@ def _add_rmsnorm_fwd_per(
     residual_out_ptr,
     residual_out_row_stride,
     rstd_ptr,
-    eps,
-    weight_offset,
+    eps_high,
+    eps_low,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_RESIDUAL: tl.constexpr,
@@ -140,8 +152,8 @@ def _add_rmsnorm_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    eps = tl.cast(eps, ACC)
-    weight_offset = tl.cast(weight_offset, ACC)
+    eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -185,8 +197,10 @@ def _add_rmsnorm_fwd_red(
     residual_out_ptr,
     residual_out_row_stride,
     rstd_ptr,
-    eps,
-    weight_offset,
+    eps_high,
+    eps_low,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_RESIDUAL: tl.constexpr,
@@ -201,8 +215,8 @@ def _add_rmsnorm_fwd_red(
     """_add_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    eps = tl.cast(eps, ACC)
-    weight_offset = tl.cast(weight_offset, ACC)
+    eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -267,7 +281,8 @@ def _add_rmsnorm_bwd_default_per(
     dx_row_stride,
     dinput_bias_partial_ptr,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_DRESIDUAL_OUT: tl.constexpr,
@@ -284,7 +299,7 @@ def _add_rmsnorm_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -333,7 +348,8 @@ def _add_rmsnorm_bwd_default_red(
     dx_row_stride,
     dinput_bias_partial_ptr,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_DRESIDUAL_OUT: tl.constexpr,
@@ -348,7 +364,7 @@ def _add_rmsnorm_bwd_default_red(
     """_add_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -413,7 +429,8 @@ def _add_rmsnorm_bwd_invertible_per(
     dx_row_stride,
     dinput_bias_partial_ptr,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_DRESIDUAL_OUT: tl.constexpr,
@@ -430,7 +447,7 @@ def _add_rmsnorm_bwd_invertible_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -479,7 +496,8 @@ def _add_rmsnorm_bwd_invertible_red(
     dx_row_stride,
     dinput_bias_partial_ptr,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_DRESIDUAL_OUT: tl.constexpr,
@@ -494,7 +512,7 @@ def _add_rmsnorm_bwd_invertible_red(
     """_add_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -669,8 +687,8 @@ def _add_rmsnorm_fwd(
         y, y.stride(0),
         residual_out if store_residual_out else x, residual_out.stride(0) if store_residual_out else 0,
         rstd if store_rstd else x,
-        eps,
-        weight_offset,
+        *_fp32_pair(eps),
+        *_fp32_pair(weight_offset),
         M, N,
         HAS_RESIDUAL=residual is not None,
         HAS_INPUT_BIAS=input_bias is not None,
@@ -716,7 +734,7 @@ def _add_rmsnorm_bwd_default(
         dx, dx.stride(0),
         dinput_bias_partial if store_dinput_bias else dy,
         dweight_partial if store_dweight else dy,
-        weight_offset,
+        *_fp32_pair(weight_offset),
         M, N,
         HAS_DRESIDUAL_OUT=dresidual_out is not None,
         HAS_INPUT_BIAS=input_bias is not None,
@@ -764,7 +782,7 @@ def _add_rmsnorm_bwd_invertible(
         dx, dx.stride(0),
         dinput_bias_partial if store_dinput_bias else dy,
         dweight_partial if store_dweight else dy,
-        weight_offset,
+        *_fp32_pair(weight_offset),
         M, N,
         HAS_DRESIDUAL_OUT=dresidual_out is not None,
         HAS_INPUT_BIAS=input_bias is not None,

@@ -11,8 +11,10 @@ The backward is derived symbolically; see docs/ops/bias_dropout_add.md for every
 """
 
 import functools
+import math
 import numbers
 import os
+import struct
 from collections import namedtuple
 from typing import Optional
 
@@ -44,6 +46,14 @@ _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _accumulator(dtype):
     """Accumulate in fp32, or in fp64 for fp64 tensors."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fp32_pair(value):
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
 
 
 def _use_triton(tensor):
@@ -163,7 +173,8 @@ def _bias_dropout_add_fwd_per(
     seed_ptr,
     y_ptr,
     y_row_stride,
-    p,
+    p_high,
+    p_low,
     M,
     N,
     HAS_RESIDUAL: tl.constexpr,
@@ -177,7 +188,7 @@ def _bias_dropout_add_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    p = tl.cast(p, ACC)
+    p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -211,7 +222,8 @@ def _bias_dropout_add_fwd_red(
     seed_ptr,
     y_ptr,
     y_row_stride,
-    p,
+    p_high,
+    p_low,
     M,
     N,
     HAS_RESIDUAL: tl.constexpr,
@@ -223,7 +235,7 @@ def _bias_dropout_add_fwd_red(
     """_bias_dropout_add_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    p = tl.cast(p, ACC)
+    p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -259,7 +271,8 @@ def _bias_dropout_add_bwd_default_per(
     dx_ptr,
     dx_row_stride,
     dbias_partial_ptr,
-    p,
+    p_high,
+    p_low,
     M,
     N,
     HAS_BIAS: tl.constexpr,
@@ -273,7 +286,7 @@ def _bias_dropout_add_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    p = tl.cast(p, ACC)
+    p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
@@ -301,7 +314,8 @@ def _bias_dropout_add_bwd_default_red(
     dx_ptr,
     dx_row_stride,
     dbias_partial_ptr,
-    p,
+    p_high,
+    p_low,
     M,
     N,
     HAS_BIAS: tl.constexpr,
@@ -313,7 +327,7 @@ def _bias_dropout_add_bwd_default_red(
     """_bias_dropout_add_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    p = tl.cast(p, ACC)
+    p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -402,7 +416,7 @@ def _bias_dropout_add_fwd(
         bias if bias is not None else x,
         seed,
         y, y.stride(0),
-        p,
+        *_fp32_pair(p),
         M, N,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
@@ -436,7 +450,7 @@ def _bias_dropout_add_bwd_default(
         seed,
         dx, dx.stride(0),
         dbias_partial if store_dbias else dy,
-        p,
+        *_fp32_pair(p),
         M, N,
         HAS_BIAS=bias is not None,
         STORE_DBIAS=store_dbias,

@@ -14,8 +14,10 @@ The backward is derived symbolically; see docs/ops/cross_entropy.md for every st
 """
 
 import functools
+import math
 import numbers
 import os
+import struct
 from collections import namedtuple
 from typing import Optional
 
@@ -47,6 +49,14 @@ _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _accumulator(dtype):
     """Accumulate in fp32, or in fp64 for fp64 tensors."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fp32_pair(value):
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
 
 
 def _use_triton(tensor):
@@ -121,8 +131,10 @@ def _cross_entropy_fwd_per(
     loss_ptr,
     row_max_ptr,
     denominator_ptr,
-    ignore_index,
-    label_smoothing,
+    ignore_index_high,
+    ignore_index_low,
+    label_smoothing_high,
+    label_smoothing_low,
     M,
     N,
     STORE_ROW_MAX: tl.constexpr,
@@ -136,8 +148,8 @@ def _cross_entropy_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    ignore_index = tl.cast(ignore_index, ACC)
-    label_smoothing = tl.cast(label_smoothing, ACC)
+    ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
+    label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -169,8 +181,10 @@ def _cross_entropy_fwd_red(
     loss_ptr,
     row_max_ptr,
     denominator_ptr,
-    ignore_index,
-    label_smoothing,
+    ignore_index_high,
+    ignore_index_low,
+    label_smoothing_high,
+    label_smoothing_low,
     M,
     N,
     STORE_ROW_MAX: tl.constexpr,
@@ -182,8 +196,8 @@ def _cross_entropy_fwd_red(
     """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    ignore_index = tl.cast(ignore_index, ACC)
-    label_smoothing = tl.cast(label_smoothing, ACC)
+    ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
+    label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -233,8 +247,10 @@ def _cross_entropy_bwd_default_per(
     denominator_ptr,
     dx_ptr,
     dx_row_stride,
-    ignore_index,
-    label_smoothing,
+    ignore_index_high,
+    ignore_index_low,
+    label_smoothing_high,
+    label_smoothing_low,
     M,
     N,
     ACC: tl.constexpr,
@@ -246,8 +262,8 @@ def _cross_entropy_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    ignore_index = tl.cast(ignore_index, ACC)
-    label_smoothing = tl.cast(label_smoothing, ACC)
+    ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
+    label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -274,8 +290,10 @@ def _cross_entropy_bwd_default_red(
     denominator_ptr,
     dx_ptr,
     dx_row_stride,
-    ignore_index,
-    label_smoothing,
+    ignore_index_high,
+    ignore_index_low,
+    label_smoothing_high,
+    label_smoothing_low,
     M,
     N,
     ACC: tl.constexpr,
@@ -285,8 +303,8 @@ def _cross_entropy_bwd_default_red(
     """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    ignore_index = tl.cast(ignore_index, ACC)
-    label_smoothing = tl.cast(label_smoothing, ACC)
+    ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
+    label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -388,8 +406,8 @@ def _cross_entropy_fwd(
         loss,
         row_max if store_row_max else x,
         denominator if store_denominator else x,
-        ignore_index,
-        label_smoothing,
+        *_fp32_pair(ignore_index),
+        *_fp32_pair(label_smoothing),
         M, N,
         STORE_ROW_MAX=store_row_max,
         STORE_DENOMINATOR=store_denominator,
@@ -425,8 +443,8 @@ def _cross_entropy_bwd_default(
         row_max,
         denominator,
         dx, dx.stride(0),
-        ignore_index,
-        label_smoothing,
+        *_fp32_pair(ignore_index),
+        *_fp32_pair(label_smoothing),
         M, N,
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,

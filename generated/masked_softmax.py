@@ -15,8 +15,10 @@ The backward is derived symbolically; see docs/ops/masked_softmax.md for every s
 """
 
 import functools
+import math
 import numbers
 import os
+import struct
 from collections import namedtuple
 from typing import Optional
 
@@ -48,6 +50,14 @@ _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _accumulator(dtype):
     """Accumulate in fp32, or in fp64 for fp64 tensors."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fp32_pair(value):
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
 
 
 def _use_triton(tensor):
@@ -170,9 +180,12 @@ def _masked_softmax_fwd_per(
     y_row_stride,
     p_ptr,
     p_row_stride,
-    scale,
-    window,
-    dropout_p,
+    scale_high,
+    scale_low,
+    window_high,
+    window_low,
+    dropout_p_high,
+    dropout_p_low,
     M,
     N,
     D1,
@@ -188,9 +201,9 @@ def _masked_softmax_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    scale = tl.cast(scale, ACC)
-    window = tl.cast(window, ACC)
-    dropout_p = tl.cast(dropout_p, ACC)
+    scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
+    window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
+    dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -232,9 +245,12 @@ def _masked_softmax_fwd_red(
     y_row_stride,
     p_ptr,
     p_row_stride,
-    scale,
-    window,
-    dropout_p,
+    scale_high,
+    scale_low,
+    window_high,
+    window_low,
+    dropout_p_high,
+    dropout_p_low,
     M,
     N,
     D1,
@@ -248,9 +264,9 @@ def _masked_softmax_fwd_red(
     """_masked_softmax_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    scale = tl.cast(scale, ACC)
-    window = tl.cast(window, ACC)
-    dropout_p = tl.cast(dropout_p, ACC)
+    scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
+    window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
+    dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -318,9 +334,12 @@ def _masked_softmax_bwd_default_per(
     seed_ptr,
     dx_ptr,
     dx_row_stride,
-    scale,
-    window,
-    dropout_p,
+    scale_high,
+    scale_low,
+    window_high,
+    window_low,
+    dropout_p_high,
+    dropout_p_low,
     M,
     N,
     D1,
@@ -334,9 +353,9 @@ def _masked_softmax_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    scale = tl.cast(scale, ACC)
-    window = tl.cast(window, ACC)
-    dropout_p = tl.cast(dropout_p, ACC)
+    scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
+    window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
+    dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -362,9 +381,12 @@ def _masked_softmax_bwd_default_red(
     seed_ptr,
     dx_ptr,
     dx_row_stride,
-    scale,
-    window,
-    dropout_p,
+    scale_high,
+    scale_low,
+    window_high,
+    window_low,
+    dropout_p_high,
+    dropout_p_low,
     M,
     N,
     D1,
@@ -376,9 +398,9 @@ def _masked_softmax_bwd_default_red(
     """_masked_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    scale = tl.cast(scale, ACC)
-    window = tl.cast(window, ACC)
-    dropout_p = tl.cast(dropout_p, ACC)
+    scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
+    window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
+    dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -498,9 +520,9 @@ def _masked_softmax_fwd(
         seed,
         y, y.stride(0),
         p if store_p else x, p.stride(0) if store_p else 0,
-        scale,
-        window,
-        dropout_p,
+        *_fp32_pair(scale),
+        *_fp32_pair(window),
+        *_fp32_pair(dropout_p),
         M, N,
         row_shape[1], row_shape[2],
         HAS_ATTENTION_MASK=attention_mask is not None,
@@ -535,9 +557,9 @@ def _masked_softmax_bwd_default(
         p, p.stride(0),
         seed,
         dx, dx.stride(0),
-        scale,
-        window,
-        dropout_p,
+        *_fp32_pair(scale),
+        *_fp32_pair(window),
+        *_fp32_pair(dropout_p),
         M, N,
         row_shape[1], row_shape[2],
         ACC=_TRITON_ACC[acc],

@@ -9,8 +9,10 @@ The backward is derived symbolically; see docs/ops/rmsnorm.md for every step.
 """
 
 import functools
+import math
 import numbers
 import os
+import struct
 from collections import namedtuple
 from typing import Optional
 
@@ -42,6 +44,14 @@ _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _accumulator(dtype):
     """Accumulate in fp32, or in fp64 for fp64 tensors."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fp32_pair(value):
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
 
 
 def _use_triton(tensor):
@@ -116,8 +126,10 @@ def _rmsnorm_fwd_per(
     y_ptr,
     y_row_stride,
     rstd_ptr,
-    eps,
-    weight_offset,
+    eps_high,
+    eps_low,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
@@ -131,8 +143,8 @@ def _rmsnorm_fwd_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    eps = tl.cast(eps, ACC)
-    weight_offset = tl.cast(weight_offset, ACC)
+    eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -160,8 +172,10 @@ def _rmsnorm_fwd_red(
     y_ptr,
     y_row_stride,
     rstd_ptr,
-    eps,
-    weight_offset,
+    eps_high,
+    eps_low,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
@@ -173,8 +187,8 @@ def _rmsnorm_fwd_red(
     """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    eps = tl.cast(eps, ACC)
-    weight_offset = tl.cast(weight_offset, ACC)
+    eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -215,7 +229,8 @@ def _rmsnorm_bwd_default_per(
     dx_ptr,
     dx_row_stride,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
@@ -229,7 +244,7 @@ def _rmsnorm_bwd_default_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -263,7 +278,8 @@ def _rmsnorm_bwd_default_red(
     dx_ptr,
     dx_row_stride,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
@@ -275,7 +291,7 @@ def _rmsnorm_bwd_default_red(
     """_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -325,7 +341,8 @@ def _rmsnorm_bwd_invertible_per(
     dx_ptr,
     dx_row_stride,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
@@ -339,7 +356,7 @@ def _rmsnorm_bwd_invertible_per(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -373,7 +390,8 @@ def _rmsnorm_bwd_invertible_red(
     dx_ptr,
     dx_row_stride,
     dweight_partial_ptr,
-    weight_offset,
+    weight_offset_high,
+    weight_offset_low,
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
@@ -385,7 +403,7 @@ def _rmsnorm_bwd_invertible_red(
     """_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    weight_offset = tl.cast(weight_offset, ACC)
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
@@ -517,8 +535,8 @@ def _rmsnorm_fwd(
         weight if weight is not None else x,
         y, y.stride(0),
         rstd if store_rstd else x,
-        eps,
-        weight_offset,
+        *_fp32_pair(eps),
+        *_fp32_pair(weight_offset),
         M, N,
         HAS_WEIGHT=weight is not None,
         STORE_RSTD=store_rstd,
@@ -554,7 +572,7 @@ def _rmsnorm_bwd_default(
         rstd,
         dx, dx.stride(0),
         dweight_partial if store_dweight else dy,
-        weight_offset,
+        *_fp32_pair(weight_offset),
         M, N,
         HAS_WEIGHT=weight is not None,
         STORE_DWEIGHT=store_dweight,
@@ -591,7 +609,7 @@ def _rmsnorm_bwd_invertible(
         rstd,
         dx, dx.stride(0),
         dweight_partial if store_dweight else dy,
-        weight_offset,
+        *_fp32_pair(weight_offset),
         M, N,
         HAS_WEIGHT=weight is not None,
         STORE_DWEIGHT=store_dweight,

@@ -29,8 +29,8 @@ def test_output_is_identical_under_different_hash_seeds(tmp_path: Path) -> None:
 
 def test_generated_modules_import_only_torch_and_triton() -> None:
     # the standard library, torch and triton (patch.py imports the sibling modules)
-    allowed = {"collections", "fnmatch", "functools", "numbers", "os", "typing", "torch",
-               "triton"}
+    allowed = {"collections", "fnmatch", "functools", "math", "numbers", "os", "struct",
+               "typing", "torch", "triton"}
     for path in sorted((ROOT / "generated").glob("*.py")):
         for line in path.read_text().splitlines():
             if line.startswith(("import ", "from ")):
