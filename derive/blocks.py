@@ -22,7 +22,6 @@ straight-line code that reads like a hand-written layer. codegen/layers.py rende
 
 from __future__ import annotations
 
-import importlib.util
 import keyword
 import sys
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from derive.spec import SpecError
+from derive.spec import SpecError, build_from_file
 
 # Expressions: what a step passes. Printed by codegen/layers.py, never evaluated here.
 
@@ -599,17 +598,7 @@ _CONTEXTLIB = sys.modules[contextmanager.__module__].__file__
 
 def load_block(path: Path, display: str) -> BlockSpec:
     """Import a block spec file and call its `block()`; `display` is the path shown in output."""
-    module_spec = importlib.util.spec_from_file_location(f"_vjpforge_block_{path.stem}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise SpecError(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    build = getattr(module, "block", None)
-    if not callable(build):
-        raise SpecError(f"{path}: a block spec file defines `def block() -> BlockSpec`; none found")
-    block = build()
-    if not isinstance(block, BlockSpec):
-        raise SpecError(f"{path}: block() must return a BlockSpec, got {type(block).__name__}")
+    block = build_from_file(path, "block", BlockSpec)
     block.source = display
     block.finish()
     return block

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from derive.backward import BackwardResult, derive_backward
 from derive.forward import forward_graph, saved_outputs
 from derive.graph import RowGraph
 from derive.reverse import ReverseResult, learn_forward_reductions, reverse_mode
-from derive.spec import OpSpec, SpecError
+from derive.spec import OpSpec, SpecError, build_from_file
 
 
 @dataclass(frozen=True)
@@ -42,17 +41,7 @@ def derive(spec: OpSpec) -> Derivation:
 
 def load_spec(path: Path, display: str) -> OpSpec:
     """Import a spec file and call its `spec()`; `display` is the path shown in output."""
-    module_spec = importlib.util.spec_from_file_location(f"_vjpforge_spec_{path.stem}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise SpecError(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    build = getattr(module, "spec", None)
-    if not callable(build):
-        raise SpecError(f"{path}: a spec file defines `def spec() -> OpSpec`; none found")
-    op = build()
-    if not isinstance(op, OpSpec):
-        raise SpecError(f"{path}: spec() must return an OpSpec, got {type(op).__name__}")
+    op = build_from_file(path, "spec", OpSpec)
     if not op.outputs:
         raise SpecError(f"{path}: spec '{op.name}' declares no output; call op.output(...)")
     if not op.modes:

@@ -17,9 +17,11 @@ says what the forward returns and what it keeps for the backward. The engine der
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -303,6 +305,24 @@ class OpSpec:
 
     def _error(self, name: str, message: str) -> SpecError:
         return SpecError(f"{_caller_location()}: '{name}': {message}")
+
+
+def build_from_file(path: Path, function: str, expected: type) -> Any:
+    """Import a spec file and call its `function()`, which must return an `expected`."""
+    module_spec = importlib.util.spec_from_file_location(f"_vjpforge_{function}_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise SpecError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    build = getattr(module, function, None)
+    if not callable(build):
+        raise SpecError(f"{path}: a spec file defines `def {function}() -> {expected.__name__}`; "
+                        "none found")
+    built = build()
+    if not isinstance(built, expected):
+        raise SpecError(f"{path}: {function}() must return an object of type "
+                        f"{expected.__name__}, got {type(built).__name__}")
+    return built
 
 
 def _caller_location() -> str:
