@@ -313,3 +313,18 @@ def assert_loads_torch_state_dict(
     ours.load_state_dict(theirs.state_dict())
     x = randn((4, *theirs.normalized_shape), device=device, shift=1.5)
     assert_matches_torch(ours, theirs, [x])
+
+
+def assert_unseeded_calls_replay(draw, device):
+    """`draw()` (a call with seed=None) takes its seed from torch's generator: reseeding
+    replays the first draw, and a second draw differs from it."""
+    def reseed():
+        torch.manual_seed(0)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(0)
+
+    reseed()
+    first, second = draw(), draw()
+    reseed()
+    assert torch.equal(draw(), first)
+    assert not torch.equal(first, second)

@@ -16,6 +16,7 @@ from reference import (
     NON_CONTIGUOUS,
     assert_low_precision_ok,
     assert_matches_torch,
+    assert_unseeded_calls_replay,
     force_looped,
     gradcheck,
     randn,
@@ -209,15 +210,7 @@ def test_same_seed_same_mask_other_seed_other_mask(device):
 
 def test_unseeded_call_draws_from_torch_generator(device):
     shape = (8, N)
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(0)
-    first, second = keep_mask(shape, 0.5, None, device), keep_mask(shape, 0.5, None, device)
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(0)
-    assert torch.equal(keep_mask(shape, 0.5, None, device), first)
-    assert not torch.equal(first, second)
+    assert_unseeded_calls_replay(lambda: keep_mask(shape, 0.5, None, device), device)
 
 
 def test_unseeded_backward_uses_its_forward_mask(device):

@@ -17,6 +17,7 @@ from reference import (
     assert_low_precision_ok,
     assert_matches_torch,
     assert_nan_stays_in_its_row,
+    assert_unseeded_calls_replay,
     forward_backward,
     gradcheck,
     randn,
@@ -276,15 +277,7 @@ def test_seeds(device):
     shape = (8, K)
     assert torch.equal(keep_mask(shape, 0.5, 7, device), keep_mask(shape, 0.5, 7, device))
     assert not torch.equal(keep_mask(shape, 0.5, 7, device), keep_mask(shape, 0.5, 8, device))
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(0)
-    first, second = keep_mask(shape, 0.5, None, device), keep_mask(shape, 0.5, None, device)
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(0)
-    assert torch.equal(keep_mask(shape, 0.5, None, device), first)
-    assert not torch.equal(first, second)
+    assert_unseeded_calls_replay(lambda: keep_mask(shape, 0.5, None, device), device)
 
 
 def test_unseeded_backward_uses_its_forward_mask(device):
