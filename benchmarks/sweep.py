@@ -50,58 +50,63 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-def time_launchers(forward, backward, x, params, scalars, dy, saved, stores
-                   ) -> tuple[float, float]:
-    forward_scalars, forward_flags, backward_scalars = scalars
-    fwd_ms = time_ms(lambda: forward(x, *params, *forward_scalars, *[False] * forward_flags))
-    bwd_ms = time_ms(lambda: backward(dy, *saved, *backward_scalars, *stores))
-    return fwd_ms, bwd_ms
+def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
+    """Zero-argument calls of the module's forward and backward launchers at one shape (the
+    launchers' own arguments: tensors, then scalars and flags; see generated/<op>.py), and the
+    element size."""
+    op = OPS[op_name]
+    forward = getattr(module, f"_{op_name}_fwd")
+    backward = getattr(module, f"_{op_name}_bwd_default")
+    inputs = make_inputs(op, m, n, dtype, torch.device("cuda"))
+    x = inputs.x.detach().reshape(m, n)
+    params = [p.detach() for p in inputs.params]
+    forward_scalars = {"layernorm": (1e-5,), "rmsnorm": (1e-6, 0.0), "softmax": ()}[op_name]
+    forward_flags = {"layernorm": 2, "rmsnorm": 1, "softmax": 0}[op_name]
+    outs = forward(x, *params, *forward_scalars, *[True] * forward_flags)
+    dy = torch.randn_like(x)
+    if op_name == "softmax":
+        saved, backward_scalars = (outs[0],), ()
+    else:
+        saved = (x, *params, *outs[1:])
+        backward_scalars = (0.0,) if op_name == "rmsnorm" else ()
+    stores = tuple(True for _ in params)
+
+    def forward_call():
+        return forward(x, *params, *forward_scalars, *[False] * forward_flags)
+
+    def backward_call():
+        return backward(dy, *saved, *backward_scalars, *stores)
+
+    return forward_call, backward_call, x.element_size()
 
 
 def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES) -> None:
     module = importlib.import_module(f"generated.{op_name}")
     op = OPS[op_name]
     defaults = {name: getattr(module, name) for name in choices}
-    forward = getattr(module, f"_{op_name}_fwd")
-    backward = getattr(module, f"_{op_name}_bwd_default")
     for m, n in shapes:
-        inputs = make_inputs(op, m, n, dtype, torch.device("cuda"))
-        x = inputs.x.detach().reshape(m, n)
-        params = [p.detach() for p in inputs.params]
-        # the launchers' own arguments: tensors, then scalars (see generated/<op>.py)
-        forward_scalars = {"layernorm": (1e-5,), "rmsnorm": (1e-6, 0.0), "softmax": ()}[op_name]
-        forward_flags = {"layernorm": 2, "rmsnorm": 1, "softmax": 0}[op_name]
-        outs = forward(x, *params, *forward_scalars, *[True] * forward_flags)
-        dy = torch.randn_like(x)
-        if op_name == "softmax":
-            saved, backward_scalars = (outs[0],), ()
-        else:
-            saved = (x, *params, *outs[1:])
-            backward_scalars = (0.0,) if op_name == "rmsnorm" else ()
-        stores = tuple(True for _ in params)
-        scalars = (forward_scalars, forward_flags, backward_scalars)
+        forward_call, backward_call, element_size = launcher_calls(op_name, module, m, n, dtype)
         best = {}
         for values in itertools.product(*choices.values()):
             for name, value in zip(choices, values, strict=True):
                 setattr(module, name, value)
             module._schedule.cache_clear()
             try:
-                fwd_ms, bwd_ms = time_launchers(forward, backward, x, params, scalars, dy, saved,
-                                                stores)
+                fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
             except Exception as error:  # noqa: BLE001 - report and go on
                 print(f"{op_name} {m}x{n} {values}: error {type(error).__name__}: {error}")
                 continue
-            fwd = bytes_moved(op, "fwd", m, n, x.element_size()) / fwd_ms / 1e6
-            bwd = bytes_moved(op, "bwd", m, n, x.element_size()) / bwd_ms / 1e6
+            fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
+            bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
             for mode, gbps in (("fwd", fwd), ("bwd", bwd)):
                 if gbps > best.get(mode, (0, None))[0]:
                     best[mode] = (gbps, values)
         for name, value in defaults.items():
             setattr(module, name, value)
         module._schedule.cache_clear()
-        fwd_ms, bwd_ms = time_launchers(forward, backward, x, params, scalars, dy, saved, stores)
-        default_fwd = bytes_moved(op, "fwd", m, n, x.element_size()) / fwd_ms / 1e6
-        default_bwd = bytes_moved(op, "bwd", m, n, x.element_size()) / bwd_ms / 1e6
+        fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
+        default_fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
+        default_bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
         names = ",".join(choices)
         print(
             f"{op_name} {m}x{n}: default fwd {default_fwd:.0f} bwd {default_bwd:.0f} GB/s; "

@@ -285,6 +285,7 @@ class KernelContext:
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
         args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
+        args += ["STAGES: tl.constexpr"]
         return args
 
 
@@ -342,6 +343,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
                        for arg in (f"want_{name}", f"{name}_dtype")],
         "fwd_torch": KernelContext(forward, TORCH),
         "schedule": schedule.constants(),
+        "measured_schedules": schedule.measured(module.op),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
     }

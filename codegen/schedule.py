@@ -8,7 +8,18 @@ column partials — a grid that scales with the SM count instead of one program 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: written by `python -m benchmarks.tune --out DIR --write-table` from measurements on a GPU
+MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
+
+
+def load_measured(path: Path = MEASURED_TABLE) -> dict:
+    """The measured table: per op, per kernel kind ("fwd", "bwd") and power-of-two row width,
+    [rows, warps, programs per SM (0: one program per row block), software-pipeline stages]."""
+    return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,23 @@ class ScheduleTable:
     min_warps: int = 4
     max_warps: int = 16
     elements_per_warp: int = 256
+    #: the column sums of the partials: one program sums BLOCK_C columns over BLOCK_P
+    #: partial rows at a time
+    column_sum_block_p: int = 256
+    column_sum_block_c: int = 32
+
+    #: measured per-op schedules (see load_measured); the constants above are the fallback
+    #: for widths and ops the table does not cover
+    measured_table: dict = field(default_factory=load_measured, compare=False, repr=False)
+
+    def measured(self, op: str) -> list[tuple[str, int, tuple[int, int, int, int]]]:
+        """(kind, block_n, (rows, warps, programs per SM, stages)) of one op, sorted; an op
+        listed under "borrow" uses the measurements of the op it names."""
+        ops = self.measured_table["ops"]
+        source = op if op in ops else self.measured_table["borrow"].get(op)
+        kinds = ops.get(source, {})
+        return sorted((kind, int(block_n), tuple(config))
+                      for kind, by_width in kinds.items() for block_n, config in by_width.items())
 
     def constants(self) -> dict[str, int]:
         return {
@@ -52,6 +80,8 @@ class ScheduleTable:
             "MIN_WARPS": self.min_warps,
             "MAX_WARPS": self.max_warps,
             "ELEMENTS_PER_WARP": self.elements_per_warp,
+            "COLUMN_SUM_BLOCK_P": self.column_sum_block_p,
+            "COLUMN_SUM_BLOCK_C": self.column_sum_block_c,
         }
 
 

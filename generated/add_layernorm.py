@@ -32,13 +32,15 @@ INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
+COLUMN_SUM_BLOCK_P = 256
+COLUMN_SUM_BLOCK_C = 32
 
 #: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -61,25 +63,41 @@ def _use_triton(tensor):
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
+#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
+MEASURED_SCHEDULES = {
+}
+
+
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
     looped = block_n > persistent_max_block_n
-    if looped:
+    measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
+    stages = 1
+    if measured is not None:
+        rows, warps, per_sm, stages = measured
+        rows = max(1, min(rows, triton.next_power_of_2(M)))
+    elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
+        per_sm = 0
     else:
         rows = max(1, min(MAX_ROWS, ROW_BLOCK_ELEMENTS // block_n, triton.next_power_of_2(M)))
-    warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+        per_sm = 0
+    if measured is None:
+        warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+    if grid_stride and not per_sm:
+        per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block
     row_blocks = triton.cdiv(M, rows)
     programs = row_blocks
-    if grid_stride:
+    if per_sm:
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            programs = min(row_blocks, sms * PROGRAMS_PER_SM)
+            programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs)
+    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -89,8 +107,47 @@ def _partials(needed, schedule, N, acc, device):
     """
     if not needed:
         return None
-    allocate = torch.zeros if schedule.looped else torch.empty
-    return allocate((schedule.programs, N), dtype=acc, device=device)
+    return torch.empty((schedule.programs, N), dtype=acc, device=device)
+
+
+@triton.jit
+def _column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[c] = sum_p partial[p, c] over this program's BLOCK_C columns, in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=partial_ptr.dtype.element_ty)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair."""
+    store = tl.program_id(1)
+    if store == 0:
+        _column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
+    elif store == 1:
+        _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
+    else:
+        _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
+
+
+def _column_sums(*stores):
+    """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
+    rows and cast: one launch for up to three of them instead of a sum and a cast each."""
+    needed = [(partial, like) for partial, like in stores if partial is not None]
+    sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device) for partial, like in needed]
+    for first in range(0, len(needed), 3):
+        group = list(zip([partial for partial, _ in needed[first:first + 3]], sums[first:first + 3]))
+        P, N = group[0][0].shape
+        pairs = [tensor for index in range(3) for tensor in group[min(index, len(group) - 1)]]
+        block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
+        grid = (triton.cdiv(N, COLUMN_SUM_BLOCK_C), len(group))
+        _column_sums_kernel[grid](*pairs, P, N, BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
+    found = iter(sums)
+    return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
 
 @triton.jit
@@ -149,6 +206,7 @@ def _add_layernorm_fwd_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -168,7 +226,7 @@ def _add_layernorm_fwd_per(
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
         bias = 0.0
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -222,12 +280,13 @@ def _add_layernorm_fwd_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -329,6 +388,7 @@ def _add_layernorm_bwd_default_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -342,7 +402,7 @@ def _add_layernorm_bwd_default_per(
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -404,11 +464,12 @@ def _add_layernorm_bwd_default_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -450,17 +511,20 @@ def _add_layernorm_bwd_default_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dinput_bias_partial += tl.sum(tl.where(mask, common_1, 0.0), axis=0)[None, :]  # dinput_bias = common_1
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
@@ -494,6 +558,7 @@ def _add_layernorm_bwd_recompute_mean_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -507,7 +572,7 @@ def _add_layernorm_bwd_recompute_mean_per(
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -568,11 +633,12 @@ def _add_layernorm_bwd_recompute_mean_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -626,17 +692,20 @@ def _add_layernorm_bwd_recompute_mean_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dinput_bias_partial += tl.sum(tl.where(mask, common_1, 0.0), axis=0)[None, :]  # dinput_bias = common_1
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
@@ -670,6 +739,7 @@ def _add_layernorm_bwd_invertible_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -687,7 +757,7 @@ def _add_layernorm_bwd_invertible_per(
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -747,11 +817,12 @@ def _add_layernorm_bwd_invertible_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_add_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -800,17 +871,20 @@ def _add_layernorm_bwd_invertible_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dinput_bias_partial += tl.sum(tl.where(mask, common_1, 0.0), axis=0)[None, :]  # dinput_bias = common_1
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
@@ -972,7 +1046,7 @@ def _add_layernorm_fwd(
         return _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean, store_rstd, residual_out_dtype)
     acc = _accumulator(x.dtype)
     device = x.device
-    schedule = _schedule(M, N, False, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, False, "fwd", device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
     residual_out = torch.empty((M, N), dtype=residual_out_dtype or x.dtype, device=device) if store_residual_out else None
     mean = torch.empty((M,), dtype=acc, device=device) if store_mean else None
@@ -1000,6 +1074,7 @@ def _add_layernorm_fwd(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
     return y, residual_out, mean, rstd,
@@ -1023,7 +1098,7 @@ def _add_layernorm_bwd_default(
         return _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
@@ -1053,11 +1128,14 @@ def _add_layernorm_bwd_default(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
-    dinput_bias = dinput_bias_partial.sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
-    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    dinput_bias, dweight, dbias, = _column_sums(
+        (dinput_bias_partial, input_bias),
+        (dweight_partial, weight),
+        (dbias_partial, bias),
+    )
     return dx, dx, dinput_bias, dweight, dbias,
 
 
@@ -1078,7 +1156,7 @@ def _add_layernorm_bwd_recompute_mean(
         return _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
@@ -1107,11 +1185,14 @@ def _add_layernorm_bwd_recompute_mean(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
-    dinput_bias = dinput_bias_partial.sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
-    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    dinput_bias, dweight, dbias, = _column_sums(
+        (dinput_bias_partial, input_bias),
+        (dweight_partial, weight),
+        (dbias_partial, bias),
+    )
     return dx, dx, dinput_bias, dweight, dbias,
 
 
@@ -1132,7 +1213,7 @@ def _add_layernorm_bwd_invertible(
         return _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
@@ -1161,11 +1242,14 @@ def _add_layernorm_bwd_invertible(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
-    dinput_bias = dinput_bias_partial.sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
-    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    dinput_bias, dweight, dbias, = _column_sums(
+        (dinput_bias_partial, input_bias),
+        (dweight_partial, weight),
+        (dbias_partial, bias),
+    )
     return dx, dx, dinput_bias, dweight, dbias,
 
 

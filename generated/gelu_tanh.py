@@ -29,13 +29,15 @@ INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
+COLUMN_SUM_BLOCK_P = 256
+COLUMN_SUM_BLOCK_C = 32
 
 #: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -58,25 +60,41 @@ def _use_triton(tensor):
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
+#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
+MEASURED_SCHEDULES = {
+}
+
+
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
     looped = block_n > persistent_max_block_n
-    if looped:
+    measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
+    stages = 1
+    if measured is not None:
+        rows, warps, per_sm, stages = measured
+        rows = max(1, min(rows, triton.next_power_of_2(M)))
+    elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
+        per_sm = 0
     else:
         rows = max(1, min(MAX_ROWS, ROW_BLOCK_ELEMENTS // block_n, triton.next_power_of_2(M)))
-    warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+        per_sm = 0
+    if measured is None:
+        warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+    if grid_stride and not per_sm:
+        per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block
     row_blocks = triton.cdiv(M, rows)
     programs = row_blocks
-    if grid_stride:
+    if per_sm:
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            programs = min(row_blocks, sms * PROGRAMS_PER_SM)
+            programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs)
+    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -86,8 +104,47 @@ def _partials(needed, schedule, N, acc, device):
     """
     if not needed:
         return None
-    allocate = torch.zeros if schedule.looped else torch.empty
-    return allocate((schedule.programs, N), dtype=acc, device=device)
+    return torch.empty((schedule.programs, N), dtype=acc, device=device)
+
+
+@triton.jit
+def _column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[c] = sum_p partial[p, c] over this program's BLOCK_C columns, in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=partial_ptr.dtype.element_ty)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair."""
+    store = tl.program_id(1)
+    if store == 0:
+        _column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
+    elif store == 1:
+        _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
+    else:
+        _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
+
+
+def _column_sums(*stores):
+    """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
+    rows and cast: one launch for up to three of them instead of a sum and a cast each."""
+    needed = [(partial, like) for partial, like in stores if partial is not None]
+    sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device) for partial, like in needed]
+    for first in range(0, len(needed), 3):
+        group = list(zip([partial for partial, _ in needed[first:first + 3]], sums[first:first + 3]))
+        P, N = group[0][0].shape
+        pairs = [tensor for index in range(3) for tensor in group[min(index, len(group) - 1)]]
+        block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
+        grid = (triton.cdiv(N, COLUMN_SUM_BLOCK_C), len(group))
+        _column_sums_kernel[grid](*pairs, P, N, BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
+    found = iter(sums)
+    return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
 
 @triton.jit
@@ -130,6 +187,7 @@ def _gelu_tanh_fwd_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_gelu_tanh_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -140,7 +198,7 @@ def _gelu_tanh_fwd_per(
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
         bias = 0.0
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -165,11 +223,12 @@ def _gelu_tanh_fwd_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_gelu_tanh_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -205,6 +264,7 @@ def _gelu_tanh_bwd_default_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_gelu_tanh_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -216,7 +276,7 @@ def _gelu_tanh_bwd_default_per(
     else:
         bias = 0.0
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -253,11 +313,12 @@ def _gelu_tanh_bwd_default_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_gelu_tanh_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -280,7 +341,8 @@ def _gelu_tanh_bwd_default_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_4).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dbias_partial += tl.sum(tl.where(mask, common_4, 0.0), axis=0)[None, :]  # dbias = common_4
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
@@ -335,7 +397,7 @@ def _gelu_tanh_fwd(
         return _gelu_tanh_fwd_torch(x, bias)
     acc = _accumulator(x.dtype)
     device = x.device
-    schedule = _schedule(M, N, False, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, False, "fwd", device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
     kernel = _gelu_tanh_fwd_red if schedule.looped else _gelu_tanh_fwd_per
     kernel[(schedule.programs,)](
@@ -347,6 +409,7 @@ def _gelu_tanh_fwd(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
     return y,
@@ -363,7 +426,7 @@ def _gelu_tanh_bwd_default(
         return _gelu_tanh_bwd_default_torch(dy, x, bias, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dbias_partial = _partials(store_dbias, schedule, N, acc, device)
     kernel = _gelu_tanh_bwd_default_red if schedule.looped else _gelu_tanh_bwd_default_per
@@ -379,9 +442,12 @@ def _gelu_tanh_bwd_default(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
-    dbias = dbias_partial.sum(dim=0).to(bias.dtype) if store_dbias else None
+    dbias, = _column_sums(
+        (dbias_partial, bias),
+    )
     return dx, dbias,
 
 

@@ -30,13 +30,15 @@ INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
+COLUMN_SUM_BLOCK_P = 256
+COLUMN_SUM_BLOCK_C = 32
 
 #: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -59,25 +61,41 @@ def _use_triton(tensor):
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
+#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
+MEASURED_SCHEDULES = {
+}
+
+
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
     looped = block_n > persistent_max_block_n
-    if looped:
+    measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
+    stages = 1
+    if measured is not None:
+        rows, warps, per_sm, stages = measured
+        rows = max(1, min(rows, triton.next_power_of_2(M)))
+    elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
+        per_sm = 0
     else:
         rows = max(1, min(MAX_ROWS, ROW_BLOCK_ELEMENTS // block_n, triton.next_power_of_2(M)))
-    warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+        per_sm = 0
+    if measured is None:
+        warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+    if grid_stride and not per_sm:
+        per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block
     row_blocks = triton.cdiv(M, rows)
     programs = row_blocks
-    if grid_stride:
+    if per_sm:
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            programs = min(row_blocks, sms * PROGRAMS_PER_SM)
+            programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs)
+    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -87,8 +105,47 @@ def _partials(needed, schedule, N, acc, device):
     """
     if not needed:
         return None
-    allocate = torch.zeros if schedule.looped else torch.empty
-    return allocate((schedule.programs, N), dtype=acc, device=device)
+    return torch.empty((schedule.programs, N), dtype=acc, device=device)
+
+
+@triton.jit
+def _column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[c] = sum_p partial[p, c] over this program's BLOCK_C columns, in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=partial_ptr.dtype.element_ty)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair."""
+    store = tl.program_id(1)
+    if store == 0:
+        _column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
+    elif store == 1:
+        _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
+    else:
+        _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
+
+
+def _column_sums(*stores):
+    """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
+    rows and cast: one launch for up to three of them instead of a sum and a cast each."""
+    needed = [(partial, like) for partial, like in stores if partial is not None]
+    sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device) for partial, like in needed]
+    for first in range(0, len(needed), 3):
+        group = list(zip([partial for partial, _ in needed[first:first + 3]], sums[first:first + 3]))
+        P, N = group[0][0].shape
+        pairs = [tensor for index in range(3) for tensor in group[min(index, len(group) - 1)]]
+        block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
+        grid = (triton.cdiv(N, COLUMN_SUM_BLOCK_C), len(group))
+        _column_sums_kernel[grid](*pairs, P, N, BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
+    found = iter(sums)
+    return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
 
 @triton.jit
@@ -137,6 +194,7 @@ def _rmsnorm_fwd_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -149,7 +207,7 @@ def _rmsnorm_fwd_per(
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
         weight = 1.0
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -183,13 +241,14 @@ def _rmsnorm_fwd_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -238,6 +297,7 @@ def _rmsnorm_bwd_default_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -250,7 +310,7 @@ def _rmsnorm_bwd_default_per(
     else:
         weight = 1.0
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -287,12 +347,13 @@ def _rmsnorm_bwd_default_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -325,7 +386,8 @@ def _rmsnorm_bwd_default_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
@@ -350,6 +412,7 @@ def _rmsnorm_bwd_invertible_per(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -362,7 +425,7 @@ def _rmsnorm_bwd_invertible_per(
     else:
         weight = 1.0
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -399,12 +462,13 @@ def _rmsnorm_bwd_invertible_red(
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -437,7 +501,8 @@ def _rmsnorm_bwd_invertible_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
-                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask, other=0.0)
+                # (its first row block writes them: the buffer starts uninitialised)
+                dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
@@ -526,7 +591,7 @@ def _rmsnorm_fwd(
         return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd)
     acc = _accumulator(x.dtype)
     device = x.device
-    schedule = _schedule(M, N, False, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, False, "fwd", device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
     rstd = torch.empty((M,), dtype=acc, device=device) if store_rstd else None
     kernel = _rmsnorm_fwd_red if schedule.looped else _rmsnorm_fwd_per
@@ -543,6 +608,7 @@ def _rmsnorm_fwd(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
     return y, rstd,
@@ -561,7 +627,7 @@ def _rmsnorm_bwd_default(
         return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
     kernel = _rmsnorm_bwd_default_red if schedule.looped else _rmsnorm_bwd_default_per
@@ -579,9 +645,12 @@ def _rmsnorm_bwd_default(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
-    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight, = _column_sums(
+        (dweight_partial, weight),
+    )
     return dx, dweight,
 
 
@@ -598,7 +667,7 @@ def _rmsnorm_bwd_invertible(
         return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
     kernel = _rmsnorm_bwd_invertible_red if schedule.looped else _rmsnorm_bwd_invertible_per
@@ -616,9 +685,12 @@ def _rmsnorm_bwd_invertible(
         ACC=_TRITON_ACC[acc],
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
+        STAGES=schedule.stages,
         num_warps=schedule.warps,
     )
-    dweight = dweight_partial.sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight, = _column_sums(
+        (dweight_partial, weight),
+    )
     return dx, dweight,
 
 
