@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -209,7 +210,10 @@ def write_table(measurements: Path, command: str) -> Path:
                 for op, kinds in sorted(ops.items())},
         "borrow": BORROW,
     }
-    MEASURED_TABLE.write_text(json.dumps(table, indent=1) + "\n")
+    text = json.dumps(table, indent=1)
+    text = re.sub(r"\[\s+([^\[\]]*?)\s+\]",
+                  lambda match: "[" + " ".join(match.group(1).split()) + "]", text)
+    MEASURED_TABLE.write_text(text + "\n")
     return MEASURED_TABLE
 
 

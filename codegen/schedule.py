@@ -50,6 +50,9 @@ class ScheduleTable:
     min_warps: int = 4
     max_warps: int = 16
     elements_per_warp: int = 256
+    #: most shared memory a software pipeline may claim for its buffered loads (the H100 gives
+    #: a program up to 227 KiB; the reductions need some too)
+    pipeline_shared_bytes: int = 160 * 1024
     #: the column sums of the partials: one program sums BLOCK_C columns over BLOCK_P
     #: partial rows at a time
     column_sum_block_p: int = 256
@@ -80,6 +83,7 @@ class ScheduleTable:
             "MIN_WARPS": self.min_warps,
             "MAX_WARPS": self.max_warps,
             "ELEMENTS_PER_WARP": self.elements_per_warp,
+            "PIPELINE_SHARED_BYTES": self.pipeline_shared_bytes,
             "COLUMN_SUM_BLOCK_P": self.column_sum_block_p,
             "COLUMN_SUM_BLOCK_C": self.column_sum_block_c,
         }

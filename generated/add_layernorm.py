@@ -32,6 +32,7 @@ INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
+PIPELINE_SHARED_BYTES = 163840
 COLUMN_SUM_BLOCK_P = 256
 COLUMN_SUM_BLOCK_C = 32
 
@@ -63,14 +64,28 @@ def _use_triton(tensor):
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
+#: measured schedules (codegen/schedule_table.json): (kind, power-of-two row width) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
 MEASURED_SCHEDULES = {
+    ("bwd", 256): (8, 2, 4, 3),
+    ("bwd", 512): (4, 2, 4, 3),
+    ("bwd", 1024): (4, 4, 2, 3),
+    ("bwd", 2048): (2, 4, 2, 3),
+    ("bwd", 4096): (1, 4, 2, 3),
+    ("bwd", 8192): (1, 16, 1, 3),
+    ("bwd", 16384): (1, 16, 1, 1),
+    ("fwd", 256): (32, 8, 0, 1),
+    ("fwd", 512): (1, 1, 0, 1),
+    ("fwd", 1024): (4, 4, 0, 1),
+    ("fwd", 2048): (2, 4, 0, 1),
+    ("fwd", 4096): (1, 4, 8, 3),
+    ("fwd", 8192): (1, 8, 8, 3),
+    ("fwd", 16384): (1, 16, 2, 3),
 }
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
     looped = block_n > persistent_max_block_n
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
@@ -78,6 +93,10 @@ def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
     if measured is not None:
         rows, warps, per_sm, stages = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
+        # the table was measured on 16-bit tensors: wider elements may not fit the pipeline's
+        # shared-memory buffers (stages - 1 steps of every element load in flight)
+        if (stages - 1) * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
+            stages = 1
     elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
@@ -123,15 +142,19 @@ def _column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.c
 
 
 @triton.jit
-def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair."""
+def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, COUNT: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair; the
+    pairs past COUNT are None."""
     store = tl.program_id(1)
     if store == 0:
         _column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
-    elif store == 1:
-        _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
-    else:
-        _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
+    if COUNT > 1:
+        if store == 1:
+            _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
+    if COUNT > 2:
+        if store == 2:
+            _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
 
 
 def _column_sums(*stores):
@@ -142,10 +165,10 @@ def _column_sums(*stores):
     for first in range(0, len(needed), 3):
         group = list(zip([partial for partial, _ in needed[first:first + 3]], sums[first:first + 3]))
         P, N = group[0][0].shape
-        pairs = [tensor for index in range(3) for tensor in group[min(index, len(group) - 1)]]
+        pairs = [tensor for pair in group for tensor in pair] + [None, None] * (3 - len(group))
         block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
         grid = (triton.cdiv(N, COLUMN_SUM_BLOCK_C), len(group))
-        _column_sums_kernel[grid](*pairs, P, N, BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
+        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
@@ -1046,7 +1069,7 @@ def _add_layernorm_fwd(
         return _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean, store_rstd, residual_out_dtype)
     acc = _accumulator(x.dtype)
     device = x.device
-    schedule = _schedule(M, N, False, "fwd", device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, False, "fwd", 2, x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
     residual_out = torch.empty((M, N), dtype=residual_out_dtype or x.dtype, device=device) if store_residual_out else None
     mean = torch.empty((M,), dtype=acc, device=device) if store_mean else None
@@ -1098,7 +1121,7 @@ def _add_layernorm_bwd_default(
         return _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", 3, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
@@ -1156,7 +1179,7 @@ def _add_layernorm_bwd_recompute_mean(
         return _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", 3, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
@@ -1213,7 +1236,7 @@ def _add_layernorm_bwd_invertible(
         return _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, "bwd", device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, True, "bwd", 3, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)

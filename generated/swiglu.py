@@ -32,6 +32,7 @@ INTERPRETER_PROGRAMS = 4
 MIN_WARPS = 4
 MAX_WARPS = 16
 ELEMENTS_PER_WARP = 256
+PIPELINE_SHARED_BYTES = 163840
 COLUMN_SUM_BLOCK_P = 256
 COLUMN_SUM_BLOCK_C = 32
 
@@ -70,7 +71,7 @@ MEASURED_SCHEDULES = {
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
     looped = block_n > persistent_max_block_n
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
@@ -78,6 +79,10 @@ def _schedule(M, N, grid_stride, kind, device, persistent_max_block_n):
     if measured is not None:
         rows, warps, per_sm, stages = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
+        # the table was measured on 16-bit tensors: wider elements may not fit the pipeline's
+        # shared-memory buffers (stages - 1 steps of every element load in flight)
+        if (stages - 1) * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
+            stages = 1
     elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
@@ -123,15 +128,19 @@ def _column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.c
 
 
 @triton.jit
-def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair."""
+def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, COUNT: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair; the
+    pairs past COUNT are None."""
     store = tl.program_id(1)
     if store == 0:
         _column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
-    elif store == 1:
-        _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
-    else:
-        _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
+    if COUNT > 1:
+        if store == 1:
+            _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
+    if COUNT > 2:
+        if store == 2:
+            _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
 
 
 def _column_sums(*stores):
@@ -142,10 +151,10 @@ def _column_sums(*stores):
     for first in range(0, len(needed), 3):
         group = list(zip([partial for partial, _ in needed[first:first + 3]], sums[first:first + 3]))
         P, N = group[0][0].shape
-        pairs = [tensor for index in range(3) for tensor in group[min(index, len(group) - 1)]]
+        pairs = [tensor for pair in group for tensor in pair] + [None, None] * (3 - len(group))
         block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
         grid = (triton.cdiv(N, COLUMN_SUM_BLOCK_C), len(group))
-        _column_sums_kernel[grid](*pairs, P, N, BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
+        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
@@ -369,7 +378,7 @@ def _swiglu_fwd(
         return _swiglu_fwd_torch(gate, up)
     acc = _accumulator(gate.dtype)
     device = gate.device
-    schedule = _schedule(M, N, False, "fwd", device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, False, "fwd", 2, gate.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=gate.dtype, device=device)
     kernel = _swiglu_fwd_red if schedule.looped else _swiglu_fwd_per
     kernel[(schedule.programs,)](
@@ -396,7 +405,7 @@ def _swiglu_bwd_default(
         return _swiglu_bwd_default_torch(dy, gate, up)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, False, "bwd", device, PERSISTENT_MAX_BLOCK_N)
+    schedule = _schedule(M, N, False, "bwd", 3, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dgate = torch.empty((M, N), dtype=dy.dtype, device=device)
     dup = torch.empty((M, N), dtype=dy.dtype, device=device)
     kernel = _swiglu_bwd_default_red if schedule.looped else _swiglu_bwd_default_per

@@ -90,7 +90,7 @@ def test_non_contiguous_input(device, schedule, view):
 def test_large_vocab_takes_the_looped_kernel(device):
     rows, classes = 3, 40000
     schedule = cross_entropy_module._schedule(
-        rows, classes, False, device, cross_entropy_module.PERSISTENT_MAX_BLOCK_N)
+        rows, classes, False, "fwd", 1, 4, device, cross_entropy_module.PERSISTENT_MAX_BLOCK_N)
     assert schedule.looped, "the vocabulary no longer forces the looped kernel"
     x = randn((rows, classes), seed=1, device=device) * 3
     target = torch.tensor([0, classes - 1, 12345], device=device)

@@ -1,0 +1,78 @@
+"""The schedule layer: the measured table reaches the generated modules, the pipeline's
+shared-memory guard, and the one-launch column sums of the partials."""
+
+import pytest
+import torch
+
+from codegen.schedule import DEFAULT, load_measured
+from generated import add_layernorm, layernorm
+
+
+def test_measured_table_reaches_the_module():
+    table = load_measured()
+    assert table["ops"], "codegen/schedule_table.json has no measurements"
+    expected = {(kind, int(width)): tuple(config)
+                for kind, widths in table["ops"]["layernorm"].items()
+                for width, config in widths.items()}
+    assert layernorm.MEASURED_SCHEDULES == expected
+    # borrowed: an op without measurements of its own takes its sibling's
+    assert table["borrow"]["add_layernorm"] == "layernorm"
+    assert add_layernorm.MEASURED_SCHEDULES == expected
+    assert DEFAULT.measured("no_such_op") == []
+
+
+def test_measured_schedule_is_used():
+    (kind, width), (rows, warps, per_sm, stages) = next(iter(layernorm.MEASURED_SCHEDULES.items()))
+    layernorm._schedule.cache_clear()
+    schedule = layernorm._schedule(4096, width, kind == "bwd", kind, 2, 2, torch.device("cpu"),
+                                   layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert (schedule.block_n, schedule.rows, schedule.warps) == (width, rows, warps)
+    assert schedule.stages == stages
+    # no program count on the CPU: the interpreter's few programs, or one per row block
+    row_blocks = -(-4096 // rows)
+    assert schedule.programs == (min(row_blocks, layernorm.INTERPRETER_PROGRAMS)
+                                 if per_sm or kind == "bwd" else row_blocks)
+
+
+def test_wide_elements_drop_the_pipeline():
+    pipelined = [(key, config) for key, config in layernorm.MEASURED_SCHEDULES.items()
+                 if config[3] > 1]
+    assert pipelined, "no measured schedule is pipelined"
+    (kind, width), (rows, _warps, _per_sm, stages) = max(pipelined, key=lambda item: item[0][1])
+    fits = layernorm.PIPELINE_SHARED_BYTES // ((stages - 1) * rows * width * 2)
+    device = torch.device("cpu")
+    layernorm._schedule.cache_clear()
+    narrow = layernorm._schedule(64, width, True, kind, 1, 2, device,
+                                 layernorm.PERSISTENT_MAX_BLOCK_N)
+    wide = layernorm._schedule(64, width, True, kind, fits + 1, 2, device,
+                               layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert narrow.stages == stages
+    assert wide.stages == 1
+
+
+# the pairs the launchers make: fp32 partials of 16- or 32-bit parameters (float32 parameters
+# may go with a 16-bit input), fp64 partials of fp64 parameters
+OUTPUT_DTYPES = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.float32, torch.float16),
+    torch.float64: (torch.float64,) * 4,
+}
+
+
+@pytest.mark.parametrize("accumulator", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+@pytest.mark.parametrize("programs", [1, 5, 300])
+def test_column_sums(device, accumulator, count, programs):
+    generator = torch.Generator().manual_seed(programs * 10 + count)
+    partials = [torch.randn(programs, 37, generator=generator, dtype=accumulator).to(device)
+                for _ in range(count)]
+    likes = [torch.empty(0, dtype=dtype, device=device)
+             for dtype in OUTPUT_DTYPES[accumulator][:count]]
+    stores = [(partial, like) for partial, like in zip(partials, likes, strict=True)]
+    stores.insert(1, (None, None))
+    sums = layernorm._column_sums(*stores)
+    assert sums[1] is None
+    sums = [s for index, s in enumerate(sums) if index != 1]
+    for partial, like, total in zip(partials, likes, sums, strict=True):
+        assert total.dtype == like.dtype and total.shape == (37,)
+        # the kernel sums in the partials' precision in its own order, then casts
+        torch.testing.assert_close(total, partial.sum(dim=0).to(like.dtype))
