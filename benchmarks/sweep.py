@@ -30,12 +30,12 @@ SHAPES = (
     (32768, 256),
     (1024, 262144),
 )
-LARGE_SHAPES = ((4096, 32768), (4096, 65536), (1024, 262144), (16384, 5120))
+LARGE_SHAPES = ((4096, 32768), (1024, 262144), (4096, 16384))
 #: `--large`: the looped-row schedule of wide rows
 LARGE_CHOICES = {
-    "LOOPED_GRID_STRIDE_ROWS": (1, 2, 4, 8),
-    "LOOPED_BLOCK_N": (2048, 4096, 8192),
-    "PROGRAMS_PER_SM": (1, 2),
+    "LOOPED_STAGES": (1, 2, 3),
+    "LOOPED_GRID_STRIDE_ROWS": (1, 2),
+    "LOOPED_BLOCK_N": (4096, 8192),
 }
 CHOICES = {
     "ROW_BLOCK_ELEMENTS": (2048, 8192),

@@ -35,6 +35,12 @@ class ScheduleTable:
 
     #: rows whose next power of two is at most this keep the whole row in registers
     persistent_max_block_n: int = 16384
+    #: kernels with column partials loop over rows wider than this many bytes: measured on the
+    #: H100 (benchmarks.run, 2026-11-21), fp32 layer-norm backward 4096x16384 persistent ran at
+    #: 366 GB/s (registers spilled at 16 warps) against 1260 GB/s looped at 4096x32768
+    persistent_max_partial_row_bytes: int = 32768
+    #: software-pipeline stages of a looped row's column sweeps
+    looped_stages: int = 1
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
     #: rows per step of a looped kernel that accumulates column partials: each step's
@@ -74,6 +80,8 @@ class ScheduleTable:
     def constants(self) -> dict[str, int]:
         return {
             "PERSISTENT_MAX_BLOCK_N": self.persistent_max_block_n,
+            "PERSISTENT_MAX_PARTIAL_ROW_BYTES": self.persistent_max_partial_row_bytes,
+            "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,

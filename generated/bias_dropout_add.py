@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
+PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
+LOOPED_STAGES = 1
 LOOPED_BLOCK_N = 8192
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
@@ -73,9 +75,10 @@ MEASURED_SCHEDULES = {
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
-    looped = block_n > persistent_max_block_n
+    # column partials held in registers next to a whole row spill past this many row bytes
+    looped = block_n > persistent_max_block_n or (grid_stride and block_n * element_size > PERSISTENT_MAX_PARTIAL_ROW_BYTES)
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
-    stages = 1
+    stages = LOOPED_STAGES if looped else 1
     if measured is not None:
         rows, warps, per_sm, stages = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
@@ -305,11 +308,11 @@ def _bias_dropout_add_fwd_red(
     programs = tl.num_programs(0)
     p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -399,11 +402,11 @@ def _bias_dropout_add_bwd_default_red(
     programs = tl.num_programs(0)
     p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask

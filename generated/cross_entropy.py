@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
+PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
+LOOPED_STAGES = 1
 LOOPED_BLOCK_N = 8192
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
@@ -76,9 +78,10 @@ MEASURED_SCHEDULES = {
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
-    looped = block_n > persistent_max_block_n
+    # column partials held in registers next to a whole row spill past this many row bytes
+    looped = block_n > persistent_max_block_n or (grid_stride and block_n * element_size > PERSISTENT_MAX_PARTIAL_ROW_BYTES)
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
-    stages = 1
+    stages = LOOPED_STAGES if looped else 1
     if measured is not None:
         rows, warps, per_sm, stages = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
@@ -266,7 +269,7 @@ def _cross_entropy_fwd_red(
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -274,7 +277,7 @@ def _cross_entropy_fwd_red(
         row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
         target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -289,7 +292,7 @@ def _cross_entropy_fwd_red(
         logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
         denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -375,7 +378,7 @@ def _cross_entropy_bwd_default_red(
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
@@ -383,7 +386,7 @@ def _cross_entropy_bwd_default_red(
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         row_max = tl.load(row_max_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
+PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
+LOOPED_STAGES = 1
 LOOPED_BLOCK_N = 8192
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
@@ -91,9 +93,10 @@ MEASURED_SCHEDULES = {
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
-    looped = block_n > persistent_max_block_n
+    # column partials held in registers next to a whole row spill past this many row bytes
+    looped = block_n > persistent_max_block_n or (grid_stride and block_n * element_size > PERSISTENT_MAX_PARTIAL_ROW_BYTES)
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
-    stages = 1
+    stages = LOOPED_STAGES if looped else 1
     if measured is not None:
         rows, warps, per_sm, stages = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
@@ -350,14 +353,14 @@ def _masked_softmax_fwd_red(
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         query = offsets % D2
         attention_mask_rows = offsets // (D1 * D2) * attention_mask_stride0 + offsets // D2 % D1 * attention_mask_stride1 + offsets % D2 * attention_mask_stride2
         row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -372,7 +375,7 @@ def _masked_softmax_fwd_red(
         row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
         denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -386,7 +389,7 @@ def _masked_softmax_fwd_red(
             e = tl.exp(z - row_max)  # e = exp(-row_max + z)
             denominator_acc += tl.where(mask, e, 0.0)
         denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -486,13 +489,13 @@ def _masked_softmax_bwd_default_red(
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         query = offsets % D2
         sum_dy_keep_p_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
@@ -502,7 +505,7 @@ def _masked_softmax_bwd_default_red(
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             sum_dy_keep_p_term_acc += tl.where(mask, 1.0 / (1.0 - dropout_p) * dy * keep * p, 0.0)
         sum_dy_keep_p_term = tl.sum(sum_dy_keep_p_term_acc, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
