@@ -39,8 +39,12 @@ class ScheduleTable:
     #: H100 (benchmarks.run, 2026-11-21), fp32 layer-norm backward 4096x16384 persistent ran at
     #: 366 GB/s (registers spilled at 16 warps) against 1260 GB/s looped at 4096x32768
     persistent_max_partial_row_bytes: int = 32768
-    #: software-pipeline stages of a looped row's column sweeps
-    looped_stages: int = 1
+    #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
+    #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
+    #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
+    #: forward 2483 vs 2199). Wider elements fall back to 1 where the buffers would not fit
+    #: (fp32 layer-norm backward, 2 x 4096 a step: 320 KiB asked for, 227 KiB there)
+    looped_stages: int = 3
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
     #: rows per step of a looped kernel that accumulates column partials: each step's

@@ -21,7 +21,7 @@ import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
-LOOPED_STAGES = 1
+LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
@@ -92,6 +92,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         per_sm = 0
     if measured is None:
         warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
+    if looped and stages * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
+        stages = 1  # each column sweep buffers its loads: about stages steps of every load
     if grid_stride and not per_sm:
         per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block
     row_blocks = triton.cdiv(M, rows)
