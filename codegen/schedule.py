@@ -26,7 +26,8 @@ def load_measured(path: Path = MEASURED_TABLE) -> dict:
 class ScheduleTable:
     """The measured per-op table (codegen/schedule_table.json, `benchmarks/tune.py`) picks rows,
     warps, programs and pipeline stages wherever it has the op and the row width; the constants
-    below decide the rest (looped rows, widths and ops it lacks). They too were measured: `python -m benchmarks.sweep` on an H100 (torch 2.11, triton 3.6, bf16,
+    below decide the rest (looped rows, widths and ops it lacks). They too were measured:
+    `python -m benchmarks.sweep` on an H100 (torch 2.11, triton 3.6, bf16,
     2026-11-21) over 4096x512 ... 1024x262144. One program per SM beat four for every
     norm backward (32768x256: 916 vs 239 GB/s; 4096x4096: 1366 vs 980), and 256 elements
     per warp beat 1024 from 4096 columns up. See docs/benchmarks.md.

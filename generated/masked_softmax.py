@@ -96,25 +96,23 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # column partials held in registers next to a whole row spill past this many row bytes
     looped = block_n > persistent_max_block_n or (grid_stride and block_n * element_size > PERSISTENT_MAX_PARTIAL_ROW_BYTES)
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
-    stages = LOOPED_STAGES if looped else 1
+    stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:
         rows, warps, per_sm, stages = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
-        # the table was measured on 16-bit tensors: wider elements may not fit the pipeline's
-        # shared-memory buffers (stages - 1 steps of every element load in flight)
-        if (stages - 1) * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
-            stages = 1
     elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
-        per_sm = 0
     else:
         rows = max(1, min(MAX_ROWS, ROW_BLOCK_ELEMENTS // block_n, triton.next_power_of_2(M)))
-        per_sm = 0
     if measured is None:
         warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
-    if looped and stages * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
-        stages = 1  # each column sweep buffers its loads: about stages steps of every load
+    # the pipeline buffers every element load in shared memory: stages - 1 steps ahead in the
+    # row-block loop, about stages steps in each column sweep of a looped row. The table was
+    # measured on 16-bit tensors; wider elements fall back to no pipeline where it would not fit
+    buffered = stages if looped else stages - 1
+    if buffered * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
+        stages = 1
     if grid_stride and not per_sm:
         per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block
     row_blocks = triton.cdiv(M, rows)

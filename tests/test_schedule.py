@@ -78,3 +78,17 @@ def test_column_sums(accumulator, count, programs):
         assert total.dtype == like.dtype and total.shape == (37,)
         # the kernel sums in the partials' precision in its own order, then casts
         torch.testing.assert_close(total, partial.sum(dim=0).to(like.dtype))
+
+
+def test_looped_rows_pipeline_only_where_it_fits():
+    # measured on the H100: a bf16 layer-norm backward over 32768-wide rows compiles with 3
+    # stages; in fp32 the same schedule asked for 320 KiB of shared memory (227 KiB there)
+    device = torch.device("cpu")
+    layernorm._schedule.cache_clear()
+    half = layernorm._schedule(64, 32768, True, "bwd", 2, 2, device,
+                               layernorm.PERSISTENT_MAX_BLOCK_N)
+    single = layernorm._schedule(64, 32768, True, "bwd", 2, 4, device,
+                                 layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert half.looped and single.looped
+    assert half.stages == layernorm.LOOPED_STAGES > 1
+    assert single.stages == 1
