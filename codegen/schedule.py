@@ -70,6 +70,9 @@ class ScheduleTable:
     #: partial rows at a time
     column_sum_block_p: int = 256
     column_sum_block_c: int = 32
+    #: the same under the Triton interpreter, which runs its programs one after another: few
+    #: wide ones (a 262144-column sum: 64 programs instead of 8192)
+    interpreter_column_sum_block_c: int = 4096
 
     #: measured per-op schedules (see load_measured); the constants above are the fallback
     #: for widths and ops the table does not cover
@@ -101,6 +104,7 @@ class ScheduleTable:
             "PIPELINE_SHARED_BYTES": self.pipeline_shared_bytes,
             "COLUMN_SUM_BLOCK_P": self.column_sum_block_p,
             "COLUMN_SUM_BLOCK_C": self.column_sum_block_c,
+            "INTERPRETER_COLUMN_SUM_BLOCK_C": self.interpreter_column_sum_block_c,
         }
 
 

@@ -33,6 +33,7 @@ ELEMENTS_PER_WARP = 256
 PIPELINE_SHARED_BYTES = 163840
 COLUMN_SUM_BLOCK_P = 256
 COLUMN_SUM_BLOCK_C = 32
+INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 
 #: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
@@ -166,8 +167,9 @@ def _column_sums(*stores):
         P, N = group[0][0].shape
         pairs = [tensor for pair in group for tensor in pair] + [None, None] * (3 - len(group))
         block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
-        grid = (triton.cdiv(N, COLUMN_SUM_BLOCK_C), len(group))
-        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=COLUMN_SUM_BLOCK_C, num_warps=4)
+        block_c = COLUMN_SUM_BLOCK_C if group[0][0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
+        grid = (triton.cdiv(N, block_c), len(group))
+        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
