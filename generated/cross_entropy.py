@@ -57,6 +57,7 @@ def _accumulator(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@functools.lru_cache(maxsize=256)
 def _fp32_pair(value):
     """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
     kernels add the two at the accumulator's precision."""
@@ -112,6 +113,47 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
 
 
+#: (kernel, device, warps, constexprs, what Triton specializes the arguments on) -> (the kernel
+#: Triton compiled for such a call, or None to keep to kernel[grid], the names of its constexprs)
+_LAUNCHES = {}
+_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+_DRIVER = triton.runtime.driver
+
+
+def _specialization(arg):
+    """What Triton's JIT tells two values of an argument apart by: a tensor's dtype and 16-byte
+    alignment; an int's width and whether it is 1 or a multiple of 16; a float, bool or None as
+    such."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if type(arg) is int:
+        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg >= 2**63
+    return arg if arg is None or type(arg) is bool else type(arg)
+
+
+def _launch(kernel, grid, warps, *args, **constexprs):
+    """kernel[grid](*args, **constexprs, num_warps=warps). A CUDA call whose arguments Triton
+    would specialize the same way as an earlier one's launches the kernel Triton compiled then,
+    directly: Triton's per-call argument binding and cache lookup cost more host time than a
+    small row-wise kernel runs. Launch hooks (profilers) and the interpreter keep Triton's path."""
+    hooks = _KNOBS is None or _KNOBS.launch_enter_hook is not None or _KNOBS.launch_exit_hook is not None
+    if hooks or not args[0].is_cuda:
+        return kernel[grid](*args, **constexprs, num_warps=warps)
+    device = _DRIVER.active.get_current_device()
+    key = (kernel, device, warps, *constexprs.items(), *map(_specialization, args))
+    found = _LAUNCHES.get(key)
+    if found is None or found[0] is None:
+        compiled = kernel[grid](*args, **constexprs, num_warps=warps)
+        direct = all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
+        _LAUNCHES[key] = (compiled if direct else None, kernel.arg_names[len(args):])
+        return compiled
+    compiled, names = found
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _DRIVER.active.get_current_stream(device),
+                 compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *[constexprs[name] for name in names])
+    return compiled
+
+
 def _partials(needed, schedule, N, acc, device):
     """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
 
@@ -162,7 +204,7 @@ def _column_sums(*stores):
         block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
         block_c = COLUMN_SUM_BLOCK_C if group[0][0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
         grid = (triton.cdiv(N, block_c), len(group))
-        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+        _launch(_column_sums_kernel, grid, 4, *pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=block_c)
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
@@ -475,7 +517,8 @@ def _cross_entropy_fwd(
     row_max = torch.empty((M,), dtype=acc, device=device) if store_row_max else None
     denominator = torch.empty((M,), dtype=acc, device=device) if store_denominator else None
     kernel = _cross_entropy_fwd_red if schedule.looped else _cross_entropy_fwd_per
-    kernel[(schedule.programs,)](
+    _launch(
+        kernel, (schedule.programs,), schedule.warps,
         x, x.stride(0),
         target,
         loss,
@@ -490,7 +533,6 @@ def _cross_entropy_fwd(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
-        num_warps=schedule.warps,
     )
     return loss, row_max, denominator,
 
@@ -512,7 +554,8 @@ def _cross_entropy_bwd_default(
     schedule = _schedule(M, N, False, "bwd", 1, x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=x.dtype, device=device)
     kernel = _cross_entropy_bwd_default_red if schedule.looped else _cross_entropy_bwd_default_per
-    kernel[(schedule.programs,)](
+    _launch(
+        kernel, (schedule.programs,), schedule.warps,
         x, x.stride(0),
         dloss,
         target,
@@ -526,7 +569,6 @@ def _cross_entropy_bwd_default(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
-        num_warps=schedule.warps,
     )
     return dx,
 
@@ -675,8 +717,15 @@ torch.library.register_autograd(
 
 def _rows(shape, tensor):
     """An (M, N) view whose last dim has stride 1, copying only when it must."""
+    if tensor.dim() == 2 and tensor.shape[1] == shape[1] and tensor.stride(1) == 1:
+        return tensor  # already rows (same number of elements): no reshape, no host time
     rows = tensor.reshape(shape)
     return rows if rows.stride(-1) == 1 or rows.numel() == 0 else rows.contiguous()
+
+
+def _shaped(tensor, shape):
+    """tensor.reshape(shape), skipped when it has that shape already (host time)."""
+    return tensor if tensor.shape == shape else tensor.reshape(shape)
 
 
 def _check_input(function, input, name="input"):
@@ -693,7 +742,7 @@ def _check_param(function, name, param, shape, input):
         return None
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(param).__name__}")
-    if tuple(param.shape) != shape:
+    if param.shape != shape:
         raise ValueError(
             f"{function}(): argument '{name}' must have shape {shape} (normalized_shape), got {tuple(param.shape)}"
         )
@@ -707,7 +756,7 @@ def _check_param(function, name, param, shape, input):
             f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or float32 for a "
             f"float16/bfloat16 input, got {param.dtype}"
         )
-    return param.reshape(-1)
+    return param if param.dim() == 1 else param.reshape(-1)
 
 
 def _check_like_input(function, name, tensor, input, reference="input"):
@@ -745,7 +794,11 @@ def _check_scalar_param(function, name, param, input):
 
 
 def _check_normalized_shape(function, normalized_shape, input):
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    if type(normalized_shape) is int:  # the common cases first: checks are host time on every call
+        shape = (normalized_shape,)
+    elif type(normalized_shape) in (tuple, torch.Size) and all(type(d) is int for d in normalized_shape):
+        shape = tuple(normalized_shape)
+    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
     elif isinstance(normalized_shape, (tuple, list, torch.Size)) and all(
         isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape
@@ -757,20 +810,19 @@ def _check_normalized_shape(function, normalized_shape, input):
         )
     if not shape:
         raise ValueError(f"{function}(): argument 'normalized_shape' must have at least one dimension, got ()")
-    if input.dim() < len(shape) or tuple(input.shape[-len(shape):]) != shape:
+    if input.dim() < len(shape) or input.shape[-len(shape):] != shape:
         raise ValueError(
             f"{function}(): argument 'normalized_shape' {list(shape)} must match the trailing dimensions of "
             f"'input', got input of shape {list(input.shape)}"
         )
-    columns = 1
-    for d in shape:
-        columns *= d
-    return shape, columns
+    return shape, math.prod(shape)
 
 
 def _check_eps(function, eps, dtype):
     if eps is None:
         return torch.finfo(dtype).eps
+    if type(eps) is float and 0.0 <= eps < float("inf"):
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{function}(): argument 'eps' must be a real number or None, got {type(eps).__name__}")
     eps = float(eps)

@@ -92,3 +92,48 @@ def test_looped_rows_pipeline_only_where_it_fits():
     assert half.looped and single.looped
     assert half.stages == layernorm.LOOPED_STAGES > 1
     assert single.stages == 1
+
+
+def _check_launches(module, monkeypatch):
+    """Make every launch of `module` also ask Triton's own dispatch which compiled kernel it
+    picks for the same arguments, and require the direct launch to have used that one."""
+    launch = module._launch
+    checked = []
+
+    def checking(kernel, grid, warps, *args, **constexprs):
+        used = launch(kernel, grid, warps, *args, **constexprs)
+        picked = kernel[grid](*args, **constexprs, num_warps=warps)  # the kernels are idempotent
+        assert used is picked, f"{kernel.__name__}: direct launch used another compiled kernel"
+        checked.append(kernel.__name__)
+        return used
+
+    monkeypatch.setattr(module, "_launch", checking)
+    return checked
+
+
+def _misaligned(shape, dtype):
+    """A tensor of `shape` whose data starts one element past a 16-byte boundary."""
+    flat = torch.randn(shape[0] * shape[1] + 1, device="cuda", dtype=dtype)
+    return flat[1:].view(shape)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch is CUDA-only")
+def test_direct_launch_uses_the_kernel_triton_picks(monkeypatch):
+    # the direct launch keys on what Triton specializes arguments on (alignment, ints that are 1
+    # or multiples of 16, dtypes): every call below must land on the kernel Triton itself picks
+    checked = _check_launches(layernorm, monkeypatch)
+    pairs = ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+             (torch.float32, torch.float32))
+    for N in (1, 3, 16, 17, 1000, 1024, 4104):
+        for dtype, param_dtype in pairs:
+            for x in (torch.randn(8, N, device="cuda", dtype=dtype), _misaligned((8, N), dtype),
+                      torch.randn(1, N, device="cuda", dtype=dtype)):
+                weight = torch.randn(N, device="cuda", dtype=param_dtype)
+                for bias in (None, torch.randn(N, device="cuda", dtype=param_dtype)):
+                    for _ in range(2):  # the second call is the direct launch
+                        leaf = x.detach().requires_grad_()
+                        w = weight.detach().requires_grad_()
+                        y = layernorm.layer_norm(leaf, (N,), w, bias)
+                        y.backward(torch.ones_like(y))
+    expected = {"_layernorm_fwd_per", "_layernorm_bwd_default_per", "_column_sums_kernel"}
+    assert expected <= set(checked)
