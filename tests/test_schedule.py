@@ -137,3 +137,29 @@ def test_direct_launch_uses_the_kernel_triton_picks(monkeypatch):
                         y.backward(torch.ones_like(y))
     expected = {"_layernorm_fwd_per", "_layernorm_bwd_default_per", "_column_sums_kernel"}
     assert expected <= set(checked)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch is CUDA-only")
+def test_direct_launch_with_seeds_masks_and_absent_inputs(monkeypatch):
+    # a seed tensor, broadcast strides (0 or not), None in place of absent inputs
+    from generated import bias_dropout_add, masked_softmax
+
+    checked = _check_launches(bias_dropout_add, monkeypatch) + _check_launches(
+        masked_softmax, monkeypatch
+    )
+    for N in (16, 33, 1024):
+        x = torch.randn(4, 8, N, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            for residual in (None, torch.randn_like(x)):
+                for bias in (None, torch.randn(N, device="cuda", dtype=torch.bfloat16)):
+                    leaf = x.detach().requires_grad_()
+                    y = bias_dropout_add.bias_dropout_add(leaf, residual, bias=bias, p=0.25, seed=3)
+                    y.backward(torch.ones_like(y))
+            keep = torch.rand(8, N, device="cuda") < 0.9
+            masks = (None, keep, torch.randn(4, 1, N, device="cuda"))
+            for mask in masks:
+                leaf = x.detach().requires_grad_()
+                y = masked_softmax.masked_softmax(leaf, mask, dropout_p=0.1, seed=4)
+                y.backward(torch.ones_like(y))
+    assert any(name.startswith("_bias_dropout_add") for name in checked)
+    assert any(name.startswith("_masked_softmax") for name in checked)
