@@ -144,9 +144,8 @@ def test_direct_launch_with_seeds_masks_and_absent_inputs(monkeypatch):
     # a seed tensor, broadcast strides (0 or not), None in place of absent inputs
     from generated import bias_dropout_add, masked_softmax
 
-    checked = _check_launches(bias_dropout_add, monkeypatch) + _check_launches(
-        masked_softmax, monkeypatch
-    )
+    checked_add = _check_launches(bias_dropout_add, monkeypatch)
+    checked_softmax = _check_launches(masked_softmax, monkeypatch)
     for N in (16, 33, 1024):
         x = torch.randn(4, 8, N, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):
@@ -161,5 +160,5 @@ def test_direct_launch_with_seeds_masks_and_absent_inputs(monkeypatch):
                 leaf = x.detach().requires_grad_()
                 y = masked_softmax.masked_softmax(leaf, mask, dropout_p=0.1, seed=4)
                 y.backward(torch.ones_like(y))
-    assert any(name.startswith("_bias_dropout_add") for name in checked)
-    assert any(name.startswith("_masked_softmax") for name in checked)
+    assert any(name.startswith("_bias_dropout_add") for name in checked_add)
+    assert any(name.startswith("_masked_softmax") for name in checked_softmax)
