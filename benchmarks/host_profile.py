@@ -49,7 +49,7 @@ def launcher_breakdown(module, x: torch.Tensor, calls: int) -> None:
 
 def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     """Host µs of the layer-norm forward's pieces: the checks, the schedule, the allocations,
-    Triton's JIT dispatch and the module's direct launch."""
+    Triton's JIT dispatch and its C launcher alone."""
     import triton.language as tl
 
     x = x.detach()
@@ -96,8 +96,6 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
             *args, **constexprs, num_warps=schedule.warps),
         "compiled.run(...): Triton's C launcher alone (the floor)": lambda: compiled.run(
             *launch_args),
-        "_launch(...): direct launch of the kernel Triton compiled": lambda: module._launch(
-            kernel, grid, schedule.warps, *args, **constexprs),
     }
     for name, fn in pieces.items():
         try:

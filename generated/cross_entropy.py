@@ -113,48 +113,6 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
 
 
-#: (id(kernel), device, warps, constexprs, what Triton specializes the arguments on) -> (the kernel
-#: Triton compiled for such a call, or None to keep to kernel[grid], the names of its constexprs)
-_LAUNCHES = {}
-_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
-_DRIVER = triton.runtime.driver
-
-
-def _specialization(arg):
-    """What Triton's JIT tells two values of an argument apart by: a tensor's dtype and 16-byte
-    alignment; an int's width and whether it is 1 or a multiple of 16; a float, bool or None as
-    such."""
-    if type(arg) is int:
-        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg >= 2**63
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    return arg if arg is None or type(arg) is bool else type(arg)
-
-
-def _launch(kernel, grid, warps, *args, **constexprs):
-    """kernel[grid](*args, **constexprs, num_warps=warps). A CUDA call whose arguments Triton
-    would specialize the same way as an earlier one's launches the kernel Triton compiled then,
-    directly: Triton's per-call argument binding and cache lookup cost more host time than a
-    small row-wise kernel runs. Launch hooks (profilers) and the interpreter keep Triton's path."""
-    hooks = _KNOBS is None or _KNOBS.launch_enter_hook is not None or _KNOBS.launch_exit_hook is not None
-    if hooks or not args[0].is_cuda:
-        return kernel[grid](*args, **constexprs, num_warps=warps)
-    device = _DRIVER.active.get_current_device()
-    # one call site per kernel: its constexprs come in one order, and id(kernel) hashes fastest
-    key = (id(kernel), device, warps, *constexprs.values(), *map(_specialization, args))
-    found = _LAUNCHES.get(key)
-    if found is None or found[0] is None:
-        compiled = kernel[grid](*args, **constexprs, num_warps=warps)
-        direct = all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
-        _LAUNCHES[key] = (compiled if direct else None, kernel.arg_names[len(args):])
-        return compiled
-    compiled, names = found
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _DRIVER.active.get_current_stream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *[constexprs[name] for name in names])
-    return compiled
-
-
 def _partials(needed, schedule, N, acc, device):
     """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
 
@@ -205,7 +163,7 @@ def _column_sums(*stores):
         block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
         block_c = COLUMN_SUM_BLOCK_C if group[0][0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
         grid = (triton.cdiv(N, block_c), len(group))
-        _launch(_column_sums_kernel, grid, 4, *pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=block_c)
+        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
@@ -518,8 +476,7 @@ def _cross_entropy_fwd(
     row_max = torch.empty((M,), dtype=acc, device=device) if store_row_max else None
     denominator = torch.empty((M,), dtype=acc, device=device) if store_denominator else None
     kernel = _cross_entropy_fwd_red if schedule.looped else _cross_entropy_fwd_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
+    kernel[(schedule.programs,)](
         x, x.stride(0),
         target,
         loss,
@@ -534,6 +491,7 @@ def _cross_entropy_fwd(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        num_warps=schedule.warps,
     )
     return loss, row_max, denominator,
 
@@ -555,8 +513,7 @@ def _cross_entropy_bwd_default(
     schedule = _schedule(M, N, False, "bwd", 1, x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=x.dtype, device=device)
     kernel = _cross_entropy_bwd_default_red if schedule.looped else _cross_entropy_bwd_default_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
+    kernel[(schedule.programs,)](
         x, x.stride(0),
         dloss,
         target,
@@ -570,6 +527,7 @@ def _cross_entropy_bwd_default(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        num_warps=schedule.warps,
     )
     return dx,
 
