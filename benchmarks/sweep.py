@@ -37,6 +37,10 @@ LARGE_CHOICES = {
     "LOOPED_GRID_STRIDE_ROWS": (1, 2),
     "LOOPED_BLOCK_N": (4096, 8192),
 }
+#: `--wide`: rows between two powers of two, whole in registers (padded to the next power of
+#: two, measured table kept) or looped
+WIDE_SHAPES = ((4096, 12288), (4096, 10240), (4096, 20480), (2048, 24576))
+WIDE_CHOICES = {"PERSISTENT_MAX_BLOCK_N": (8192, 16384, 32768)}
 CHOICES = {
     "ROW_BLOCK_ELEMENTS": (2048, 8192),
     "PROGRAMS_PER_SM": (1, 4),
@@ -80,13 +84,15 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
     return forward_call, backward_call, x.element_size()
 
 
-def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES) -> None:
+def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
+          keep_table: bool = False) -> None:
     module = importlib.import_module(f"generated.{op_name}")
     op = OPS[op_name]
     defaults = {name: getattr(module, name) for name in choices}
     # the constants are the fallback of the measured table (benchmarks/tune.py): set it aside so
     # the widths it covers run on the constants under test
-    measured, module.MEASURED_SCHEDULES = module.MEASURED_SCHEDULES, {}
+    measured = module.MEASURED_SCHEDULES
+    module.MEASURED_SCHEDULES = measured if keep_table else {}
     for m, n in shapes:
         forward_call, backward_call, element_size = launcher_calls(op_name, module, m, n, dtype)
         best = {}
@@ -101,6 +107,8 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES) -> N
                 continue
             fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
             bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
+            if keep_table:  # few choices: show each
+                print(f"  {op_name} {m}x{n} {dict(zip(choices, values))}: fwd {fwd:.0f} bwd {bwd:.0f} GB/s")
             for mode, gbps in (("fwd", fwd), ("bwd", bwd)):
                 if gbps > best.get(mode, (0, None))[0]:
                     best[mode] = (gbps, values)
@@ -126,9 +134,13 @@ def main() -> None:
     parser.add_argument("--ops", default="layernorm,rmsnorm,softmax")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--large", action="store_true", help="sweep the looped-row schedule")
+    parser.add_argument("--wide", action="store_true",
+                        help="rows between powers of two: padded in registers or looped")
     args = parser.parse_args()
     for op_name in args.ops.split(","):
-        if args.large:
+        if args.wide:
+            sweep(op_name, DTYPES[args.dtype], WIDE_SHAPES, WIDE_CHOICES, keep_table=True)
+        elif args.large:
             sweep(op_name, DTYPES[args.dtype], LARGE_SHAPES, LARGE_CHOICES)
         else:
             sweep(op_name, DTYPES[args.dtype])
