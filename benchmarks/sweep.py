@@ -108,7 +108,8 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
             fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
             bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
             if keep_table:  # few choices: show each
-                print(f"  {op_name} {m}x{n} {dict(zip(choices, values))}: fwd {fwd:.0f} bwd {bwd:.0f} GB/s")
+                chosen = dict(zip(choices, values, strict=True))
+                print(f"  {op_name} {m}x{n} {chosen}: fwd {fwd:.0f} bwd {bwd:.0f} GB/s")
             for mode, gbps in (("fwd", fwd), ("bwd", bwd)):
                 if gbps > best.get(mode, (0, None))[0]:
                     best[mode] = (gbps, values)
