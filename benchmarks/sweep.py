@@ -39,8 +39,11 @@ LARGE_CHOICES = {
 }
 #: `--wide`: rows between two powers of two, whole in registers (padded to the next power of
 #: two, measured table kept) or looped
-WIDE_SHAPES = ((4096, 12288), (4096, 10240), (4096, 20480), (2048, 24576))
-WIDE_CHOICES = {"PERSISTENT_MAX_BLOCK_N": (8192, 16384, 32768)}
+WIDE_SHAPES = ((4096, 12288), (4096, 16384), (2048, 24576), (4096, 32768), (2048, 65536))
+WIDE_CHOICES = {
+    "PERSISTENT_MAX_BLOCK_N": (16384, 32768, 65536),
+    "PERSISTENT_MAX_PARTIAL_ROW_BYTES": (16384, 32768),
+}
 CHOICES = {
     "ROW_BLOCK_ELEMENTS": (2048, 8192),
     "PROGRAMS_PER_SM": (1, 4),
