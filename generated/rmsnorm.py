@@ -22,6 +22,8 @@ import triton.language as tl
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
+PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
+PERSISTENT_MAX_BWD_ROW_BYTES = 65536
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 LOOPED_GRID_STRIDE_ROWS = 2
@@ -89,8 +91,17 @@ MEASURED_SCHEDULES = {
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
     block_n = triton.next_power_of_2(N)
-    # column partials held in registers next to a whole row spill past this many row bytes
-    looped = block_n > persistent_max_block_n or (grid_stride and block_n * element_size > PERSISTENT_MAX_PARTIAL_ROW_BYTES)
+    row_bytes = block_n * element_size
+    if grid_stride:
+        # column partials held in registers next to a whole row spill past this many row bytes,
+        # and a padded row (N not a power of two) of PADDED_PARTIAL_LOOPED_BLOCK_N+ is faster looped
+        looped = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
+                  or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
+    elif kind == "bwd":
+        # a backward without reductions across rows keeps wider rows whole
+        looped = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
+    else:
+        looped = block_n > persistent_max_block_n
     measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:

@@ -52,6 +52,8 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
 def force_looped(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
     """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule."""
     monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
+    monkeypatch.setattr(module, "PERSISTENT_MAX_BWD_ROW_BYTES", 0)  # backwards too
+    module._schedule.cache_clear()  # the row-bytes limit is read inside the cached heuristic
 
 
 # Inputs
