@@ -342,7 +342,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "extra_args": [arg for name in module.outputs[1:]
                        for arg in (f"want_{name}", f"{name}_dtype")],
         "fwd_torch": KernelContext(forward, TORCH),
-        "schedule": schedule.constants(),
+        "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",

@@ -47,12 +47,14 @@ class ScheduleTable:
     #: looped against whole rows of 16384: layer norm 1433 vs 1155 GB/s, RMS norm 1795 vs 1629
     #: (at exactly 4096x16384 whole rows stay: layer norm 1356 vs 1287 looped)
     padded_partial_looped_block_n: int = 16384
-    #: backward kernels without column partials keep whole rows of up to this many bytes past
-    #: persistent_max_block_n: same sweep, softmax backward bf16 4096x32768 2804 vs 1962 GB/s
-    #: looped, 2048x24576 2684 vs 2219; a row of 65536 (128 KiB) collapsed to 444 GB/s.
-    #: Forwards stay at persistent_max_block_n (layer-norm forward 4096x32768 whole: 1096 vs
-    #: 2392 looped)
-    persistent_max_bwd_row_bytes: int = 65536
+    #: the softmax backward keeps whole rows
+    #: of up to this many bytes past persistent_max_block_n: same sweep, bf16 4096x32768 2804 vs
+    #: 1962 GB/s looped, 2048x24576 2684 vs 2219; a row of 65536 (128 KiB) collapsed to 444.
+    #: Other ops keep 0: cross-entropy's backward at 4096x32000 whole ran 2x slower than looped
+    #: (benchmarks.transformer_ops, same day), and forwards lose (layer-norm forward 4096x32768
+    #: whole: 1096 vs 2392 GB/s looped)
+    wide_bwd_row_bytes: int = 65536
+    wide_bwd_ops: tuple[str, ...] = ("softmax",)
     #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
     #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
     #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
@@ -98,12 +100,12 @@ class ScheduleTable:
         return sorted((kind, int(block_n), tuple(config))
                       for kind, by_width in kinds.items() for block_n, config in by_width.items())
 
-    def constants(self) -> dict[str, int]:
+    def constants(self, op: str) -> dict[str, int]:
         return {
             "PERSISTENT_MAX_BLOCK_N": self.persistent_max_block_n,
             "PERSISTENT_MAX_PARTIAL_ROW_BYTES": self.persistent_max_partial_row_bytes,
             "PADDED_PARTIAL_LOOPED_BLOCK_N": self.padded_partial_looped_block_n,
-            "PERSISTENT_MAX_BWD_ROW_BYTES": self.persistent_max_bwd_row_bytes,
+            "PERSISTENT_MAX_BWD_ROW_BYTES": self.wide_bwd_row_bytes if op in self.wide_bwd_ops else 0,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,

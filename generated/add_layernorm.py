@@ -25,7 +25,7 @@ import triton.language as tl
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
 PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
-PERSISTENT_MAX_BWD_ROW_BYTES = 65536
+PERSISTENT_MAX_BWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 LOOPED_GRID_STRIDE_ROWS = 2
@@ -100,7 +100,7 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         looped = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
                   or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
     elif kind == "bwd":
-        # a backward without reductions across rows keeps wider rows whole
+        # a backward without column partials may keep wider rows whole (measured per op)
         looped = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
         looped = block_n > persistent_max_block_n
