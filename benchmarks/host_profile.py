@@ -43,8 +43,16 @@ def launcher_breakdown(module, x: torch.Tensor, calls: int) -> None:
         "torch.empty((132, N)) + sum(0) + to": lambda: torch.empty(
             (132, n), device=x.device).sum(0).to(x.dtype),
     }
+    print_pieces(pieces, calls)
+
+
+def print_pieces(pieces: dict, calls: int) -> None:
+    """Host µs of each named zero-argument call; one that fails is reported, not fatal."""
     for name, fn in pieces.items():
-        print(f"  {name}: {host_micros(fn, calls):.1f} us")
+        try:
+            print(f"  {name}: {host_micros(fn, calls):.1f} us")
+        except Exception as error:  # noqa: BLE001 - the breakdown is diagnostic
+            print(f"  {name}: failed ({type(error).__name__}: {error})")
 
 
 def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
@@ -97,11 +105,7 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
         "compiled.run(...): Triton's C launcher alone (the floor)": lambda: compiled.run(
             *launch_args),
     }
-    for name, fn in pieces.items():
-        try:
-            print(f"  {name}: {host_micros(fn, calls):.1f} us")
-        except Exception as error:  # report and go on: the breakdown is diagnostic
-            print(f"  {name}: failed ({type(error).__name__}: {error})")
+    print_pieces(pieces, calls)
 
 
 def launch_bound(module, calls: int) -> None:

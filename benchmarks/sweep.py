@@ -88,7 +88,7 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
 
 
 def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
-          keep_table: bool = False) -> None:
+          keep_table: bool = False, show_each: bool = False) -> None:
     module = importlib.import_module(f"generated.{op_name}")
     op = OPS[op_name]
     defaults = {name: getattr(module, name) for name in choices}
@@ -110,7 +110,7 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
                 continue
             fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
             bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
-            if keep_table:  # few choices: show each
+            if show_each:
                 chosen = dict(zip(choices, values, strict=True))
                 print(f"  {op_name} {m}x{n} {chosen}: fwd {fwd:.0f} bwd {bwd:.0f} GB/s")
             for mode, gbps in (("fwd", fwd), ("bwd", bwd)):
@@ -143,7 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     for op_name in args.ops.split(","):
         if args.wide:
-            sweep(op_name, DTYPES[args.dtype], WIDE_SHAPES, WIDE_CHOICES, keep_table=True)
+            sweep(op_name, DTYPES[args.dtype], WIDE_SHAPES, WIDE_CHOICES, keep_table=True,
+                  show_each=True)
         elif args.large:
             sweep(op_name, DTYPES[args.dtype], LARGE_SHAPES, LARGE_CHOICES)
         else:

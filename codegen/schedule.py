@@ -9,7 +9,7 @@ column partials — a grid that scales with the SM count instead of one program 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 #: written by `python -m benchmarks.tune --out DIR --write-table` from measurements on a GPU
@@ -43,18 +43,13 @@ class ScheduleTable:
     #: 366 GB/s (registers spilled at 16 warps) against 1260 GB/s looped at 4096x32768
     persistent_max_partial_row_bytes: int = 32768
     #: ... and loop over padded rows (N between powers of two) from this block width:
-    #: `python -m benchmarks.sweep --wide` on the H100 (2026-11-21, bf16), backward 4096x12288
+    #: `python -m benchmarks.sweep --wide` on the H100 (2026-11-22, bf16), backward 4096x12288
     #: looped against whole rows of 16384: layer norm 1433 vs 1155 GB/s, RMS norm 1795 vs 1629
     #: (at exactly 4096x16384 whole rows stay: layer norm 1356 vs 1287 looped)
     padded_partial_looped_block_n: int = 16384
-    #: the softmax backward keeps whole rows
-    #: of up to this many bytes past persistent_max_block_n: same sweep, bf16 4096x32768 2804 vs
-    #: 1962 GB/s looped, 2048x24576 2684 vs 2219; a row of 65536 (128 KiB) collapsed to 444.
-    #: Other ops keep 0: cross-entropy's backward at 4096x32000 whole ran 2x slower than looped
-    #: (benchmarks.transformer_ops, same day), and forwards lose (layer-norm forward 4096x32768
-    #: whole: 1096 vs 2392 GB/s looped)
-    wide_bwd_row_bytes: int = 65536
-    wide_bwd_ops: tuple[str, ...] = ("softmax",)
+    #: backward kernels without column partials keep whole rows of up to this many bytes past
+    #: persistent_max_block_n; 0 here, raised per op in `per_op` where measured
+    persistent_max_bwd_row_bytes: int = 0
     #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
     #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
     #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
@@ -87,6 +82,15 @@ class ScheduleTable:
     #: wide ones (a 262144-column sum: 64 programs instead of 8192)
     interpreter_column_sum_block_c: int = 4096
 
+    #: constants above that differ per op, each from a measurement. softmax backward whole
+    #: rows up to 64 KiB (bf16 32768), same sweep: 4096x32768 2804 vs 1962 GB/s looped,
+    #: 2048x24576 2684 vs 2219; 65536 (128 KiB) whole collapsed to 444. Not for cross-entropy:
+    #: its backward at 4096x32000 whole ran 2x slower than looped (benchmarks.transformer_ops,
+    #: same day); forwards lose too (layer-norm forward 4096x32768 whole: 1096 vs 2392 looped)
+    per_op: dict = field(default_factory=lambda: {
+        "softmax": {"persistent_max_bwd_row_bytes": 65536},
+    })
+
     #: measured per-op schedules (see load_measured); the constants above are the fallback
     #: for widths and ops the table does not cover
     measured_table: dict = field(default_factory=load_measured, compare=False, repr=False)
@@ -101,11 +105,14 @@ class ScheduleTable:
                       for kind, by_width in kinds.items() for block_n, config in by_width.items())
 
     def constants(self, op: str) -> dict[str, int]:
+        """The module constants of one op: the fields above, with the op's `per_op` values."""
+        if self.per_op.get(op):
+            return replace(self, per_op={}, **self.per_op[op]).constants(op)
         return {
             "PERSISTENT_MAX_BLOCK_N": self.persistent_max_block_n,
             "PERSISTENT_MAX_PARTIAL_ROW_BYTES": self.persistent_max_partial_row_bytes,
             "PADDED_PARTIAL_LOOPED_BLOCK_N": self.padded_partial_looped_block_n,
-            "PERSISTENT_MAX_BWD_ROW_BYTES": self.wide_bwd_row_bytes if op in self.wide_bwd_ops else 0,
+            "PERSISTENT_MAX_BWD_ROW_BYTES": self.persistent_max_bwd_row_bytes,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,

@@ -93,3 +93,32 @@ def test_looped_rows_pipeline_only_where_it_fits():
     assert half.stages == layernorm.LOOPED_STAGES > 1
     assert single.stages == 1
 
+
+
+def _looped(module, N, grid_stride, kind, element_size=2):
+    module._schedule.cache_clear()
+    return module._schedule(4096, N, grid_stride, kind, 2, element_size, torch.device("cpu"),
+                            module.PERSISTENT_MAX_BLOCK_N).looped
+
+
+def test_padded_rows_with_column_partials_loop():
+    # 12288 pads to a 16384-wide block: looped; exactly 16384 keeps whole rows; below the
+    # padded threshold (6144 -> 8192) whole rows stay too
+    assert _looped(layernorm, 12288, True, "bwd")
+    assert not _looped(layernorm, 16384, True, "bwd")
+    assert not _looped(layernorm, 6144, True, "bwd")
+    # without column partials the padding rule does not apply
+    assert not _looped(layernorm, 12288, False, "fwd")
+
+
+def test_wide_backward_rows_stay_whole_only_where_measured():
+    from generated import cross_entropy, softmax
+
+    assert softmax.PERSISTENT_MAX_BWD_ROW_BYTES == DEFAULT.per_op["softmax"][
+        "persistent_max_bwd_row_bytes"]
+    assert not _looped(softmax, 32768, False, "bwd")  # 64 KiB of bf16: whole
+    assert _looped(softmax, 65536, False, "bwd")  # 128 KiB: looped
+    assert _looped(softmax, 32768, False, "bwd", element_size=4)  # fp32 32768: 128 KiB
+    assert _looped(softmax, 32768, False, "fwd")  # forwards keep persistent_max_block_n
+    assert cross_entropy.PERSISTENT_MAX_BWD_ROW_BYTES == 0
+    assert _looped(cross_entropy, 32768, False, "bwd")
