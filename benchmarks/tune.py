@@ -1,7 +1,7 @@
 """Measure schedules directly: every (rows, warps, programs) a kernel could run with, per shape.
 
     python -m benchmarks.tune --out DIR [--ops layernorm,rmsnorm,softmax] [--dtype bf16]
-                              [--budget-s 500]
+                              [--budget-s 500] [--looped]
 
 Unlike `benchmarks.sweep` (which varies the heuristic's constants), this fixes the schedule
 itself: the generated module's `_schedule` is replaced by one that returns the configuration
@@ -10,9 +10,13 @@ queues the launch, a 256 MiB write empties L2, CUDA events time only the kernels
 compiled kernel's registers, spills and shared memory are recorded. The search is a grid:
 rows per step (1, or 2048 to 16384 elements a step), warps (8 to 32 elements a thread),
 1 or 3 software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM
-looping over row blocks. Results go to DIR/tune.json, written after every shape, so a run cut
-short keeps what it measured. `--write-table` then turns DIR/tune.json into
-codegen/schedule_table.json: the fastest measured configuration per op, kernel kind and width.
+looping over row blocks. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per
+step (1024 to 8192), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3
+stages for the three fastest, against the table's whole-row entry for the width measured in
+the same run. Results go to DIR/tune.json, written after every shape, so a run cut short keeps
+what it measured. `--write-table` then turns DIR/tune.json into codegen/schedule_table.json:
+the fastest measured configuration per op, kernel kind and width (and the fastest looped one),
+merged into the table's entries for widths the run did not measure.
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ SHAPES = (
     (8192, 8192),
     (4096, 16384),
 )
+#: one shape per power-of-two width where looped rows are worth measuring
+LOOPED_SHAPES = (
+    (4096, 4096),
+    (8192, 8192),
+    (4096, 16384),
+    (4096, 32768),
+    (4096, 65536),
+    (1024, 262144),
+)
+LOOPED_STEPS = (1024, 2048, 4096, 8192)
+LOOPED_WARPS = (4, 8, 16)
+#: rows per step of looped kernels with column partials: each step reads, adds to and writes
+#: back the program's fp32 partial row, so more rows a step share that traffic (H100, bf16
+#: layer-norm backward 4096x32768: 1 row 690 GB/s, 4 rows 1026, 8 rows 1230; without the
+#: parameter gradients 1750-2100), at up to this many elements a thread
+LOOPED_PARTIAL_ROWS = (1, 2, 4, 8, 16)
+LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD = 64
+LOOPED_PARTIAL_MAX_STEP_ELEMENTS = 16384
+LOOPED_MIN_ELEMENTS_PER_THREAD = 4
+LOOPED_MAX_ELEMENTS_PER_THREAD = 16
+LOOPED_TOP = 3
+"""Looped configurations that are measured again with STAGE_CHOICES' pipelines."""
 REP_MS = 15.0
 MAX_ELEMENTS_PER_THREAD = 32
 MIN_ELEMENTS_PER_THREAD = 8
@@ -82,44 +108,79 @@ def _kernel_stats(compiled) -> dict:
     }
 
 
-def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms):
-    """Best schedules for one launcher at one shape; every measurement is returned."""
+def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, looped=False,
+                 partial_rows=LOOPED_PARTIAL_ROWS):
+    """Schedules for one launcher at one shape, each measured: whole rows, or (`looped`)
+    looped rows and the table's whole-row entry for this width."""
     block_n = 1 << (n - 1).bit_length()
-    kernels = [key for key in vars(module) if key.startswith(f"_{op.name}_{name}_")]
-    persistent = [key for key in kernels if key.endswith("_per")]
-    recorders = {key: _Recorder(getattr(module, key)) for key in persistent}
-    originals = {key: getattr(module, key) for key in persistent}
+    kernels = [key for key in vars(module) if key.startswith(f"_{op.name}_{name}_")
+               and key.endswith(("_per", "_red"))]
+    recorders = {key: _Recorder(getattr(module, key)) for key in kernels}
+    originals = {key: getattr(module, key) for key in kernels}
     original_schedule = module._schedule
+    persistent = [key for key in kernels if key.endswith("_per")]
     partials = any(key.endswith("_partial_ptr") for key in
                    getattr(module, persistent[0]).arg_names) if persistent else False
     results = []
 
-    def run(rows, warps, programs, stages=1):
+    def run(rows, warps, programs, stages=1, step=0):
         per_sm = programs // sms
         row_blocks = -(-m // rows)
         programs = min(programs, row_blocks) if programs else row_blocks
-        schedule = module._Schedule(False, block_n, rows, warps, programs, stages)
+        width = step or block_n
+        chunks = -(-n // width)
+        schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks)
         module._schedule = lambda *_args, **_kwargs: schedule
         for key, recorder in recorders.items():
+            recorder.compiled = None
             setattr(module, key, recorder)
+        config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
+                  "stages": stages, "step": step}
         try:
             call()  # compile outside the timed loop
             stats = measure(clock, Workload(lambda _state: call()), REP_MS)
         except Exception as error:  # noqa: BLE001 - a config that does not compile is data
-            record = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
-                      "stages": stages, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+            record = config | {"error": f"{type(error).__name__}: {str(error)[:200]}"}
         else:
             gbps = bytes_moved(op, mode, m, n, element_size) / stats.median_ms / 1e6
-            record = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
-                      "stages": stages, "ms": stats.median_ms, "gbps": gbps}
+            record = config | {"ms": stats.median_ms, "gbps": gbps}
             for recorder in recorders.values():
-                record.update(_kernel_stats(recorder.compiled))
+                if recorder.compiled is not None:
+                    record.update(_kernel_stats(recorder.compiled))
         finally:
             module._schedule = original_schedule
             for key, kernel in originals.items():
                 setattr(module, key, kernel)
         results.append(record)
         return record.get("gbps", 0.0)
+
+    # kernels with column partials loop over row blocks (a partial row per program); the
+    # others may also take one program per row block (0)
+    if looped:
+        whole = module.MEASURED_SCHEDULES.get((mode, block_n))
+        if whole is not None and not whole[4] and block_n <= module.PERSISTENT_MAX_BLOCK_N:
+            rows, warps, per_sm, stages, _step = whole
+            run(min(rows, m), warps, sms * per_sm, stages)
+        first = []
+        most = (LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD if partials
+                else LOOPED_MAX_ELEMENTS_PER_THREAD)
+        for step in (s for s in LOOPED_STEPS if s < block_n):
+            for rows in (partial_rows if partials else (1,)):
+                if rows * step > (LOOPED_PARTIAL_MAX_STEP_ELEMENTS if partials else step):
+                    continue
+                for warps in LOOPED_WARPS:
+                    if not LOOPED_MIN_ELEMENTS_PER_THREAD <= rows * step / (32 * warps) <= most:
+                        continue
+                    # programs per SM: 1 or 2 (partials: their read-modify-write grows with 2),
+                    # or one program per row (0) or 4 per SM for kernels without partials
+                    for per_sm in ((1, 2) if rows <= 2 else (1,)) if partials else (0, 4):
+                        first.append((run(rows, warps, sms * per_sm, 1, step),
+                                      (rows, warps, sms * per_sm, step)))
+        for _gbps, (rows, warps, programs, step) in sorted(first, reverse=True)[:LOOPED_TOP]:
+            for stages in STAGE_CHOICES:
+                if stages > 1:
+                    run(rows, warps, programs, stages, step)
+        return results
 
     def warps_for(rows):
         elements = rows * block_n
@@ -128,8 +189,6 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms):
 
     row_choices = [r for r in _pow2s(1, 64)
                    if r <= m and (r == 1 or r * block_n in STEP_ELEMENTS)]
-    # kernels with column partials loop over row blocks (a partial row per program); the
-    # others may also take one program per row block (0)
     per_sm_choices = (1, 2, 4, 8) if partials else (0, 2, 4, 8)
     for rows in row_choices:
         for warps in warps_for(rows):
@@ -141,7 +200,33 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms):
     return results
 
 
-def tune(ops, dtype, shapes, out: Path, budget_s: float) -> None:
+def _used_schedule(module, call):
+    """The schedule the module's own heuristic picks for `call`."""
+    original, used = module._schedule, []
+
+    def spy(*args, **kwargs):
+        used.append(original(*args, **kwargs))
+        return used[-1]
+
+    module._schedule = spy
+    try:
+        call()
+    finally:
+        module._schedule = original
+    return used[0]
+
+
+def _as_config(schedule, m: int, sms: int) -> dict:
+    """A module schedule as a tune record: programs per SM 0 when it is one per row block."""
+    row_blocks = -(-m // schedule.rows)
+    per_sm = 0 if schedule.programs >= row_blocks else max(1, schedule.programs // sms)
+    return {"rows": schedule.rows, "warps": schedule.warps, "programs": schedule.programs,
+            "per_sm": per_sm, "stages": schedule.stages,
+            "step": schedule.block_n if schedule.looped else 0}
+
+
+def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
+         modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS) -> None:
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
     clock = CudaClock(device, getattr(properties, "L2_cache_size", 50 * 2**20))
@@ -161,22 +246,39 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                 return
             forward, backward, element_size = launcher_calls(op_name, module, m, n, dtype)
             for name, mode, call in (("fwd", "fwd", forward), ("bwd_default", "bwd", backward)):
+                if mode not in modes:
+                    continue
                 results = _tune_kernel(module, name, call, m, n, element_size, OPS[op_name], mode,
-                                       clock, properties.multi_processor_count)
-                module._schedule.cache_clear()
-                stats = measure(clock, Workload(lambda _state, call=call: call()), REP_MS)
+                                       clock, properties.multi_processor_count, looped,
+                                       partial_rows)
                 moved = bytes_moved(OPS[op_name], mode, m, n, element_size)
-                default = moved / stats.median_ms / 1e6
+                # the module's own schedule, with its table and with its rules alone, is a
+                # candidate too (rules no search covers: the softmax backward's whole rows
+                # past 16384, say)
+                table = module.MEASURED_SCHEDULES
+                for source, schedules in (("rules", {}), ("default", table)):
+                    module.MEASURED_SCHEDULES = schedules
+                    module._schedule.cache_clear()
+                    try:
+                        used = _used_schedule(module, call)
+                        stats = measure(clock, Workload(lambda _state, call=call: call()), REP_MS)
+                    finally:
+                        module.MEASURED_SCHEDULES = table
+                        module._schedule.cache_clear()
+                    gbps = moved / stats.median_ms / 1e6
+                    results.append(_as_config(used, m, properties.multi_processor_count)
+                                   | {"ms": stats.median_ms, "gbps": gbps, source: True})
+                default = gbps
                 best = max((r for r in results if "gbps" in r), key=lambda r: r["gbps"])
                 print(f"{op_name} {mode} {m}x{n}: default {default:.0f} GB/s, "
                       f"best {best['gbps']:.0f}"
                       f" at rows {best['rows']} warps {best['warps']} programs {best['programs']}"
-                      f" stages {best['stages']}"
+                      f" stages {best['stages']} step {best['step']}"
                       f" (regs {best.get('regs')}, spills {best.get('spills')},"
                       f" shared {best.get('shared')})", flush=True)
                 report["results"].append({"op": op_name, "mode": mode, "m": m, "n": n,
                                           "dtype": str(dtype), "default_gbps": default,
-                                          "configs": results})
+                                          "looped": looped, "configs": results})
             path.write_text(json.dumps(report, indent=1))
 
 
@@ -185,25 +287,59 @@ BORROW = {"add_layernorm": "layernorm", "add_rmsnorm": "rmsnorm", "masked_softma
 one more element input (the residual sum) or output (the additive mask)."""
 
 
-def write_table(measurements: Path, command: str) -> Path:
-    """codegen/schedule_table.json from DIR/tune.json: per op, kind and width, the fastest."""
-    from codegen.schedule import MEASURED_TABLE
+def _merged(paths: list[Path]) -> dict:
+    """The reports of several runs as one: the configurations measured at the same op, mode,
+    shape and dtype are pooled, so the fastest is taken over all of them."""
+    reports = [json.loads(path.read_text()) for path in paths]
+    pooled: dict = {}
+    for report in reports:
+        for result in report["results"]:
+            key = (result["op"], result["mode"], result["m"], result["n"], result["dtype"])
+            if key in pooled:
+                pooled[key]["configs"] = pooled[key]["configs"] + result["configs"]
+            else:
+                pooled[key] = dict(result)
+    dates = sorted(report["date"] for report in reports)
+    return reports[-1] | {"date": dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}",
+                          "results": list(pooled.values())}
 
-    report = json.loads(measurements.read_text())
-    ops: dict = {}
+
+def write_table(measurements: list[Path], command: str) -> Path:
+    """codegen/schedule_table.json from DIR/tune.json (of one or several runs, pooled): per
+    op, kind and width, the fastest measured configuration and, under "<kind>_looped", the
+    fastest looped one. Widths the runs did not measure keep the table's entries, and its
+    record of how they were measured."""
+    from codegen.schedule import MEASURED_TABLE, load_measured
+
+    report = _merged(measurements)
+    previous = load_measured()
+    ops = {op: {kind: dict(widths) for kind, widths in kinds.items()}
+           for op, kinds in previous.get("ops", {}).items()}
     for result in report["results"]:
         measured = [r for r in result["configs"] if "gbps" in r]
-        best = max(measured, key=lambda r: r["gbps"])
         block_n = str(1 << (result["n"] - 1).bit_length())
-        ops.setdefault(result["op"], {}).setdefault(result["mode"], {})[block_n] = [
-            best["rows"], best["warps"], best["per_sm"], best["stages"]]
+        kinds = ops.setdefault(result["op"], {})
+        looped = [r for r in measured if r.get("step")]
+        for kind, candidates in ((result["mode"], measured), (result["mode"] + "_looped", looped)):
+            if candidates:
+                best = max(candidates, key=lambda r: r["gbps"])
+                kinds.setdefault(kind, {})[block_n] = [best["rows"], best["warps"], best["per_sm"],
+                                                       best["stages"], best.get("step", 0)]
+    run = {key: report[key] for key in ("device", "sms", "torch", "triton", "date")} | {
+        "dtype": sorted({r["dtype"] for r in report["results"]}), "command": command,
+        "shapes": sorted({f"{r['m']}x{r['n']}" for r in report["results"]},
+                         key=lambda shape: int(shape.split("x")[1]))}
+    runs = previous.get("runs") or ([previous["measured"]] if "measured" in previous else [])
+    runs = [entry for entry in runs if entry.get("command") != command]  # a rerun replaces
     table = {
-        "measured": {key: report[key] for key in ("device", "sms", "torch", "triton", "date")}
-        | {"dtype": sorted({r["dtype"] for r in report["results"]}), "command": command},
+        "runs": runs + [run],
         "note": "Written by benchmarks/tune.py --write-table: for each op, kernel kind and "
-                "power-of-two width, the fastest configuration measured (shapes in "
-                "benchmarks/tune.py SHAPES). Entries are [rows per step, warps, programs per SM "
-                "(0: one program per row block), software-pipeline stages]. Ops under 'borrow' "
+                "power-of-two width, the fastest configuration measured (one tune run per "
+                "entry of 'runs', shapes in benchmarks/tune.py SHAPES and LOOPED_SHAPES; a later "
+                "run replaces the widths it measured). Entries are [rows per step, warps, "
+                "programs per SM (0: one program per row block), software-pipeline stages, "
+                "columns per step of a looped row (0: whole rows)]; '<kind>_looped' holds the "
+                "fastest looped entry, used where rows may not be whole. Ops under 'borrow' "
                 "were not measured; they use the named op's entries.",
         "ops": {op: {kind: dict(sorted(widths.items(), key=lambda item: int(item[0])))
                      for kind, widths in sorted(kinds.items())}
@@ -223,16 +359,31 @@ def main() -> None:
     parser.add_argument("--ops", default="layernorm,rmsnorm,softmax")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--budget-s", type=float, default=500.0)
+    parser.add_argument("--looped", action="store_true",
+                        help="measure looped rows at LOOPED_SHAPES against the table's whole rows")
+    parser.add_argument("--shapes", default=None,
+                        help="MxN,MxN,... instead of SHAPES (LOOPED_SHAPES with --looped)")
+    parser.add_argument("--modes", default="fwd,bwd")
+    parser.add_argument("--partial-rows", default=None,
+                        help="rows per step of looped kernels with partials (LOOPED_PARTIAL_ROWS)")
     parser.add_argument("--write-table", action="store_true",
                         help="write codegen/schedule_table.json from OUT/tune.json; no GPU")
+    parser.add_argument("--merge", type=Path, nargs="*", default=[],
+                        help="with --write-table: more DIRs whose tune.json is pooled with OUT's")
     parser.add_argument("--command", default="python -m benchmarks.tune --out OUT",
                         help="the measuring command, recorded in the table")
     args = parser.parse_args()
     if args.write_table:
-        print(write_table(args.out / "tune.json", args.command))
+        print(write_table([d / "tune.json" for d in (args.out, *args.merge)], args.command))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    tune(args.ops.split(","), DTYPES[args.dtype], SHAPES, args.out, args.budget_s)
+    shapes = LOOPED_SHAPES if args.looped else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    partial_rows = (tuple(int(r) for r in args.partial_rows.split(",")) if args.partial_rows
+                    else LOOPED_PARTIAL_ROWS)
+    tune(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s, args.looped,
+         tuple(args.modes.split(",")), partial_rows)
 
 
 if __name__ == "__main__":

@@ -285,7 +285,7 @@ class KernelContext:
         args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
         args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
-        args += ["STAGES: tl.constexpr"]
+        args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         return args
 
 

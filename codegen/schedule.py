@@ -18,7 +18,9 @@ MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
 
 def load_measured(path: Path = MEASURED_TABLE) -> dict:
     """The measured table: per op, per kernel kind ("fwd", "bwd") and power-of-two row width,
-    [rows, warps, programs per SM (0: one program per row block), software-pipeline stages]."""
+    [rows, warps, programs per SM (0: one program per row block), software-pipeline stages,
+    columns per step of a looped row (0 or absent: whole rows)], the fastest measured; under
+    "<kind>_looped" the fastest looped one, for rows that may not be whole."""
     return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
 
 
@@ -95,13 +97,14 @@ class ScheduleTable:
     #: for widths and ops the table does not cover
     measured_table: dict = field(default_factory=load_measured, compare=False, repr=False)
 
-    def measured(self, op: str) -> list[tuple[str, int, tuple[int, int, int, int]]]:
-        """(kind, block_n, (rows, warps, programs per SM, stages)) of one op, sorted; an op
-        listed under "borrow" uses the measurements of the op it names."""
+    def measured(self, op: str) -> list[tuple[str, int, tuple[int, int, int, int, int]]]:
+        """(kind, block_n, (rows, warps, programs per SM, stages, columns per looped step)) of
+        one op, sorted; an op listed under "borrow" uses the measurements of the op it names.
+        Entries of four numbers (whole rows, from before looped rows were measured) get a 0."""
         ops = self.measured_table["ops"]
         source = op if op in ops else self.measured_table["borrow"].get(op)
         kinds = ops.get(source, {})
-        return sorted((kind, int(block_n), tuple(config))
+        return sorted((kind, int(block_n), (*config, 0)[:5])
                       for kind, by_width in kinds.items() for block_n, config in by_width.items())
 
     def constants(self, op: str) -> dict[str, int]:

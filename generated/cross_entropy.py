@@ -49,7 +49,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -74,7 +74,9 @@ def _use_triton(tensor):
 
 
 #: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
-#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
+#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
+#: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
+#: the fastest looped one, for rows the rules below keep from being whole
 MEASURED_SCHEDULES = {
 }
 
@@ -86,18 +88,22 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     if grid_stride:
         # column partials held in registers next to a whole row spill past this many row bytes,
         # and a padded row (N not a power of two) of PADDED_PARTIAL_LOOPED_BLOCK_N+ is faster looped
-        looped = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
-                  or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
+        must_loop = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
+                     or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
     elif kind == "bwd":
         # a backward without column partials may keep wider rows whole (measured per op)
-        looped = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
+        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
-        looped = block_n > persistent_max_block_n
-    measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
+        must_loop = block_n > persistent_max_block_n
+    measured = MEASURED_SCHEDULES.get((kind, block_n))
+    if must_loop and (measured is None or not measured[4]):
+        measured = MEASURED_SCHEDULES.get((kind + "_looped", block_n))
+    looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:
-        rows, warps, per_sm, stages = measured
+        rows, warps, per_sm, stages, step = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
+        block_n = step or block_n
     elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
@@ -121,7 +127,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
+    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
+                     triton.cdiv(N, block_n))
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -226,6 +233,7 @@ def _cross_entropy_fwd_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_cross_entropy_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -277,8 +285,10 @@ def _cross_entropy_fwd_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
@@ -291,8 +301,8 @@ def _cross_entropy_fwd_red(
         row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
         target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             key = cols
@@ -306,8 +316,8 @@ def _cross_entropy_fwd_red(
         logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
         denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -342,6 +352,7 @@ def _cross_entropy_bwd_default_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_cross_entropy_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -386,8 +397,10 @@ def _cross_entropy_bwd_default_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
@@ -400,8 +413,8 @@ def _cross_entropy_bwd_default_red(
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         row_max = tl.load(row_max_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             key = cols
@@ -502,6 +515,7 @@ def _cross_entropy_fwd(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     return loss, row_max, denominator,
@@ -538,6 +552,7 @@ def _cross_entropy_bwd_default(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     return dx,

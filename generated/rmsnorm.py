@@ -44,7 +44,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -69,22 +69,42 @@ def _use_triton(tensor):
 
 
 #: measured schedules (codegen/schedule_table.json): (kind, power-of-two row width) ->
-#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
+#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
+#: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
+#: the fastest looped one, for rows the rules below keep from being whole
 MEASURED_SCHEDULES = {
-    ("bwd", 256): (32, 8, 1, 1),
-    ("bwd", 512): (4, 2, 2, 3),
-    ("bwd", 1024): (4, 4, 2, 3),
-    ("bwd", 2048): (2, 4, 2, 3),
-    ("bwd", 4096): (2, 8, 1, 3),
-    ("bwd", 8192): (1, 8, 1, 3),
-    ("bwd", 16384): (1, 16, 1, 1),
-    ("fwd", 256): (8, 4, 0, 1),
-    ("fwd", 512): (8, 4, 0, 1),
-    ("fwd", 1024): (4, 4, 8, 3),
-    ("fwd", 2048): (4, 8, 4, 3),
-    ("fwd", 4096): (1, 8, 0, 1),
-    ("fwd", 8192): (1, 8, 0, 1),
-    ("fwd", 16384): (1, 16, 8, 3),
+    ("bwd", 256): (32, 8, 1, 1, 0),
+    ("bwd", 512): (4, 2, 2, 3, 0),
+    ("bwd", 1024): (4, 4, 2, 3, 0),
+    ("bwd", 2048): (2, 4, 2, 3, 0),
+    ("bwd", 4096): (2, 8, 1, 3, 0),
+    ("bwd", 8192): (1, 8, 1, 3, 0),
+    ("bwd", 16384): (2, 16, 1, 3, 4096),
+    ("bwd", 32768): (16, 8, 1, 1, 1024),
+    ("bwd", 65536): (16, 8, 1, 3, 1024),
+    ("bwd", 262144): (8, 8, 1, 3, 2048),
+    ("bwd_looped", 4096): (2, 8, 2, 1, 2048),
+    ("bwd_looped", 8192): (2, 16, 1, 1, 4096),
+    ("bwd_looped", 16384): (2, 16, 1, 3, 4096),
+    ("bwd_looped", 32768): (16, 8, 1, 1, 1024),
+    ("bwd_looped", 65536): (16, 8, 1, 3, 1024),
+    ("bwd_looped", 262144): (8, 8, 1, 3, 2048),
+    ("fwd", 256): (8, 4, 0, 1, 0),
+    ("fwd", 512): (8, 4, 0, 1, 0),
+    ("fwd", 1024): (4, 4, 8, 3, 0),
+    ("fwd", 2048): (4, 8, 4, 3, 0),
+    ("fwd", 4096): (1, 8, 0, 1, 0),
+    ("fwd", 8192): (1, 8, 0, 1, 0),
+    ("fwd", 16384): (1, 16, 0, 1, 8192),
+    ("fwd", 32768): (1, 16, 0, 1, 8192),
+    ("fwd", 65536): (1, 16, 0, 3, 8192),
+    ("fwd", 262144): (1, 8, 0, 3, 4096),
+    ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
+    ("fwd_looped", 8192): (1, 16, 0, 1, 4096),
+    ("fwd_looped", 16384): (1, 16, 0, 1, 8192),
+    ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
+    ("fwd_looped", 65536): (1, 16, 0, 3, 8192),
+    ("fwd_looped", 262144): (1, 8, 0, 3, 4096),
 }
 
 
@@ -95,18 +115,22 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     if grid_stride:
         # column partials held in registers next to a whole row spill past this many row bytes,
         # and a padded row (N not a power of two) of PADDED_PARTIAL_LOOPED_BLOCK_N+ is faster looped
-        looped = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
-                  or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
+        must_loop = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
+                     or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
     elif kind == "bwd":
         # a backward without column partials may keep wider rows whole (measured per op)
-        looped = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
+        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
-        looped = block_n > persistent_max_block_n
-    measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
+        must_loop = block_n > persistent_max_block_n
+    measured = MEASURED_SCHEDULES.get((kind, block_n))
+    if must_loop and (measured is None or not measured[4]):
+        measured = MEASURED_SCHEDULES.get((kind + "_looped", block_n))
+    looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:
-        rows, warps, per_sm, stages = measured
+        rows, warps, per_sm, stages, step = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
+        block_n = step or block_n
     elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
@@ -130,7 +154,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
+    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
+                     triton.cdiv(N, block_n))
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -235,6 +260,7 @@ def _rmsnorm_fwd_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -282,8 +308,10 @@ def _rmsnorm_fwd_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
@@ -293,16 +321,16 @@ def _rmsnorm_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         mean_square_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             mean_square_acc += tl.where(mask, x * x, 0.0)
         mean_square = tl.sum(mean_square_acc, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
         rstd = 1.0 / _sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -338,6 +366,7 @@ def _rmsnorm_bwd_default_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -388,8 +417,10 @@ def _rmsnorm_bwd_default_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -399,8 +430,8 @@ def _rmsnorm_bwd_default_red(
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -412,8 +443,8 @@ def _rmsnorm_bwd_default_red(
             x_hat = rstd * x  # x_hat = rstd*x
             sum_dy_x_hat_weight_weight_offset_acc += tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -454,6 +485,7 @@ def _rmsnorm_bwd_invertible_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -504,8 +536,10 @@ def _rmsnorm_bwd_invertible_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -515,8 +549,8 @@ def _rmsnorm_bwd_invertible_red(
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -528,8 +562,8 @@ def _rmsnorm_bwd_invertible_red(
             x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
             sum_dy_x_hat_weight_weight_offset_acc += tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -651,6 +685,7 @@ def _rmsnorm_fwd(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     return y, rstd,
@@ -688,6 +723,7 @@ def _rmsnorm_bwd_default(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     dweight, = _column_sums(
@@ -728,6 +764,7 @@ def _rmsnorm_bwd_invertible(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     dweight, = _column_sums(

@@ -42,7 +42,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -67,22 +67,42 @@ def _use_triton(tensor):
 
 
 #: measured schedules (codegen/schedule_table.json): (kind, power-of-two row width) ->
-#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages)
+#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
+#: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
+#: the fastest looped one, for rows the rules below keep from being whole
 MEASURED_SCHEDULES = {
-    ("bwd", 256): (32, 32, 0, 1),
-    ("bwd", 512): (8, 16, 0, 1),
-    ("bwd", 1024): (2, 2, 0, 1),
-    ("bwd", 2048): (1, 2, 0, 1),
-    ("bwd", 4096): (1, 8, 0, 1),
-    ("bwd", 8192): (1, 16, 0, 1),
-    ("bwd", 16384): (1, 16, 0, 1),
-    ("fwd", 256): (8, 8, 0, 1),
-    ("fwd", 512): (8, 4, 0, 1),
-    ("fwd", 1024): (2, 2, 0, 1),
-    ("fwd", 2048): (1, 4, 0, 1),
-    ("fwd", 4096): (1, 4, 0, 1),
-    ("fwd", 8192): (1, 8, 0, 1),
-    ("fwd", 16384): (1, 16, 0, 1),
+    ("bwd", 256): (32, 32, 0, 1, 0),
+    ("bwd", 512): (8, 16, 0, 1, 0),
+    ("bwd", 1024): (2, 2, 0, 1, 0),
+    ("bwd", 2048): (1, 2, 0, 1, 0),
+    ("bwd", 4096): (1, 8, 0, 1, 0),
+    ("bwd", 8192): (1, 16, 0, 1, 0),
+    ("bwd", 16384): (1, 16, 0, 1, 0),
+    ("bwd", 32768): (1, 16, 0, 1, 0),
+    ("bwd", 65536): (1, 16, 0, 3, 8192),
+    ("bwd", 262144): (1, 16, 0, 3, 8192),
+    ("bwd_looped", 4096): (1, 16, 0, 1, 2048),
+    ("bwd_looped", 8192): (1, 16, 0, 3, 4096),
+    ("bwd_looped", 16384): (1, 16, 0, 1, 8192),
+    ("bwd_looped", 32768): (1, 16, 0, 3, 8192),
+    ("bwd_looped", 65536): (1, 16, 0, 3, 8192),
+    ("bwd_looped", 262144): (1, 16, 0, 3, 8192),
+    ("fwd", 256): (8, 8, 0, 1, 0),
+    ("fwd", 512): (8, 4, 0, 1, 0),
+    ("fwd", 1024): (2, 2, 0, 1, 0),
+    ("fwd", 2048): (1, 4, 0, 1, 0),
+    ("fwd", 4096): (1, 4, 0, 1, 0),
+    ("fwd", 8192): (1, 8, 0, 1, 0),
+    ("fwd", 16384): (1, 16, 0, 1, 0),
+    ("fwd", 32768): (1, 16, 0, 1, 8192),
+    ("fwd", 65536): (1, 16, 0, 3, 8192),
+    ("fwd", 262144): (1, 16, 0, 3, 4096),
+    ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
+    ("fwd_looped", 8192): (1, 16, 0, 1, 4096),
+    ("fwd_looped", 16384): (1, 16, 0, 1, 8192),
+    ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
+    ("fwd_looped", 65536): (1, 16, 0, 3, 8192),
+    ("fwd_looped", 262144): (1, 16, 0, 3, 4096),
 }
 
 
@@ -93,18 +113,22 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     if grid_stride:
         # column partials held in registers next to a whole row spill past this many row bytes,
         # and a padded row (N not a power of two) of PADDED_PARTIAL_LOOPED_BLOCK_N+ is faster looped
-        looped = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
-                  or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
+        must_loop = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
+                     or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
     elif kind == "bwd":
         # a backward without column partials may keep wider rows whole (measured per op)
-        looped = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
+        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
-        looped = block_n > persistent_max_block_n
-    measured = None if looped else MEASURED_SCHEDULES.get((kind, block_n))
+        must_loop = block_n > persistent_max_block_n
+    measured = MEASURED_SCHEDULES.get((kind, block_n))
+    if must_loop and (measured is None or not measured[4]):
+        measured = MEASURED_SCHEDULES.get((kind + "_looped", block_n))
+    looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:
-        rows, warps, per_sm, stages = measured
+        rows, warps, per_sm, stages, step = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
+        block_n = step or block_n
     elif looped:
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
@@ -128,7 +152,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages)
+    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
+                     triton.cdiv(N, block_n))
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -225,6 +250,7 @@ def _softmax_fwd_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -257,8 +283,10 @@ def _softmax_fwd_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_softmax_fwd, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
@@ -266,8 +294,8 @@ def _softmax_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -275,16 +303,16 @@ def _softmax_fwd_red(
         row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
         denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             e = tl.exp(x - row_max)  # e = exp(-row_max + x)
             denominator_acc += tl.where(mask, e, 0.0)
         denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -307,6 +335,7 @@ def _softmax_bwd_default_per(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -338,8 +367,10 @@ def _softmax_bwd_default_red(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, BLOCK_N at a time."""
+    """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
+    BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS), programs):
@@ -347,16 +378,16 @@ def _softmax_bwd_default_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         sum_dp_p_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
             sum_dp_p_acc += tl.where(mask, dp * p, 0.0)
         sum_dp_p = tl.sum(sum_dp_p_acc, axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -415,6 +446,7 @@ def _softmax_fwd(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     return p,
@@ -441,6 +473,7 @@ def _softmax_bwd_default(
         ROWS=schedule.rows,
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
+        CHUNKS=schedule.chunks,
         num_warps=schedule.warps,
     )
     return dx,

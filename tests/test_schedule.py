@@ -11,7 +11,8 @@ from generated import add_layernorm, layernorm
 def test_measured_table_reaches_the_module():
     table = load_measured()
     assert table["ops"], "codegen/schedule_table.json has no measurements"
-    expected = {(kind, int(width)): tuple(config)
+    # entries of four numbers predate looped rows: whole rows (a fifth number, 0)
+    expected = {(kind, int(width)): (*config, 0)[:5]
                 for kind, widths in table["ops"]["layernorm"].items()
                 for width, config in widths.items()}
     assert layernorm.MEASURED_SCHEDULES == expected
@@ -21,24 +22,57 @@ def test_measured_table_reaches_the_module():
     assert DEFAULT.measured("no_such_op") == []
 
 
+def _whole(module):
+    return [(key, config) for key, config in module.MEASURED_SCHEDULES.items()
+            if not config[4] and not key[0].endswith("_looped")]
+
+
 def test_measured_schedule_is_used():
-    (kind, width), (rows, warps, per_sm, stages) = next(iter(layernorm.MEASURED_SCHEDULES.items()))
+    (kind, width), (rows, warps, per_sm, stages, _step) = _whole(layernorm)[0]
     layernorm._schedule.cache_clear()
     schedule = layernorm._schedule(4096, width, kind == "bwd", kind, 2, 2, torch.device("cpu"),
                                    layernorm.PERSISTENT_MAX_BLOCK_N)
     assert (schedule.block_n, schedule.rows, schedule.warps) == (width, rows, warps)
-    assert schedule.stages == stages
+    assert schedule.stages == stages and schedule.chunks == 1 and not schedule.looped
     # no program count on the CPU: the interpreter's few programs, or one per row block
     row_blocks = -(-4096 // rows)
     assert schedule.programs == (min(row_blocks, layernorm.INTERPRETER_PROGRAMS)
                                  if per_sm or kind == "bwd" else row_blocks)
 
 
+def test_measured_looped_schedule_is_used():
+    # a width whose fastest measured forward loops over the row: the kernel takes the
+    # measured step, and a compile-time count of steps that covers N (padded rows too)
+    looped = [(key, config) for key, config in layernorm.MEASURED_SCHEDULES.items()
+              if key[0] == "fwd" and config[4] and key[1] <= layernorm.PERSISTENT_MAX_BLOCK_N]
+    assert looped, "no measured forward below PERSISTENT_MAX_BLOCK_N loops"
+    (kind, width), (rows, warps, _per_sm, _stages, step) = looped[0]
+    for n in (width, width * 3 // 4 + 1):
+        layernorm._schedule.cache_clear()
+        schedule = layernorm._schedule(4096, n, False, kind, 1, 2, torch.device("cpu"),
+                                       layernorm.PERSISTENT_MAX_BLOCK_N)
+        assert schedule.looped and (schedule.block_n, schedule.rows, schedule.warps) == (
+            step, rows, warps)
+        assert schedule.chunks == -(-n // step) and (schedule.chunks - 1) * step < n
+
+
+def test_rows_that_must_loop_take_the_measured_looped_entry():
+    # fp32 layer-norm backward rows of 16384 are 64 KiB: too wide to hold whole next to the
+    # column partials, so the fastest measured looped entry of the width is used
+    entry = layernorm.MEASURED_SCHEDULES.get(("bwd_looped", 16384))
+    assert entry is not None
+    layernorm._schedule.cache_clear()
+    schedule = layernorm._schedule(4096, 16384, True, "bwd", 2, 4, torch.device("cpu"),
+                                   layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert schedule.looped and (schedule.rows, schedule.warps, schedule.block_n) == (
+        entry[0], entry[1], entry[4])
+
+
 def test_wide_elements_drop_the_pipeline():
-    pipelined = [(key, config) for key, config in layernorm.MEASURED_SCHEDULES.items()
-                 if config[3] > 1]
+    pipelined = [(key, config) for key, config in _whole(layernorm) if config[3] > 1]
     assert pipelined, "no measured schedule is pipelined"
-    (kind, width), (rows, _warps, _per_sm, stages) = max(pipelined, key=lambda item: item[0][1])
+    (kind, width), (rows, _warps, _per_sm, stages, _step) = max(pipelined,
+                                                                key=lambda item: item[0][1])
     fits = layernorm.PIPELINE_SHARED_BYTES // ((stages - 1) * rows * width * 2)
     device = torch.device("cpu")
     layernorm._schedule.cache_clear()
@@ -82,17 +116,23 @@ def test_column_sums(accumulator, count, programs):
 
 def test_looped_rows_pipeline_only_where_it_fits():
     # measured on the H100: a bf16 layer-norm backward over 32768-wide rows compiles with 3
-    # stages; in fp32 the same schedule asked for 320 KiB of shared memory (227 KiB there)
+    # stages at 2 x 4096 columns a step; in fp32 the same schedule asked for 320 KiB of
+    # shared memory (227 KiB there). The fallback looped schedule, without the table:
     device = torch.device("cpu")
+    measured = layernorm.MEASURED_SCHEDULES
+    layernorm.MEASURED_SCHEDULES = {}
     layernorm._schedule.cache_clear()
-    half = layernorm._schedule(64, 32768, True, "bwd", 2, 2, device,
-                               layernorm.PERSISTENT_MAX_BLOCK_N)
-    single = layernorm._schedule(64, 32768, True, "bwd", 2, 4, device,
-                                 layernorm.PERSISTENT_MAX_BLOCK_N)
+    try:
+        half = layernorm._schedule(64, 32768, True, "bwd", 2, 2, device,
+                                   layernorm.PERSISTENT_MAX_BLOCK_N)
+        single = layernorm._schedule(64, 32768, True, "bwd", 2, 4, device,
+                                     layernorm.PERSISTENT_MAX_BLOCK_N)
+    finally:
+        layernorm.MEASURED_SCHEDULES = measured
+        layernorm._schedule.cache_clear()
     assert half.looped and single.looped
     assert half.stages == layernorm.LOOPED_STAGES > 1
     assert single.stages == 1
-
 
 
 def _looped(module, N, grid_stride, kind, element_size=2):
