@@ -79,7 +79,9 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
     stores = tuple(True for _ in params)
 
     def forward_call():
-        return forward(x, *params, *forward_scalars, *[False] * forward_flags)
+        # a training forward, as benchmarks.run times it: the row statistics are stored too
+        # (H100, bf16 layer-norm forward 8192x8192 looped: 2784 GB/s without them, 2498 with)
+        return forward(x, *params, *forward_scalars, *[True] * forward_flags)
 
     def backward_call():
         return backward(dy, *saved, *backward_scalars, *stores)
