@@ -130,7 +130,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         must_loop = block_n > persistent_max_block_n
     measured = MEASURED_SCHEDULES.get((kind, block_n))
     if must_loop and (measured is None or not measured[4]):
-        measured = MEASURED_SCHEDULES.get((kind + "_looped", block_n))
+        # the looped entries were measured at N == block_n; a padded row that must loop keeps
+        # the constants (H100, bf16 layer-norm backward 4096x12288: 1209 GB/s with the entry
+        # measured at 16384, 1415 with the constants)
+        measured = MEASURED_SCHEDULES.get((kind + "_looped", block_n)) if N == block_n else None
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:

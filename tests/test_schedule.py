@@ -66,6 +66,15 @@ def test_rows_that_must_loop_take_the_measured_looped_entry():
                                    layernorm.PERSISTENT_MAX_BLOCK_N)
     assert schedule.looped and (schedule.rows, schedule.warps, schedule.block_n) == (
         entry[0], entry[1], entry[4])
+    # a padded row that must loop (12288 in a 16384 block) keeps the constants: the entry was
+    # measured at 16384 and ran slower at 12288 on the H100
+    layernorm._schedule.cache_clear()
+    padded = layernorm._schedule(4096, 12288, True, "bwd", 2, 2, torch.device("cpu"),
+                                 layernorm.PERSISTENT_MAX_BLOCK_N)
+    rows = layernorm.LOOPED_GRID_STRIDE_ROWS
+    assert padded.looped and (padded.rows, padded.block_n) == (
+        rows, layernorm.LOOPED_BLOCK_N // rows)
+    assert padded.chunks == -(-12288 // padded.block_n)
 
 
 def test_wide_elements_drop_the_pipeline():
