@@ -55,9 +55,9 @@ LOOPED_SHAPES = (
 LOOPED_STEPS = (1024, 2048, 4096, 8192)
 LOOPED_WARPS = (4, 8, 16)
 #: rows per step of looped kernels with column partials: each step reads, adds to and writes
-#: back the program's fp32 partial row, so more rows a step share that traffic (H100, bf16
-#: layer-norm backward 4096x32768: 1 row 690 GB/s, 4 rows 1026, 8 rows 1230; without the
-#: parameter gradients 1750-2100), at up to this many elements a thread
+#: back the program's fp32 partial row, so more rows a step share that traffic (`--looped`,
+#: H100, 2026-11-22, bf16 layer-norm backward 4096x32768, fastest per rows a step: 1 row 687
+#: GB/s, 2 rows 960, 4 rows 1163, 8 rows 1278, 16 rows 1314), at up to this many elements a thread
 LOOPED_PARTIAL_ROWS = (1, 2, 4, 8, 16)
 LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD = 64
 LOOPED_PARTIAL_MAX_STEP_ELEMENTS = 16384
