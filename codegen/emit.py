@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 import sympy
 
+from codegen.fuse import Moments, OnlineExp, Sweep, sweeps
 from codegen.ir import Assign, Kernel, Pass
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
@@ -69,6 +70,7 @@ class KernelContext:
                     if a.level == "element"}
         self.generated = dict(kernel.generated)
         element |= {name for name, kind in kernel.generated if kind != "row_index"}
+        self._element = element  # the printer reads it: names added later vary per element
         self.printer = KernelPrinter(dialect, element.__contains__)
         self.kernel = kernel
         self.name = kernel.name
@@ -91,6 +93,10 @@ class KernelContext:
         self.prologue = self._assigns(kernel.prologue)
         self.passes = [self._pass(p) for p in kernel.passes]
         self.epilogue = self._pass(kernel.epilogue)
+        # the looped kernel's sweeps over a row: passes joined where codegen/fuse.py can
+        found = sweeps(kernel)
+        self.sweeps = [self._sweep(s) for s in found]
+        self.uses_moments = any(isinstance(f, Moments) for s in found for f in s.fused)
         self.element_stores = [self._store(s) for s in kernel.stores_of("element")]
         self.row_stores = [self._store(s) for s in kernel.stores_of("row")]
         self.column_stores = [self._store(s) for s in kernel.stores_of("column")]
@@ -255,6 +261,84 @@ class KernelContext:
             "reductions": reductions,
             "after": self._assigns(step.after),
         }
+
+    def _sweep(self, sweep: Sweep) -> dict[str, Any]:
+        """A sweep of the looped kernel as lines: accumulators set up before the column loop,
+        updated in it, merged across lanes after it."""
+        printed = self._pass(Pass(sweep.loads, sweep.assigns, sweep.reductions, sweep.after))
+        init, update, finish = [], [], []
+        for r in printed["reductions"]:
+            name, identity = r["name"], r["identity"]
+            init.append(f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)")
+            masked = f"tl.where(mask, {r['body']}, {identity})"
+            update.append(f"{name}_acc = tl.maximum({name}_acc, {masked})" if r["op"] == "max"
+                          else f"{name}_acc += {masked}")
+            finish.append(f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
+                          f"[:, None]{r['scale_suffix']}  # {r['formula']}")
+            if r["op"] == "max":
+                finish.append(f'{name} = tl.where({name} == float("-inf"), 0.0, {name})'
+                              f"  # {r['finite']}")
+        for pair in sweep.fused:
+            lines = (self._moments(pair) if isinstance(pair, Moments)
+                     else self._online_exp(pair))
+            init += lines[0]
+            update += lines[1]
+            finish += lines[2]
+        return {**printed, "init": init, "step": update, "merge": finish,
+                "joined": sweep.joined}
+
+    def _scaled(self, reduce: Any, merged: str) -> str:
+        """`scale · merged`, printed as `_pass` prints a reduction's scale."""
+        printed = self._pass(Pass((), (), (reduce,), ()))["reductions"][0]
+        return f"{printed['scale_prefix']}{merged}{printed['scale_suffix']}"
+
+    def _moments(self, pair: Moments) -> tuple[list[str], list[str], list[str]]:
+        mean, second = pair.mean.name, pair.second.name
+        running = sympy.Symbol(f"{mean}_acc", real=True)
+        self._element.add(running.name)
+        deviation = self.print_named(mean, pair.mean.body - running)
+        init = [f"{mean}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)",
+                f"{second}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
+        update = [
+            f"{mean}_delta = tl.where(mask, {deviation}, 0.0)",
+            # where the mask holds, this lane has seen chunk + 1 values: Welford's running mean
+            f"{mean}_acc += {mean}_delta * (1.0 / tl.cast(chunk + 1, ACC))",
+            f"{second}_acc += {mean}_delta * tl.where(mask, {deviation}, 0.0)"]
+        finish = [
+            f"{mean}_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, "
+            f"CHUNKS, CHUNKS - 1) + tl.zeros((ROWS, BLOCK_N), dtype=ACC)",
+            f"{mean}, {second}, {mean}_count = tl.reduce(({mean}_acc, {second}_acc, "
+            f"{mean}_count), 1, _welford_combine)  # lanes merged pairwise (Chan et al.)",
+            f"{mean} = {mean}[:, None]  # {mean} = {formula(pair.mean.scale)} * "
+            f"sum_j({formula(pair.mean.body)})",
+            f"{second} = {self._scaled(pair.second, f'{second}[:, None]')}  # {second} = "
+            f"{formula(pair.second.scale)} * sum_j({formula(pair.second.body)})"]
+        return init, update, finish
+
+    def _online_exp(self, pair: OnlineExp) -> tuple[list[str], list[str], list[str]]:
+        peak, total = pair.peak.name, pair.total.name
+        shift = sympy.Symbol(f"{peak}_shift", real=True)
+        self._element.add(shift.name)
+        term = self.print_named(total, pair.factor * sympy.exp(pair.peak.body - shift))
+        body = self.print_named(peak, pair.peak.body)
+        init = [f'{peak}_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)',
+                f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
+        update = [
+            f'{peak}_next = tl.maximum({peak}_acc, tl.where(mask, {body}, float("-inf")))',
+            # a lane that has seen only -inf keeps a zero sum: shift by 0, not by -inf
+            f'{peak}_shift = tl.where({peak}_next == float("-inf"), 0.0, {peak}_next)',
+            f"{total}_acc = {total}_acc * tl.exp({peak}_acc - {peak}_shift) + "
+            f"tl.where(mask, {term}, 0.0)  # rescaled to this lane's new max",
+            f"{peak}_acc = {peak}_next"]
+        finish = [
+            f"{peak} = tl.max({peak}_acc, axis=1)[:, None]  # {peak} = "
+            f"{formula(pair.peak.scale)} * max_j({formula(pair.peak.body)})",
+            f'{peak} = tl.where({peak} == float("-inf"), 0.0, {peak})  # a stabiliser: any '
+            "finite value serves an all -inf row",
+            f"{total} = {self._scaled(pair.total, f'tl.sum({total}_acc * tl.exp({peak}_acc - {peak}), axis=1)[:, None]')}"
+            f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
+            "lanes rescaled to the row's max"]
+        return init, update, finish
 
     def _store(self, store: Any) -> dict[str, Any]:
         flag = (f"STORE_{store.name.upper()}" if store.level in ("column", "scalar")

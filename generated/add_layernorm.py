@@ -246,6 +246,16 @@ def _guarded_reciprocal_torch(v):
 
 
 @triton.jit
+def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Two lanes' (mean, sum of squared deviations, count) as one (Chan et al.): the looped
+    rows' one-sweep variance. A lane with no values (count 0) adds nothing."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    share = tl.where(n == 0.0, 0.0, n_b / n)
+    return mean_a + delta * share, m2_a + m2_b + delta * delta * n_a * share, n
+
+
+@triton.jit
 def _add_layernorm_fwd_per(
     x_ptr,
     x_row_stride,
@@ -361,7 +371,8 @@ def _add_layernorm_fwd_red(
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
-        mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        mean_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+        var_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
@@ -376,25 +387,13 @@ def _add_layernorm_fwd_red(
                 residual = 0.0
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-            mean_acc += tl.where(mask, residual_out, 0.0)
-        mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
-        var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
-            mask = row_mask & col_mask
-            if HAS_INPUT_BIAS:
-                input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-            else:
-                input_bias = 0.0
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            else:
-                residual = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-            var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
-        var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            mean_delta = tl.where(mask, residual_out - mean_acc, 0.0)
+            mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
+            var_acc += mean_delta * tl.where(mask, residual_out - mean_acc, 0.0)
+        mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1) + tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+        mean, var, mean_count = tl.reduce((mean_acc, var_acc, mean_count), 1, _welford_combine)  # lanes merged pairwise (Chan et al.)
+        mean = mean[:, None]  # mean = 1/N * sum_j(residual_out)
+        var = var[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
         rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]

@@ -301,32 +301,28 @@ def _cross_entropy_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
-        row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
         target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+        denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             key = cols
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
             target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
             logit_mean_acc += tl.where(mask, x, 0.0)
-        row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            row_max_next = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+            row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
+            denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to this lane's new max
+            row_max_acc = row_max_next
         target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
         logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+        row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+        denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), lanes rescaled to the row's max
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
-        denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
-            mask = row_mask & col_mask
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            e = tl.exp(x - row_max)  # e = exp(-row_max + x)
-            denominator_acc += tl.where(mask, e, 0.0)
-        denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_ROW_MAX:

@@ -297,23 +297,19 @@ def _softmax_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+        denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+            row_max_next = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+            row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
+            denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to this lane's new max
+            row_max_acc = row_max_next
         row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-        denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
-            mask = row_mask & col_mask
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            e = tl.exp(x - row_max)  # e = exp(-row_max + x)
-            denominator_acc += tl.where(mask, e, 0.0)
-        denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
+        denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), lanes rescaled to the row's max
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N

@@ -63,6 +63,15 @@ def test_looped_schedule_matches_torch(device, monkeypatch, n, affine):
     assert_matches_torch(*pair((n,)), inputs((3, n), device, affine=affine))
 
 
+@pytest.mark.parametrize("offset", [1e3, -3e3])
+def test_looped_rows_far_from_zero_in_fp32(device, monkeypatch, offset):
+    # The looped forward carries the variance with the mean in one sweep (codegen/fuse.py):
+    # a sum of squares would cancel here (mean^2 / var ~ 1e6..1e7 against fp32's 1e-7)
+    force_looped(monkeypatch, layernorm)
+    x, w, b = inputs((6, 100), device)
+    assert_low_precision_ok(*pair((100,)), [x + offset, w, b], torch.float32)
+
+
 def test_many_row_blocks(device):
     # Persistent rows, many per program, in more row blocks than grid-stride programs.
     assert_matches_torch(*pair((100,)), inputs((600, 100), device))

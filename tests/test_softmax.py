@@ -89,6 +89,17 @@ def test_low_precision_against_fp64(device, schedule, dtype):
     assert_low_precision_ok(*pair(), [3 * x], dtype)
 
 
+@pytest.mark.parametrize("trend", [40.0, -40.0])
+def test_looped_rows_whose_max_moves_between_blocks_in_fp32(device, monkeypatch, trend):
+    # The looped forward keeps a running max and rescales its sum when the max grows
+    # (codegen/fuse.py): rows that climb (or fall) by `trend` per column block, far beyond
+    # exp's fp32 range over the row
+    force_looped(monkeypatch, softmax)
+    (x,) = inputs((4, 70), device)
+    steps = torch.arange(70, device=device, dtype=x.dtype) // 16 * trend
+    assert_low_precision_ok(*pair(), [x + steps + 300.0], torch.float32)
+
+
 def test_nan_stays_in_its_row(device, schedule):
     assert_nan_stays_in_its_row(*pair(), inputs((3, 37), device), (1, 30))
 

@@ -1,0 +1,155 @@
+"""One sweep for two passes: reductions of pass k + 1 that a running accumulator can carry in
+pass k's sweep over a looped row.
+
+A looped row is read from memory once per pass. Two dependent reductions need two passes as
+written (the second needs the first's value), but two shapes of them can be carried together
+per lane and combined at the end of one sweep, as torch and inductor do by hand:
+
+- a centred second moment after a mean, `mean = 1/N Σ b`, `v = s Σ (b - mean)^2`: each lane
+  keeps a running mean and sum of squared deviations (Welford), and the lanes merge pairwise
+  (Chan et al.); no sum of squares, so no cancellation when the mean dwarfs the spread;
+- a sum of exponentials shifted by a max, `m = max_j g`, `d = s Σ A exp(g - m)` (A free of m):
+  each lane keeps its running max and its sum rescaled whenever that max grows (the online
+  softmax), and the lanes rescale to the row's max when they merge.
+
+Persistent rows hold the whole row in registers, so their passes cost no memory and are left
+as they are. Anything else keeps its own pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from codegen.ir import Assign, Kernel, Pass, RowReduce
+
+
+@dataclass(frozen=True)
+class Moments:
+    """mean = 1/N Σ body and second = scale Σ (body - mean)^2, carried in one sweep."""
+
+    mean: RowReduce
+    second: RowReduce
+
+
+@dataclass(frozen=True)
+class OnlineExp:
+    """peak = max_j g and total = scale Σ factor·exp(g - peak), carried in one sweep."""
+
+    peak: RowReduce
+    total: RowReduce
+    factor: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One read of the row: element work, then accumulators of every kind, then row assigns.
+
+    `reductions` are plain ones; `fused` pair each reduction of a joined pass with its partner
+    of the pass before; `after` are the row assigns of both passes, in order."""
+
+    loads: tuple[str, ...]
+    assigns: tuple[Assign, ...]
+    reductions: tuple[RowReduce, ...]
+    fused: tuple[Moments | OnlineExp, ...]
+    after: tuple[Assign, ...]
+    joined: tuple[int, ...]  # the pass numbers (from 1) this sweep carries
+
+
+def sweeps(kernel: Kernel) -> tuple[Sweep, ...]:
+    """The looped kernel's sweeps: each pass, with the next one joined where it can be."""
+    result: list[Sweep] = []
+    passes = list(kernel.passes)
+    index = 0
+    while index < len(passes):
+        first = passes[index]
+        second = passes[index + 1] if index + 1 < len(passes) else None
+        fused = _fusible(first, second) if second is not None else None
+        if fused is None:
+            result.append(Sweep(first.loads, first.assigns, first.reductions, (), first.after,
+                                (index + 1,)))
+            index += 1
+            continue
+        partners = {id(f.mean if isinstance(f, Moments) else f.peak) for f in fused}
+        dependent = _dependent(second, {r.name for r in first.reductions})
+        assigns = first.assigns + tuple(
+            a for a in second.assigns
+            if a.name not in dependent and a.name not in {b.name for b in first.assigns})
+        result.append(Sweep(
+            loads=tuple(sorted(set(first.loads) | set(second.loads))),
+            assigns=assigns,
+            reductions=tuple(r for r in first.reductions if id(r) not in partners),
+            fused=fused,
+            after=first.after + second.after,
+            joined=(index + 1, index + 2)))
+        index += 2
+    return tuple(result)
+
+
+def _dependent(step: Pass, names: set[str]) -> set[str]:
+    """The element assigns of a pass that use (directly or not) one of `names`."""
+    dependent = set(names)
+    for a in step.assigns:
+        if {s.name for s in a.expr.free_symbols} & dependent:
+            dependent.add(a.name)
+    return dependent - names
+
+
+def _inline(expr: sympy.Expr, step: Pass, names: set[str]) -> sympy.Expr:
+    """expr with the pass's assigns that depend on `names` written out."""
+    dependent = _dependent(step, names)
+    by_name = {a.name: a.expr for a in step.assigns if a.name in dependent}
+    while any(s.name in by_name for s in expr.free_symbols):
+        expr = expr.xreplace({s: by_name[s.name] for s in expr.free_symbols
+                              if s.name in by_name})
+    return expr
+
+
+def _fusible(first: Pass, second: Pass) -> tuple[Moments | OnlineExp, ...] | None:
+    """Each reduction of `second` carried with its partner in `first`, or None when any one
+    can't be (or when `second` uses a row value of `first` another way)."""
+    earlier = {r.name: r for r in first.reductions}
+    after = {a.name for a in first.after}
+    fused: list[Moments | OnlineExp] = []
+    for r in second.reductions:
+        body = _inline(r.body, second, set(earlier))
+        names = {s.name for s in body.free_symbols}
+        if names & after or len(names & set(earlier)) != 1:
+            return None
+        partner = earlier[(names & set(earlier)).pop()]
+        symbol = next(s for s in body.free_symbols if s.name == partner.name)
+        pair = _moments(partner, r, body, symbol) or _online_exp(partner, r, body, symbol)
+        if pair is None:
+            return None
+        fused.append(pair)
+    if len({id(f.mean if isinstance(f, Moments) else f.peak) for f in fused}) != len(fused):
+        return None  # one partner, two fused reductions: not a shape carried here
+    return tuple(fused) or None
+
+
+def _moments(mean: RowReduce, second: RowReduce, body: sympy.Expr,
+             symbol: sympy.Symbol) -> Moments | None:
+    if mean.op != "sum" or second.op != "sum":
+        return None
+    n = [s for s in mean.scale.free_symbols if s.name == "N"]
+    if len(n) != 1 or sympy.simplify(mean.scale * n[0] - 1) != 0:
+        return None
+    if symbol in mean.body.free_symbols or symbol in second.scale.free_symbols:
+        return None
+    if sympy.expand(body - (mean.body - symbol) ** 2) != 0:
+        return None
+    return Moments(mean, RowReduce(second.name, second.op, body, second.scale))
+
+
+def _online_exp(peak: RowReduce, total: RowReduce, body: sympy.Expr,
+                symbol: sympy.Symbol) -> OnlineExp | None:
+    if peak.op != "max" or total.op != "sum" or peak.scale != 1:
+        return None
+    if symbol in peak.body.free_symbols or symbol in total.scale.free_symbols:
+        return None
+    factor = sympy.powsimp(sympy.expand(body * sympy.exp(symbol - peak.body)), combine="exp")
+    # an exponential left in the factor could overflow where the shifted one can't
+    if symbol in factor.free_symbols or factor.has(sympy.exp, sympy.zoo, sympy.nan):
+        return None
+    return OnlineExp(peak, RowReduce(total.name, total.op, body, total.scale), factor)
