@@ -330,12 +330,13 @@ class KernelContext:
             f"{total}_acc = {total}_acc * tl.exp({peak}_acc - {peak}_shift) + "
             f"tl.where(mask, {term}, 0.0)  # rescaled to this lane's new max",
             f"{peak}_acc = {peak}_next"]
+        merged = f"tl.sum({total}_acc * tl.exp({peak}_acc - {peak}), axis=1)[:, None]"
         finish = [
             f"{peak} = tl.max({peak}_acc, axis=1)[:, None]  # {peak} = "
             f"{formula(pair.peak.scale)} * max_j({formula(pair.peak.body)})",
             f'{peak} = tl.where({peak} == float("-inf"), 0.0, {peak})  # a stabiliser: any '
             "finite value serves an all -inf row",
-            f"{total} = {self._scaled(pair.total, f'tl.sum({total}_acc * tl.exp({peak}_acc - {peak}), axis=1)[:, None]')}"
+            f"{total} = {self._scaled(pair.total, merged)}"
             f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
             "lanes rescaled to the row's max"]
         return init, update, finish

@@ -84,7 +84,8 @@ def test_only_carried_shapes_join(first, second, carried):
 
 def test_second_pass_using_a_row_value_of_the_first_keeps_its_pass():
     first = Pass(("x",), (), (MEAN,), (Assign("r", 2 * m, "row"),))
-    second = Pass(("x",), (), (RowReduce("s", "sum", (x - m) ** 2 * sympy.Symbol("r"), sympy.Integer(1)),), ())
+    scaled = RowReduce("s", "sum", (x - m) ** 2 * sympy.Symbol("r"), sympy.Integer(1))
+    second = Pass(("x",), (), (scaled,), ())
     kernel = Kernel("k", (Tensor("x", "element"),), (Tensor("y", "row"),), (), (),
                     (first, second), Pass((), (), (), ()), (Store("y", s, "row"),))
     assert [sweep.joined for sweep in sweeps(kernel)] == [(1,), (2,)]
