@@ -123,19 +123,31 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                    getattr(module, persistent[0]).arg_names) if persistent else False
     results = []
 
-    def run(rows, warps, programs, stages=1, step=0):
+    # looped kernels with a joined sweep (codegen/fuse.py) run it where the module's rule
+    # says (rows of ONE_SWEEP_MIN_ROW_BYTES and more); the other form is measured next to the
+    # fastest configurations, as evidence for that rule, and is kept out of the table
+    rule_one_sweep = rule_one(module, n, element_size)
+    joined = any("ONE_SWEEP" in getattr(module, key).arg_names for key in kernels)
+
+    def run(rows, warps, programs, stages=1, step=0, one_sweep=None):
         per_sm = programs // sms
         row_blocks = -(-m // rows)
         programs = min(programs, row_blocks) if programs else row_blocks
         width = step or block_n
         chunks = -(-n // width)
-        schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks)
+        one_sweep = bool(step) and (rule_one_sweep if one_sweep is None else one_sweep)
+        schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks,
+                                    one_sweep)
         module._schedule = lambda *_args, **_kwargs: schedule
         for key, recorder in recorders.items():
             recorder.compiled = None
             setattr(module, key, recorder)
         config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
                   "stages": stages, "step": step}
+        if joined and step:
+            config["one_sweep"] = one_sweep
+            if one_sweep != rule_one_sweep:
+                config["against_rule"] = True
         try:
             call()  # compile outside the timed loop
             stats = measure(clock, Workload(lambda _state: call()), REP_MS)
@@ -180,6 +192,8 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
             for stages in STAGE_CHOICES:
                 if stages > 1:
                     run(rows, warps, programs, stages, step)
+                if joined:
+                    run(rows, warps, programs, stages, step, not rule_one_sweep)
         return results
 
     def warps_for(rows):
@@ -198,6 +212,11 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                         continue  # one row block per program: nothing to pipeline
                     run(rows, warps, sms * per_sm, stages)
     return results
+
+
+def rule_one(module, n: int, element_size: int) -> bool:
+    """Whether the module's rule joins the sweeps of a looped row this wide."""
+    return n * element_size >= module.ONE_SWEEP_MIN_ROW_BYTES
 
 
 def _used_schedule(module, call):
@@ -222,7 +241,7 @@ def _as_config(schedule, m: int, sms: int) -> dict:
     per_sm = 0 if schedule.programs >= row_blocks else max(1, schedule.programs // sms)
     return {"rows": schedule.rows, "warps": schedule.warps, "programs": schedule.programs,
             "per_sm": per_sm, "stages": schedule.stages,
-            "step": schedule.block_n if schedule.looped else 0}
+            "step": schedule.block_n if schedule.looped else 0, "one_sweep": schedule.one_sweep}
 
 
 def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
@@ -269,13 +288,21 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                     results.append(_as_config(used, m, properties.multi_processor_count)
                                    | {"ms": stats.median_ms, "gbps": gbps, source: True})
                 default = gbps
-                best = max((r for r in results if "gbps" in r), key=lambda r: r["gbps"])
+                best = max((r for r in results if "gbps" in r and not r.get("against_rule")),
+                           key=lambda r: r["gbps"])
                 print(f"{op_name} {mode} {m}x{n}: default {default:.0f} GB/s, "
                       f"best {best['gbps']:.0f}"
                       f" at rows {best['rows']} warps {best['warps']} programs {best['programs']}"
                       f" stages {best['stages']} step {best['step']}"
                       f" (regs {best.get('regs')}, spills {best.get('spills')},"
                       f" shared {best.get('shared')})", flush=True)
+                sweeps = {flag: max((r["gbps"] for r in results if "gbps" in r
+                                     and r.get("one_sweep") is flag), default=None)
+                          for flag in (True, False)}
+                if None not in sweeps.values():
+                    rule = rule_one(module, n, element_size)
+                    print(f"  fastest looped with one sweep {sweeps[True]:.0f} GB/s, with a pass "
+                          f"each {sweeps[False]:.0f} (the rule: one sweep {rule})", flush=True)
                 report["results"].append({"op": op_name, "mode": mode, "m": m, "n": n,
                                           "dtype": str(dtype), "default_gbps": default,
                                           "looped": looped, "configs": results})
@@ -316,7 +343,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
     ops = {op: {kind: dict(widths) for kind, widths in kinds.items()}
            for op, kinds in previous.get("ops", {}).items()}
     for result in report["results"]:
-        measured = [r for r in result["configs"] if "gbps" in r]
+        # configurations measured against the module's one-sweep rule are evidence, not choices
+        measured = [r for r in result["configs"] if "gbps" in r and not r.get("against_rule")]
         block_n = str(1 << (result["n"] - 1).bit_length())
         kinds = ops.setdefault(result["op"], {})
         looped = [r for r in measured if r.get("step")]

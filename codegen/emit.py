@@ -93,10 +93,15 @@ class KernelContext:
         self.prologue = self._assigns(kernel.prologue)
         self.passes = [self._pass(p) for p in kernel.passes]
         self.epilogue = self._pass(kernel.epilogue)
-        # the looped kernel's sweeps over a row: passes joined where codegen/fuse.py can
+        # the looped kernel's sweeps over a row: passes joined where codegen/fuse.py can,
+        # each joined sweep next to its two passes (the ONE_SWEEP constexpr picks)
         found = sweeps(kernel)
-        self.sweeps = [self._sweep(s) for s in found]
-        self.uses_moments = any(isinstance(f, Moments) for s in found for f in s.fused)
+        self.sweeps = [{"one": self._sweep(s) if s.fused else None,
+                        "two": [self._sweep(Sweep(p.loads, p.assigns, p.reductions, (), p.after,
+                                                  (i,)))
+                                for i, p in enumerate(kernel.passes, start=1) if i in s.joined]}
+                       for s in found]
+        self.one_sweep = any(s.fused for s in found)
         self.element_stores = [self._store(s) for s in kernel.stores_of("element")]
         self.row_stores = [self._store(s) for s in kernel.stores_of("row")]
         self.column_stores = [self._store(s) for s in kernel.stores_of("column")]
@@ -262,6 +267,31 @@ class KernelContext:
             "after": self._assigns(step.after),
         }
 
+    def sweep_lines(self) -> list[str]:
+        """The looped kernel's reduction sweeps, relative to its row-block loop."""
+        lines = []
+        for group in self.sweeps:
+            if group["one"] is None:
+                lines += self._sweep_lines(group["two"][0])
+                continue
+            lines.append("if ONE_SWEEP:")
+            lines += ["    " + line for line in self._sweep_lines(group["one"])]
+            lines.append("else:")
+            lines += ["    " + line for p in group["two"] for line in self._sweep_lines(p)]
+        return lines
+
+    def _sweep_lines(self, p: dict[str, Any]) -> list[str]:
+        body = (self.column_load_lines(p["column_inputs"])
+                + self.element_load_lines(p["element_loads"])
+                + self.assign_lines(p["assigns"]) + p["step"])
+        return (p["init"]
+                + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):",
+                   "    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
+                   "    col_mask = cols < N",
+                   "    mask = row_mask & col_mask"]
+                + ["    " + line for line in body]
+                + p["merge"] + self.assign_lines(p["after"]))
+
     def _sweep(self, sweep: Sweep) -> dict[str, Any]:
         """A sweep of the looped kernel as lines: accumulators set up before the column loop,
         updated in it, merged across lanes after it."""
@@ -304,15 +334,17 @@ class KernelContext:
             # where the mask holds, this lane has seen chunk + 1 values: Welford's running mean
             f"{mean}_acc += {mean}_delta * (1.0 / tl.cast(chunk + 1, ACC))",
             f"{second}_acc += {mean}_delta * tl.where(mask, {deviation}, 0.0)"]
+        merged = (f"tl.sum({second}_acc + {mean}_count * ({mean}_acc - {mean}) * "
+                  f"({mean}_acc - {mean}), axis=1)[:, None]")
         finish = [
+            # each lane's count of values: CHUNKS, less one where the last step is past N
             f"{mean}_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, "
-            f"CHUNKS, CHUNKS - 1) + tl.zeros((ROWS, BLOCK_N), dtype=ACC)",
-            f"{mean}, {second}, {mean}_count = tl.reduce(({mean}_acc, {second}_acc, "
-            f"{mean}_count), 1, _welford_combine)  # lanes merged pairwise (Chan et al.)",
-            f"{mean} = {mean}[:, None]  # {mean} = {formula(pair.mean.scale)} * "
-            f"sum_j({formula(pair.mean.body)})",
-            f"{second} = {self._scaled(pair.second, f'{second}[:, None]')}  # {second} = "
-            f"{formula(pair.second.scale)} * sum_j({formula(pair.second.body)})"]
+            "CHUNKS, CHUNKS - 1).to(ACC)",
+            f"{mean} = tl.sum({mean}_acc * {mean}_count, axis=1)[:, None] / N  # {mean} = "
+            f"{formula(pair.mean.scale)} * sum_j({formula(pair.mean.body)}), from the lane means",
+            # the lanes' squared deviations about the row's mean: theirs plus their means' own
+            f"{second} = {self._scaled(pair.second, merged)}"
+            f"  # {second} = {formula(pair.second.scale)} * sum_j({formula(pair.second.body)})"]
         return init, update, finish
 
     def _online_exp(self, pair: OnlineExp) -> tuple[list[str], list[str], list[str]]:
@@ -371,6 +403,7 @@ class KernelContext:
         args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
+        args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
         return args
 
 

@@ -6,14 +6,19 @@ written (the second needs the first's value), but two shapes of them can be carr
 per lane and combined at the end of one sweep, as torch and inductor do by hand:
 
 - a centred second moment after a mean, `mean = 1/N Σ b`, `v = s Σ (b - mean)^2`: each lane
-  keeps a running mean and sum of squared deviations (Welford), and the lanes merge pairwise
-  (Chan et al.); no sum of squares, so no cancellation when the mean dwarfs the spread;
+  keeps a running mean and sum of squared deviations (Welford), and the lanes merge by the
+  parallel-variance formula (Chan et al.): the row's mean from the lanes' means, then each
+  lane's squared deviations plus its count times its mean's squared deviation. No sum of
+  squares, so no cancellation when the mean dwarfs the spread; the merge is a plain sum, a
+  tree on the GPU;
 - a sum of exponentials shifted by a max, `m = max_j g`, `d = s Σ A exp(g - m)` (A free of m):
   each lane keeps its running max and its sum rescaled whenever that max grows (the online
   softmax), and the lanes rescale to the row's max when they merge.
 
 Persistent rows hold the whole row in registers, so their passes cost no memory and are left
-as they are. Anything else keeps its own pass.
+as they are. Anything else keeps its own pass. The looped kernel has both forms of a joined
+sweep; its ONE_SWEEP constexpr (the schedule's choice: long rows, ONE_SWEEP_MIN_ROW_BYTES)
+picks one.
 """
 
 from __future__ import annotations

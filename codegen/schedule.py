@@ -58,6 +58,10 @@ class ScheduleTable:
     #: forward 2483 vs 2199). Wider elements fall back to 1 where the buffers would not fit
     #: (fp32 layer-norm backward, 2 x 4096 a step: 320 KiB asked for, 227 KiB there)
     looped_stages: int = 3
+    #: looped rows of at least this many bytes carry two dependent reductions in one sweep
+    #: (codegen/fuse.py: a variance with its mean, a sum of exponentials with its max); shorter
+    #: rows are re-read from L2 cheaply and keep a pass each, which needs less arithmetic
+    one_sweep_min_row_bytes: int = 131072
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
     #: rows per step of a looped kernel that accumulates column partials: each step's
@@ -118,6 +122,7 @@ class ScheduleTable:
             "PERSISTENT_MAX_BWD_ROW_BYTES": self.persistent_max_bwd_row_bytes,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
+            "ONE_SWEEP_MIN_ROW_BYTES": self.one_sweep_min_row_bytes,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,
             "MAX_ROWS": self.max_rows,

@@ -28,6 +28,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
+ONE_SWEEP_MIN_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -46,7 +47,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -159,8 +160,9 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
+    one_sweep = looped and N * element_size >= ONE_SWEEP_MIN_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n))
+                     triton.cdiv(N, block_n), one_sweep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -246,16 +248,6 @@ def _guarded_reciprocal_torch(v):
 
 
 @triton.jit
-def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    """Two lanes' (mean, sum of squared deviations, count) as one (Chan et al.): the looped
-    rows' one-sweep variance. A lane with no values (count 0) adds nothing."""
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    share = tl.where(n == 0.0, 0.0, n_b / n)
-    return mean_a + delta * share, m2_a + m2_b + delta * delta * n_a * share, n
-
-
-@triton.jit
 def _add_layernorm_fwd_per(
     x_ptr,
     x_row_stride,
@@ -286,6 +278,7 @@ def _add_layernorm_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,
 ):
     """_add_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -361,6 +354,7 @@ def _add_layernorm_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,
 ):
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -371,30 +365,66 @@ def _add_layernorm_fwd_red(
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
-        mean_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        var_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
-            mask = row_mask & col_mask
-            if HAS_INPUT_BIAS:
-                input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-            else:
-                input_bias = 0.0
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            else:
-                residual = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-            mean_delta = tl.where(mask, residual_out - mean_acc, 0.0)
-            mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
-            var_acc += mean_delta * tl.where(mask, residual_out - mean_acc, 0.0)
-        mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1) + tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        mean, var, mean_count = tl.reduce((mean_acc, var_acc, mean_count), 1, _welford_combine)  # lanes merged pairwise (Chan et al.)
-        mean = mean[:, None]  # mean = 1/N * sum_j(residual_out)
-        var = var[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
-        rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+        if ONE_SWEEP:
+            mean_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            var_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                if HAS_INPUT_BIAS:
+                    input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+                else:
+                    input_bias = 0.0
+                if HAS_RESIDUAL:
+                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                else:
+                    residual = 0.0
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
+                mean_delta = tl.where(mask, residual_out - mean_acc, 0.0)
+                mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
+                var_acc += mean_delta * tl.where(mask, residual_out - mean_acc, 0.0)
+            mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1).to(ACC)
+            mean = tl.sum(mean_acc * mean_count, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out), from the lane means
+            var = tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+        else:
+            mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                if HAS_INPUT_BIAS:
+                    input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+                else:
+                    input_bias = 0.0
+                if HAS_RESIDUAL:
+                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                else:
+                    residual = 0.0
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
+                mean_acc += tl.where(mask, residual_out, 0.0)
+            mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+            var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                if HAS_INPUT_BIAS:
+                    input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+                else:
+                    input_bias = 0.0
+                if HAS_RESIDUAL:
+                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                else:
+                    residual = 0.0
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
+                var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
+            var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
@@ -1164,6 +1194,7 @@ def _add_layernorm_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        ONE_SWEEP=schedule.one_sweep,
         num_warps=schedule.warps,
     )
     return y, residual_out, mean, rstd,

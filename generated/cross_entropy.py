@@ -31,6 +31,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
+ONE_SWEEP_MIN_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -49,7 +50,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -130,8 +131,9 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
+    one_sweep = looped and N * element_size >= ONE_SWEEP_MIN_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n))
+                     triton.cdiv(N, block_n), one_sweep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -237,6 +239,7 @@ def _cross_entropy_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,
 ):
     """_cross_entropy_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -289,6 +292,7 @@ def _cross_entropy_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,
 ):
     """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -301,29 +305,58 @@ def _cross_entropy_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
-        target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
-        denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
-            mask = row_mask & col_mask
-            key = cols
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
-            logit_mean_acc += tl.where(mask, x, 0.0)
-            row_max_next = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
-            row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-            denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to this lane's new max
-            row_max_acc = row_max_next
-        target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
-        logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
-        row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-        denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), lanes rescaled to the row's max
-        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
-        loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
+        if ONE_SWEEP:
+            target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+            denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                key = cols
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
+                logit_mean_acc += tl.where(mask, x, 0.0)
+                row_max_next = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+                row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
+                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to this lane's new max
+                row_max_acc = row_max_next
+            target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+            logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), lanes rescaled to the row's max
+            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+            loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
+        else:
+            row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+            target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                key = cols
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+                target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
+                logit_mean_acc += tl.where(mask, x, 0.0)
+            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+            logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+            denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                e = tl.exp(x - row_max)  # e = exp(-row_max + x)
+                denominator_acc += tl.where(mask, e, 0.0)
+            denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
+            loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
@@ -515,6 +548,7 @@ def _cross_entropy_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        ONE_SWEEP=schedule.one_sweep,
         num_warps=schedule.warps,
     )
     return loss, row_max, denominator,

@@ -24,6 +24,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
+ONE_SWEEP_MIN_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -42,7 +43,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -155,8 +156,9 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
+    one_sweep = looped and N * element_size >= ONE_SWEEP_MIN_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n))
+                     triton.cdiv(N, block_n), one_sweep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -242,16 +244,6 @@ def _guarded_reciprocal_torch(v):
 
 
 @triton.jit
-def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    """Two lanes' (mean, sum of squared deviations, count) as one (Chan et al.): the looped
-    rows' one-sweep variance. A lane with no values (count 0) adds nothing."""
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    share = tl.where(n == 0.0, 0.0, n_b / n)
-    return mean_a + delta * share, m2_a + m2_b + delta * delta * n_a * share, n
-
-
-@triton.jit
 def _layernorm_fwd_per(
     x_ptr,
     x_row_stride,
@@ -274,6 +266,7 @@ def _layernorm_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,
 ):
     """_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -330,6 +323,7 @@ def _layernorm_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,
 ):
     """_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -340,21 +334,39 @@ def _layernorm_fwd_red(
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < M
         offsets = rows.to(tl.int64)
-        mean_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        var_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
-            mask = row_mask & col_mask
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            mean_delta = tl.where(mask, x - mean_acc, 0.0)
-            mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
-            var_acc += mean_delta * tl.where(mask, x - mean_acc, 0.0)
-        mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1) + tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-        mean, var, mean_count = tl.reduce((mean_acc, var_acc, mean_count), 1, _welford_combine)  # lanes merged pairwise (Chan et al.)
-        mean = mean[:, None]  # mean = 1/N * sum_j(x)
-        var = var[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
-        rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+        if ONE_SWEEP:
+            mean_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            var_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                mean_delta = tl.where(mask, x - mean_acc, 0.0)
+                mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
+                var_acc += mean_delta * tl.where(mask, x - mean_acc, 0.0)
+            mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1).to(ACC)
+            mean = tl.sum(mean_acc * mean_count, axis=1)[:, None] / N  # mean = 1/N * sum_j(x), from the lane means
+            var = tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
+            rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+        else:
+            mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                mean_acc += tl.where(mask, x, 0.0)
+            mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+            var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
+                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = cols < N
+                mask = row_mask & col_mask
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                var_acc += tl.where(mask, (x - mean) * (x - mean), 0.0)
+            var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
+            rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
@@ -965,6 +977,7 @@ def _layernorm_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        ONE_SWEEP=schedule.one_sweep,
         num_warps=schedule.warps,
     )
     return y, mean, rstd,

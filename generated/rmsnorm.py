@@ -26,6 +26,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
+ONE_SWEEP_MIN_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -44,7 +45,7 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks")
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -157,8 +158,9 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
+    one_sweep = looped and N * element_size >= ONE_SWEEP_MIN_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n))
+                     triton.cdiv(N, block_n), one_sweep)
 
 
 def _partials(needed, schedule, N, acc, device):

@@ -49,10 +49,12 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     return torch.device("cuda" if HAS_CUDA and path == "triton" else "cpu")
 
 
-def force_looped(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
-    """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule."""
+def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: bool = True) -> None:
+    """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule, with two dependent
+    reductions in one sweep (codegen/fuse.py) or, `one_sweep=False`, in a pass each."""
     monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
     monkeypatch.setattr(module, "PERSISTENT_MAX_BWD_ROW_BYTES", 0)  # backwards too
+    monkeypatch.setattr(module, "ONE_SWEEP_MIN_ROW_BYTES", 0 if one_sweep else 1 << 62)
     module._schedule.cache_clear()  # the row-bytes limit is read inside the cached heuristic
 
 

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import sympy
+import torch
+from reference import force_looped, randn
 
 from codegen.fuse import Moments, OnlineExp, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce, Store, Tensor
 from codegen.lower import lower
 from derive.engine import derive, load_spec
-from generated import cross_entropy, layernorm, masked_softmax, softmax
+from generated import add_layernorm, cross_entropy, layernorm, masked_softmax, softmax
 
 ROOT = Path(__file__).resolve().parent.parent
 x, m, s, n = (sympy.Symbol(name, real=True) for name in ("x", "m", "s", "N"))
@@ -92,8 +94,42 @@ def test_second_pass_using_a_row_value_of_the_first_keeps_its_pass():
 
 
 @pytest.mark.parametrize("module", [layernorm, softmax, masked_softmax, cross_entropy])
-def test_looped_forward_reads_each_row_once_per_sweep(module):
-    # the generated looped forward: one sweep for the statistics (+ one writing the output)
+def test_looped_forward_has_the_joined_sweep_and_the_passes(module):
+    # the generated looped forward: under ONE_SWEEP one sweep for the statistics, else two;
+    # then one writing the output (cross-entropy writes none)
     source = inspect.getsource(getattr(module, f"_{module.__name__.split('.')[-1]}_fwd_red").fn)
+    one, two = source.split("if ONE_SWEEP:")[1].split("        else:\n", 1)
+    assert one.count("for chunk in") == 1
     writes = module is not cross_entropy
-    assert source.count("for chunk in") == 1 + writes
+    assert two.count("for chunk in") == 2 + writes
+
+
+def _calls(device):
+    x = randn((5, 37), device=device, shift=2.0) * 3
+    w, b = randn((37,), seed=1, device=device), randn((37,), seed=2, device=device)
+    mask = torch.zeros(5, 37, device=device, dtype=x.dtype)
+    mask[:, :20] = -float("inf")  # the first column blocks of some rows see only -inf
+    mask[0] = 0.0
+    target = torch.tensor([0, 36, 5, 17, 2], device=device)
+    return {
+        layernorm: lambda: layernorm.layer_norm(x, (37,), w, b),
+        add_layernorm: lambda: add_layernorm.add_layer_norm(x, x.flip(0), (37,), w, b),
+        softmax: lambda: softmax.softmax(x + torch.arange(37, device=device) * 2.0),
+        masked_softmax: lambda: masked_softmax.masked_softmax(x, mask, scale=0.5),
+        cross_entropy: lambda: cross_entropy.cross_entropy(x, target, label_smoothing=0.1,
+                                                           reduction="none"),
+    }
+
+
+@pytest.mark.parametrize("module", [layernorm, add_layernorm, softmax, masked_softmax,
+                                    cross_entropy], ids=lambda m: m.__name__.split(".")[-1])
+def test_one_sweep_equals_a_pass_each(device, monkeypatch, module):
+    # fp64: the running forms (Welford, online max) agree with the passes they replace to
+    # rounding; the conftest's looped schedule runs the one-sweep form everywhere else
+    results = []
+    for one_sweep in (True, False):
+        force_looped(monkeypatch, module, one_sweep)
+        out = _calls(device)[module]()
+        results.append([t for t in (out if isinstance(out, tuple) else (out,))])
+    for one, two in zip(*results, strict=True):
+        torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-12, equal_nan=True)
