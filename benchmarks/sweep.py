@@ -61,6 +61,8 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
     """Zero-argument calls of the module's forward and backward launchers at one shape (the
     launchers' own arguments: tensors, then scalars and flags; see generated/<op>.py), and the
     element size."""
+    if op_name == "cross_entropy":
+        return _cross_entropy_calls(module, m, n, dtype)
     op = OPS[op_name]
     forward = getattr(module, f"_{op_name}_fwd")
     backward = getattr(module, f"_{op_name}_bwd_default")
@@ -86,6 +88,25 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
 
     def backward_call():
         return backward(dy, *saved, *backward_scalars, *stores)
+
+    return forward_call, backward_call, x.element_size()
+
+
+def _cross_entropy_calls(module, m: int, n: int, dtype: torch.dtype):
+    """launcher_calls of generated.cross_entropy: logits (m, n) against random classes; the
+    forward stores the row max and denominator, as training does."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn((m, n), generator=generator, device="cuda", dtype=dtype)
+    target = torch.randint(0, n, (m,), generator=generator, device="cuda")
+    _loss, row_max, denominator = module._cross_entropy_fwd(x, target, -100, 0.0, True, True)
+    dloss = torch.full((m,), 1.0 / m, device="cuda")
+
+    def forward_call():
+        return module._cross_entropy_fwd(x, target, -100, 0.0, True, True)
+
+    def backward_call():
+        return module._cross_entropy_bwd_default(x, dloss, target, row_max, denominator, -100,
+                                                 0.0)
 
     return forward_call, backward_call, x.element_size()
 

@@ -1,7 +1,7 @@
 """Measure schedules directly: every (rows, warps, programs) a kernel could run with, per shape.
 
-    python -m benchmarks.tune --out DIR [--ops layernorm,rmsnorm,softmax] [--dtype bf16]
-                              [--budget-s 500] [--looped]
+    python -m benchmarks.tune --out DIR [--ops layernorm,rmsnorm,softmax,cross_entropy]
+                              [--dtype bf16] [--budget-s 500] [--looped]
 
 Unlike `benchmarks.sweep` (which varies the heuristic's constants), this fixes the schedule
 itself: the generated module's `_schedule` is replaced by one that returns the configuration
@@ -11,12 +11,15 @@ compiled kernel's registers, spills and shared memory are recorded. The search i
 rows per step (1, or 2048 to 16384 elements a step), warps (8 to 32 elements a thread),
 1 or 3 software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM
 looping over row blocks. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per
-step (1024 to 8192), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3
-stages for the three fastest, against the table's whole-row entry for the width measured in
-the same run. Results go to DIR/tune.json, written after every shape, so a run cut short keeps
-what it measured. `--write-table` then turns DIR/tune.json into codegen/schedule_table.json:
-the fastest measured configuration per op, kernel kind and width (and the fastest looped one),
-merged into the table's entries for widths the run did not measure.
+step (1024 to 16384), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3
+stages for the three fastest (and, for kernels with a joined sweep, the other form of it,
+kept out of the table), against the table's whole-row entry for the width measured in the
+same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes: the logits
+read, and in the backward their gradient written). Results go to DIR/tune.json, written
+after every shape, so a run cut short keeps what it measured. `--write-table` then turns
+DIR/tune.json into codegen/schedule_table.json: the fastest measured configuration per op,
+kernel kind and width (and the fastest looped one), merged into the table's entries for
+widths the run did not measure.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.ops import OPS, bytes_moved
+from benchmarks.ops import OPS, OpSpec, bytes_moved
 from benchmarks.sweep import DTYPES, launcher_calls
 from benchmarks.timing import CudaClock, Workload, measure
 
@@ -52,8 +55,8 @@ LOOPED_SHAPES = (
     (4096, 65536),
     (1024, 262144),
 )
-LOOPED_STEPS = (1024, 2048, 4096, 8192)
-LOOPED_WARPS = (4, 8, 16)
+LOOPED_STEPS = (1024, 2048, 4096, 8192, 16384)
+LOOPED_WARPS = (4, 8, 16, 32)
 #: rows per step of looped kernels with column partials: each step reads, adds to and writes
 #: back the program's fp32 partial row, so more rows a step share that traffic (`--looped`,
 #: H100, 2026-11-22, bf16 layer-norm backward 4096x32768, fastest per rows a step: 1 row 687
@@ -70,6 +73,23 @@ MAX_ELEMENTS_PER_THREAD = 32
 MIN_ELEMENTS_PER_THREAD = 8
 STEP_ELEMENTS = (2048, 4096, 8192, 16384)
 STAGE_CHOICES = (1, 3)
+
+
+#: ops tune measures besides benchmarks.ops.OPS: cross-entropy's kernels read the logits
+#: (forward: a loss per row; backward: and write their gradient)
+ROW_LOSSES = {"cross_entropy": OpSpec("cross_entropy", 0, lambda fn, x, params: fn(x))}
+
+
+def _op(name: str) -> OpSpec:
+    return ROW_LOSSES.get(name) or OPS[name]
+
+
+def _moved(op: OpSpec, mode: str, m: int, n: int, element_size: int) -> int:
+    """Bytes a kernel must move: benchmarks.ops.bytes_moved, or for a row loss the logits read
+    (and, backward, their gradient written)."""
+    if op.name in ROW_LOSSES:
+        return m * n * element_size * (1 if mode == "fwd" else 2)
+    return bytes_moved(op, mode, m, n, element_size)
 
 
 def _pow2s(low: int, high: int) -> list[int]:
@@ -154,7 +174,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         except Exception as error:  # noqa: BLE001 - a config that does not compile is data
             record = config | {"error": f"{type(error).__name__}: {str(error)[:200]}"}
         else:
-            gbps = bytes_moved(op, mode, m, n, element_size) / stats.median_ms / 1e6
+            gbps = _moved(op, mode, m, n, element_size) / stats.median_ms / 1e6
             record = config | {"ms": stats.median_ms, "gbps": gbps}
             for recorder in recorders.values():
                 if recorder.compiled is not None:
@@ -267,10 +287,10 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
             for name, mode, call in (("fwd", "fwd", forward), ("bwd_default", "bwd", backward)):
                 if mode not in modes:
                     continue
-                results = _tune_kernel(module, name, call, m, n, element_size, OPS[op_name], mode,
+                results = _tune_kernel(module, name, call, m, n, element_size, _op(op_name), mode,
                                        clock, properties.multi_processor_count, looped,
                                        partial_rows)
-                moved = bytes_moved(OPS[op_name], mode, m, n, element_size)
+                moved = _moved(_op(op_name), mode, m, n, element_size)
                 # the module's own schedule, with its table and with its rules alone, is a
                 # candidate too (rules no search covers: the softmax backward's whole rows
                 # past 16384, say)

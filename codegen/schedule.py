@@ -52,6 +52,8 @@ class ScheduleTable:
     #: backward kernels without column partials keep whole rows of up to this many bytes past
     #: persistent_max_block_n; 0 here, raised per op in `per_op` where measured
     persistent_max_bwd_row_bytes: int = 0
+    #: ... and forward kernels likewise (0 here, raised per op in `per_op` where measured)
+    persistent_max_fwd_row_bytes: int = 0
     #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
     #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
     #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
@@ -94,7 +96,10 @@ class ScheduleTable:
     #: its backward at 4096x32000 whole ran 2x slower than looped (benchmarks.transformer_ops,
     #: same day); forwards lose too (layer-norm forward 4096x32768 whole: 1096 vs 2392 looped)
     per_op: dict = field(default_factory=lambda: {
-        "softmax": {"persistent_max_bwd_row_bytes": 65536},
+        "softmax": {"persistent_max_bwd_row_bytes": 65536,
+                    # forward: `benchmarks.tune --modes fwd --shapes 4096x32768` (H100, bf16,
+                    # 2026-11-22): whole rows at 32 warps 2789 GB/s against 2559 looped
+                    "persistent_max_fwd_row_bytes": 65536},
     })
 
     #: measured per-op schedules (see load_measured); the constants above are the fallback
@@ -120,6 +125,7 @@ class ScheduleTable:
             "PERSISTENT_MAX_PARTIAL_ROW_BYTES": self.persistent_max_partial_row_bytes,
             "PADDED_PARTIAL_LOOPED_BLOCK_N": self.padded_partial_looped_block_n,
             "PERSISTENT_MAX_BWD_ROW_BYTES": self.persistent_max_bwd_row_bytes,
+            "PERSISTENT_MAX_FWD_ROW_BYTES": self.persistent_max_fwd_row_bytes,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_ROW_BYTES": self.one_sweep_min_row_bytes,

@@ -25,6 +25,7 @@ PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
 PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
+PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_ROW_BYTES = 131072
@@ -98,7 +99,7 @@ MEASURED_SCHEDULES = {
     ("fwd", 4096): (1, 8, 0, 1, 0),
     ("fwd", 8192): (1, 16, 0, 1, 4096),
     ("fwd", 16384): (1, 8, 0, 1, 4096),
-    ("fwd", 32768): (1, 16, 4, 1, 8192),
+    ("fwd", 32768): (1, 32, 2, 1, 0),
     ("fwd", 65536): (1, 16, 0, 3, 8192),
     ("fwd", 262144): (1, 8, 0, 3, 4096),
     ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
@@ -123,7 +124,7 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         # a backward without column partials may keep wider rows whole (measured per op)
         must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
-        must_loop = block_n > persistent_max_block_n
+        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_FWD_ROW_BYTES
     measured = MEASURED_SCHEDULES.get((kind, block_n))
     if must_loop and (measured is None or not measured[4]):
         # the looped entries were measured at N == block_n; a padded row that must loop keeps

@@ -23,6 +23,7 @@ PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
 PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
+PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_ROW_BYTES = 131072
@@ -89,7 +90,7 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         # a backward without column partials may keep wider rows whole (measured per op)
         must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
-        must_loop = block_n > persistent_max_block_n
+        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_FWD_ROW_BYTES
     measured = MEASURED_SCHEDULES.get((kind, block_n))
     if must_loop and (measured is None or not measured[4]):
         # the looped entries were measured at N == block_n; a padded row that must loop keeps

@@ -173,14 +173,15 @@ def test_padded_rows_with_column_partials_loop():
     assert not _looped(layernorm, 12288, False, "fwd")
 
 
-def test_wide_backward_rows_stay_whole_only_where_measured():
-    from generated import cross_entropy, softmax
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_wide_rows_stay_whole_only_where_measured(kind):
+    from generated import cross_entropy, layernorm, softmax
 
-    assert softmax.PERSISTENT_MAX_BWD_ROW_BYTES == DEFAULT.per_op["softmax"][
-        "persistent_max_bwd_row_bytes"]
-    assert not _looped(softmax, 32768, False, "bwd")  # 64 KiB of bf16: whole
-    assert _looped(softmax, 65536, False, "bwd")  # 128 KiB: looped
-    assert _looped(softmax, 32768, False, "bwd", element_size=4)  # fp32 32768: 128 KiB
-    assert _looped(softmax, 32768, False, "fwd")  # forwards keep persistent_max_block_n
-    assert cross_entropy.PERSISTENT_MAX_BWD_ROW_BYTES == 0
-    assert _looped(cross_entropy, 32768, False, "bwd")
+    limit = f"PERSISTENT_MAX_{kind.upper()}_ROW_BYTES"
+    assert getattr(softmax, limit) == DEFAULT.per_op["softmax"][limit.lower()]
+    assert not _looped(softmax, 32768, False, kind)  # 64 KiB of bf16: whole
+    assert _looped(softmax, 65536, False, kind)  # 128 KiB: looped
+    assert _looped(softmax, 32768, False, kind, element_size=4)  # fp32 32768: 128 KiB
+    assert getattr(cross_entropy, limit) == getattr(layernorm, limit) == 0
+    assert _looped(cross_entropy, 32768, False, kind)
+    assert _looped(layernorm, 32768, False, kind)
