@@ -75,11 +75,23 @@ def _use_triton(tensor):
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
+#: measured schedules (codegen/schedule_table.json): (kind, power-of-two row width) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
 #: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole
 MEASURED_SCHEDULES = {
+    ("bwd", 32768): (1, 8, 0, 3, 2048),
+    ("bwd", 131072): (1, 32, 0, 1, 4096),
+    ("bwd", 262144): (1, 32, 0, 1, 4096),
+    ("bwd_looped", 32768): (1, 8, 0, 3, 2048),
+    ("bwd_looped", 131072): (1, 32, 0, 1, 4096),
+    ("bwd_looped", 262144): (1, 32, 0, 1, 4096),
+    ("fwd", 32768): (1, 8, 0, 1, 2048),
+    ("fwd", 131072): (1, 4, 0, 1, 1024),
+    ("fwd", 262144): (1, 32, 4, 1, 8192),
+    ("fwd_looped", 32768): (1, 8, 0, 1, 2048),
+    ("fwd_looped", 131072): (1, 4, 0, 1, 1024),
+    ("fwd_looped", 262144): (1, 32, 4, 1, 8192),
 }
 
 
