@@ -144,7 +144,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     results = []
 
     # looped kernels with a joined sweep (codegen/fuse.py) run it where the module's rule
-    # says (rows of ONE_SWEEP_MIN_ROW_BYTES and more); the other form is measured next to the
+    # says (rows of ONE_SWEEP_MIN_N columns and more); the other form is measured next to the
     # fastest configurations, as evidence for that rule, and is kept out of the table
     rule_one_sweep = rule_one(module, n, element_size)
     joined = any("ONE_SWEEP" in getattr(module, key).arg_names for key in kernels)
@@ -236,7 +236,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
 
 def rule_one(module, n: int, element_size: int) -> bool:
     """Whether the module's rule joins the sweeps of a looped row this wide."""
-    return n * element_size >= module.ONE_SWEEP_MIN_ROW_BYTES
+    return n >= module.ONE_SWEEP_MIN_N
 
 
 def _used_schedule(module, call):

@@ -17,7 +17,7 @@ per lane and combined at the end of one sweep, as torch and inductor do by hand:
 
 Persistent rows hold the whole row in registers, so their passes cost no memory and are left
 as they are. Anything else keeps its own pass. The looped kernel has both forms of a joined
-sweep; its ONE_SWEEP constexpr (the schedule's choice: long rows, ONE_SWEEP_MIN_ROW_BYTES)
+sweep; its ONE_SWEEP constexpr (the schedule's choice: long rows, ONE_SWEEP_MIN_N)
 picks one.
 """
 

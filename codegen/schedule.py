@@ -60,10 +60,15 @@ class ScheduleTable:
     #: forward 2483 vs 2199). Wider elements fall back to 1 where the buffers would not fit
     #: (fp32 layer-norm backward, 2 x 4096 a step: 320 KiB asked for, 227 KiB there)
     looped_stages: int = 3
-    #: looped rows of at least this many bytes carry two dependent reductions in one sweep
+    #: looped rows of at least this many columns carry two dependent reductions in one sweep
     #: (codegen/fuse.py: a variance with its mean, a sum of exponentials with its max); shorter
-    #: rows are re-read from L2 cheaply and keep a pass each, which needs less arithmetic
-    one_sweep_min_row_bytes: int = 131072
+    #: rows are re-read from L2 cheaply and keep a pass each, which needs less arithmetic.
+    #: `benchmarks.tune --looped --modes fwd` (H100, bf16, 2026-11-22), fastest one sweep vs a
+    #: pass each: layer norm 4096x32768 2572 vs 2644 GB/s, 4096x65536 2141 vs 1569, 1024x262144
+    #: 1919 vs 1464; softmax 2184 vs 2554, 2061 vs 1819, 1835 vs 1476. fp32 rows of 32768 (as
+    #: many bytes as bf16 65536) lost with one sweep in benchmarks.run (layer norm 1996 vs 2168,
+    #: softmax 2456 vs 2644 the grid before): a column count, not bytes
+    one_sweep_min_n: int = 65536
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
     #: rows per step of a looped kernel that accumulates column partials: each step's
@@ -128,7 +133,7 @@ class ScheduleTable:
             "PERSISTENT_MAX_FWD_ROW_BYTES": self.persistent_max_fwd_row_bytes,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
-            "ONE_SWEEP_MIN_ROW_BYTES": self.one_sweep_min_row_bytes,
+            "ONE_SWEEP_MIN_N": self.one_sweep_min_n,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,
             "MAX_ROWS": self.max_rows,

@@ -25,7 +25,7 @@ PERSISTENT_MAX_BWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
-ONE_SWEEP_MIN_ROW_BYTES = 131072
+ONE_SWEEP_MIN_N = 65536
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -157,7 +157,7 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    one_sweep = looped and N * element_size >= ONE_SWEEP_MIN_ROW_BYTES
+    one_sweep = looped and N >= ONE_SWEEP_MIN_N
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep)
 

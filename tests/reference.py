@@ -55,7 +55,7 @@ def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: boo
     monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
     monkeypatch.setattr(module, "PERSISTENT_MAX_BWD_ROW_BYTES", 0)  # backwards too
     monkeypatch.setattr(module, "PERSISTENT_MAX_FWD_ROW_BYTES", 0)
-    monkeypatch.setattr(module, "ONE_SWEEP_MIN_ROW_BYTES", 0 if one_sweep else 1 << 62)
+    monkeypatch.setattr(module, "ONE_SWEEP_MIN_N", 0 if one_sweep else 1 << 62)
     module._schedule.cache_clear()  # the row-bytes limit is read inside the cached heuristic
 
 

@@ -58,13 +58,13 @@ def test_measured_looped_schedule_is_used():
 
 @pytest.mark.parametrize(("n", "element_size"), [(32768, 2), (65536, 2), (32768, 4),
                                                    (262144, 4), (4096, 4)])
-def test_one_sweep_is_chosen_by_the_row_bytes(n, element_size):
-    # looped rows of ONE_SWEEP_MIN_ROW_BYTES and more join their dependent reductions in one
+def test_one_sweep_is_chosen_by_the_row_length(n, element_size):
+    # looped rows of ONE_SWEEP_MIN_N columns and more join their dependent reductions in one
     # sweep (codegen/fuse.py); shorter rows and whole rows keep a pass each
     layernorm._schedule.cache_clear()
     schedule = layernorm._schedule(4096, n, False, "fwd", 1, element_size, torch.device("cpu"),
                                    layernorm.PERSISTENT_MAX_BLOCK_N)
-    long_row = n * element_size >= layernorm.ONE_SWEEP_MIN_ROW_BYTES
+    long_row = n >= layernorm.ONE_SWEEP_MIN_N
     assert schedule.one_sweep == (schedule.looped and long_row)
     assert schedule.looped == (n > layernorm.PERSISTENT_MAX_BLOCK_N or schedule.block_n < n)
 
