@@ -353,24 +353,27 @@ class KernelContext:
         self._element.add(shift.name)
         term = self.print_named(total, pair.factor * sympy.exp(pair.peak.body - shift))
         body = self.print_named(peak, pair.peak.body)
-        init = [f'{peak}_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)',
+        # the running max is the row's (a max over each step's tile), so the sum rescales once
+        # a step: one exponential an element, not two as with a running max per lane
+        init = [f'{peak}_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)',
                 f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
         update = [
-            f'{peak}_next = tl.maximum({peak}_acc, tl.where(mask, {body}, float("-inf")))',
-            # a lane that has seen only -inf keeps a zero sum: shift by 0, not by -inf
+            f'{peak}_next = tl.maximum({peak}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
+            "axis=1)[:, None])",
+            # a row that has seen only -inf keeps a zero sum: shift by 0, not by -inf
             f'{peak}_shift = tl.where({peak}_next == float("-inf"), 0.0, {peak}_next)',
             f"{total}_acc = {total}_acc * tl.exp({peak}_acc - {peak}_shift) + "
-            f"tl.where(mask, {term}, 0.0)  # rescaled to this lane's new max",
+            f"tl.where(mask, {term}, 0.0)  # rescaled to the row's new max",
             f"{peak}_acc = {peak}_next"]
-        merged = f"tl.sum({total}_acc * tl.exp({peak}_acc - {peak}), axis=1)[:, None]"
+        merged = f"tl.sum({total}_acc, axis=1)[:, None]"
         finish = [
-            f"{peak} = tl.max({peak}_acc, axis=1)[:, None]  # {peak} = "
+            f"{peak} = {peak}_acc  # {peak} = "
             f"{formula(pair.peak.scale)} * max_j({formula(pair.peak.body)})",
             f'{peak} = tl.where({peak} == float("-inf"), 0.0, {peak})  # a stabiliser: any '
             "finite value serves an all -inf row",
             f"{total} = {self._scaled(pair.total, merged)}"
             f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
-            "lanes rescaled to the row's max"]
+            "every lane at the row's max"]
         return init, update, finish
 
     def _store(self, store: Any) -> dict[str, Any]:

@@ -12,8 +12,9 @@ per lane and combined at the end of one sweep, as torch and inductor do by hand:
   squares, so no cancellation when the mean dwarfs the spread; the merge is a plain sum, a
   tree on the GPU;
 - a sum of exponentials shifted by a max, `m = max_j g`, `d = s Σ A exp(g - m)` (A free of m):
-  each lane keeps its running max and its sum rescaled whenever that max grows (the online
-  softmax), and the lanes rescale to the row's max when they merge.
+  the row's running max (each step's tile max joins it) and each lane's sum, rescaled once a
+  step when that max grows (the online softmax): one exponential an element, and the lanes
+  share the max, so they merge by a plain sum.
 
 Persistent rows hold the whole row in registers, so their passes cost no memory and are left
 as they are. Anything else keeps its own pass. The looped kernel has both forms of a joined

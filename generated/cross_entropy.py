@@ -88,10 +88,10 @@ MEASURED_SCHEDULES = {
     ("bwd_looped", 262144): (1, 32, 0, 1, 4096),
     ("fwd", 32768): (1, 8, 0, 1, 2048),
     ("fwd", 131072): (1, 4, 0, 1, 1024),
-    ("fwd", 262144): (1, 32, 4, 1, 8192),
+    ("fwd", 262144): (1, 4, 0, 1, 1024),
     ("fwd_looped", 32768): (1, 8, 0, 1, 2048),
     ("fwd_looped", 131072): (1, 4, 0, 1, 1024),
-    ("fwd_looped", 262144): (1, 32, 4, 1, 8192),
+    ("fwd_looped", 262144): (1, 4, 0, 1, 1024),
 }
 
 
@@ -321,7 +321,7 @@ def _cross_entropy_fwd_red(
         if ONE_SWEEP:
             target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-            row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+            row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -331,15 +331,15 @@ def _cross_entropy_fwd_red(
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
                 target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
                 logit_mean_acc += tl.where(mask, x, 0.0)
-                row_max_next = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+                row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to this lane's new max
+                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
                 row_max_acc = row_max_next
             target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
             logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
-            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+            row_max = row_max_acc  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-            denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), lanes rescaled to the row's max
+            denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
             loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         else:
@@ -902,10 +902,16 @@ def _check_target(function, name, target, input, ignore_index):
         raise ValueError(f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {target.device}")
     target = target.to(torch.int64)
     if not torch.compiler.is_compiling() and target.numel():
-        # one small reduction and a sync: an out-of-range class would silently read no logit
+        # an out-of-range class would silently read no logit
         classes = input.shape[-1]
         bad = ((target < 0) | (target >= classes)) & (target != int(ignore_index))
-        if bool(bad.any()):
+        if target.is_cuda:
+            # no host sync, which would stall the launch queue behind the GPU (H100, 4096x32000
+            # bf16: the forward took 0.376 ms with it, 0.284 without): a device-side assert,
+            # as torch's own CUDA losses raise, fails the next synchronising call
+            torch._assert_async(~bad.any(), f"{function}(): argument '{name}' must hold class "
+                                f"indices in [0, {classes}) or ignore_index ({int(ignore_index)})")
+        elif bool(bad.any()):
             raise ValueError(
                 f"{function}(): argument '{name}' must hold class indices in [0, {classes}) or ignore_index "
                 f"({int(ignore_index)}), got {int(target[bad][0])}"

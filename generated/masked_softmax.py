@@ -105,14 +105,14 @@ MEASURED_SCHEDULES = {
     ("fwd", 8192): (1, 16, 0, 1, 0),
     ("fwd", 16384): (1, 16, 0, 1, 0),
     ("fwd", 32768): (1, 32, 8, 3, 0),
-    ("fwd", 65536): (1, 16, 0, 1, 8192),
-    ("fwd", 262144): (1, 16, 0, 1, 4096),
+    ("fwd", 65536): (1, 32, 0, 1, 16384),
+    ("fwd", 262144): (1, 8, 0, 3, 4096),
     ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
     ("fwd_looped", 8192): (1, 16, 0, 1, 4096),
     ("fwd_looped", 16384): (1, 16, 0, 1, 8192),
     ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
-    ("fwd_looped", 65536): (1, 16, 0, 1, 8192),
-    ("fwd_looped", 262144): (1, 16, 0, 1, 4096),
+    ("fwd_looped", 65536): (1, 32, 0, 1, 16384),
+    ("fwd_looped", 262144): (1, 8, 0, 3, 4096),
 }
 
 
@@ -411,7 +411,7 @@ def _masked_softmax_fwd_red(
         query = offsets % D2
         attention_mask_rows = offsets // (D1 * D2) * attention_mask_stride0 + offsets // D2 % D1 * attention_mask_stride1 + offsets % D2 * attention_mask_stride2
         if ONE_SWEEP:
-            row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+            row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -424,13 +424,13 @@ def _masked_softmax_fwd_red(
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-                row_max_next = tl.maximum(row_max_acc, tl.where(mask, z, float("-inf")))
+                row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(z - row_max_shift), 0.0)  # rescaled to this lane's new max
+                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(z - row_max_shift), 0.0)  # rescaled to the row's new max
                 row_max_acc = row_max_next
-            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
+            row_max = row_max_acc  # row_max = 1 * max_j(z)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-            denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), lanes rescaled to the row's max
+            denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):

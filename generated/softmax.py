@@ -97,14 +97,14 @@ MEASURED_SCHEDULES = {
     ("fwd", 8192): (1, 16, 0, 1, 0),
     ("fwd", 16384): (1, 16, 0, 1, 0),
     ("fwd", 32768): (1, 32, 8, 3, 0),
-    ("fwd", 65536): (1, 16, 0, 1, 8192),
-    ("fwd", 262144): (1, 16, 0, 1, 4096),
+    ("fwd", 65536): (1, 32, 0, 1, 16384),
+    ("fwd", 262144): (1, 8, 0, 3, 4096),
     ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
     ("fwd_looped", 8192): (1, 16, 0, 1, 4096),
     ("fwd_looped", 16384): (1, 16, 0, 1, 8192),
     ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
-    ("fwd_looped", 65536): (1, 16, 0, 1, 8192),
-    ("fwd_looped", 262144): (1, 16, 0, 1, 4096),
+    ("fwd_looped", 65536): (1, 32, 0, 1, 16384),
+    ("fwd_looped", 262144): (1, 8, 0, 3, 4096),
 }
 
 
@@ -302,20 +302,20 @@ def _softmax_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         if ONE_SWEEP:
-            row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
+            row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-                row_max_next = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+                row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to this lane's new max
+                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
                 row_max_acc = row_max_next
-            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+            row_max = row_max_acc  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-            denominator = tl.sum(denominator_acc * tl.exp(row_max_acc - row_max), axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), lanes rescaled to the row's max
+            denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):

@@ -1,12 +1,16 @@
 """Cross-entropy over the last dim, against torch.nn.functional.cross_entropy on the rows."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from reference import (
     FP64_TOL,
+    HAS_CUDA,
     LOW_PRECISION_DTYPES,
     NON_CONTIGUOUS,
     assert_low_precision_ok,
@@ -232,11 +236,6 @@ BAD_CALLS = {
                      ValueError, r"argument 'target' must have shape input.shape\[:-1\]"),
     "target_of_2d_logits_shape": (lambda x: cross_entropy(x, target_of(x)[:, None]),
                                   ValueError, "argument 'target' must have shape"),
-    "target_too_large": (lambda x: cross_entropy(x, target_of(x) + 8),
-                         ValueError, r"argument 'target' must hold class indices in \[0, 8\)"
-                                     r" or ignore_index \(-100\), got 8"),
-    "target_negative": (lambda x: cross_entropy(x, target_of(x) - 1),
-                        ValueError, "argument 'target' must hold class indices .* got -1"),
     "target_not_tensor": (lambda x: cross_entropy(x, [0, 1, 2, 3]),
                           TypeError, "argument 'target' must be a torch.Tensor"),
     "reduction": (lambda x: cross_entropy(x, target_of(x), reduction="avg"), ValueError,
@@ -257,3 +256,39 @@ def test_bad_input_is_rejected(device, case):
     call, error, match = BAD_CALLS[case]
     with pytest.raises(error, match=match):
         call(randn((4, 8), device=device))
+
+
+# class indices out of range: CPU tensors raise at once; on CUDA the check runs on the device
+# (no host sync), as torch's own CUDA loss does, and fails the next synchronising call
+BAD_CLASSES = {
+    "target_too_large": (8, r"argument 'target' must hold class indices in \[0, 8\)"
+                            r" or ignore_index \(-100\), got 8"),
+    "target_negative": (-1, "argument 'target' must hold class indices .* got -1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CLASSES)
+def test_class_out_of_range_is_rejected_on_cpu(case):
+    shift, match = BAD_CLASSES[case]
+    x = randn((4, 8), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=match):
+        cross_entropy(x, target_of(x) + shift)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the device-side check needs a CUDA device")
+@pytest.mark.parametrize("case", BAD_CLASSES)
+def test_class_out_of_range_fails_on_cuda(case):
+    # a device-side assert leaves the CUDA context unusable: run it in a process of its own
+    shift = BAD_CLASSES[case][0]
+    script = (
+        "import torch\n"
+        "from generated.cross_entropy import cross_entropy\n"
+        "x = torch.randn(4, 8, device='cuda')\n"
+        f"target = torch.tensor([0, 1, 2, 3], device='cuda') + {shift}\n"
+        "loss = cross_entropy(x, target)\n"
+        "torch.cuda.synchronize()\n"
+        "print('no error')\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout
+    assert "device-side assert" in result.stderr, result.stderr[-2000:]
