@@ -12,8 +12,8 @@ from typing import Any
 import jinja2
 import sympy
 
-from codegen.fuse import Moments, OnlineExp, Sweep, sweeps
-from codegen.ir import Assign, Kernel, Pass
+from codegen.fuse import Moments, OnlineExp, Sweep, picks, sweeps
+from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
 from derive.algebra import GuardedReciprocal
@@ -65,6 +65,8 @@ class KernelContext:
     """A Kernel with every expression printed in one dialect, as the templates read it."""
 
     def __init__(self, kernel: Kernel, dialect: Dialect):
+        # Triton kernels read one-hot sums as one gathered element a row (codegen/fuse.py)
+        kernel, self.picks = picks(kernel) if dialect is TRITON else (kernel, ())
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
         element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
                     if a.level == "element"}
@@ -72,6 +74,8 @@ class KernelContext:
         element |= {name for name, kind in kernel.generated if kind != "row_index"}
         self._element = element  # the printer reads it: names added later vary per element
         self.printer = KernelPrinter(dialect, element.__contains__)
+        self._zero_masked = {sympy.Symbol(t.name, real=True) for t in kernel.tensors("element")
+                             if not t.optional}
         self.kernel = kernel
         self.name = kernel.name
         self.generated_elements = [n for n, kind in kernel.generated if kind != "row_index"]
@@ -222,6 +226,24 @@ class KernelContext:
                   f"{e}_stride1 + offsets % D2 * {e}_stride2" for e in self.broadcast_inputs]
         return lines
 
+    def pick_lines(self) -> list[str]:
+        """The one-hot sums, each read at its row's column (after the row loads)."""
+        lines = []
+        for p in self.picks:
+            mask = f"{p.name}_mask"
+            lines.append(f"{mask} = row_mask & ({p.index} >= 0) & ({p.index} < N)")
+            for e in p.loads:
+                lines.append(f"{p.name}_{e} = tl.load({e}_ptr + offsets * {e}_row_stride + "
+                             f"{p.index}, mask={mask}, other=0.0).to(ACC)")
+            gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
+                                        for s in p.body.free_symbols if s.name in p.loads})
+            value = f"tl.where({mask}, {self.print_named(p.name, gathered)}, 0.0)"
+            reduce = RowReduce(p.name, "sum", p.body, p.scale)
+            lines.append(f"{p.name} = {self._scaled(reduce, value)}  # {p.name} = "
+                         f"{formula(p.scale)} * ({formula(p.body)} at column {p.index}): a "
+                         "one-hot sum over the row, read as one element")
+        return lines
+
     def _column(self, name: str) -> dict[str, Any]:
         tensor = next(t for t in self.kernel.inputs if t.name == name)
         return {"name": name, "flag": f"HAS_{name.upper()}" if tensor.optional else None,
@@ -250,9 +272,13 @@ class KernelContext:
                 prefix, suffix = "", f" / {self.printer(base)}"
             else:
                 prefix, suffix = f"{self.printer(r.scale)} * ", ""
+            body = self.print_named(r.name, r.body)
+            identity = 'float("-inf")' if r.op == "max" else "0.0"
             reductions.append({
-                "name": r.name, "op": r.op, "body": self.print_named(r.name, r.body),
-                "identity": 'float("-inf")' if r.op == "max" else "0.0",
+                "name": r.name, "op": r.op, "body": body, "identity": identity,
+                # a plain element input is loaded as 0 where masked: its sum needs no select
+                "masked": (body if r.op == "sum" and r.body in self._zero_masked
+                           else f"tl.where(mask, {body}, {identity})"),
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
                 "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
@@ -300,9 +326,8 @@ class KernelContext:
         for r in printed["reductions"]:
             name, identity = r["name"], r["identity"]
             init.append(f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)")
-            masked = f"tl.where(mask, {r['body']}, {identity})"
-            update.append(f"{name}_acc = tl.maximum({name}_acc, {masked})" if r["op"] == "max"
-                          else f"{name}_acc += {masked}")
+            update.append(f"{name}_acc = tl.maximum({name}_acc, {r['masked']})" if r["op"] == "max"
+                          else f"{name}_acc += {r['masked']}")
             finish.append(f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
                           f"[:, None]{r['scale_suffix']}  # {r['formula']}")
             if r["op"] == "max":

@@ -41,7 +41,7 @@ class Dialect:
 
 TRITON = Dialect(
     name="triton",
-    functions={sympy.exp: "tl.exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
+    functions={sympy.exp: "_exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
                sympy.tanh: "_tanh", sympy.Abs: "tl.abs",
                GuardedReciprocal: "_guarded_reciprocal"},
     sqrt="_sqrt",

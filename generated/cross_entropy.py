@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
@@ -50,6 +51,8 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
+#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
+_FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -213,8 +216,21 @@ def _sqrt(v):
 
 
 @triton.jit
+def _exp(v):
+    """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
+    adds three instructions to keep results below 2^-126 from flushing to 0)."""
+    if _FAST_EXP:
+        if v.dtype == tl.float32:
+            return libdevice.fast_expf(v)
+        else:
+            return tl.exp(v)
+    else:
+        return tl.exp(v)
+
+
+@triton.jit
 def _tanh(v):
-    return 2.0 / (1.0 + tl.exp(-2.0 * v)) - 1.0
+    return 2.0 / (1.0 + _exp(-2.0 * v)) - 1.0
 
 
 @triton.jit
@@ -267,14 +283,16 @@ def _cross_entropy_fwd_per(
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
+        target_logit_mask = row_mask & (target >= 0) & (target < N)
+        target_logit_x = tl.load(x_ptr + offsets * x_row_stride + target, mask=target_logit_mask, other=0.0).to(ACC)
+        target_logit = tl.where(target_logit_mask, target_logit_x, 0.0)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-        target_logit = tl.sum(tl.where(mask, tl.where((key == target), x, 0.0), 0.0), axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
-        logit_mean = tl.sum(tl.where(mask, x, 0.0), axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+        logit_mean = tl.sum(x, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
-        e = tl.exp(x - row_max)  # e = exp(-row_max + x)
+        e = _exp(x - row_max)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
@@ -318,8 +336,10 @@ def _cross_entropy_fwd_red(
         row_mask = rows < M
         offsets = rows.to(tl.int64)
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
+        target_logit_mask = row_mask & (target >= 0) & (target < N)
+        target_logit_x = tl.load(x_ptr + offsets * x_row_stride + target, mask=target_logit_mask, other=0.0).to(ACC)
+        target_logit = tl.where(target_logit_mask, target_logit_x, 0.0)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
         if ONE_SWEEP:
-            target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -329,13 +349,11 @@ def _cross_entropy_fwd_red(
                 mask = row_mask & col_mask
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-                target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
-                logit_mean_acc += tl.where(mask, x, 0.0)
+                logit_mean_acc += x
                 row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, _exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
                 row_max_acc = row_max_next
-            target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
             logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
             row_max = row_max_acc  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
@@ -344,7 +362,6 @@ def _cross_entropy_fwd_red(
             loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
-            target_logit_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -353,11 +370,9 @@ def _cross_entropy_fwd_red(
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
-                target_logit_acc += tl.where(mask, tl.where((key == target), x, 0.0), 0.0)
-                logit_mean_acc += tl.where(mask, x, 0.0)
+                logit_mean_acc += x
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-            target_logit = tl.sum(target_logit_acc, axis=1)[:, None]  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
             logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -366,7 +381,7 @@ def _cross_entropy_fwd_red(
                 col_mask = cols < N
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-                e = tl.exp(x - row_max)  # e = exp(-row_max + x)
+                e = _exp(x - row_max)  # e = exp(-row_max + x)
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
             loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
@@ -417,7 +432,7 @@ def _cross_entropy_bwd_default_per(
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
-        e = tl.exp(x - row_max)  # e = exp(-row_max + x)
+        e = _exp(x - row_max)  # e = exp(-row_max + x)
         common_0 = tl.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -464,7 +479,7 @@ def _cross_entropy_bwd_default_red(
             mask = row_mask & col_mask
             key = cols
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            e = tl.exp(x - row_max)  # e = exp(-row_max + x)
+            e = _exp(x - row_max)  # e = exp(-row_max + x)
             common_0 = tl.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
@@ -44,6 +45,8 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
+#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
+_FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -195,8 +198,21 @@ def _sqrt(v):
 
 
 @triton.jit
+def _exp(v):
+    """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
+    adds three instructions to keep results below 2^-126 from flushing to 0)."""
+    if _FAST_EXP:
+        if v.dtype == tl.float32:
+            return libdevice.fast_expf(v)
+        else:
+            return tl.exp(v)
+    else:
+        return tl.exp(v)
+
+
+@triton.jit
 def _tanh(v):
-    return 2.0 / (1.0 + tl.exp(-2.0 * v)) - 1.0
+    return 2.0 / (1.0 + _exp(-2.0 * v)) - 1.0
 
 
 @triton.jit
@@ -316,7 +332,7 @@ def _geglu_bwd_default_per(
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
         activation = 0.5 * gate * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * gate  # common_0 = sqrt(2)*gate
-        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * tl.exp(-0.5 * gate * gate) + tl.math.erf(0.5 * common_0) + 1.0)).to(dgate_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * gate * gate) + tl.math.erf(0.5 * common_0) + 1.0)).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
@@ -357,7 +373,7 @@ def _geglu_bwd_default_red(
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
             activation = 0.5 * gate * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
             common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * gate  # common_0 = sqrt(2)*gate
-            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * tl.exp(-0.5 * gate * gate) + tl.math.erf(0.5 * common_0) + 1.0)).to(dgate_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * gate * gate) + tl.math.erf(0.5 * common_0) + 1.0)).to(dgate_ptr.dtype.element_ty), mask=mask)
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 

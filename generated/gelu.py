@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
@@ -46,6 +47,8 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
+#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
+_FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -197,8 +200,21 @@ def _sqrt(v):
 
 
 @triton.jit
+def _exp(v):
+    """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
+    adds three instructions to keep results below 2^-126 from flushing to 0)."""
+    if _FAST_EXP:
+        if v.dtype == tl.float32:
+            return libdevice.fast_expf(v)
+        else:
+            return tl.exp(v)
+    else:
+        return tl.exp(v)
+
+
+@triton.jit
 def _tanh(v):
-    return 2.0 / (1.0 + tl.exp(-2.0 * v)) - 1.0
+    return 2.0 / (1.0 + _exp(-2.0 * v)) - 1.0
 
 
 @triton.jit
@@ -328,7 +344,7 @@ def _gelu_bwd_default_per(
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * tl.exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += tl.where(mask, common_1, 0.0)  # dbias = common_1
@@ -376,7 +392,7 @@ def _gelu_bwd_default_red(
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             z = bias + x  # z = bias + x
             common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-            common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * tl.exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+            common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
@@ -43,6 +44,8 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
+#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
+_FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -226,8 +229,21 @@ def _sqrt(v):
 
 
 @triton.jit
+def _exp(v):
+    """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
+    adds three instructions to keep results below 2^-126 from flushing to 0)."""
+    if _FAST_EXP:
+        if v.dtype == tl.float32:
+            return libdevice.fast_expf(v)
+        else:
+            return tl.exp(v)
+    else:
+        return tl.exp(v)
+
+
+@triton.jit
 def _tanh(v):
-    return 2.0 / (1.0 + tl.exp(-2.0 * v)) - 1.0
+    return 2.0 / (1.0 + _exp(-2.0 * v)) - 1.0
 
 
 @triton.jit
@@ -289,7 +305,7 @@ def _layernorm_fwd_per(
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.sum(tl.where(mask, x, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+        mean = tl.sum(x, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
         var = tl.sum(tl.where(mask, (x - mean) * (x - mean), 0.0), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
         rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
@@ -357,7 +373,7 @@ def _layernorm_fwd_red(
                 col_mask = cols < N
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-                mean_acc += tl.where(mask, x, 0.0)
+                mean_acc += x
             mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -575,7 +591,7 @@ def _layernorm_bwd_recompute_mean_per(
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.sum(tl.where(mask, x, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+        mean = tl.sum(x, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -636,7 +652,7 @@ def _layernorm_bwd_recompute_mean_red(
                 weight = 1.0
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            mean_acc += tl.where(mask, x, 0.0)
+            mean_acc += x
             sum_dy_weight_acc += tl.where(mask, dy * weight, 0.0)
         mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)

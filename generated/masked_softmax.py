@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 PERSISTENT_MAX_BLOCK_N = 16384
 PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
@@ -51,6 +52,8 @@ INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
 #: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
 INVERSION_GUARD = 1e-06
 _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
+#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
+_FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -234,8 +237,21 @@ def _sqrt(v):
 
 
 @triton.jit
+def _exp(v):
+    """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
+    adds three instructions to keep results below 2^-126 from flushing to 0)."""
+    if _FAST_EXP:
+        if v.dtype == tl.float32:
+            return libdevice.fast_expf(v)
+        else:
+            return tl.exp(v)
+    else:
+        return tl.exp(v)
+
+
+@triton.jit
 def _tanh(v):
-    return 2.0 / (1.0 + tl.exp(-2.0 * v)) - 1.0
+    return 2.0 / (1.0 + _exp(-2.0 * v)) - 1.0
 
 
 @triton.jit
@@ -354,7 +370,7 @@ def _masked_softmax_fwd_per(
         z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
         row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-        e = tl.exp(z - row_max)  # e = exp(-row_max + z)
+        e = _exp(z - row_max)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = _guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
@@ -426,7 +442,7 @@ def _masked_softmax_fwd_red(
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, tl.exp(z - row_max_shift), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, _exp(z - row_max_shift), 0.0)  # rescaled to the row's new max
                 row_max_acc = row_max_next
             row_max = row_max_acc  # row_max = 1 * max_j(z)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
@@ -459,7 +475,7 @@ def _masked_softmax_fwd_red(
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-                e = tl.exp(z - row_max)  # e = exp(-row_max + z)
+                e = _exp(z - row_max)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -474,7 +490,7 @@ def _masked_softmax_fwd_red(
             u = _uniform(seed, offsets * N + cols).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-            e = tl.exp(z - row_max)  # e = exp(-row_max + z)
+            e = _exp(z - row_max)  # e = exp(-row_max + z)
             p = _guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)

@@ -10,7 +10,7 @@ import sympy
 import torch
 from reference import force_looped, randn, select_path
 
-from codegen.fuse import Moments, OnlineExp, sweeps
+from codegen.fuse import Moments, OnlineExp, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce, Store, Tensor
 from codegen.lower import lower
 from derive.engine import derive, load_spec
@@ -135,3 +135,33 @@ def test_one_sweep_equals_a_pass_each(monkeypatch, module):
         results.append([t for t in (out if isinstance(out, tuple) else (out,))])
     for one, two in zip(*results, strict=True):
         torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+def test_cross_entropy_target_logit_is_read_as_one_element():
+    kernel, found = picks(kernels("cross_entropy")["fwd"])
+    (pick,) = found
+    assert (pick.name, pick.index, pick.body, pick.loads) == ("target_logit", "target", x, ("x",))
+    assert "target_logit" not in {r.name for p in kernel.passes for r in p.reductions}
+    assert {r.name for p in kernel.passes for r in p.reductions} == {
+        "row_max", "logit_mean", "denominator"}
+
+
+def one_hot_sum(body: sympy.Expr, index: sympy.Symbol, extra=()) -> Kernel:
+    key, target = sympy.Symbol("key", integer=True), sympy.Symbol("t", integer=True)
+    onehot = RowReduce("picked", "sum", sympy.Piecewise((body, sympy.Eq(key, index)), (0, True)),
+                       sympy.Integer(1))
+    return Kernel("k", (Tensor("x", "element"), Tensor("t", "row", integer=True), *extra),
+                  (Tensor("y", "row"),), (), (),
+                  (Pass(("x", "key"), (), (onehot, MEAN), ()),), Pass((), (), (), ()),
+                  (Store("y", s, "row"),), generated=(("key", "column_index"),)), target
+
+
+def test_one_hot_sums_that_are_not_one_element_stay_sums():
+    kernel, target = one_hot_sum(sympy.exp(x), sympy.Symbol("t", integer=True))
+    assert [p.name for p in picks(kernel)[1]] == ["picked"]
+    # an index that is not an integer row input (a float row value): kept
+    kernel, _ = one_hot_sum(x, sympy.Symbol("r", real=True), (Tensor("r", "row"),))
+    assert picks(kernel)[1] == ()
+    # a body that varies with the column other than through element inputs: kept
+    kernel, _ = one_hot_sum(x * sympy.Symbol("key", integer=True), target)
+    assert picks(kernel)[1] == ()
