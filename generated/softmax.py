@@ -26,7 +26,7 @@ PERSISTENT_MAX_BWD_ROW_BYTES = 65536
 PERSISTENT_MAX_FWD_ROW_BYTES = 65536
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
-ONE_SWEEP_MIN_N = 65536
+ONE_SWEEP_MIN_N = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -99,13 +99,13 @@ MEASURED_SCHEDULES = {
     ("fwd", 4096): (1, 4, 0, 1, 0),
     ("fwd", 8192): (1, 16, 0, 1, 0),
     ("fwd", 16384): (1, 16, 0, 1, 0),
-    ("fwd", 32768): (1, 32, 8, 3, 0),
+    ("fwd", 32768): (1, 16, 0, 1, 0),
     ("fwd", 65536): (1, 32, 0, 1, 16384),
     ("fwd", 262144): (1, 8, 0, 3, 4096),
     ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
     ("fwd_looped", 8192): (1, 16, 0, 1, 4096),
     ("fwd_looped", 16384): (1, 16, 0, 1, 8192),
-    ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
+    ("fwd_looped", 32768): (1, 32, 0, 1, 8192),
     ("fwd_looped", 65536): (1, 32, 0, 1, 16384),
     ("fwd_looped", 262144): (1, 8, 0, 3, 4096),
 }
