@@ -368,7 +368,9 @@ def write_table(measurements: list[Path], command: str) -> Path:
         block_n = str(1 << (result["n"] - 1).bit_length())
         kinds = ops.setdefault(result["op"], {})
         looped = [r for r in measured if r.get("step")]
-        for kind, candidates in ((result["mode"], measured), (result["mode"] + "_looped", looped)):
+        # fp32 runs get entries of their own ("<mode>_fp32"); 16-bit dtypes share theirs
+        mode = result["mode"] + ("_fp32" if result["dtype"] == "torch.float32" else "")
+        for kind, candidates in ((mode, measured), (mode + "_looped", looped)):
             if candidates:
                 best = max(candidates, key=lambda r: r["gbps"])
                 kinds.setdefault(kind, {})[block_n] = [best["rows"], best["warps"], best["per_sm"],

@@ -105,12 +105,14 @@ class ScheduleTable:
                     # forward: `benchmarks.tune --modes fwd --shapes 4096x32768` (H100, bf16,
                     # 2026-11-22): whole rows at 32 warps 2789 GB/s against 2559 looped
                     "persistent_max_fwd_row_bytes": 65536,
-                    # one sweep only from 131072 columns: `tune --looped --modes fwd` (H100,
+                    # one sweep only past 65536 columns: `tune --looped --modes fwd` (H100,
                     # bf16, 2026-11-22, twice), fastest one sweep vs a pass each at 4096x65536:
                     # 2336 vs 2426 GB/s, then 2410 vs 2551 (code 3fa0361); at 1024x262144 1913
                     # vs 1464. Its output sweep re-reads the row, so the statistics sweep's
-                    # second read is the only one saved, and a 128 KiB row is still in L2
-                    "one_sweep_min_n": 131072},
+                    # second read is the only one saved, and a 128 KiB row is still in L2.
+                    # benchmarks.run at 2048x128256 (one sweep, code 1453802 / a pass each,
+                    # 9954f72): bf16 1718 / 1601 GB/s, fp32 1973 / 1505
+                    "one_sweep_min_n": 65537},
     })
 
     #: measured per-op schedules (see load_measured); the constants above are the fallback

@@ -77,7 +77,8 @@ def _use_triton(tensor):
 #: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
 #: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
-#: the fastest looped one, for rows the rules below keep from being whole
+#: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
+#: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
 }
 
@@ -96,12 +97,17 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
     else:
         must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_FWD_ROW_BYTES
-    measured = MEASURED_SCHEDULES.get((kind, block_n))
+    # fp32 rows take the entries measured on fp32 where there are some (H100, softmax forward
+    # fp32 4096x32768 at the bf16 entry's 32 warps: 1878 GB/s, 2456 at 16)
+    wide = "_fp32" if element_size == 4 else ""
+    measured = MEASURED_SCHEDULES.get((kind + wide, block_n), MEASURED_SCHEDULES.get((kind, block_n)))
     if must_loop and (measured is None or not measured[4]):
         # the looped entries were measured at N == block_n; a padded row that must loop keeps
         # the constants (H100, bf16 layer-norm backward 4096x12288: 1209 GB/s with the entry
         # measured at 16384, 1415 with the constants)
-        measured = MEASURED_SCHEDULES.get((kind + "_looped", block_n)) if N == block_n else None
+        looped_entry = MEASURED_SCHEDULES.get((kind + wide + "_looped", block_n),
+                                              MEASURED_SCHEDULES.get((kind + "_looped", block_n)))
+        measured = looped_entry if N == block_n else None
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     if measured is not None:

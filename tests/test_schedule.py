@@ -56,6 +56,31 @@ def test_measured_looped_schedule_is_used():
         assert schedule.chunks == -(-n // step) and (schedule.chunks - 1) * step < n
 
 
+def test_fp32_rows_take_fp32_entries_where_there_are_some(monkeypatch):
+    table = {("fwd", 8192): (1, 8, 0, 1, 0), ("fwd_fp32", 8192): (1, 16, 0, 1, 2048),
+             ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
+             ("fwd_fp32_looped", 32768): (1, 8, 0, 1, 4096)}
+    monkeypatch.setattr(layernorm, "MEASURED_SCHEDULES", table)
+    layernorm._schedule.cache_clear()
+
+    def schedule(n, element_size):
+        found = layernorm._schedule(4096, n, False, "fwd", 1, element_size, torch.device("cpu"),
+                                    layernorm.PERSISTENT_MAX_BLOCK_N)
+        return found.looped, found.block_n, found.warps
+
+    try:
+        assert schedule(8192, 2) == (False, 8192, 8)
+        assert schedule(8192, 4) == (True, 2048, 16)
+        assert schedule(32768, 2) == (True, 8192, 16)
+        assert schedule(32768, 4) == (True, 4096, 8)
+        # a width with no fp32 entry: the 16-bit one
+        del table[("fwd_fp32_looped", 32768)]
+        layernorm._schedule.cache_clear()
+        assert schedule(32768, 4) == (True, 8192, 16)
+    finally:
+        layernorm._schedule.cache_clear()
+
+
 @pytest.mark.parametrize(("n", "element_size"), [(32768, 2), (65536, 2), (32768, 4),
                                                    (262144, 4), (4096, 4)])
 def test_one_sweep_is_chosen_by_the_row_length(n, element_size):
