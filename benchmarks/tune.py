@@ -308,7 +308,7 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                     results.append(_as_config(used, m, properties.multi_processor_count)
                                    | {"ms": stats.median_ms, "gbps": gbps, source: True})
                 default = gbps
-                best = max((r for r in results if "gbps" in r and not r.get("against_rule")),
+                best = max((r for r in results if "gbps" in r),
                            key=lambda r: r["gbps"])
                 print(f"{op_name} {mode} {m}x{n}: default {default:.0f} GB/s, "
                       f"best {best['gbps']:.0f}"
@@ -351,6 +351,14 @@ def _merged(paths: list[Path]) -> dict:
                           "results": list(pooled.values())}
 
 
+def _joined(op: str, mode: str) -> bool:
+    """Whether the op's looped kernel for `mode` has a joined sweep (a ONE_SWEEP constexpr)."""
+    module = importlib.import_module(f"generated.{op}")
+    name = "fwd" if mode == "fwd" else "bwd_default"
+    return any("ONE_SWEEP" in getattr(kernel, "arg_names", ())
+               for key, kernel in vars(module).items() if key.startswith(f"_{op}_{name}_"))
+
+
 def write_table(measurements: list[Path], command: str) -> Path:
     """codegen/schedule_table.json from DIR/tune.json (of one or several runs, pooled): per
     op, kind and width, the fastest measured configuration and, under "<kind>_looped", the
@@ -363,8 +371,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
     ops = {op: {kind: dict(widths) for kind, widths in kinds.items()}
            for op, kinds in previous.get("ops", {}).items()}
     for result in report["results"]:
-        # configurations measured against the module's one-sweep rule are evidence, not choices
-        measured = [r for r in result["configs"] if "gbps" in r and not r.get("against_rule")]
+        # both sweep forms are candidates: the entry records the one measured fastest
+        measured = [r for r in result["configs"] if "gbps" in r]
         block_n = str(1 << (result["n"] - 1).bit_length())
         kinds = ops.setdefault(result["op"], {})
         looped = [r for r in measured if r.get("step")]
@@ -373,8 +381,11 @@ def write_table(measurements: list[Path], command: str) -> Path:
         for kind, candidates in ((mode, measured), (mode + "_looped", looped)):
             if candidates:
                 best = max(candidates, key=lambda r: r["gbps"])
-                kinds.setdefault(kind, {})[block_n] = [best["rows"], best["warps"], best["per_sm"],
-                                                       best["stages"], best.get("step", 0)]
+                entry = [best["rows"], best["warps"], best["per_sm"], best["stages"],
+                         best.get("step", 0)]
+                if best.get("step") and _joined(result["op"], result["mode"]):
+                    entry.append(int(best["one_sweep"]))
+                kinds.setdefault(kind, {})[block_n] = entry
     run = {key: report[key] for key in ("device", "sms", "torch", "triton", "date")} | {
         "dtype": sorted({r["dtype"] for r in report["results"]}), "command": command,
         "shapes": sorted({f"{r['m']}x{r['n']}" for r in report["results"]},

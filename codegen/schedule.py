@@ -119,14 +119,17 @@ class ScheduleTable:
     #: for widths and ops the table does not cover
     measured_table: dict = field(default_factory=load_measured, compare=False, repr=False)
 
-    def measured(self, op: str) -> list[tuple[str, int, tuple[int, int, int, int, int]]]:
-        """(kind, block_n, (rows, warps, programs per SM, stages, columns per looped step)) of
-        one op, sorted; an op listed under "borrow" uses the measurements of the op it names.
-        Entries of four numbers (whole rows, from before looped rows were measured) get a 0."""
+    def measured(self, op: str) -> list[tuple[str, int, tuple[int, int, int, int, int, int]]]:
+        """(kind, block_n, (rows, warps, programs per SM, stages, columns per looped step, one
+        sweep)) of one op, sorted; an op listed under "borrow" uses the measurements of the op
+        it names. Entries of four numbers (whole rows, from before looped rows were measured)
+        get a 0 step; entries without the sweep form measured (five numbers, or whole rows)
+        get -1: the module's one-sweep rule decides."""
         ops = self.measured_table["ops"]
         source = op if op in ops else self.measured_table["borrow"].get(op)
         kinds = ops.get(source, {})
-        return sorted((kind, int(block_n), (*config, 0)[:5])
+        return sorted((kind, int(block_n), (*config, 0, -1)[:6] if len(config) < 5
+                       else (*config, -1)[:6])
                       for kind, by_width in kinds.items() for block_n, config in by_width.items())
 
     def constants(self, op: str) -> dict[str, int]:

@@ -74,7 +74,8 @@ def _use_triton(tensor):
 
 #: measured schedules (codegen/schedule_table.json: none for this op): (kind, power-of-two row width) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
-#: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
+#: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
+#: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
@@ -108,8 +109,9 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         measured = looped_entry if N == block_n else None
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
+    sweep = -1
     if measured is not None:
-        rows, warps, per_sm, stages, step = measured
+        rows, warps, per_sm, stages, step, sweep = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
         block_n = step or block_n
     elif looped:
@@ -135,7 +137,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    one_sweep = looped and N >= ONE_SWEEP_MIN_N
+    # the sweep form measured with the entry (tune measures both), else the rule
+    one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep)
 

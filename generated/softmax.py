@@ -73,42 +73,49 @@ def _use_triton(tensor):
 
 #: measured schedules (codegen/schedule_table.json): (kind, power-of-two row width) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
-#: columns per step of a looped row or 0 for whole rows): the fastest measured; "<kind>_looped":
+#: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
+#: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
-    ("bwd", 256): (32, 32, 0, 1, 0),
-    ("bwd", 512): (8, 16, 0, 1, 0),
-    ("bwd", 1024): (2, 2, 0, 1, 0),
-    ("bwd", 2048): (1, 2, 0, 1, 0),
-    ("bwd", 4096): (1, 8, 0, 1, 0),
-    ("bwd", 8192): (1, 16, 0, 1, 0),
-    ("bwd", 16384): (1, 16, 0, 1, 0),
-    ("bwd", 32768): (1, 16, 0, 1, 0),
-    ("bwd", 65536): (1, 16, 0, 3, 8192),
-    ("bwd", 262144): (1, 16, 0, 3, 8192),
-    ("bwd_looped", 4096): (1, 16, 0, 1, 2048),
-    ("bwd_looped", 8192): (1, 16, 0, 3, 4096),
-    ("bwd_looped", 16384): (1, 16, 0, 1, 8192),
-    ("bwd_looped", 32768): (1, 16, 0, 3, 8192),
-    ("bwd_looped", 65536): (1, 16, 0, 3, 8192),
-    ("bwd_looped", 262144): (1, 16, 0, 3, 8192),
-    ("fwd", 256): (8, 8, 0, 1, 0),
-    ("fwd", 512): (8, 4, 0, 1, 0),
-    ("fwd", 1024): (2, 2, 0, 1, 0),
-    ("fwd", 2048): (1, 4, 0, 1, 0),
-    ("fwd", 4096): (1, 4, 0, 1, 0),
-    ("fwd", 8192): (1, 16, 0, 1, 0),
-    ("fwd", 16384): (1, 16, 0, 1, 0),
-    ("fwd", 32768): (1, 16, 0, 1, 0),
-    ("fwd", 65536): (1, 32, 0, 1, 16384),
-    ("fwd", 262144): (1, 8, 0, 3, 4096),
-    ("fwd_looped", 4096): (1, 8, 0, 1, 2048),
-    ("fwd_looped", 8192): (1, 16, 0, 1, 4096),
-    ("fwd_looped", 16384): (1, 16, 0, 1, 8192),
-    ("fwd_looped", 32768): (1, 32, 0, 1, 8192),
-    ("fwd_looped", 65536): (1, 32, 0, 1, 16384),
-    ("fwd_looped", 262144): (1, 8, 0, 3, 4096),
+    ("bwd", 256): (32, 32, 0, 1, 0, -1),
+    ("bwd", 512): (8, 16, 0, 1, 0, -1),
+    ("bwd", 1024): (2, 2, 0, 1, 0, -1),
+    ("bwd", 2048): (1, 2, 0, 1, 0, -1),
+    ("bwd", 4096): (1, 8, 0, 1, 0, -1),
+    ("bwd", 8192): (1, 16, 0, 1, 0, -1),
+    ("bwd", 16384): (1, 16, 0, 1, 0, -1),
+    ("bwd", 32768): (1, 16, 0, 1, 0, -1),
+    ("bwd", 65536): (1, 16, 0, 3, 8192, -1),
+    ("bwd", 262144): (1, 16, 0, 3, 8192, -1),
+    ("bwd_looped", 4096): (1, 16, 0, 1, 2048, -1),
+    ("bwd_looped", 8192): (1, 16, 0, 3, 4096, -1),
+    ("bwd_looped", 16384): (1, 16, 0, 1, 8192, -1),
+    ("bwd_looped", 32768): (1, 16, 0, 3, 8192, -1),
+    ("bwd_looped", 65536): (1, 16, 0, 3, 8192, -1),
+    ("bwd_looped", 262144): (1, 16, 0, 3, 8192, -1),
+    ("fwd", 256): (8, 8, 0, 1, 0, -1),
+    ("fwd", 512): (8, 4, 0, 1, 0, -1),
+    ("fwd", 1024): (2, 2, 0, 1, 0, -1),
+    ("fwd", 2048): (1, 4, 0, 1, 0, -1),
+    ("fwd", 4096): (1, 4, 0, 1, 0, -1),
+    ("fwd", 8192): (1, 16, 0, 1, 0, -1),
+    ("fwd", 16384): (1, 16, 0, 1, 0, -1),
+    ("fwd", 32768): (1, 16, 0, 1, 0, -1),
+    ("fwd", 65536): (1, 32, 0, 1, 16384, 0),
+    ("fwd", 262144): (1, 8, 0, 3, 4096, 1),
+    ("fwd_fp32", 32768): (1, 32, 0, 1, 16384, 1),
+    ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1),
+    ("fwd_fp32", 262144): (1, 8, 0, 3, 4096, 1),
+    ("fwd_fp32_looped", 32768): (1, 32, 0, 1, 16384, 1),
+    ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 16384, 1),
+    ("fwd_fp32_looped", 262144): (1, 8, 0, 3, 4096, 1),
+    ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1),
+    ("fwd_looped", 8192): (1, 16, 0, 1, 4096, -1),
+    ("fwd_looped", 16384): (1, 16, 0, 1, 8192, -1),
+    ("fwd_looped", 32768): (1, 32, 0, 1, 8192, 0),
+    ("fwd_looped", 65536): (1, 32, 0, 1, 16384, 0),
+    ("fwd_looped", 262144): (1, 8, 0, 3, 4096, 1),
 }
 
 
@@ -139,8 +146,9 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         measured = looped_entry if N == block_n else None
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
+    sweep = -1
     if measured is not None:
-        rows, warps, per_sm, stages, step = measured
+        rows, warps, per_sm, stages, step, sweep = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
         block_n = step or block_n
     elif looped:
@@ -166,7 +174,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, sms * per_sm)
         else:
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    one_sweep = looped and N >= ONE_SWEEP_MIN_N
+    # the sweep form measured with the entry (tune measures both), else the rule
+    one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep)
 

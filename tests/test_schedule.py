@@ -11,8 +11,10 @@ from generated import add_layernorm, layernorm
 def test_measured_table_reaches_the_module():
     table = load_measured()
     assert table["ops"], "codegen/schedule_table.json has no measurements"
-    # entries of four numbers predate looped rows: whole rows (a fifth number, 0)
-    expected = {(kind, int(width)): (*config, 0)[:5]
+    # entries of four numbers predate looped rows: whole rows (a fifth number, 0); a sixth, the
+    # sweep form measured, is -1 (the rule decides) where the entry has none
+    expected = {(kind, int(width)): ((*config, 0, -1)[:6] if len(config) < 5
+                                     else (*config, -1)[:6])
                 for kind, widths in table["ops"]["layernorm"].items()
                 for width, config in widths.items()}
     assert layernorm.MEASURED_SCHEDULES == expected
@@ -28,7 +30,7 @@ def _whole(module):
 
 
 def test_measured_schedule_is_used():
-    (kind, width), (rows, warps, per_sm, stages, _step) = _whole(layernorm)[0]
+    (kind, width), (rows, warps, per_sm, stages, _step, _sweep) = _whole(layernorm)[0]
     layernorm._schedule.cache_clear()
     schedule = layernorm._schedule(4096, width, kind == "bwd", kind, 2, 2, torch.device("cpu"),
                                    layernorm.PERSISTENT_MAX_BLOCK_N)
@@ -46,7 +48,7 @@ def test_measured_looped_schedule_is_used():
     looped = [(key, config) for key, config in layernorm.MEASURED_SCHEDULES.items()
               if key[0] == "fwd" and config[4] and key[1] <= layernorm.PERSISTENT_MAX_BLOCK_N]
     assert looped, "no measured forward below PERSISTENT_MAX_BLOCK_N loops"
-    (kind, width), (rows, warps, _per_sm, _stages, step) = looped[0]
+    (kind, width), (rows, warps, _per_sm, _stages, step, _sweep) = looped[0]
     for n in (width, width * 3 // 4 + 1):
         layernorm._schedule.cache_clear()
         schedule = layernorm._schedule(4096, n, False, kind, 1, 2, torch.device("cpu"),
@@ -56,10 +58,26 @@ def test_measured_looped_schedule_is_used():
         assert schedule.chunks == -(-n // step) and (schedule.chunks - 1) * step < n
 
 
+@pytest.mark.parametrize(("sweep", "n", "one_sweep"), [(1, 32768, True), (0, 65536, False),
+                                                        (-1, 32768, False), (-1, 65536, True)])
+def test_an_entry_s_measured_sweep_form_overrides_the_rule(monkeypatch, sweep, n, one_sweep):
+    assert layernorm.ONE_SWEEP_MIN_N == 65536
+    width = 1 << (n - 1).bit_length()
+    entry = {("fwd", width): (1, 16, 0, 1, 8192, sweep)}
+    monkeypatch.setattr(layernorm, "MEASURED_SCHEDULES", entry)
+    layernorm._schedule.cache_clear()
+    try:
+        found = layernorm._schedule(4096, n, False, "fwd", 1, 2, torch.device("cpu"),
+                                    layernorm.PERSISTENT_MAX_BLOCK_N)
+        assert found.looped and found.one_sweep is one_sweep
+    finally:
+        layernorm._schedule.cache_clear()
+
+
 def test_fp32_rows_take_fp32_entries_where_there_are_some(monkeypatch):
-    table = {("fwd", 8192): (1, 8, 0, 1, 0), ("fwd_fp32", 8192): (1, 16, 0, 1, 2048),
-             ("fwd_looped", 32768): (1, 16, 0, 1, 8192),
-             ("fwd_fp32_looped", 32768): (1, 8, 0, 1, 4096)}
+    table = {("fwd", 8192): (1, 8, 0, 1, 0, -1), ("fwd_fp32", 8192): (1, 16, 0, 1, 2048, -1),
+             ("fwd_looped", 32768): (1, 16, 0, 1, 8192, -1),
+             ("fwd_fp32_looped", 32768): (1, 8, 0, 1, 4096, -1)}
     monkeypatch.setattr(layernorm, "MEASURED_SCHEDULES", table)
     layernorm._schedule.cache_clear()
 
@@ -118,7 +136,7 @@ def test_rows_that_must_loop_take_the_measured_looped_entry():
 def test_wide_elements_drop_the_pipeline():
     pipelined = [(key, config) for key, config in _whole(layernorm) if config[3] > 1]
     assert pipelined, "no measured schedule is pipelined"
-    (kind, width), (rows, _warps, _per_sm, stages, _step) = max(pipelined,
+    (kind, width), (rows, _warps, _per_sm, stages, _step, _sweep) = max(pipelined,
                                                                 key=lambda item: item[0][1])
     fits = layernorm.PIPELINE_SHARED_BYTES // ((stages - 1) * rows * width * 2)
     device = torch.device("cpu")
