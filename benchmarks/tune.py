@@ -399,8 +399,11 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "entry of 'runs', shapes in benchmarks/tune.py SHAPES and LOOPED_SHAPES; a later "
                 "run replaces the widths it measured). Entries are [rows per step, warps, "
                 "programs per SM (0: one program per row block), software-pipeline stages, "
-                "columns per step of a looped row (0: whole rows)]; '<kind>_looped' holds the "
-                "fastest looped entry, used where rows may not be whole. Ops under 'borrow' "
+                "columns per step of a looped row (0: whole rows), and for looped rows with a "
+                "joined sweep 1 (one sweep) or 0 (a pass each), the form measured faster]; "
+                "'<kind>_looped' holds the fastest looped entry, used where rows may not be "
+                "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32) and "
+                "serve them, 16-bit dtypes share the others. Ops under 'borrow' "
                 "were not measured; they use the named op's entries.",
         "ops": {op: {kind: dict(sorted(widths.items(), key=lambda item: int(item[0])))
                      for kind, widths in sorted(kinds.items())}

@@ -19,8 +19,10 @@ MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
 def load_measured(path: Path = MEASURED_TABLE) -> dict:
     """The measured table: per op, per kernel kind ("fwd", "bwd") and power-of-two row width,
     [rows, warps, programs per SM (0: one program per row block), software-pipeline stages,
-    columns per step of a looped row (0 or absent: whole rows)], the fastest measured; under
-    "<kind>_looped" the fastest looped one, for rows that may not be whole."""
+    columns per step of a looped row (0 or absent: whole rows), for a looped row with a joined
+    sweep whether one sweep (1) or a pass each (0) was the faster (absent: the rule decides)],
+    the fastest measured; under "<kind>_looped" the fastest looped one, for rows that may not be
+    whole; "<kind>_fp32" and "<kind>_fp32_looped" as measured on fp32 tensors."""
     return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
 
 
