@@ -4,16 +4,17 @@ the hardware counters (Nsight Compute) of one launch, per op, mode and shape.
     python -m benchmarks.counters --out DIR [--ops layernorm,rmsnorm,softmax,cross_entropy]
                                   [--shapes 4096x32768,...] [--modes fwd,bwd] [--dtype bf16]
 
-For every case the generated launcher runs with the module's own schedule (table and rules,
-as the API would): timed with the harness's clock (CUDA events, L2 flushed, the median) as
-GB/s of the bytes model (benchmarks.ops.bytes_moved; cross-entropy: the logits read, and
-backward their gradient written) and as a share of the copy bandwidth measured in the same
-run; the compiled kernel's registers, spills and shared memory are recorded. Then one child
-process runs every case once more under `ncu` (clocks left alone, `--clock-control none`),
-which reads, for that one launch of the main kernel: the DRAM bytes read and written (the
-bytes actually moved, against the model), the L2 hit rate, DRAM and SM throughput as shares
-of their peaks, the achieved occupancy and what limits it, the share of issue slots used and
-of the transcendental (XU) pipe, and the stall reasons per issued instruction. Column sums of
+For every case the generated launcher runs with the module's own schedule (table and rules, as
+the API would): timed with the harness's clock (CUDA events, L2 flushed, the median) as GB/s of
+the bytes model (benchmarks.ops.bytes_moved; cross-entropy: the logits read, and backward their
+gradient written) and as a share of the copy bandwidth measured in the same run, of 1 GiB and of
+one (M, N) tensor of the case's dtype (the ceiling at that size, where a short kernel's launch
+and ramp weigh); the compiled kernel's registers, spills and shared memory are recorded. Then
+one child process runs every case once more under `ncu` (clocks left alone, `--clock-control
+none`), which reads, for that one launch of the main kernel: the DRAM bytes read and written
+(the bytes actually moved, against the model), the L2 hit rate, DRAM and SM throughput as shares
+of their peaks, the achieved occupancy and what limits it, the share of issue slots used and of
+the transcendental (XU) pipe, and the stall reasons per issued instruction. Column sums of
 backward partials (a second, small kernel) are not profiled. Results: DIR/counters.json and a
 table on stdout. Without ncu on the PATH the counters are left out, the rest is still measured.
 """
@@ -144,6 +145,18 @@ def _number(text: str | None) -> float | None:
         return None
 
 
+def _copy_here(env, elements: int, dtype: torch.dtype) -> float:
+    """GB/s of `dst.copy_(src)` for one (M, N) tensor of the case (read + write): the ceiling
+    at this size, where launch and the ramp of a short kernel weigh on the 1 GiB copy's."""
+    from benchmarks.timing import Workload, measure
+    from benchmarks.tune import REP_MS
+
+    src = torch.randn(elements, device="cuda").to(dtype)
+    dst = torch.empty_like(src)
+    stats = measure(env.clock, Workload(lambda _state: dst.copy_(src)), REP_MS)
+    return 2 * src.numel() * src.element_size() / stats.median_ms / 1e6
+
+
 def run(case_list, dtype_name: str, out: Path) -> dict:
     from benchmarks.environment import create_environment, measure_copy_bandwidth
     from benchmarks.timing import Workload, measure
@@ -176,7 +189,8 @@ def run(case_list, dtype_name: str, out: Path) -> dict:
         gbps = model / timing.median_ms / 1e6
         results.append({"op": op, "mode": mode, "m": m, "n": n, "dtype": dtype_name,
                         "schedule": schedule._asdict(), **stats, "ms": timing.median_ms,
-                        "model_bytes": model, "gbps": gbps, "pct_copy": 100 * gbps / copy.gbps})
+                        "model_bytes": model, "gbps": gbps, "pct_copy": 100 * gbps / copy.gbps,
+                        "copy_here_gbps": _copy_here(env, m * n, dtype)})
         del call
         torch.cuda.empty_cache()
     profiled = _ncu(case_list, dtype_name, out)
@@ -196,10 +210,11 @@ def table(report: dict) -> str:
     lines = [f"{report['device']}, torch {report['torch']}, triton {report['triton']}, "
              f"{report['date']}; copy {report['copy_gbps']:.0f} GB/s"
              + (f"; counters: {report['ncu_note']}" if report["ncu_note"] else ""),
-             "| op | mode | shape | schedule | regs/spills | GB/s | % copy | DRAM bytes / model "
+             "| op | mode | shape | schedule | regs/spills | GB/s | % copy | % copy at size "
+             "| DRAM bytes / model "
              "| DRAM % | L2 hit % | SM % | occupancy % (limit: regs, smem, warps) | issue % "
              "| XU % | top stalls (warps per issue) |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in report["results"]:
         s = r["schedule"]
         kind = (f"looped {s['block_n']}{' one sweep' if s['one_sweep'] else ''}" if s["looped"]
@@ -217,7 +232,9 @@ def table(report: dict) -> str:
         limits = f"{f('limit_regs')}, {f('limit_shared')}, {f('limit_warps')}"
         lines.append(
             f"| {r['op']} | {r['mode']} | {r['m']}x{r['n']} | {sched} | {r.get('regs')}/"
-            f"{r.get('spills')} | {r['gbps']:.0f} | {r['pct_copy']:.0f}% | {ratio} | "
+            f"{r.get('spills')} | {r['gbps']:.0f} | {r['pct_copy']:.0f}% | "
+            f"{100 * r['gbps'] / r['copy_here_gbps']:.0f}% of {r['copy_here_gbps']:.0f} | "
+            f"{ratio} | "
             f"{f('dram_pct')} | {f('l2_hit')} | {f('sm_pct')} | {f('occupancy')} ({limits}) | "
             f"{f('issue_pct')} | {f('xu_pct')} | {stalls or '—'} |")
     return "\n".join(lines)
