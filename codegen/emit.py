@@ -74,8 +74,10 @@ class KernelContext:
         element |= {name for name, kind in kernel.generated if kind != "row_index"}
         self._element = element  # the printer reads it: names added later vary per element
         self.printer = KernelPrinter(dialect, element.__contains__)
-        self._zero_masked = {sympy.Symbol(t.name, real=True) for t in kernel.tensors("element")
-                             if not t.optional}
+        # values that are 0 where the mask is off: plain element inputs load as 0 there
+        self._zero_masked = {t.name for t in kernel.tensors("element") if not t.optional}
+        self._element_exprs = {a.name: a.expr for p in (*kernel.passes, kernel.epilogue)
+                               for a in p.assigns if a.level == "element"}
         self.kernel = kernel
         self.name = kernel.name
         self.generated_elements = [n for n, kind in kernel.generated if kind != "row_index"]
@@ -277,7 +279,7 @@ class KernelContext:
             reductions.append({
                 "name": r.name, "op": r.op, "body": body, "identity": identity,
                 # a plain element input is loaded as 0 where masked: its sum needs no select
-                "masked": (body if r.op == "sum" and r.body in self._zero_masked
+                "masked": (body if r.op == "sum" and self.vanishes_where_masked(r.body)
                            else f"tl.where(mask, {body}, {identity})"),
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
@@ -401,10 +403,29 @@ class KernelContext:
             "every lane at the row's max"]
         return init, update, finish
 
+    def vanishes_where_masked(self, expr: sympy.Expr) -> bool:
+        """Whether expr is 0 wherever the mask is off, so a sum of it needs no select: with its
+        element assigns written out, it is 0 once every plain element input is (they load as
+        0 there). Row values may be anything finite; a row whose values are not finite gives
+        a non-finite sum either way."""
+        for _ in range(len(self._element_exprs) + 1):
+            inner = {s: self._element_exprs[s.name] for s in expr.free_symbols
+                     if s.name in self._element_exprs}
+            if not inner:
+                break
+            expr = expr.xreplace(inner)
+        zeroed = expr.xreplace({s: sympy.Integer(0) for s in expr.free_symbols
+                                if s.name in self._zero_masked})
+        return zeroed == 0
+
     def _store(self, store: Any) -> dict[str, Any]:
         flag = (f"STORE_{store.name.upper()}" if store.level in ("column", "scalar")
                 else store.flag)
-        return {"name": store.name, "src": self.print_named(store.name, store.expr),
+        src = self.print_named(store.name, store.expr)
+        return {"name": store.name, "src": src,
+                # the column partials' sum over the rows of a step: masked rows add 0
+                "masked": (src if self.vanishes_where_masked(store.expr)
+                           else f"tl.where(mask, {src}, 0.0)"),
                 "like": store.like,
                 "flag": flag,
                 "formula": f"{store.name} = {formula(store.expr)}"}

@@ -485,14 +485,14 @@ def _add_rmsnorm_bwd_default_per(
             dresidual_out = 0.0
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = rstd * dy  # common_0 = dy*rstd
         common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + pid * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -551,7 +551,7 @@ def _add_rmsnorm_bwd_default_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            sum_dy_x_hat_weight_weight_offset_acc += tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0)
+            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -583,7 +583,7 @@ def _add_rmsnorm_bwd_default_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
@@ -642,14 +642,14 @@ def _add_rmsnorm_bwd_invertible_per(
             dresidual_out = 0.0
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = rstd * dy  # common_0 = dy*rstd
         common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + pid * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -708,7 +708,7 @@ def _add_rmsnorm_bwd_invertible_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            sum_dy_x_hat_weight_weight_offset_acc += tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0)
+            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -740,7 +740,7 @@ def _add_rmsnorm_bwd_invertible_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 

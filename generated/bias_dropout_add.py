@@ -429,7 +429,7 @@ def _bias_dropout_add_bwd_default_per(
         common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
-            dbias_acc += tl.where(mask, common_0, 0.0)  # dbias = common_0
+            dbias_acc += common_0  # dbias = common_0
     if STORE_DBIAS:
         tl.store(dbias_partial_ptr + pid * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
@@ -479,7 +479,7 @@ def _bias_dropout_add_bwd_default_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dbias_partial += tl.sum(tl.where(mask, common_0, 0.0), axis=0)[None, :]  # dbias = common_0
+                dbias_partial += tl.sum(common_0, axis=0)[None, :]  # dbias = common_0
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 

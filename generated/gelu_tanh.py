@@ -359,7 +359,7 @@ def _gelu_tanh_bwd_default_per(
         common_4 = (tl.full([], 2.499999936844688e-06, ACC) + tl.full([], 6.315531229561977e-14, ACC)) * dy * (common_1 + common_2 + 200000.0 * t + 200000.0 - common_1 * common_3 - common_2 * common_3)  # common_4 = dy*(-common_1*common_3 + common_1 - common_2*common_3 + common_2 + 200000*t + 200000)/400000
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_4).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
-            dbias_acc += tl.where(mask, common_4, 0.0)  # dbias = common_4
+            dbias_acc += common_4  # dbias = common_4
     if STORE_DBIAS:
         tl.store(dbias_partial_ptr + pid * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
@@ -414,7 +414,7 @@ def _gelu_tanh_bwd_default_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dbias_partial += tl.sum(tl.where(mask, common_4, 0.0), axis=0)[None, :]  # dbias = common_4
+                dbias_partial += tl.sum(common_4, axis=0)[None, :]  # dbias = common_4
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 

@@ -468,13 +468,13 @@ def _layernorm_bwd_default_per(
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
-        sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
-        sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
-            dbias_acc += tl.where(mask, dy, 0.0)  # dbias = dy
+            dbias_acc += dy  # dbias = dy
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DBIAS:
@@ -530,8 +530,8 @@ def _layernorm_bwd_default_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
-            sum_dy_weight_acc += tl.where(mask, dy * weight, 0.0)
-            sum_dy_weight_x_hat_acc += tl.where(mask, dy * weight * x_hat, 0.0)
+            sum_dy_weight_acc += dy * weight
+            sum_dy_weight_x_hat_acc += dy * weight * x_hat
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -551,14 +551,14 @@ def _layernorm_bwd_default_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
+                dbias_partial += tl.sum(dy, axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 
@@ -607,14 +607,14 @@ def _layernorm_bwd_recompute_mean_per(
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         mean = tl.sum(x, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
-        sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
-        sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
-            dbias_acc += tl.where(mask, dy, 0.0)  # dbias = dy
+            dbias_acc += dy  # dbias = dy
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DBIAS:
@@ -668,7 +668,7 @@ def _layernorm_bwd_recompute_mean_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             mean_acc += x
-            sum_dy_weight_acc += tl.where(mask, dy * weight, 0.0)
+            sum_dy_weight_acc += dy * weight
         mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -683,7 +683,7 @@ def _layernorm_bwd_recompute_mean_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
-            sum_dy_weight_x_hat_acc += tl.where(mask, dy * weight * x_hat, 0.0)
+            sum_dy_weight_x_hat_acc += dy * weight * x_hat
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -702,14 +702,14 @@ def _layernorm_bwd_recompute_mean_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
+                dbias_partial += tl.sum(dy, axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 
@@ -762,13 +762,13 @@ def _layernorm_bwd_invertible_per(
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
-        sum_dy_weight = tl.sum(tl.where(mask, dy * weight, 0.0), axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
-        sum_dy_weight_x_hat = tl.sum(tl.where(mask, dy * weight * x_hat, 0.0), axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
-            dbias_acc += tl.where(mask, dy, 0.0)  # dbias = dy
+            dbias_acc += dy  # dbias = dy
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DBIAS:
@@ -826,8 +826,8 @@ def _layernorm_bwd_invertible_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
-            sum_dy_weight_acc += tl.where(mask, dy * weight, 0.0)
-            sum_dy_weight_x_hat_acc += tl.where(mask, dy * weight * x_hat, 0.0)
+            sum_dy_weight_acc += dy * weight
+            sum_dy_weight_x_hat_acc += dy * weight * x_hat
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -851,14 +851,14 @@ def _layernorm_bwd_invertible_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dbias_partial += tl.sum(tl.where(mask, dy, 0.0), axis=0)[None, :]  # dbias = dy
+                dbias_partial += tl.sum(dy, axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 

@@ -559,7 +559,7 @@ def _masked_softmax_bwd_default_per(
         key = cols
         u = _uniform(seed, offsets * N + cols).to(ACC)
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-        sum_dy_keep_p_term = tl.sum(tl.where(mask, 1.0 / (1.0 - dropout_p) * dy * keep * p, 0.0), axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
+        sum_dy_keep_p_term = tl.sum(1.0 / (1.0 - dropout_p) * dy * keep * p, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -610,7 +610,7 @@ def _masked_softmax_bwd_default_red(
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
             u = _uniform(seed, offsets * N + cols).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-            sum_dy_keep_p_term_acc += tl.where(mask, 1.0 / (1.0 - dropout_p) * dy * keep * p, 0.0)
+            sum_dy_keep_p_term_acc += 1.0 / (1.0 - dropout_p) * dy * keep * p
         sum_dy_keep_p_term = tl.sum(sum_dy_keep_p_term_acc, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]

@@ -316,7 +316,7 @@ def _rmsnorm_fwd_per(
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean_square = tl.sum(tl.where(mask, x * x, 0.0), axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
+        mean_square = tl.sum(x * x, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
         rstd = 1.0 / _sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * x  # x_hat = rstd*x
         y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
@@ -363,7 +363,7 @@ def _rmsnorm_fwd_red(
             col_mask = cols < N
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            mean_square_acc += tl.where(mask, x * x, 0.0)
+            mean_square_acc += x * x
         mean_square = tl.sum(mean_square_acc, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
         rstd = 1.0 / _sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -425,10 +425,10 @@ def _rmsnorm_bwd_default_per(
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * x  # x_hat = rstd*x
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
@@ -478,7 +478,7 @@ def _rmsnorm_bwd_default_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            sum_dy_x_hat_weight_weight_offset_acc += tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0)
+            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -497,7 +497,7 @@ def _rmsnorm_bwd_default_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
@@ -544,10 +544,10 @@ def _rmsnorm_bwd_invertible_per(
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += tl.where(mask, dy * x_hat, 0.0)  # dweight = dy*x_hat
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
@@ -597,7 +597,7 @@ def _rmsnorm_bwd_invertible_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
             x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            sum_dy_x_hat_weight_weight_offset_acc += tl.where(mask, dy * x_hat * (weight + weight_offset), 0.0)
+            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -616,7 +616,7 @@ def _rmsnorm_bwd_invertible_red(
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(tl.where(mask, dy * x_hat, 0.0), axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 

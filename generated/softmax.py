@@ -404,7 +404,7 @@ def _softmax_bwd_default_per(
         mask = row_mask & col_mask
         dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
         p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        sum_dp_p = tl.sum(tl.where(mask, dp * p, 0.0), axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
+        sum_dp_p = tl.sum(dp * p, axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dp - sum_dp_p)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -439,7 +439,7 @@ def _softmax_bwd_default_red(
             mask = row_mask & col_mask
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            sum_dp_p_acc += tl.where(mask, dp * p, 0.0)
+            sum_dp_p_acc += dp * p
         sum_dp_p = tl.sum(sum_dp_p_acc, axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]

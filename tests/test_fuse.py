@@ -165,3 +165,19 @@ def test_one_hot_sums_that_are_not_one_element_stay_sums():
     # a body that varies with the column other than through element inputs: kept
     kernel, _ = one_hot_sum(x * sympy.Symbol("key", integer=True), target)
     assert picks(kernel)[1] == ()
+
+
+def test_sums_that_vanish_where_masked_skip_the_select():
+    from codegen.emit import KernelContext
+    from codegen.printers import TRITON
+
+    backward = KernelContext(kernels("layernorm")["default"], TRITON)
+    # dy loads as 0 where the mask is off, so dy * weight * x_hat is 0 there: no select
+    reductions = {r["name"]: r for p in backward.passes for r in p["reductions"]}
+    assert not reductions["sum_dy_weight_x_hat"]["masked"].startswith("tl.where")
+    assert not {s["name"]: s for s in backward.column_stores}["dweight"]["masked"].startswith(
+        "tl.where")
+    # exp(x - row_max) is exp(-row_max) there, not 0: the select stays
+    forward = KernelContext(kernels("softmax")["fwd"], TRITON)
+    reductions = {r["name"]: r for p in forward.passes for r in p["reductions"]}
+    assert reductions["denominator"]["masked"].startswith("tl.where(mask")
