@@ -31,7 +31,7 @@ def torch_(expr: sympy.Expr) -> str:
     (sympy.sqrt(x), "_sqrt(x)"),
     (1 / sympy.sqrt(x + y), "1.0 / _sqrt(x + y)"),
     (x ** sympy.Rational(3, 2), "x * _sqrt(x)"),
-    (sympy.exp(x - total), "tl.exp(x - total)"),
+    (sympy.exp(x - total), "_exp(x - total)"),
     (sympy.Rational(1, 2) * x, "0.5 * x"),
     (sympy.Max(x, y), "tl.maximum(x, y)"),
     (sympy.Piecewise((x, x > 0), (y, True)), "tl.where((x > 0.0), x, y)"),
