@@ -191,7 +191,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     if looped:
         whole = module.MEASURED_SCHEDULES.get((mode, block_n))
         if whole is not None and not whole[4] and block_n <= module.PERSISTENT_MAX_BLOCK_N:
-            rows, warps, per_sm, stages, _step = whole
+            rows, warps, per_sm, stages = whole[:4]
             run(min(rows, m), warps, sms * per_sm, stages)
         first = []
         most = (LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD if partials
