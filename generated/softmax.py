@@ -137,12 +137,14 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # fp32 4096x32768 at the bf16 entry's 32 warps: 1878 GB/s, 2456 at 16)
     wide = "_fp32" if element_size == 4 else ""
     measured = MEASURED_SCHEDULES.get((kind + wide, block_n), MEASURED_SCHEDULES.get((kind, block_n)))
+    exact = (kind + wide, block_n) in MEASURED_SCHEDULES or element_size == 2
     if must_loop and (measured is None or not measured[4]):
         # the looped entries were measured at N == block_n; a padded row that must loop keeps
         # the constants (H100, bf16 layer-norm backward 4096x12288: 1209 GB/s with the entry
         # measured at 16384, 1415 with the constants)
         looped_entry = MEASURED_SCHEDULES.get((kind + wide + "_looped", block_n),
                                               MEASURED_SCHEDULES.get((kind + "_looped", block_n)))
+        exact = (kind + wide + "_looped", block_n) in MEASURED_SCHEDULES or element_size == 2
         measured = looped_entry if N == block_n else None
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
@@ -159,10 +161,14 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     if measured is None:
         warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
     # the pipeline buffers every element load in shared memory: stages - 1 steps ahead in the
-    # row-block loop, about stages steps in each column sweep of a looped row. The table was
-    # measured on 16-bit tensors; wider elements fall back to no pipeline where it would not fit
+    # row-block loop, about stages steps in each column sweep of a looped row. An entry measured
+    # at this element size compiled and ran as it is; one measured on 16-bit tensors falls back
+    # to no pipeline for wider elements where it would not fit (and so do the constants). The
+    # estimate is loose: a bf16 layer-norm backward at 16 x 1024 columns a step, 3 stages, uses
+    # 156 KiB (tune, H100: 1477 GB/s against 1247 with one stage), estimated 192 KiB
     buffered = stages if looped else stages - 1
-    if buffered * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES:
+    if not (measured is not None and exact) and (
+            buffered * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES):
         stages = 1
     if grid_stride and not per_sm:
         per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block

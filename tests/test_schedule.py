@@ -136,15 +136,21 @@ def test_rows_that_must_loop_take_the_measured_looped_entry():
 def test_wide_elements_drop_the_pipeline():
     pipelined = [(key, config) for key, config in _whole(layernorm) if config[3] > 1]
     assert pipelined, "no measured schedule is pipelined"
-    (kind, width), (rows, _warps, _per_sm, stages, _step, _sweep) = max(pipelined,
+    (kind, width), (rows, _warps, _per_sm, stages, _step, _sweep) = min(pipelined,
                                                                 key=lambda item: item[0][1])
-    fits = layernorm.PIPELINE_SHARED_BYTES // ((stages - 1) * rows * width * 2)
+    # an entry measured at this element size runs as measured; a 16-bit entry used for fp32
+    # falls back to one stage where the buffers of the wider elements would not fit
+    fits = layernorm.PIPELINE_SHARED_BYTES // ((stages - 1) * rows * width * 4)
     device = torch.device("cpu")
     layernorm._schedule.cache_clear()
-    narrow = layernorm._schedule(64, width, True, kind, 1, 2, device,
+    measured = layernorm._schedule(64, width, True, kind, fits + 1, 2, device,
+                                   layernorm.PERSISTENT_MAX_BLOCK_N)
+    narrow = layernorm._schedule(64, width, True, kind, 1, 4, device,
                                  layernorm.PERSISTENT_MAX_BLOCK_N)
-    wide = layernorm._schedule(64, width, True, kind, fits + 1, 2, device,
+    wide = layernorm._schedule(64, width, True, kind, fits + 1, 4, device,
                                layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert measured.stages == stages
+    assert (kind + "_fp32", width) not in layernorm.MEASURED_SCHEDULES
     assert narrow.stages == stages
     assert wide.stages == 1
 
