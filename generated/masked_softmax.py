@@ -154,6 +154,11 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
                                               MEASURED_SCHEDULES.get((kind + "_looped", block_n)))
         exact = (kind + wide + "_looped", block_n) in MEASURED_SCHEDULES or element_size == 2
         measured = looped_entry if N == block_n else None
+    if grid_stride and N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N:
+        # a padded row with column partials takes the constants whatever kind of entry its
+        # width has (the measurement above); before session 7 a width whose fastest entry
+        # looped (32768) lent it to padded rows (24576) too, unmeasured either way
+        measured = None
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
     sweep = -1
