@@ -968,6 +968,9 @@ def cross_entropy(input, target, *, ignore_index=-100, label_smoothing=0.0, redu
     input's dtype; nothing N-sized besides the logits is kept for the backward (the
     probabilities are recomputed, never stored). CUDA tensors run the generated Triton
     kernels, CPU tensors the generated torch path (the kernels under TRITON_INTERPRET=1).
+    A class out of range raises ValueError for CPU tensors; on CUDA it is checked on the
+    device without a host sync and fails the next synchronising call (a device-side assert,
+    as torch's CUDA loss).
     """
     _check_input("cross_entropy", input, "input")
     ignore_index = _check_option("cross_entropy", "ignore_index", ignore_index, "integer")
