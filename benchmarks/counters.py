@@ -118,12 +118,17 @@ def _ncu(case_list, dtype_name: str, out: Path) -> list[dict] | str:
     (out / "ncu.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0 or not (out / "ncu.csv").exists():
         return f"ncu exited {result.returncode}: {(result.stdout + result.stderr)[-500:]}"
-    text = (out / "ncu.csv").read_text()
+    return parse((out / "ncu.csv").read_text(), len(case_list))
+
+
+def parse(text: str, cases_run: int) -> list[dict] | str:
+    """ncu's `--csv --page raw` log: one record per profiled launch, in launch order (the
+    counters of METRICS and the stall reasons, most first), or why it can't be read."""
     lines = text[text.index('"ID"'):] if '"ID"' in text else text
     rows = list(csv.DictReader(io.StringIO(lines)))
     rows = [row for row in rows if row.get("ID", "").isdigit()]  # the units row has none
-    if len(rows) != len(case_list):
-        return f"ncu profiled {len(rows)} launches for {len(case_list)} cases; see ncu.log"
+    if len(rows) != cases_run:
+        return f"ncu profiled {len(rows)} launches for {cases_run} cases; see ncu.log"
     profiled = []
     for row in rows:
         record = {"kernel": row.get("Kernel Name")}
