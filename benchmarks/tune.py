@@ -7,19 +7,19 @@ Unlike `benchmarks.sweep` (which varies the heuristic's constants), this fixes t
 itself: the generated module's `_schedule` is replaced by one that returns the configuration
 under test, the forward and backward launchers are timed with the harness's clock (a GPU sleep
 queues the launch, a 256 MiB write empties L2, CUDA events time only the kernels), and the
-compiled kernel's registers, spills and shared memory are recorded. The search is a grid:
-rows per step (1, or 2048 to 16384 elements a step), warps (8 to 32 elements a thread),
-1 or 3 software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM
-looping over row blocks. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per
-step (1024 to 16384), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3
-stages for the three fastest (and, for kernels with a joined sweep, the other form of it,
-kept out of the table), against the table's whole-row entry for the width measured in the
-same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes: the logits
-read, and in the backward their gradient written). Results go to DIR/tune.json, written
-after every shape, so a run cut short keeps what it measured. `--write-table` then turns
+compiled kernel's registers, spills and shared memory are recorded. The search is a grid: rows
+per step (1, or 2048 to 16384 elements a step), warps (8 to 32 elements a thread), 1 or 3
+software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM looping
+over row blocks. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per step
+(1024 to 16384), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3 stages
+for the three fastest (and, for kernels with a joined sweep, the other form of it: the table
+entry records the faster form), against the table's whole-row entry for the width measured in
+the same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes: the logits
+read, and in the backward their gradient written). Results go to DIR/tune.json, written after
+every shape, so a run cut short keeps what it measured. `--write-table` then turns
 DIR/tune.json into codegen/schedule_table.json: the fastest measured configuration per op,
-kernel kind and width (and the fastest looped one), merged into the table's entries for
-widths the run did not measure.
+kernel kind and width (and the fastest looped one), merged into the table's entries for widths
+the run did not measure.
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
 
     # looped kernels with a joined sweep (codegen/fuse.py) run it where the module's rule
     # says (rows of ONE_SWEEP_MIN_N columns and more); the other form is measured next to the
-    # fastest configurations, as evidence for that rule, and is kept out of the table
+    # fastest configurations (marked against_rule) and competes for the table entry, which
+    # records the form that won
     rule_one_sweep = rule_one(module, n, element_size)
     joined = any("ONE_SWEEP" in getattr(module, key).arg_names for key in kernels)
 
