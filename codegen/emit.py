@@ -278,7 +278,7 @@ class KernelContext:
             identity = 'float("-inf")' if r.op == "max" else "0.0"
             reductions.append({
                 "name": r.name, "op": r.op, "body": body, "identity": identity,
-                # a plain element input is loaded as 0 where masked: its sum needs no select
+                # a body that is 0 wherever the mask is off needs no select in its sum
                 "masked": (body if r.op == "sum" and self.vanishes_where_masked(r.body)
                            else f"tl.where(mask, {body}, {identity})"),
                 "scale_prefix": prefix,

@@ -941,9 +941,9 @@ def _check_target(function, name, target, input, ignore_index):
         classes = input.shape[-1]
         bad = ((target < 0) | (target >= classes)) & (target != int(ignore_index))
         if target.is_cuda:
-            # no host sync, which would stall the launch queue behind the GPU (H100, 4096x32000
-            # bf16: the forward took 0.376 ms with it, 0.284 without): a device-side assert,
-            # as torch's own CUDA losses raise, fails the next synchronising call
+            # no host sync, which would stall the launch queue behind the GPU (docs/benchmarks.md,
+            # session 7: the API forward at 4096x32000 bf16, scratch probe): a device-side
+            # assert, as torch's own CUDA losses raise, fails the next synchronising call
             torch._assert_async(~bad.any(), f"{function}(): argument '{name}' must hold class "
                                 f"indices in [0, {classes}) or ignore_index ({int(ignore_index)})")
         elif bool(bad.any()):
