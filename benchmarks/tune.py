@@ -8,7 +8,7 @@ itself: the generated module's `_schedule` is replaced by one that returns the c
 under test, the forward and backward launchers are timed with the harness's clock (a GPU sleep
 queues the launch, a 256 MiB write empties L2, CUDA events time only the kernels), and the
 compiled kernel's registers, spills and shared memory are recorded. The search is a grid: rows
-per step (1, or 2048 to 16384 elements a step), warps (8 to 32 elements a thread), 1 or 3
+per step (1, or 512 to 16384 elements a step), warps (8 to 32 elements a thread), 1 or 3
 software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM looping
 over row blocks. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per step
 (1024 to 16384), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3 stages
@@ -71,7 +71,10 @@ LOOPED_TOP = 3
 REP_MS = 15.0
 MAX_ELEMENTS_PER_THREAD = 32
 MIN_ELEMENTS_PER_THREAD = 8
-STEP_ELEMENTS = (2048, 4096, 8192, 16384)
+#: elements a program's row block may hold (rows x width): torch.compile's persistent reductions
+#: for narrow rows take 1024 in one warp (H100, torch 2.11, bf16 layer norm 32768x256: 4 rows,
+#: 1 warp; 4096x1024: 1 row, 1 warp)
+STEP_ELEMENTS = (512, 1024, 2048, 4096, 8192, 16384)
 STAGE_CHOICES = (1, 3)
 
 
@@ -129,7 +132,7 @@ def _kernel_stats(compiled) -> dict:
 
 
 def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, looped=False,
-                 partial_rows=LOOPED_PARTIAL_ROWS):
+                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD):
     """Schedules for one launcher at one shape, each measured: whole rows, or (`looped`)
     looped rows and the table's whole-row entry for this width."""
     block_n = 1 << (n - 1).bit_length()
@@ -205,8 +208,9 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                     if not LOOPED_MIN_ELEMENTS_PER_THREAD <= rows * step / (32 * warps) <= most:
                         continue
                     # programs per SM: 1 or 2 (partials: their read-modify-write grows with 2),
-                    # or one program per row (0) or 4 per SM for kernels without partials
-                    for per_sm in ((1, 2) if rows <= 2 else (1,)) if partials else (0, 4):
+                    # or one program per row (0) or 1, 2 or 4 per SM for kernels without
+                    # partials (fewer rows in flight: a row read twice may still be in L2)
+                    for per_sm in ((1, 2) if rows <= 2 else (1,)) if partials else (0, 1, 2, 4):
                         first.append((run(rows, warps, sms * per_sm, 1, step),
                                       (rows, warps, sms * per_sm, step)))
         for _gbps, (rows, warps, programs, step) in sorted(first, reverse=True)[:LOOPED_TOP]:
@@ -220,7 +224,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     def warps_for(rows):
         elements = rows * block_n
         return [w for w in (1, 2, 4, 8, 16, 32)
-                if MIN_ELEMENTS_PER_THREAD <= elements / (32 * w) <= MAX_ELEMENTS_PER_THREAD]
+                if MIN_ELEMENTS_PER_THREAD <= elements / (32 * w) <= most_per_thread]
 
     row_choices = [r for r in _pow2s(1, 64)
                    if r <= m and (r == 1 or r * block_n in STEP_ELEMENTS)]
@@ -266,7 +270,8 @@ def _as_config(schedule, m: int, sms: int) -> dict:
 
 
 def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
-         modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS) -> None:
+         modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS,
+         most_per_thread=MAX_ELEMENTS_PER_THREAD) -> None:
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
     clock = CudaClock(device, getattr(properties, "L2_cache_size", 50 * 2**20))
@@ -290,7 +295,7 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                     continue
                 results = _tune_kernel(module, name, call, m, n, element_size, _op(op_name), mode,
                                        clock, properties.multi_processor_count, looped,
-                                       partial_rows)
+                                       partial_rows, most_per_thread)
                 moved = _moved(_op(op_name), mode, m, n, element_size)
                 # the module's own schedule, with its table and with its rules alone, is a
                 # candidate too (rules no search covers: the softmax backward's whole rows
@@ -462,6 +467,9 @@ def main() -> None:
     parser.add_argument("--modes", default="fwd,bwd")
     parser.add_argument("--partial-rows", default=None,
                         help="rows per step of looped kernels with partials (LOOPED_PARTIAL_ROWS)")
+    parser.add_argument("--max-elements-per-thread", type=int, default=MAX_ELEMENTS_PER_THREAD,
+                        help="whole rows: the most elements a thread holds (64 lets a row of "
+                             "65536 take 32 warps)")
     parser.add_argument("--write-table", action="store_true",
                         help="write codegen/schedule_table.json from OUT/tune.json; no GPU")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
@@ -479,7 +487,7 @@ def main() -> None:
     partial_rows = (tuple(int(r) for r in args.partial_rows.split(",")) if args.partial_rows
                     else LOOPED_PARTIAL_ROWS)
     tune(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s, args.looped,
-         tuple(args.modes.split(",")), partial_rows)
+         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread)
 
 
 if __name__ == "__main__":
