@@ -5,6 +5,7 @@ Templates hold structure only; every math string comes from a printer.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,12 @@ class KernelContext:
                 lines.append(load)
         return lines
 
-    def element_load_lines(self, names: list[str]) -> list[str]:
+    def element_load_lines(self, names: list[str],
+                           again: Collection[str] | None = None) -> list[str]:
+        """Loads of element inputs. A looped row reads its elements once a sweep: where the
+        schedule keeps the row in L2 (KEEP), those `again` names (read again by a later sweep
+        or the epilogue) load `evict_last` and the last reads `evict_first`; otherwise, and for
+        whole rows (`again` None, each element read once), the default policy."""
         lines = []
         for e in names:
             kind = self.generated.get(e)
@@ -170,7 +176,10 @@ class KernelContext:
                 lines.append(f"{e} = _uniform(seed, offsets * N + cols).to(ACC)")
                 continue
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
-            load = f"{e} = tl.load({e}_ptr + {row} + cols, mask=mask, other=0.0).to(ACC)"
+            hint = "evict_last" if again is not None and e in again else "evict_first"
+            policy = "" if again is None else f', eviction_policy="{hint}" if KEEP else ""'
+
+            load = f"{e} = tl.load({e}_ptr + {row} + cols, mask=mask, other=0.0{policy}).to(ACC)"
             if e in self.optional_elements:
                 lines += [f"if {self.element_flags[e]}:", f"    {load}", "else:",
                           f"    {e} = {self.optional_elements[e]}"]
@@ -298,19 +307,24 @@ class KernelContext:
     def sweep_lines(self) -> list[str]:
         """The looped kernel's reduction sweeps, relative to its row-block loop."""
         lines = []
-        for group in self.sweeps:
+        for g, group in enumerate(self.sweeps):
+            # what the sweeps after this group and the epilogue read again
+            after = set(self.epilogue["element_loads"]).union(
+                *(p["element_loads"] for later in self.sweeps[g + 1:] for p in later["two"]))
             if group["one"] is None:
-                lines += self._sweep_lines(group["two"][0])
+                lines += self._sweep_lines(group["two"][0], after)
                 continue
             lines.append("if ONE_SWEEP:")
-            lines += ["    " + line for line in self._sweep_lines(group["one"])]
+            lines += ["    " + line for line in self._sweep_lines(group["one"], after)]
             lines.append("else:")
-            lines += ["    " + line for p in group["two"] for line in self._sweep_lines(p)]
+            for i, p in enumerate(group["two"]):
+                again = after.union(*(q["element_loads"] for q in group["two"][i + 1:]))
+                lines += ["    " + line for line in self._sweep_lines(p, again)]
         return lines
 
-    def _sweep_lines(self, p: dict[str, Any]) -> list[str]:
+    def _sweep_lines(self, p: dict[str, Any], again: set[str]) -> list[str]:
         body = (self.column_load_lines(p["column_inputs"])
-                + self.element_load_lines(p["element_loads"])
+                + self.element_load_lines(p["element_loads"], again)
                 + self.assign_lines(p["assigns"]) + p["step"])
         return (p["init"]
                 + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):",
@@ -453,7 +467,7 @@ class KernelContext:
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
-        return args
+        return args + ["KEEP: tl.constexpr"]
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],

@@ -71,6 +71,15 @@ class ScheduleTable:
     #: many bytes as bf16 65536) lost with one sweep in benchmarks.run (layer norm 1996 vs 2168,
     #: softmax 2456 vs 2644 the grid before): a column count, not bytes
     one_sweep_min_n: int = 65536
+    #: a looped row's sweeps read its elements again: where a row of one tensor is at most this
+    #: many bytes, the reads before the last load them `evict_last` (kept in L2 for the next
+    #: sweep) and the last `evict_first`; longer rows keep the default. `benchmarks.counters`
+    #: (H100, bf16, 2026-11-22), without hints -> with: softmax backward 4096x65536 2037 ->
+    #: 2735 GB/s (DRAM bytes 1.45x -> 1.09x the model), softmax forward 4096x65536 2539 ->
+    #: 2766, RMS-norm forward 4096x32768 2770 -> 2925; rows of 512 KiB gained nothing
+    #: (1024x262144: the rows in flight overflow L2 either way), its layer-norm backward lost
+    #: (1435 -> 1365)
+    keep_max_row_bytes: int = 131072
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
     #: rows per step of a looped kernel that accumulates column partials: each step's
@@ -147,6 +156,7 @@ class ScheduleTable:
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,
+            "KEEP_MAX_ROW_BYTES": self.keep_max_row_bytes,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,
             "MAX_ROWS": self.max_rows,

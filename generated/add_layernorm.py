@@ -31,6 +31,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -51,7 +52,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -197,8 +199,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -328,6 +332,7 @@ def _add_layernorm_fwd_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -404,6 +409,7 @@ def _add_layernorm_fwd_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -426,10 +432,10 @@ def _add_layernorm_fwd_red(
                 else:
                     input_bias = 0.0
                 if HAS_RESIDUAL:
-                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
                     residual = 0.0
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 mean_delta = tl.where(mask, residual_out - mean_acc, 0.0)
                 mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
@@ -449,10 +455,10 @@ def _add_layernorm_fwd_red(
                 else:
                     input_bias = 0.0
                 if HAS_RESIDUAL:
-                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
                     residual = 0.0
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 mean_acc += tl.where(mask, residual_out, 0.0)
             mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
@@ -466,10 +472,10 @@ def _add_layernorm_fwd_red(
                 else:
                     input_bias = 0.0
                 if HAS_RESIDUAL:
-                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                    residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
                     residual = 0.0
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
             var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
@@ -491,10 +497,10 @@ def _add_layernorm_fwd_red(
             else:
                 weight = 1.0
             if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 residual = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
             y = bias + weight * x_hat  # y = bias + weight*x_hat
@@ -539,6 +545,7 @@ def _add_layernorm_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -616,6 +623,7 @@ def _add_layernorm_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -637,8 +645,8 @@ def _add_layernorm_bwd_default_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
             sum_dy_weight_acc += dy * weight
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
@@ -653,11 +661,11 @@ def _add_layernorm_bwd_default_red(
             else:
                 weight = 1.0
             if HAS_DRESIDUAL_OUT:
-                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 dresidual_out = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
             common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -715,6 +723,7 @@ def _add_layernorm_bwd_recompute_mean_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -791,6 +800,7 @@ def _add_layernorm_bwd_recompute_mean_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -811,8 +821,8 @@ def _add_layernorm_bwd_recompute_mean_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += residual_out
             sum_dy_weight_acc += dy * weight
         mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
@@ -826,8 +836,8 @@ def _add_layernorm_bwd_recompute_mean_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -840,11 +850,11 @@ def _add_layernorm_bwd_recompute_mean_red(
             else:
                 weight = 1.0
             if HAS_DRESIDUAL_OUT:
-                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 dresidual_out = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
             common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -902,6 +912,7 @@ def _add_layernorm_bwd_invertible_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -981,6 +992,7 @@ def _add_layernorm_bwd_invertible_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -1005,8 +1017,8 @@ def _add_layernorm_bwd_invertible_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
             sum_dy_weight_acc += dy * weight
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
@@ -1025,11 +1037,11 @@ def _add_layernorm_bwd_invertible_red(
             else:
                 weight = 1.0
             if HAS_DRESIDUAL_OUT:
-                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 dresidual_out = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
             common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -1244,6 +1256,7 @@ def _add_layernorm_fwd(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         ONE_SWEEP=schedule.one_sweep,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y, residual_out, mean, rstd,
@@ -1299,6 +1312,7 @@ def _add_layernorm_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, dbias, = _column_sums(
@@ -1357,6 +1371,7 @@ def _add_layernorm_bwd_recompute_mean(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, dbias, = _column_sums(
@@ -1415,6 +1430,7 @@ def _add_layernorm_bwd_invertible(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, dbias, = _column_sums(

@@ -30,6 +30,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -50,7 +51,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -196,8 +198,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -324,6 +328,7 @@ def _add_rmsnorm_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -391,6 +396,7 @@ def _add_rmsnorm_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -412,10 +418,10 @@ def _add_rmsnorm_fwd_red(
             else:
                 input_bias = 0.0
             if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             else:
                 residual = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             mean_square_acc += tl.where(mask, residual_out * residual_out, 0.0)
         mean_square = tl.sum(mean_square_acc, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
@@ -433,10 +439,10 @@ def _add_rmsnorm_fwd_red(
             else:
                 weight = 1.0
             if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 residual = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
             y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
@@ -476,6 +482,7 @@ def _add_rmsnorm_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -545,6 +552,7 @@ def _add_rmsnorm_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -565,8 +573,8 @@ def _add_rmsnorm_bwd_default_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
             sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -579,11 +587,11 @@ def _add_rmsnorm_bwd_default_red(
             else:
                 weight = 1.0
             if HAS_DRESIDUAL_OUT:
-                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 dresidual_out = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
             common_0 = rstd * dy  # common_0 = dy*rstd
             common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
@@ -633,6 +641,7 @@ def _add_rmsnorm_bwd_invertible_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -702,6 +711,7 @@ def _add_rmsnorm_bwd_invertible_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -722,8 +732,8 @@ def _add_rmsnorm_bwd_invertible_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
             sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -736,11 +746,11 @@ def _add_rmsnorm_bwd_invertible_red(
             else:
                 weight = 1.0
             if HAS_DRESIDUAL_OUT:
-                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 dresidual_out = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
             common_0 = rstd * dy  # common_0 = dy*rstd
             common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
@@ -899,6 +909,7 @@ def _add_rmsnorm_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y, residual_out, rstd,
@@ -947,6 +958,7 @@ def _add_rmsnorm_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, = _column_sums(
@@ -999,6 +1011,7 @@ def _add_rmsnorm_bwd_invertible(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, = _column_sums(

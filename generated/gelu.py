@@ -30,6 +30,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -50,7 +51,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -152,8 +154,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -266,6 +270,7 @@ def _gelu_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -302,6 +307,7 @@ def _gelu_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -319,7 +325,7 @@ def _gelu_fwd_red(
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 bias = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             y = 0.5 * z * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * z) + 1.0)  # y = z*(erf(sqrt(2)*z/2) + 1)/2
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
@@ -344,6 +350,7 @@ def _gelu_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -391,6 +398,7 @@ def _gelu_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -408,8 +416,8 @@ def _gelu_bwd_default_red(
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 bias = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
             common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
@@ -483,6 +491,7 @@ def _gelu_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y,
@@ -517,6 +526,7 @@ def _gelu_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dbias, = _column_sums(

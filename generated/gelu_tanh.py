@@ -28,6 +28,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -48,7 +49,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -150,8 +152,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -264,6 +268,7 @@ def _gelu_tanh_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_tanh_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -301,6 +306,7 @@ def _gelu_tanh_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_tanh_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -318,7 +324,7 @@ def _gelu_tanh_fwd_red(
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 bias = 0.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             t = _tanh((tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * (z + (tl.full([], 0.044714998453855515, ACC) + tl.full([], 1.5461444832776117e-09, ACC)) * z * z * z))  # t = tanh(sqrt(2)*(8943*z^3/200000 + z)/sqrt(pi))
             y = 0.5 * z * (t + 1.0)  # y = z*(t + 1)/2
@@ -344,6 +350,7 @@ def _gelu_tanh_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_tanh_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -394,6 +401,7 @@ def _gelu_tanh_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_gelu_tanh_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -411,8 +419,8 @@ def _gelu_tanh_bwd_default_red(
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 bias = 0.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             t = _tanh((tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * (z + (tl.full([], 0.044714998453855515, ACC) + tl.full([], 1.5461444832776117e-09, ACC)) * z * z * z))  # t = tanh(sqrt(2)*(8943*z^3/200000 + z)/sqrt(pi))
             common_1 = (tl.full([], 159576.90625, ACC) + tl.full([], 0.005910573061555624, ACC)) * z  # common_1 = 200000*sqrt(2)*z/sqrt(pi)
@@ -493,6 +501,7 @@ def _gelu_tanh_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y,
@@ -527,6 +536,7 @@ def _gelu_tanh_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dbias, = _column_sums(

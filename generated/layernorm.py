@@ -27,6 +27,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -47,7 +48,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -193,8 +195,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -316,6 +320,7 @@ def _layernorm_fwd_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -373,6 +378,7 @@ def _layernorm_fwd_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -390,7 +396,7 @@ def _layernorm_fwd_red(
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 mean_delta = tl.where(mask, x - mean_acc, 0.0)
                 mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
                 var_acc += mean_delta * tl.where(mask, x - mean_acc, 0.0)
@@ -404,7 +410,7 @@ def _layernorm_fwd_red(
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 mean_acc += x
             mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -412,7 +418,7 @@ def _layernorm_fwd_red(
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 var_acc += tl.where(mask, (x - mean) * (x - mean), 0.0)
             var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
             rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
@@ -428,7 +434,7 @@ def _layernorm_fwd_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             y = bias + weight * x_hat  # y = bias + weight*x_hat
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
@@ -463,6 +469,7 @@ def _layernorm_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -523,6 +530,7 @@ def _layernorm_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -544,8 +552,8 @@ def _layernorm_bwd_default_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             sum_dy_weight_acc += dy * weight
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
@@ -559,8 +567,8 @@ def _layernorm_bwd_default_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
@@ -603,6 +611,7 @@ def _layernorm_bwd_recompute_mean_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -662,6 +671,7 @@ def _layernorm_bwd_recompute_mean_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -682,8 +692,8 @@ def _layernorm_bwd_recompute_mean_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += x
             sum_dy_weight_acc += dy * weight
         mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
@@ -697,8 +707,8 @@ def _layernorm_bwd_recompute_mean_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -710,8 +720,8 @@ def _layernorm_bwd_recompute_mean_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
@@ -754,6 +764,7 @@ def _layernorm_bwd_invertible_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -816,6 +827,7 @@ def _layernorm_bwd_invertible_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -840,8 +852,8 @@ def _layernorm_bwd_invertible_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
             sum_dy_weight_acc += dy * weight
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
@@ -859,8 +871,8 @@ def _layernorm_bwd_invertible_red(
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = 1.0
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
@@ -1027,6 +1039,7 @@ def _layernorm_fwd(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         ONE_SWEEP=schedule.one_sweep,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y, mean, rstd,
@@ -1072,6 +1085,7 @@ def _layernorm_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dweight, dbias, = _column_sums(
@@ -1119,6 +1133,7 @@ def _layernorm_bwd_recompute_mean(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dweight, dbias, = _column_sums(
@@ -1166,6 +1181,7 @@ def _layernorm_bwd_invertible(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     dweight, dbias, = _column_sums(

@@ -35,6 +35,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -55,7 +56,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -201,8 +203,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -375,6 +379,7 @@ def _masked_softmax_fwd_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_masked_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -443,6 +448,7 @@ def _masked_softmax_fwd_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_masked_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -466,11 +472,11 @@ def _masked_softmax_fwd_red(
                 col_mask = cols < N
                 mask = row_mask & col_mask
                 if HAS_ATTENTION_MASK:
-                    attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0).to(ACC)
+                    attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
                     attention_mask = 0.0
                 key = cols
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
@@ -486,11 +492,11 @@ def _masked_softmax_fwd_red(
                 col_mask = cols < N
                 mask = row_mask & col_mask
                 if HAS_ATTENTION_MASK:
-                    attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0).to(ACC)
+                    attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
                     attention_mask = 0.0
                 key = cols
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, z, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
@@ -501,11 +507,11 @@ def _masked_softmax_fwd_red(
                 col_mask = cols < N
                 mask = row_mask & col_mask
                 if HAS_ATTENTION_MASK:
-                    attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0).to(ACC)
+                    attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
                     attention_mask = 0.0
                 key = cols
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 e = _exp(z - row_max)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
@@ -515,12 +521,12 @@ def _masked_softmax_fwd_red(
             col_mask = cols < N
             mask = row_mask & col_mask
             if HAS_ATTENTION_MASK:
-                attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0).to(ACC)
+                attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
                 attention_mask = 0.0
             key = cols
             u = _uniform(seed, offsets * N + cols).to(ACC)
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
             e = _exp(z - row_max)  # e = exp(-row_max + z)
             p = _guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
@@ -555,6 +561,7 @@ def _masked_softmax_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_masked_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -604,6 +611,7 @@ def _masked_softmax_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_masked_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -623,8 +631,8 @@ def _masked_softmax_bwd_default_red(
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             u = _uniform(seed, offsets * N + cols).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             sum_dy_keep_p_term_acc += 1.0 / (1.0 - dropout_p) * dy * keep * p
@@ -633,9 +641,9 @@ def _masked_softmax_bwd_default_red(
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             key = cols
-            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             u = _uniform(seed, offsets * N + cols).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -744,6 +752,7 @@ def _masked_softmax_fwd(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         ONE_SWEEP=schedule.one_sweep,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y, p,
@@ -781,6 +790,7 @@ def _masked_softmax_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return dx,

@@ -27,6 +27,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 65536
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65537
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -47,7 +48,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -193,8 +195,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -306,6 +310,7 @@ def _softmax_fwd_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -340,6 +345,7 @@ def _softmax_fwd_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -356,7 +362,7 @@ def _softmax_fwd_red(
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
                 denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, _exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
@@ -370,7 +376,7 @@ def _softmax_fwd_red(
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
@@ -379,7 +385,7 @@ def _softmax_fwd_red(
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = cols < N
                 mask = row_mask & col_mask
-                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+                x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 e = _exp(x - row_max)  # e = exp(-row_max + x)
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
@@ -387,7 +393,7 @@ def _softmax_fwd_red(
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = _exp(x - row_max)  # e = exp(-row_max + x)
             p = 1.0 / denominator * e  # p = e/denominator
             tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
@@ -408,6 +414,7 @@ def _softmax_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -440,6 +447,7 @@ def _softmax_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -454,16 +462,16 @@ def _softmax_bwd_default_red(
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
+            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             sum_dp_p_acc += dp * p
         sum_dp_p = tl.sum(sum_dp_p_acc, axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dp - sum_dp_p)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -520,6 +528,7 @@ def _softmax_fwd(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         ONE_SWEEP=schedule.one_sweep,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return p,
@@ -547,6 +556,7 @@ def _softmax_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return dx,

@@ -31,6 +31,7 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
+KEEP_MAX_ROW_BYTES = 131072
 LOOPED_GRID_STRIDE_ROWS = 2
 ROW_BLOCK_ELEMENTS = 8192
 MAX_ROWS = 64
@@ -51,7 +52,8 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep")
+_Schedule = namedtuple("_Schedule",
+                       "looped block_n rows warps programs stages chunks one_sweep keep")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -153,8 +155,10 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
+    # a looped row read again by a later sweep is kept in L2 between them up to this size
+    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep)
+                     triton.cdiv(N, block_n), one_sweep, keep)
 
 
 def _partials(needed, schedule, N, acc, device):
@@ -267,6 +271,7 @@ def _swiglu_fwd_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_swiglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -301,6 +306,7 @@ def _swiglu_fwd_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_swiglu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -314,8 +320,8 @@ def _swiglu_fwd_red(
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = _exp(-gate)  # e = exp(-gate)
             s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
             y = gate * s * up  # y = gate*s*up
@@ -341,6 +347,7 @@ def _swiglu_bwd_default_per(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_swiglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -381,6 +388,7 @@ def _swiglu_bwd_default_red(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """_swiglu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -394,9 +402,9 @@ def _swiglu_bwd_default_red(
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = cols < N
             mask = row_mask & col_mask
-            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
-            up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+            up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = _exp(-gate)  # e = exp(-gate)
             s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
             common_0 = gate * s  # common_0 = gate*s
@@ -463,6 +471,7 @@ def _swiglu_fwd(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return y,
@@ -494,6 +503,7 @@ def _swiglu_bwd_default(
         BLOCK_N=schedule.block_n,
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
+        KEEP=schedule.keep,
         num_warps=schedule.warps,
     )
     return dgate, dup,

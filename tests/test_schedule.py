@@ -1,11 +1,13 @@
 """The schedule layer: the measured table reaches the generated modules, the pipeline's
 shared-memory guard, and the one-launch column sums of the partials."""
 
+import inspect
+
 import pytest
 import torch
 
 from codegen.schedule import DEFAULT, load_measured
-from generated import add_layernorm, layernorm
+from generated import add_layernorm, layernorm, softmax
 
 
 def test_measured_table_reaches_the_module():
@@ -110,6 +112,34 @@ def test_one_sweep_is_chosen_by_the_row_length(n, element_size):
     long_row = n >= layernorm.ONE_SWEEP_MIN_N
     assert schedule.one_sweep == (schedule.looped and long_row)
     assert schedule.looped == (n > layernorm.PERSISTENT_MAX_BLOCK_N or schedule.block_n < n)
+
+
+@pytest.mark.parametrize(("n", "element_size"), [(32768, 2), (65536, 2), (65536, 4),
+                                                   (262144, 2), (4096, 4)])
+def test_looped_rows_are_kept_in_l2_up_to_the_row_bytes(n, element_size):
+    # a looped row's earlier sweeps load `evict_last` (KEEP) where one tensor's row is at most
+    # KEEP_MAX_ROW_BYTES; wider rows and whole rows keep the default policy
+    softmax._schedule.cache_clear()
+    schedule = softmax._schedule(4096, n, False, "bwd", 2, element_size, torch.device("cpu"),
+                                 softmax.PERSISTENT_MAX_BLOCK_N)
+    assert softmax.KEEP_MAX_ROW_BYTES == 131072
+    assert schedule.keep == (schedule.looped and n * element_size <= 131072)
+    assert schedule.looped or n < 65536
+
+
+def test_only_a_looped_row_read_again_loads_evict_last():
+    # softmax backward, looped: the sweep for sum(dp * p) reads dp and p, read again by the
+    # epilogue (evict_last under KEEP); the epilogue's reads are their last (evict_first)
+    source = inspect.getsource(softmax._softmax_bwd_default_red.fn)
+    sweep, epilogue = source.split("for chunk in")[1:3]
+    for name in ("dp", "p"):
+        load = f"{name} = tl.load({name}_ptr + offsets * {name}_row_stride + cols"
+        assert (f'{load}, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "")'
+                in sweep)
+        assert (f'{load}, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "")'
+                in epilogue)
+    whole = inspect.getsource(softmax._softmax_bwd_default_per.fn)
+    assert "eviction_policy" not in whole
 
 
 def test_rows_that_must_loop_take_the_measured_looped_entry():
