@@ -76,10 +76,11 @@ class ScheduleTable:
     #: sweep) and the last `evict_first`; longer rows keep the default. `benchmarks.counters`
     #: (H100, bf16, 2026-11-22), without hints -> with: softmax backward 4096x65536 2037 ->
     #: 2735 GB/s (DRAM bytes 1.45x -> 1.09x the model), softmax forward 4096x65536 2539 ->
-    #: 2766, RMS-norm forward 4096x32768 2770 -> 2925; rows of 512 KiB gained nothing
-    #: (1024x262144: the rows in flight overflow L2 either way), its layer-norm backward lost
-    #: (1435 -> 1365)
-    keep_max_row_bytes: int = 131072
+    #: 2766, RMS-norm forward 4096x32768 2770 -> 2925; fp32 rows of 256 KiB (4096x65536):
+    #: layer-norm forward 2029 -> 2444 (DRAM 1.47x -> 1.13x), softmax forward 2050 -> 2732,
+    #: softmax backward 1840 -> 1945; rows of 512 KiB gained nothing (1024x262144 bf16: the
+    #: rows in flight overflow L2 either way), its layer-norm backward lost (1435 -> 1365)
+    keep_max_row_bytes: int = 262144
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
     #: rows per step of a looped kernel that accumulates column partials: each step's

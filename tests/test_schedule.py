@@ -115,15 +115,15 @@ def test_one_sweep_is_chosen_by_the_row_length(n, element_size):
 
 
 @pytest.mark.parametrize(("n", "element_size"), [(32768, 2), (65536, 2), (65536, 4),
-                                                   (262144, 2), (4096, 4)])
+                                                   (262144, 2), (131072, 4), (4096, 4)])
 def test_looped_rows_are_kept_in_l2_up_to_the_row_bytes(n, element_size):
     # a looped row's earlier sweeps load `evict_last` (KEEP) where one tensor's row is at most
     # KEEP_MAX_ROW_BYTES; wider rows and whole rows keep the default policy
     softmax._schedule.cache_clear()
     schedule = softmax._schedule(4096, n, False, "bwd", 2, element_size, torch.device("cpu"),
                                  softmax.PERSISTENT_MAX_BLOCK_N)
-    assert softmax.KEEP_MAX_ROW_BYTES == 131072
-    assert schedule.keep == (schedule.looped and n * element_size <= 131072)
+    assert softmax.KEEP_MAX_ROW_BYTES == 262144
+    assert schedule.keep == (schedule.looped and n * element_size <= 262144)
     assert schedule.looped or n < 65536
 
 
