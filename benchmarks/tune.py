@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -397,6 +398,36 @@ def _shared_16bit(results: list[dict]) -> list[dict]:
     return shared
 
 
+def _shared_rows(results: list[dict]) -> list[dict]:
+    """One entry serves every row count of its width: where one op, mode and dtype group was
+    measured at several row counts of one width (16384x512 and 4096x512, say), each
+    configuration measured at all of them counts at the geometric mean of its speeds (its
+    fastest at each), so the entry is the fastest over those shapes rather than at one (H100,
+    bf16 softmax backward, width 512: one warp for 2 rows won at 16384 rows, 2195 GB/s, and
+    the grid's 4096 rows then ran 0.86x torch.compile)."""
+    grouped: dict = {}
+    for result in results:
+        key = (result["op"], result["mode"], result["n"], result["dtype"] == "torch.float32")
+        grouped.setdefault(key, []).append(result)
+    shared = []
+    for group in grouped.values():
+        if len({result["m"] for result in group}) == 1:
+            shared.extend(group)
+            continue
+        speeds: dict = {}
+        for index, result in enumerate(group):
+            for config in result["configs"]:
+                if "gbps" in config:
+                    best = speeds.setdefault(_signature(config), {})
+                    if index not in best or config["gbps"] > best[index]["gbps"]:
+                        best[index] = config
+        configs = [next(iter(found.values())) | {
+            "gbps": math.prod(c["gbps"] for c in found.values()) ** (1 / len(group))}
+            for found in speeds.values() if len(found) == len(group)]
+        shared.append(group[0] | {"configs": configs})
+    return shared
+
+
 def write_table(measurements: list[Path], command: str) -> Path:
     """codegen/schedule_table.json from DIR/tune.json (of one or several runs, pooled): per
     op, kind and width, the fastest measured configuration and, under "<kind>_looped", the
@@ -408,7 +439,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
     previous = load_measured()
     ops = {op: {kind: dict(widths) for kind, widths in kinds.items()}
            for op, kinds in previous.get("ops", {}).items()}
-    for result in _shared_16bit(report["results"]):
+    for result in _shared_rows(_shared_16bit(report["results"])):
         # both sweep forms are candidates: the entry records the one measured fastest
         measured = [r for r in result["configs"] if "gbps" in r]
         block_n = str(1 << (result["n"] - 1).bit_length())

@@ -1,0 +1,41 @@
+"""benchmarks.tune's table writing on the CPU: how measurements of several runs become one entry."""
+
+from benchmarks.tune import _shared_16bit, _shared_rows
+
+
+def _config(rows, warps, gbps):
+    return {"rows": rows, "warps": warps, "per_sm": 0, "stages": 1, "step": 0, "gbps": gbps}
+
+
+def _result(m, dtype, configs, n=512):
+    return {"op": "softmax", "mode": "bwd", "m": m, "n": n, "dtype": dtype, "configs": configs}
+
+
+def test_an_entry_is_the_fastest_over_the_row_counts_of_its_width():
+    # (2, 1) wins at 16384 rows and loses at 4096; (4, 4) is second at both and wins over both
+    results = [_result(16384, "torch.bfloat16", [_config(2, 1, 2200), _config(4, 4, 2150),
+                                                 _config(8, 8, 2000)]),
+               _result(4096, "torch.bfloat16", [_config(2, 1, 1200), _config(4, 4, 1350),
+                                                _config(4, 4, 1300)])]
+    [shared] = _shared_rows(results)
+    speeds = {(c["rows"], c["warps"]): c["gbps"] for c in shared["configs"]}
+    # (8, 8) was not measured at 4096 rows: no candidate; a repeat counts at its fastest
+    assert set(speeds) == {(2, 1), (4, 4)}
+    assert abs(speeds[(4, 4)] - (2150 * 1350) ** 0.5) < 1e-6
+    assert abs(speeds[(2, 1)] - (2200 * 1200) ** 0.5) < 1e-6
+    assert max(speeds, key=speeds.get) == (4, 4)
+
+
+def test_widths_dtypes_and_single_shapes_stay_apart():
+    one = _result(4096, "torch.bfloat16", [_config(1, 1, 100)])
+    wider = _result(16384, "torch.bfloat16", [_config(2, 2, 200)], n=1024)
+    fp32 = _result(16384, "torch.float32", [_config(4, 4, 300)])
+    assert _shared_rows([one, wider, fp32]) == [one, wider, fp32]
+
+
+def test_fp16_and_bf16_share_each_configuration_at_its_slower_speed():
+    results = [_result(4096, "torch.bfloat16", [_config(2, 1, 1400), _config(4, 4, 1300)]),
+               _result(4096, "torch.float16", [_config(2, 1, 1200), _config(4, 4, 1290)])]
+    [shared] = _shared_16bit(results)
+    speeds = {(c["rows"], c["warps"]): c["gbps"] for c in shared["configs"]}
+    assert speeds == {(2, 1): 1200, (4, 4): 1290}
