@@ -73,7 +73,9 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     args = (x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, 1e-5, 0.0, M, N)
     constexprs = dict(HAS_WEIGHT=True, HAS_BIAS=True, STORE_MEAN=True, STORE_RSTD=True,
                       ACC=tl.float32, ROWS=schedule.rows, BLOCK_N=schedule.block_n,
-                      STAGES=schedule.stages)
+                      STAGES=schedule.stages, CHUNKS=schedule.chunks,
+                      ONE_SWEEP=schedule.one_sweep, KEEP=schedule.keep)
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     grid = (schedule.programs,)
 
     compiled = kernel[grid](*args, **constexprs, num_warps=schedule.warps)

@@ -84,9 +84,12 @@ class Plan:
     budget_s: float
     out: Path
     command: str
+    shape_names: tuple[str, ...] = ()
+    """Empty: every shape of the preset; otherwise only these (MxN)."""
 
     def shapes_for(self, op: OpSpec) -> tuple[Shape, ...]:
-        return tuple(shape for shape in self.preset.shapes if shape.applies_to(op.name))
+        return tuple(shape for shape in self.preset.shapes if shape.applies_to(op.name)
+                     and (not self.shape_names or shape.name in self.shape_names))
 
     @property
     def measurement_count(self) -> int:
@@ -129,6 +132,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--providers", type=_csv(tuple(PROVIDERS)), default=tuple(PROVIDERS))
     parser.add_argument(
+        "--shapes",
+        type=_csv(tuple(shape.name for preset in PRESETS.values() for shape in preset.shapes)),
+        default=(),
+        help="MxN,... of the preset's shapes (default: all of them)",
+    )
+    parser.add_argument(
         "--rep-ms",
         type=float,
         default=None,
@@ -156,6 +165,7 @@ def make_plan(args: argparse.Namespace, argv: Sequence[str]) -> Plan:
         budget_s=args.budget_s or preset.budget_s,
         out=args.out,
         command=shlex.join(["python", "-m", "benchmarks.run", *argv]),
+        shape_names=args.shapes,
     )
 
 

@@ -458,7 +458,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
     run = {key: report[key] for key in ("device", "sms", "torch", "triton", "date")} | {
         "dtype": sorted({r["dtype"] for r in report["results"]}), "command": command,
         "shapes": sorted({f"{r['m']}x{r['n']}" for r in report["results"]},
-                         key=lambda shape: int(shape.split("x")[1]))}
+                         key=lambda shape: tuple(int(v) for v in shape.split("x")[::-1]))}
     runs = previous.get("runs") or ([previous["measured"]] if "measured" in previous else [])
     runs = [entry for entry in runs if entry.get("command") != command]  # a rerun replaces
     table = {

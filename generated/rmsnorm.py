@@ -83,8 +83,8 @@ def _use_triton(tensor):
 #: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
     ("bwd", 256): (16, 4, 2, 1, 0, -1),
-    ("bwd", 512): (4, 2, 2, 3, 0, -1),
-    ("bwd", 1024): (4, 4, 1, 3, 0, -1),
+    ("bwd", 512): (2, 2, 4, 3, 0, -1),
+    ("bwd", 1024): (4, 4, 2, 3, 0, -1),
     ("bwd", 2048): (4, 8, 1, 3, 0, -1),
     ("bwd", 4096): (2, 8, 1, 3, 0, -1),
     ("bwd", 8192): (1, 8, 1, 3, 0, -1),
