@@ -30,6 +30,8 @@ class Measurement:
     p80_ms: float | None = None
     min_ms: float | None = None
     iterations: int = 0
+    dropped: int = 0
+    """Timed calls left out: their host time outran the GPU sleep (benchmarks.timing)."""
     host_us: float | None = None
     """Host time to issue one call (its launch overhead at this shape)."""
     gbps: float | None = None

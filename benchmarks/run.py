@@ -475,6 +475,7 @@ class Session:
                 stats.min_ms,
             )
             row.iterations = stats.iterations
+            row.dropped = stats.dropped
             row.host_us = stats.host_ms * 1e3
             row.gbps = row.bytes / (stats.median_ms * 1e6)
             copy_gbps = self.record.copy_gbps

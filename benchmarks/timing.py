@@ -3,12 +3,14 @@
 Each timed iteration is ``state = setup(); prepare(); start; call(state); stop``:
 
 * ``setup`` is untimed work the call needs (the backward mode runs a fresh forward here),
-* ``prepare`` (CUDA only) enqueues a GPU sleep (150 us, or 1.5x the call's host time
-  when that is longer) and then overwrites a buffer of at least 256 MiB (> 5x the
+* ``prepare`` (CUDA only) enqueues a GPU sleep (150 us, or 1.5x the slowest host time of
+  the estimate calls when that is longer) and then overwrites a buffer of at least 256 MiB (> 5x the
   H100's 50 MB L2): the timed call starts with a cold L2 and with its launches already
   queued, so neither L2 hits nor host overhead are timed. (This replaces rotating
   among input copies: it works for any working-set size.)
-* events around ``call`` time only the call's kernels.
+* events around ``call`` time only the call's kernels. A call whose host time outran the
+  sleep was partly waited for by the GPU: its sample is dropped (``Stats.dropped``); where
+  that is most of them, the run is repeated once with a sleep twice as long.
 
 The result is the median over as many iterations as fit in ``rep_ms`` (at least
 ``MIN_ITERATIONS``), after a warm-up that also triggers JIT / torch.compile.
@@ -57,9 +59,12 @@ class Stats:
     iterations: int
     host_ms: float
     """Host (CPU) time to issue one call, median of the estimate iterations."""
+    dropped: int = 0
+    """Timed calls whose host time outran the GPU sleep before them: left out of the
+    statistics (all of them kept, and counted here, where none was covered)."""
 
     @classmethod
-    def from_samples(cls, samples_ms: list[float], host_ms: float) -> Stats:
+    def from_samples(cls, samples_ms: list[float], host_ms: float, dropped: int = 0) -> Stats:
         ordered = sorted(samples_ms)
 
         def quantile(q: float) -> float:
@@ -72,13 +77,15 @@ class Stats:
             ordered[0],
             len(ordered),
             host_ms,
+            dropped,
         )
 
 
 class Clock(Protocol):
     def sync(self) -> None: ...
-    def cover_host_time(self, host_ms: float) -> None:
-        """Make ``prepare`` leave the host at least this long to issue the call."""
+    def cover_host_time(self, host_ms: float) -> float:
+        """Make ``prepare`` leave the host at least this long to issue the call; return the
+        host milliseconds it leaves (a call slower than that is partly timed)."""
         ...
 
     def prepare(self) -> None: ...
@@ -99,8 +106,8 @@ class WallClock:
     def sync(self) -> None:
         return None
 
-    def cover_host_time(self, host_ms: float) -> None:
-        return None
+    def cover_host_time(self, host_ms: float) -> float:
+        return float("inf")  # the wall clock times host work anyway
 
     def prepare(self) -> None:
         return None
@@ -144,9 +151,10 @@ class CudaClock:
     def sync(self) -> None:
         torch.cuda.synchronize()
 
-    def cover_host_time(self, host_ms: float) -> None:
+    def cover_host_time(self, host_ms: float) -> float:
         slack_us = min(MAX_SLACK_US, max(GPU_SLACK_US, HOST_SLACK_FACTOR * host_ms * 1e3))
         self._slack_cycles = int(slack_us * self._cycles_per_us)
+        return slack_us / 1e3
 
     def prepare(self) -> None:
         torch.cuda._sleep(self._slack_cycles)
@@ -172,8 +180,8 @@ class CudaClock:
         return intervals
 
 
-def _iterate(clock: Clock, work: Workload, iterations: int) -> tuple[list[float], float]:
-    """Device milliseconds of each call, and the median host milliseconds to issue one."""
+def _iterate(clock: Clock, work: Workload, iterations: int) -> tuple[list[float], list[float]]:
+    """Device milliseconds of each call, and the host milliseconds to issue each."""
     host_ms: list[float] = []
     for _ in range(iterations):
         state = work.setup()
@@ -184,7 +192,7 @@ def _iterate(clock: Clock, work: Workload, iterations: int) -> tuple[list[float]
         host_ms.append((time.perf_counter() - issued) * 1e3)
         clock.stop()
         del state
-    return clock.collect_ms(), statistics.median(host_ms)
+    return clock.collect_ms(), host_ms
 
 
 def measure(clock: Clock, work: Workload, rep_ms: float) -> Stats:
@@ -194,12 +202,20 @@ def measure(clock: Clock, work: Workload, rep_ms: float) -> Stats:
     clock.collect_ms()  # waits, and drops intervals a failed measurement left behind
     clock.cover_host_time(0.0)
     began = time.perf_counter()
-    _samples, host_ms = _iterate(clock, work, ESTIMATE_ITERATIONS)
+    _samples, estimate = _iterate(clock, work, ESTIMATE_ITERATIONS)
     iteration_ms = (time.perf_counter() - began) * 1e3 / ESTIMATE_ITERATIONS
     iterations = int(min(MAX_ITERATIONS, max(MIN_ITERATIONS, rep_ms / max(iteration_ms, 1e-6))))
-    clock.cover_host_time(host_ms)
-    samples, _host_ms = _iterate(clock, work, iterations)
-    return Stats.from_samples(samples, host_ms)
+    slowest = max(estimate)
+    for _attempt in range(2):
+        covered = clock.cover_host_time(slowest)
+        samples, host = _iterate(clock, work, iterations)
+        kept = [sample for sample, issued in zip(samples, host, strict=True) if issued <= covered]
+        if 2 * len(kept) >= len(samples):
+            break
+        slowest = 2 * max(slowest, statistics.median(host))
+    # none covered (a host slower than MAX_SLACK_US): every sample, each counted as dropped
+    return Stats.from_samples(kept or samples, statistics.median(estimate),
+                              len(samples) - len(kept))
 
 
 def host_overhead_us(clock: Clock, work: Workload, calls: int) -> float:
