@@ -178,7 +178,6 @@ class KernelContext:
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
             hint = "evict_last" if again is not None and e in again else "evict_first"
             policy = "" if again is None else f', eviction_policy="{hint}" if KEEP else ""'
-
             load = f"{e} = tl.load({e}_ptr + {row} + cols, mask=mask, other=0.0{policy}).to(ACC)"
             if e in self.optional_elements:
                 lines += [f"if {self.element_flags[e]}:", f"    {load}", "else:",

@@ -155,10 +155,13 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
             programs = min(row_blocks, INTERPRETER_PROGRAMS)
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
-    # a looped row read again by a later sweep is kept in L2 between them up to this size
-    keep = looped and N * element_size <= KEEP_MAX_ROW_BYTES
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep, keep)
+                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size))
+
+
+def _keeps(looped, N, element_size):
+    """Whether a looped row's earlier sweeps keep what a later one reads again in L2."""
+    return looped and N * element_size <= KEEP_MAX_ROW_BYTES
 
 
 def _partials(needed, schedule, N, acc, device):
