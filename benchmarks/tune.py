@@ -371,60 +371,47 @@ def _signature(config: dict) -> tuple:
                                          "one_sweep"))
 
 
+def _pooled(group: list[dict], combine) -> list[dict]:
+    """The configurations measured in every result of `group`, each at `combine` of its
+    speeds there (its fastest in each result, where a result measured it more than once)."""
+    speeds: dict = {}
+    for index, result in enumerate(group):
+        for config in result["configs"]:
+            if "gbps" in config:
+                best = speeds.setdefault(_signature(config), {})
+                if index not in best or config["gbps"] > best[index]["gbps"]:
+                    best[index] = config
+    return [next(iter(found.values())) | {"gbps": combine([c["gbps"] for c in found.values()])}
+            for found in speeds.values() if len(found) == len(group)]
+
+
+def _shared(results: list[dict], key, combine) -> list[dict]:
+    """Results grouped by `key`; a group of several becomes one, of its pooled configurations."""
+    grouped: dict = {}
+    for result in results:
+        grouped.setdefault(key(result), []).append(result)
+    return [group[0] if len(group) == 1 else group[0] | {"configs": _pooled(group, combine)}
+            for group in grouped.values()]
+
+
 def _shared_16bit(results: list[dict]) -> list[dict]:
     """fp16 and bf16 share their entries: where both were measured at one op, mode and shape,
     each configuration measured in both counts at its slower speed, so the entry holds up for
     either (H100, layer-norm backward 4096x16384 whole rows: bf16 1414 GB/s, fp16 392, which
     spills more; 8 rows of 2048 columns a step: 1340 and 1341)."""
-    grouped: dict = {}
-    for result in results:
-        wide = result["dtype"] == "torch.float32"
-        key = (result["op"], result["mode"], result["m"], result["n"], wide)
-        grouped.setdefault(key, []).append(result)
-    shared = []
-    for group in grouped.values():
-        if len(group) == 1:
-            shared.append(group[0])
-            continue
-        speeds: dict = {}
-        for result in group:
-            for config in result["configs"]:
-                if "gbps" in config:
-                    speeds.setdefault(_signature(config), []).append(config)
-        configs = [min(found, key=lambda c: c["gbps"]) for found in speeds.values()
-                   if len(found) >= len(group)]
-        shared.append(group[0] | {"configs": configs})
-    return shared
+    return _shared(results, lambda r: (r["op"], r["mode"], r["m"], r["n"],
+                                       r["dtype"] == "torch.float32"), min)
 
 
 def _shared_rows(results: list[dict]) -> list[dict]:
     """One entry serves every row count of its width: where one op, mode and dtype group was
     measured at several row counts of one width (16384x512 and 4096x512, say), each
-    configuration measured at all of them counts at the geometric mean of its speeds (its
-    fastest at each), so the entry is the fastest over those shapes rather than at one (H100,
-    bf16 softmax backward, width 512: one warp for 2 rows won at 16384 rows, 2195 GB/s, and
-    the grid's 4096 rows then ran 0.86x torch.compile)."""
-    grouped: dict = {}
-    for result in results:
-        key = (result["op"], result["mode"], result["n"], result["dtype"] == "torch.float32")
-        grouped.setdefault(key, []).append(result)
-    shared = []
-    for group in grouped.values():
-        if len({result["m"] for result in group}) == 1:
-            shared.extend(group)
-            continue
-        speeds: dict = {}
-        for index, result in enumerate(group):
-            for config in result["configs"]:
-                if "gbps" in config:
-                    best = speeds.setdefault(_signature(config), {})
-                    if index not in best or config["gbps"] > best[index]["gbps"]:
-                        best[index] = config
-        configs = [next(iter(found.values())) | {
-            "gbps": math.prod(c["gbps"] for c in found.values()) ** (1 / len(group))}
-            for found in speeds.values() if len(found) == len(group)]
-        shared.append(group[0] | {"configs": configs})
-    return shared
+    configuration measured at all of them counts at the geometric mean of its speeds, so the
+    entry is the fastest over those shapes rather than at one (H100, bf16 softmax backward,
+    width 512: the fastest at 16384 rows, 2 rows a warp, ran 1311 GB/s at 4096 rows, where 4
+    rows on 4 warps ran 1351)."""
+    return _shared(results, lambda r: (r["op"], r["mode"], r["n"], r["dtype"] == "torch.float32"),
+                   lambda speeds: math.prod(speeds) ** (1 / len(speeds)))
 
 
 def write_table(measurements: list[Path], command: str) -> Path:

@@ -39,3 +39,12 @@ def test_fp16_and_bf16_share_each_configuration_at_its_slower_speed():
     [shared] = _shared_16bit(results)
     speeds = {(c["rows"], c["warps"]): c["gbps"] for c in shared["configs"]}
     assert speeds == {(2, 1): 1200, (4, 4): 1290}
+
+
+def test_a_configuration_measured_twice_in_one_dtype_only_is_no_shared_candidate():
+    # (2, 1) measured twice on bf16 (the tuned run and the module's default) and never on fp16
+    results = [_result(4096, "torch.bfloat16", [_config(2, 1, 1400), _config(2, 1, 1390),
+                                                _config(4, 4, 1300)]),
+               _result(4096, "torch.float16", [_config(4, 4, 1290)])]
+    [shared] = _shared_16bit(results)
+    assert [(c["rows"], c["warps"], c["gbps"]) for c in shared["configs"]] == [(4, 4, 1290)]
