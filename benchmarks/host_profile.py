@@ -74,7 +74,8 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     constexprs = dict(HAS_WEIGHT=True, HAS_BIAS=True, STORE_MEAN=True, STORE_RSTD=True,
                       ACC=tl.float32, ROWS=schedule.rows, BLOCK_N=schedule.block_n,
                       STAGES=schedule.stages, CHUNKS=schedule.chunks,
-                      ONE_SWEEP=schedule.one_sweep, KEEP=schedule.keep)
+                      ONE_SWEEP=schedule.one_sweep, KEEP=schedule.keep, EVEN=schedule.even,
+                      STRIDED=schedule.strided)
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     grid = (schedule.programs,)
 

@@ -328,7 +328,7 @@ class KernelContext:
         return (p["init"]
                 + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):",
                    "    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
-                   "    col_mask = cols < N",
+                   "    col_mask = _below(cols, N, EVEN)",
                    "    mask = row_mask & col_mask"]
                 + ["    " + line for line in body]
                 + p["merge"] + self.assign_lines(p["after"]))
@@ -466,7 +466,7 @@ class KernelContext:
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
-        return args + ["KEEP: tl.constexpr"]
+        return args + ["KEEP: tl.constexpr", "EVEN: tl.constexpr", "STRIDED: tl.constexpr"]
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],

@@ -52,7 +52,7 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule",
-                       "looped block_n rows warps programs stages chunks one_sweep keep")
+                       "looped block_n rows warps programs stages chunks one_sweep keep even strided")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -199,7 +199,25 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size))
+                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
+                     _even(M, N, rows, block_n), programs < row_blocks)
+
+
+def _even(M, N, rows, block_n):
+    """Whether row blocks of rows x block_n tile the (M, N) tensor exactly: the kernels then
+    take no masks (EVEN), which the compiler drops from every load, store and select (H100,
+    fp16 layer-norm forward 4096x512, a scratch probe: 1066 GB/s masked, 1092 without)."""
+    return M % rows == 0 and N % block_n == 0
+
+
+@triton.jit
+def _below(index, bound, EVEN: tl.constexpr):
+    """index < bound, or all true at compile time where the shape tiles exactly (EVEN)."""
+    if EVEN:
+        below = tl.full(index.shape, 1, tl.int1)
+    else:
+        below = index < bound
+    return below
 
 
 def _keeps(looped, N, element_size):
@@ -332,12 +350,14 @@ def _add_rmsnorm_fwd_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_add_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
+    col_mask = _below(cols, N, EVEN)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_INPUT_BIAS:
@@ -348,9 +368,10 @@ def _add_rmsnorm_fwd_per(
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
         weight = 1.0
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -400,6 +421,8 @@ def _add_rmsnorm_fwd_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_add_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -407,14 +430,14 @@ def _add_rmsnorm_fwd_red(
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mean_square_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_INPUT_BIAS:
                 input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -431,7 +454,7 @@ def _add_rmsnorm_fwd_red(
         rstd = 1.0 / _sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_INPUT_BIAS:
                 input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -486,12 +509,14 @@ def _add_rmsnorm_bwd_default_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
+    col_mask = _below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -499,9 +524,10 @@ def _add_rmsnorm_bwd_default_per(
         weight = 1.0
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
@@ -556,21 +582,23 @@ def _add_rmsnorm_bwd_default_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -583,7 +611,7 @@ def _add_rmsnorm_bwd_default_red(
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -645,12 +673,14 @@ def _add_rmsnorm_bwd_invertible_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
+    col_mask = _below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -658,9 +688,10 @@ def _add_rmsnorm_bwd_invertible_per(
         weight = 1.0
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
@@ -715,21 +746,23 @@ def _add_rmsnorm_bwd_invertible_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_add_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -742,7 +775,7 @@ def _add_rmsnorm_bwd_invertible_red(
         sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -913,6 +946,8 @@ def _add_rmsnorm_fwd(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return y, residual_out, rstd,
@@ -962,6 +997,8 @@ def _add_rmsnorm_bwd_default(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, = _column_sums(
@@ -1015,6 +1052,8 @@ def _add_rmsnorm_bwd_invertible(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, = _column_sums(

@@ -50,7 +50,7 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule",
-                       "looped block_n rows warps programs stages chunks one_sweep keep")
+                       "looped block_n rows warps programs stages chunks one_sweep keep even strided")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -153,7 +153,25 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size))
+                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
+                     _even(M, N, rows, block_n), programs < row_blocks)
+
+
+def _even(M, N, rows, block_n):
+    """Whether row blocks of rows x block_n tile the (M, N) tensor exactly: the kernels then
+    take no masks (EVEN), which the compiler drops from every load, store and select (H100,
+    fp16 layer-norm forward 4096x512, a scratch probe: 1066 GB/s masked, 1092 without)."""
+    return M % rows == 0 and N % block_n == 0
+
+
+@triton.jit
+def _below(index, bound, EVEN: tl.constexpr):
+    """index < bound, or all true at compile time where the shape tiles exactly (EVEN)."""
+    if EVEN:
+        below = tl.full(index.shape, 1, tl.int1)
+    else:
+        below = index < bound
+    return below
 
 
 def _keeps(looped, N, element_size):
@@ -272,15 +290,18 @@ def _geglu_fwd_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_geglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    col_mask = _below(cols, N, EVEN)
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -306,18 +327,20 @@ def _geglu_fwd_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_geglu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
@@ -346,15 +369,18 @@ def _geglu_bwd_default_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_geglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    col_mask = _below(cols, N, EVEN)
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -386,18 +412,20 @@ def _geglu_bwd_default_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_geglu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
@@ -466,6 +494,8 @@ def _geglu_fwd(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return y,
@@ -498,6 +528,8 @@ def _geglu_bwd_default(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return dgate, dup,

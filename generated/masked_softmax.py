@@ -57,7 +57,7 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule",
-                       "looped block_n rows warps programs stages chunks one_sweep keep")
+                       "looped block_n rows warps programs stages chunks one_sweep keep even strided")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -204,7 +204,25 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size))
+                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
+                     _even(M, N, rows, block_n), programs < row_blocks)
+
+
+def _even(M, N, rows, block_n):
+    """Whether row blocks of rows x block_n tile the (M, N) tensor exactly: the kernels then
+    take no masks (EVEN), which the compiler drops from every load, store and select (H100,
+    fp16 layer-norm forward 4096x512, a scratch probe: 1066 GB/s masked, 1092 without)."""
+    return M % rows == 0 and N % block_n == 0
+
+
+@triton.jit
+def _below(index, bound, EVEN: tl.constexpr):
+    """index < bound, or all true at compile time where the shape tiles exactly (EVEN)."""
+    if EVEN:
+        below = tl.full(index.shape, 1, tl.int1)
+    else:
+        below = index < bound
+    return below
 
 
 def _keeps(looped, N, element_size):
@@ -383,19 +401,22 @@ def _masked_softmax_fwd_per(
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_masked_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
+    col_mask = _below(cols, N, EVEN)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         query = offsets % D2
@@ -452,6 +473,8 @@ def _masked_softmax_fwd_red(
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_masked_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -461,9 +484,9 @@ def _masked_softmax_fwd_red(
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         query = offsets % D2
         attention_mask_rows = offsets // (D1 * D2) * attention_mask_stride0 + offsets // D2 % D1 * attention_mask_stride1 + offsets % D2 * attention_mask_stride2
@@ -472,7 +495,7 @@ def _masked_softmax_fwd_red(
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = cols < N
+                col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_ATTENTION_MASK:
                     attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
@@ -492,7 +515,7 @@ def _masked_softmax_fwd_red(
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = cols < N
+                col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_ATTENTION_MASK:
                     attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
@@ -507,7 +530,7 @@ def _masked_softmax_fwd_red(
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = cols < N
+                col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_ATTENTION_MASK:
                     attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
@@ -521,7 +544,7 @@ def _masked_softmax_fwd_red(
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_ATTENTION_MASK:
                 attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
@@ -565,19 +588,22 @@ def _masked_softmax_bwd_default_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_masked_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
+    col_mask = _below(cols, N, EVEN)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         query = offsets % D2
@@ -615,6 +641,8 @@ def _masked_softmax_bwd_default_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_masked_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -624,15 +652,15 @@ def _masked_softmax_bwd_default_red(
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     seed = tl.load(seed_ptr)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         query = offsets % D2
         sum_dy_keep_p_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
@@ -642,7 +670,7 @@ def _masked_softmax_bwd_default_red(
         sum_dy_keep_p_term = tl.sum(sum_dy_keep_p_term_acc, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             key = cols
@@ -756,6 +784,8 @@ def _masked_softmax_fwd(
         CHUNKS=schedule.chunks,
         ONE_SWEEP=schedule.one_sweep,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return y, p,
@@ -794,6 +824,8 @@ def _masked_softmax_bwd_default(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return dx,

@@ -49,7 +49,7 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 _Schedule = namedtuple("_Schedule",
-                       "looped block_n rows warps programs stages chunks one_sweep keep")
+                       "looped block_n rows warps programs stages chunks one_sweep keep even strided")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -196,7 +196,25 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # the sweep form measured with the entry (tune measures both), else the rule
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size))
+                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
+                     _even(M, N, rows, block_n), programs < row_blocks)
+
+
+def _even(M, N, rows, block_n):
+    """Whether row blocks of rows x block_n tile the (M, N) tensor exactly: the kernels then
+    take no masks (EVEN), which the compiler drops from every load, store and select (H100,
+    fp16 layer-norm forward 4096x512, a scratch probe: 1066 GB/s masked, 1092 without)."""
+    return M % rows == 0 and N % block_n == 0
+
+
+@triton.jit
+def _below(index, bound, EVEN: tl.constexpr):
+    """index < bound, or all true at compile time where the shape tiles exactly (EVEN)."""
+    if EVEN:
+        below = tl.full(index.shape, 1, tl.int1)
+    else:
+        below = index < bound
+    return below
 
 
 def _keeps(looped, N, element_size):
@@ -314,15 +332,18 @@ def _softmax_fwd_per(
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    col_mask = _below(cols, N, EVEN)
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -349,21 +370,23 @@ def _softmax_fwd_red(
     CHUNKS: tl.constexpr,
     ONE_SWEEP: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         if ONE_SWEEP:
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = cols < N
+                col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
@@ -377,7 +400,7 @@ def _softmax_fwd_red(
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = cols < N
+                col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
@@ -386,7 +409,7 @@ def _softmax_fwd_red(
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = cols < N
+                col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 e = _exp(x - row_max)  # e = exp(-row_max + x)
@@ -394,7 +417,7 @@ def _softmax_fwd_red(
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = _exp(x - row_max)  # e = exp(-row_max + x)
@@ -418,15 +441,18 @@ def _softmax_bwd_default_per(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = cols < N
-    for row_block in tl.range(pid, tl.cdiv(M, ROWS), programs, num_stages=STAGES):
+    col_mask = _below(cols, N, EVEN)
+    for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
+                              num_stages=STAGES):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mask = row_mask & col_mask
         dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -451,19 +477,21 @@ def _softmax_bwd_default_red(
     STAGES: tl.constexpr,
     CHUNKS: tl.constexpr,
     KEEP: tl.constexpr,
+    EVEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for row_block in range(pid, tl.cdiv(M, ROWS), programs):
+    for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = rows < M
+        row_mask = _below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         sum_dp_p_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
@@ -471,7 +499,7 @@ def _softmax_bwd_default_red(
         sum_dp_p = tl.sum(sum_dp_p_acc, axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = cols < N
+            col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
@@ -532,6 +560,8 @@ def _softmax_fwd(
         CHUNKS=schedule.chunks,
         ONE_SWEEP=schedule.one_sweep,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return p,
@@ -560,6 +590,8 @@ def _softmax_bwd_default(
         STAGES=schedule.stages,
         CHUNKS=schedule.chunks,
         KEEP=schedule.keep,
+        EVEN=schedule.even,
+        STRIDED=schedule.strided,
         num_warps=schedule.warps,
     )
     return dx,

@@ -265,3 +265,62 @@ def test_wide_rows_stay_whole_only_where_measured(kind):
     assert getattr(cross_entropy, limit) == getattr(layernorm, limit) == 0
     assert _looped(cross_entropy, 32768, False, kind)
     assert _looped(layernorm, 32768, False, kind)
+
+
+@pytest.mark.parametrize(("m", "n", "grid_stride"), [(4096, 512, False), (4095, 512, False),
+                                                     (4096, 500, False), (4096, 1024, True),
+                                                     (4096, 65536, False), (4096, 12288, True)])
+def test_even_and_strided_follow_the_shape(m, n, grid_stride):
+    # EVEN: the row blocks tile the tensor exactly (no masks); STRIDED: fewer programs than row
+    # blocks, so each steps over several (else its row-block loop is of one step)
+    layernorm._schedule.cache_clear()
+    schedule = layernorm._schedule(m, n, grid_stride, "bwd" if grid_stride else "fwd", 2, 2,
+                                   torch.device("cpu"), layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert schedule.even == (m % schedule.rows == 0 and n % schedule.block_n == 0)
+    assert schedule.strided == (schedule.programs < -(-m // schedule.rows))
+    if m == 4095 or n == 500:
+        assert not schedule.even  # a partial row block, a padded row
+    if n in (512, 1024):
+        assert schedule.even == (m == 4096)
+
+
+def _forced(module, schedule):
+    """The module's launchers with `_schedule` returning `schedule` (restored by the caller)."""
+    module._schedule = lambda *_args, **_kwargs: schedule
+
+
+# (rows, columns, rows a step, block_n, programs): each (EVEN, STRIDED) pair, whole and looped
+FORCED = [(8, 64, 2, 64, 4), (8, 64, 2, 64, 2), (7, 60, 2, 64, 4), (7, 60, 2, 64, 2),
+          (8, 64, 2, 32, 4), (8, 64, 2, 32, 3), (7, 60, 2, 32, 4), (7, 60, 2, 32, 2)]
+
+
+@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs"), FORCED)
+def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n, programs):
+    # the generated kernels against the generated torch path, in fp64, for every combination of
+    # EVEN (no masks) and STRIDED (grid-stride row-block loop), whole rows and looped rows
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator().manual_seed(m * n + programs)
+    x, dy = (torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
+             for _ in range(2))
+    weight, bias = (torch.randn(n, generator=generator, dtype=torch.float64).to(device)
+                    for _ in range(2))
+    looped = block_n < n
+    chunks = -(-n // block_n)
+    row_blocks = -(-m // rows)
+    schedule = layernorm._Schedule(looped, block_n, rows, 1, programs, 1, chunks, False, False,
+                                   m % rows == 0 and n % block_n == 0, programs < row_blocks)
+    assert (schedule.even, schedule.strided) in {(True, True), (True, False), (False, True),
+                                                 (False, False)}
+    chosen = layernorm._schedule
+    try:
+        _forced(layernorm, schedule)
+        y, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, True, True)
+        grads = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, True, True)
+    finally:
+        layernorm._schedule = chosen
+    expected = layernorm._layernorm_fwd_torch(x, weight, bias, 1e-5, True, True)
+    for got, want in zip((y, mean, rstd), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    expected = layernorm._layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, True, True)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
