@@ -82,8 +82,8 @@ def _use_triton(tensor):
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
-    ("bwd", 256): (16, 4, 2, 1, 0, -1),
-    ("bwd", 512): (2, 2, 4, 3, 0, -1),
+    ("bwd", 256): (8, 2, 4, 1, 0, -1),
+    ("bwd", 512): (4, 2, 2, 3, 0, -1),
     ("bwd", 1024): (4, 4, 2, 3, 0, -1),
     ("bwd", 2048): (4, 8, 1, 3, 0, -1),
     ("bwd", 4096): (2, 8, 1, 3, 0, -1),
@@ -104,9 +104,9 @@ MEASURED_SCHEDULES = {
     ("bwd_looped", 32768): (16, 8, 1, 3, 1024, -1),
     ("bwd_looped", 65536): (16, 8, 1, 3, 1024, -1),
     ("bwd_looped", 262144): (8, 8, 1, 3, 2048, -1),
-    ("fwd", 256): (32, 8, 0, 1, 0, -1),
-    ("fwd", 512): (4, 2, 8, 3, 0, -1),
-    ("fwd", 1024): (4, 4, 8, 3, 0, -1),
+    ("fwd", 256): (4, 1, 0, 1, 0, -1),
+    ("fwd", 512): (2, 1, 0, 1, 0, -1),
+    ("fwd", 1024): (2, 2, 0, 1, 0, -1),
     ("fwd", 2048): (4, 8, 8, 3, 0, -1),
     ("fwd", 4096): (1, 8, 0, 1, 0, -1),
     ("fwd", 8192): (1, 16, 0, 1, 4096, -1),
