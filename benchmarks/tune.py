@@ -429,7 +429,10 @@ def write_table(measurements: list[Path], command: str) -> Path:
     for result in _shared_rows(_shared_16bit(report["results"])):
         # both sweep forms are candidates: the entry records the one measured fastest
         measured = [r for r in result["configs"] if "gbps" in r]
-        block_n = str(1 << (result["n"] - 1).bit_length())
+        # a width that is not a power of two is an entry of its own, used only at that width
+        # (generated modules: _schedule); before session 9 it was filed under its block's power
+        # of two (cross_entropy's 32768, 131072 and 262144 were measured at 32000, 128256, 256000)
+        width = str(result["n"])
         kinds = ops.setdefault(result["op"], {})
         looped = [r for r in measured if r.get("step")]
         # fp32 runs get entries of their own ("<mode>_fp32"); 16-bit dtypes share theirs
@@ -441,7 +444,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
                          best.get("step", 0)]
                 if best.get("step") and _joined(result["op"], result["mode"]):
                     entry.append(int(best["one_sweep"]))
-                kinds.setdefault(kind, {})[block_n] = entry
+                kinds.setdefault(kind, {})[width] = entry
     run = {key: report[key] for key in ("device", "sms", "torch", "triton", "date")} | {
         "dtype": sorted({r["dtype"] for r in report["results"]}), "command": command,
         "shapes": sorted({f"{r['m']}x{r['n']}" for r in report["results"]},
@@ -451,9 +454,10 @@ def write_table(measurements: list[Path], command: str) -> Path:
     table = {
         "runs": runs + [run],
         "note": "Written by benchmarks/tune.py --write-table: for each op, kernel kind and "
-                "power-of-two width, the fastest configuration measured (one tune run per "
+                "row width, the fastest configuration measured (one tune run per "
                 "entry of 'runs', shapes in benchmarks/tune.py SHAPES and LOOPED_SHAPES; a later "
-                "run replaces the widths it measured). Entries are [rows per step, warps, "
+                "run replaces the widths it measured; a width not a power of two is used only "
+                "at that width). Entries are [rows per step, warps, "
                 "programs per SM (0: one program per row block), software-pipeline stages, "
                 "columns per step of a looped row (0: whole rows), and for looped rows with a "
                 "joined sweep 1 (one sweep) or 0 (a pass each), the form measured faster]; "

@@ -17,7 +17,8 @@ MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
 
 
 def load_measured(path: Path = MEASURED_TABLE) -> dict:
-    """The measured table: per op, per kernel kind ("fwd", "bwd") and power-of-two row width,
+    """The measured table: per op, per kernel kind ("fwd", "bwd") and row width (a power
+    of two, or a padded width measured as itself and used only there),
     [rows, warps, programs per SM (0: one program per row block), software-pipeline stages,
     columns per step of a looped row (0 or absent: whole rows), for a looped row with a joined
     sweep whether one sweep (1) or a pass each (0) was the faster (absent: the rule decides)],

@@ -81,7 +81,7 @@ def _use_triton(tensor):
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: measured schedules (codegen/schedule_table.json): (kind, power-of-two row width) ->
+#: measured schedules (codegen/schedule_table.json): (kind, row width: a power of two, or a padded width measured as itself) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
 #: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
 #: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides): the fastest measured; "<kind>_looped":
@@ -93,7 +93,9 @@ MEASURED_SCHEDULES = {
     ("bwd", 1024): (1, 1, 0, 1, 0, -1),
     ("bwd", 2048): (2, 16, 0, 1, 0, -1),
     ("bwd", 4096): (1, 8, 0, 1, 0, -1),
+    ("bwd", 5120): (1, 16, 0, 1, 2048, -1),
     ("bwd", 8192): (1, 16, 0, 1, 0, -1),
+    ("bwd", 12288): (1, 32, 0, 1, 4096, -1),
     ("bwd", 16384): (1, 16, 0, 1, 0, -1),
     ("bwd", 32768): (1, 32, 0, 1, 0, -1),
     ("bwd", 65536): (1, 32, 0, 1, 16384, -1),
@@ -105,7 +107,9 @@ MEASURED_SCHEDULES = {
     ("bwd_fp32_looped", 65536): (1, 16, 0, 1, 8192, -1),
     ("bwd_fp32_looped", 262144): (1, 32, 0, 3, 4096, -1),
     ("bwd_looped", 4096): (1, 16, 0, 1, 2048, -1),
+    ("bwd_looped", 5120): (1, 16, 0, 1, 2048, -1),
     ("bwd_looped", 8192): (1, 16, 0, 3, 4096, -1),
+    ("bwd_looped", 12288): (1, 32, 0, 1, 4096, -1),
     ("bwd_looped", 16384): (1, 16, 0, 1, 8192, -1),
     ("bwd_looped", 32768): (1, 16, 0, 3, 8192, -1),
     ("bwd_looped", 65536): (1, 32, 0, 1, 16384, -1),
@@ -115,7 +119,9 @@ MEASURED_SCHEDULES = {
     ("fwd", 1024): (2, 2, 0, 1, 0, -1),
     ("fwd", 2048): (1, 4, 0, 1, 0, -1),
     ("fwd", 4096): (1, 4, 0, 1, 0, -1),
+    ("fwd", 5120): (1, 8, 0, 1, 2048, 0),
     ("fwd", 8192): (1, 16, 0, 1, 0, -1),
+    ("fwd", 12288): (1, 16, 0, 1, 4096, 0),
     ("fwd", 16384): (1, 16, 0, 1, 0, -1),
     ("fwd", 32768): (1, 16, 0, 1, 0, -1),
     ("fwd", 65536): (1, 32, 0, 1, 16384, 0),
@@ -127,7 +133,9 @@ MEASURED_SCHEDULES = {
     ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 16384, 1),
     ("fwd_fp32_looped", 262144): (1, 8, 0, 3, 4096, 1),
     ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1),
+    ("fwd_looped", 5120): (1, 8, 0, 1, 2048, 0),
     ("fwd_looped", 8192): (1, 16, 0, 1, 4096, -1),
+    ("fwd_looped", 12288): (1, 16, 0, 1, 4096, 0),
     ("fwd_looped", 16384): (1, 16, 0, 1, 8192, -1),
     ("fwd_looped", 32768): (1, 32, 0, 1, 8192, 0),
     ("fwd_looped", 65536): (1, 32, 0, 1, 16384, 0),
@@ -152,17 +160,21 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # fp32 rows take the entries measured on fp32 where there are some (H100, softmax forward
     # fp32 4096x32768 at the bf16 entry's 32 warps: 1878 GB/s, 2456 at 16)
     wide = "_fp32" if element_size == 4 else ""
-    measured = MEASURED_SCHEDULES.get((kind + wide, block_n), MEASURED_SCHEDULES.get((kind, block_n)))
-    exact = (kind + wide, block_n) in MEASURED_SCHEDULES or element_size == 2
+    # a padded row (N not a power of two) measured at its own width takes that width's entries
+    # (H100, bf16 layer-norm forward 4096x12288: 2596 GB/s whole in a 16384 block, 2763 looped at
+    # 4096 columns a step, without masks); other padded rows take their power-of-two width's
+    width = N if (kind + wide, N) in MEASURED_SCHEDULES or (kind, N) in MEASURED_SCHEDULES else block_n
+    measured = MEASURED_SCHEDULES.get((kind + wide, width), MEASURED_SCHEDULES.get((kind, width)))
+    exact = (kind + wide, width) in MEASURED_SCHEDULES or element_size == 2
     if must_loop and (measured is None or not measured[4]):
-        # the looped entries were measured at N == block_n; a padded row that must loop keeps
+        # the looped entries were measured at N == width; a padded row that must loop keeps
         # the constants (H100, bf16 layer-norm backward 4096x12288: 1209 GB/s with the entry
         # measured at 16384, 1415 with the constants)
-        looped_entry = MEASURED_SCHEDULES.get((kind + wide + "_looped", block_n),
-                                              MEASURED_SCHEDULES.get((kind + "_looped", block_n)))
-        exact = (kind + wide + "_looped", block_n) in MEASURED_SCHEDULES or element_size == 2
-        measured = looped_entry if N == block_n else None
-    if grid_stride and N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N:
+        looped_entry = MEASURED_SCHEDULES.get((kind + wide + "_looped", width),
+                                              MEASURED_SCHEDULES.get((kind + "_looped", width)))
+        exact = (kind + wide + "_looped", width) in MEASURED_SCHEDULES or element_size == 2
+        measured = looped_entry if N == width else None
+    if grid_stride and N < width and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N:
         # a padded row with column partials takes the constants whatever kind of entry its
         # width has (the measurement above); before session 7 a width whose fastest entry
         # looped (32768) lent it to padded rows (24576) too, unmeasured either way

@@ -48,7 +48,8 @@ def test_measured_looped_schedule_is_used():
     # a width whose fastest measured forward loops over the row: the kernel takes the
     # measured step, and a compile-time count of steps that covers N (padded rows too)
     looped = [(key, config) for key, config in layernorm.MEASURED_SCHEDULES.items()
-              if key[0] == "fwd" and config[4] and key[1] <= layernorm.PERSISTENT_MAX_BLOCK_N]
+              if key[0] == "fwd" and config[4] and key[1] <= layernorm.PERSISTENT_MAX_BLOCK_N
+              and key[1] & (key[1] - 1) == 0]  # a power of two: its entry serves padded rows
     assert looped, "no measured forward below PERSISTENT_MAX_BLOCK_N loops"
     (kind, width), (rows, warps, _per_sm, _stages, step, _sweep) = looped[0]
     for n in (width, width * 3 // 4 + 1):
@@ -152,15 +153,37 @@ def test_rows_that_must_loop_take_the_measured_looped_entry():
                                    layernorm.PERSISTENT_MAX_BLOCK_N)
     assert schedule.looped and (schedule.rows, schedule.warps, schedule.block_n) == (
         entry[0], entry[1], entry[4])
-    # a padded row that must loop (12288 in a 16384 block) keeps the constants: the entry was
+    # a padded row that must loop (10240 in a 16384 block) keeps the constants: the entry was
     # measured at 16384 and ran slower at 12288 on the H100
     layernorm._schedule.cache_clear()
-    padded = layernorm._schedule(4096, 12288, True, "bwd", 2, 2, torch.device("cpu"),
+    padded = layernorm._schedule(4096, 10240, True, "bwd", 2, 2, torch.device("cpu"),
                                  layernorm.PERSISTENT_MAX_BLOCK_N)
     rows = layernorm.LOOPED_GRID_STRIDE_ROWS
     assert padded.looped and (padded.rows, padded.block_n) == (
         rows, layernorm.LOOPED_BLOCK_N // rows)
-    assert padded.chunks == -(-12288 // padded.block_n)
+    assert padded.chunks == -(-10240 // padded.block_n)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_a_padded_width_measured_as_itself_takes_its_own_entry(kind):
+    # 12288 was measured at 12288 (tune files it under 12288): its entry, only at that width
+    entry = layernorm.MEASURED_SCHEDULES[(kind, 12288)]
+    rows, warps, _per_sm, stages, step, _sweep = entry
+    grid_stride = kind == "bwd"
+    layernorm._schedule.cache_clear()
+    schedule = layernorm._schedule(4096, 12288, grid_stride, kind, 2, 2, torch.device("cpu"),
+                                   layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert (schedule.rows, schedule.warps, schedule.stages) == (rows, warps, stages)
+    assert schedule.block_n == (step or 16384) and schedule.looped == bool(step)
+    assert schedule.chunks == -(-12288 // schedule.block_n)
+    # a neighbouring padded width in the same block does not borrow it
+    layernorm._schedule.cache_clear()
+    other = layernorm._schedule(4096, 12352, grid_stride, kind, 2, 2, torch.device("cpu"),
+                                layernorm.PERSISTENT_MAX_BLOCK_N)
+    assert (kind, 12352) not in layernorm.MEASURED_SCHEDULES
+    layernorm._schedule.cache_clear()
+    assert other != layernorm._schedule(4096, 12288, grid_stride, kind, 2, 2,
+                                        torch.device("cpu"), layernorm.PERSISTENT_MAX_BLOCK_N)
 
 
 def test_wide_elements_drop_the_pipeline():
@@ -243,14 +266,16 @@ def _looped(module, N, grid_stride, kind, element_size=2):
 
 
 def test_padded_rows_with_column_partials_loop():
-    # 12288 pads to a 16384-wide block: looped; exactly 16384 takes what its entry says;
-    # below the padded threshold (6144 -> 8192) whole rows stay
-    assert _looped(layernorm, 12288, True, "bwd")
+    # 10240 pads to a 16384-wide block: looped; exactly 16384 takes what its entry says;
+    # below the padded threshold (6144 -> 8192) whole rows stay (12288 has entries of its own)
+    assert (("bwd", 10240) not in layernorm.MEASURED_SCHEDULES
+            and ("fwd", 10240) not in layernorm.MEASURED_SCHEDULES)
+    assert _looped(layernorm, 10240, True, "bwd")
     assert _looped(layernorm, 16384, True, "bwd") == bool(
         layernorm.MEASURED_SCHEDULES[("bwd", 16384)][4])
     assert not _looped(layernorm, 6144, True, "bwd")
     # without column partials the padding rule does not apply
-    assert not _looped(layernorm, 12288, False, "fwd")
+    assert not _looped(layernorm, 10240, False, "fwd")
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])

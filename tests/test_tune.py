@@ -48,3 +48,22 @@ def test_a_configuration_measured_twice_in_one_dtype_only_is_no_shared_candidate
                _result(4096, "torch.float16", [_config(4, 4, 1290)])]
     [shared] = _shared_16bit(results)
     assert [(c["rows"], c["warps"], c["gbps"]) for c in shared["configs"]] == [(4, 4, 1290)]
+
+
+def test_a_padded_width_is_an_entry_of_its_own(tmp_path, monkeypatch):
+    # a width that is not a power of two is filed under itself, next to (not over) the entry of
+    # its power-of-two block
+    import json
+
+    import codegen.schedule
+    from benchmarks.tune import write_table
+
+    report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
+              "results": [_result(4096, "torch.bfloat16", [_config(2, 4, 900)], n=12288)]}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    previous = codegen.schedule.load_measured()["ops"]["softmax"]["bwd"]
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
+    written = json.loads(write_table([tmp_path / "tune.json"], "test").read_text())
+    widths = written["ops"]["softmax"]["bwd"]
+    assert widths["12288"] == [2, 4, 0, 1, 0]
+    assert widths["16384"] == previous["16384"]
