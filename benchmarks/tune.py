@@ -132,8 +132,17 @@ def _kernel_stats(compiled) -> dict:
     }
 
 
+def _form(module, m: int, n: int, rows: int, width: int, programs: int, plain: bool) -> tuple:
+    """(EVEN, STRIDED) of a configuration: as the module's _schedule sets them, or (`plain`)
+    the kernels' form before session 9, masks and the row-block loop kept."""
+    if plain:
+        return False, True
+    return module._even(m, n, rows, width), programs < -(-m // rows)
+
+
 def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, looped=False,
-                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD):
+                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD,
+                 plain=False):
     """Schedules for one launcher at one shape, each measured: whole rows, or (`looped`)
     looped rows and the table's whole-row entry for this width."""
     block_n = 1 << (n - 1).bit_length()
@@ -163,13 +172,15 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         one_sweep = bool(step) and (rule_one_sweep if one_sweep is None else one_sweep)
         schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks,
                                     one_sweep, module._keeps(bool(step), n, element_size),
-                                    module._even(m, n, rows, width), programs < row_blocks)
+                                    *_form(module, m, n, rows, width, programs, plain))
         module._schedule = lambda *_args, **_kwargs: schedule
         for key, recorder in recorders.items():
             recorder.compiled = None
             setattr(module, key, recorder)
         config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
                   "stages": stages, "step": step}
+        if plain:
+            config["plain"] = True
         if joined and step:
             config["one_sweep"] = one_sweep
             if one_sweep != rule_one_sweep:
@@ -273,7 +284,7 @@ def _as_config(schedule, m: int, sms: int) -> dict:
 
 def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
          modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS,
-         most_per_thread=MAX_ELEMENTS_PER_THREAD) -> None:
+         most_per_thread=MAX_ELEMENTS_PER_THREAD, plain: bool = False) -> None:
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
     clock = CudaClock(device, getattr(properties, "L2_cache_size", 50 * 2**20))
@@ -297,13 +308,14 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                     continue
                 results = _tune_kernel(module, name, call, m, n, element_size, _op(op_name), mode,
                                        clock, properties.multi_processor_count, looped,
-                                       partial_rows, most_per_thread)
+                                       partial_rows, most_per_thread, plain)
                 moved = _moved(_op(op_name), mode, m, n, element_size)
                 # the module's own schedule, with its table and with its rules alone, is a
                 # candidate too (rules no search covers: the softmax backward's whole rows
                 # past 16384, say)
                 table = module.MEASURED_SCHEDULES
-                for source, schedules in (("rules", {}), ("default", table)):
+                default = None  # not measured with --plain: the module's schedule takes its form
+                for source, schedules in (() if plain else (("rules", {}), ("default", table))):
                     module.MEASURED_SCHEDULES = schedules
                     module._schedule.cache_clear()
                     try:
@@ -315,10 +327,12 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                     gbps = moved / stats.median_ms / 1e6
                     results.append(_as_config(used, m, properties.multi_processor_count)
                                    | {"ms": stats.median_ms, "gbps": gbps, source: True})
-                default = gbps
+                    default = gbps
                 best = max((r for r in results if "gbps" in r),
                            key=lambda r: r["gbps"])
-                print(f"{op_name} {mode} {m}x{n}: default {default:.0f} GB/s, "
+                shown = "-" if default is None else f"{default:.0f}"
+                print(f"{op_name} {mode} {m}x{n}{' (plain form)' if plain else ''}: "
+                      f"default {shown} GB/s, "
                       f"best {best['gbps']:.0f}"
                       f" at rows {best['rows']} warps {best['warps']} programs {best['programs']}"
                       f" stages {best['stages']} step {best['step']}"
@@ -423,6 +437,10 @@ def write_table(measurements: list[Path], command: str) -> Path:
     from codegen.schedule import MEASURED_TABLE, load_measured
 
     report = _merged(measurements)
+    if any(config.get("plain") for result in report["results"] for config in result["configs"]):
+        raise SystemExit("tune --write-table: these runs include --plain measurements (the kernels "
+                         "with masks and the row-block loop always kept), which the generated "
+                         "modules do not run: not a source for the table")
     previous = load_measured()
     ops = {op: {kind: dict(widths) for kind, widths in kinds.items()}
            for op, kinds in previous.get("ops", {}).items()}
@@ -493,6 +511,10 @@ def main() -> None:
     parser.add_argument("--max-elements-per-thread", type=int, default=MAX_ELEMENTS_PER_THREAD,
                         help="whole rows: the most elements a thread holds (64 lets a row of "
                              "65536 take 32 warps)")
+    parser.add_argument("--plain", action="store_true",
+                        help="run every configuration with masks and the row-block loop kept "
+                             "(EVEN and STRIDED off: the kernels' form before session 9), to "
+                             "compare with a run without it; not a source for --write-table")
     parser.add_argument("--write-table", action="store_true",
                         help="write codegen/schedule_table.json from OUT/tune.json; no GPU")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
@@ -510,7 +532,7 @@ def main() -> None:
     partial_rows = (tuple(int(r) for r in args.partial_rows.split(",")) if args.partial_rows
                     else LOOPED_PARTIAL_ROWS)
     tune(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s, args.looped,
-         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread)
+         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread, args.plain)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,29 @@ def test_a_padded_width_is_an_entry_of_its_own(tmp_path, monkeypatch):
     widths = written["ops"]["softmax"]["bwd"]
     assert widths["12288"] == [2, 4, 0, 1, 0]
     assert widths["16384"] == previous["16384"]
+
+
+def test_plain_form_keeps_masks_and_the_row_block_loop():
+    from benchmarks.tune import _form
+    from generated import layernorm
+
+    # as _schedule sets them: 4096 rows in blocks of 2 tile exactly; 2048 programs cover them
+    assert _form(layernorm, 4096, 512, 2, 512, 2048, plain=False) == (True, False)
+    assert _form(layernorm, 4095, 512, 2, 512, 264, plain=False) == (False, True)
+    # --plain: the form before session 9 whatever the shape
+    assert _form(layernorm, 4096, 512, 2, 512, 2048, plain=True) == (False, True)
+
+
+def test_plain_measurements_are_no_table_source(tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks.tune import write_table
+
+    config = _config(2, 4, 900) | {"plain": True}
+    report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
+              "results": [_result(4096, "torch.bfloat16", [config])]}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    with pytest.raises(SystemExit, match="--plain"):
+        write_table([tmp_path / "tune.json"], "test")
