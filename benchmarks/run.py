@@ -86,6 +86,8 @@ class Plan:
     command: str
     shape_names: tuple[str, ...] = ()
     """Empty: every shape of the preset; otherwise only these (MxN)."""
+    resume: bool = False
+    """Continue `out`'s results.json: measure only what it lacks."""
 
     def shapes_for(self, op: OpSpec) -> tuple[Shape, ...]:
         return tuple(shape for shape in self.preset.shapes if shape.applies_to(op.name)
@@ -149,6 +151,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="start no measurement after this many seconds (default 480; 50 with --quick)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue OUT/results.json: measure only the cells it lacks (those a spent budget "
+        "skipped), keep the rest, and say so in its notes",
+    )
     return parser.parse_args(argv)
 
 
@@ -166,6 +174,7 @@ def make_plan(args: argparse.Namespace, argv: Sequence[str]) -> Plan:
         out=args.out,
         command=shlex.join(["python", "-m", "benchmarks.run", *argv]),
         shape_names=args.shapes,
+        resume=args.resume,
     )
 
 
@@ -216,6 +225,30 @@ class Session:
                 "providers": {provider.name: provider.description for provider in plan.providers},
                 "planned_measurements": plan.measurement_count,
             }
+        )
+        self.copy_gbps: float | None = None
+        """This call's copy bandwidth: the 100% of the cells it measures."""
+        self.kept: set[tuple[str, str, str, str]] = set()
+        """(dtype, op, shape, provider) of a resumed record, every mode measured or failed."""
+        self.resuming = False
+        self.resumed_from = 0
+        if plan.resume and (plan.out / "results.json").exists():
+            self.resume(RunRecord.load(plan.out / "results.json"))
+
+    def resume(self, previous: RunRecord) -> None:
+        """Keep what `previous` measured (or failed at): skipped cells are measured again."""
+        self.record, self.resuming = previous, True
+        self.record.meta["planned_measurements"] = self.plan.measurement_count
+        kept = [row for row in previous.measurements if row.status != SKIP]
+        self.record.measurements = kept
+        modes: dict[tuple[str, str, str, str], int] = defaultdict(int)
+        for row in kept:
+            modes[(row.dtype, row.op, row.shape, row.provider)] += 1
+        self.kept = {key for key, count in modes.items() if count == len(MODES)}
+        self.done = len(kept)
+        self.resumed_from = len(kept)
+        self.record.meta.setdefault("resumed", []).append(
+            {"date": self.env.info.get("date"), "command": self.plan.command}
         )
 
     # ----------------------------------------------------------------- plumbing
@@ -300,6 +333,11 @@ class Session:
 
     def bench_copy(self) -> None:
         copy = measure_copy_bandwidth(self.env, self.plan.preset.copy_bytes, 4 * self.plan.rep_ms)
+        self.copy_gbps = copy.gbps
+        if self.resuming and self.record.copy:
+            gib = copy.buffer_bytes / 2**30
+            self.log(f"copy bandwidth of this call: {copy.gbps:.0f} GB/s ({gib:.2f} GiB)")
+            return  # a resumed record keeps its first call's copy; cells say their own
         self.record.copy = {
             "buffer_bytes": copy.buffer_bytes,
             "moved_bytes": copy.moved_bytes,
@@ -311,6 +349,8 @@ class Session:
         self.log(f"copy bandwidth: {copy.gbps:.0f} GB/s (dst.copy_(src) of {gib:.2f} GiB)")
 
     def bench_host_overhead(self) -> None:
+        if self.resuming and self.record.host_overhead:
+            return  # measured by the call this one resumes
         dtype_name = self.plan.dtypes[0]
         for op in self.plan.ops:
             for shape in self.plan.preset.host_shapes:
@@ -345,10 +385,23 @@ class Session:
         for dtype_name in self.plan.dtypes:
             for op in self.plan.ops:
                 for shape in self.plan.shapes_for(op):
+                    providers = tuple(
+                        provider for provider in self.plan.providers
+                        if (dtype_name, op.name, shape.name, provider.name) not in self.kept
+                    )
+                    if not providers:
+                        continue  # a resumed record has all of it
                     if self.should_stop():
                         return
-                    self.bench_shape(op, dtype_name, shape)
+                    self.bench_shape(op, dtype_name, shape, providers)
                     self.save()
+        added = self.done - self.resumed_from
+        if self.resuming and added:
+            self.note(
+                f"Resumed on {self.env.info.get('date')} by `{self.plan.command}`: {added} "
+                f"measurements added to the {self.resumed_from} kept; copy bandwidth in that call "
+                f"{self.copy_gbps:,.0f} GB/s, against which those cells give their % of copy."
+            )
 
     def new_measurement(
         self, op: OpSpec, dtype_name: str, shape: Shape, provider: Provider, mode: str
@@ -368,9 +421,15 @@ class Session:
         )
 
     def record_all(
-        self, op: OpSpec, dtype_name: str, shape: Shape, status: str, message: str
+        self,
+        op: OpSpec,
+        dtype_name: str,
+        shape: Shape,
+        status: str,
+        message: str,
+        providers: tuple[Provider, ...],
     ) -> None:
-        for provider in self.plan.providers:
+        for provider in providers:
             for mode in MODES:
                 row = self.new_measurement(op, dtype_name, shape, provider, mode)
                 row.status, row.message = status, message
@@ -378,7 +437,9 @@ class Session:
                 self.done += 1
         self.log(f"{dtype_name} {op.name} {shape.name}: {status}: {message}")
 
-    def bench_shape(self, op: OpSpec, dtype_name: str, shape: Shape) -> None:
+    def bench_shape(
+        self, op: OpSpec, dtype_name: str, shape: Shape, providers: tuple[Provider, ...]
+    ) -> None:
         dtype = DTYPES[dtype_name]
         activation = shape.m * shape.n * torch.empty((), dtype=dtype).element_size()
         free = self.env.free_bytes()
@@ -390,15 +451,16 @@ class Session:
                 shape,
                 SKIP,
                 f"needs ~{need:.1f} GiB, {free / 2**30:.1f} GiB free",
+                providers,
             )
             return
         prepared = self.attempt(lambda: self.prepare_shape(op, dtype, shape))
         if prepared.value is None:
-            self.record_all(op, dtype_name, shape, prepared.status, prepared.message)
+            self.record_all(op, dtype_name, shape, prepared.status, prepared.message, providers)
             return
         inputs, reference = prepared.value
         del prepared
-        for provider in self.plan.providers:
+        for provider in providers:
             self.bench_provider(op, dtype_name, shape, provider, inputs, reference)
         del inputs, reference
         gc.collect()
@@ -478,7 +540,7 @@ class Session:
             row.dropped = stats.dropped
             row.host_us = stats.host_ms * 1e3
             row.gbps = row.bytes / (stats.median_ms * 1e6)
-            copy_gbps = self.record.copy_gbps
+            copy_gbps = self.copy_gbps
             row.pct_of_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
         row.wall_s = round(time.perf_counter() - began, 3)
         self.log(f"[{self.done + 1}/{self.plan.measurement_count}] {_describe(row)}")
