@@ -227,13 +227,17 @@ def _column_sums(*stores):
     needed = [(partial, like) for partial, like in stores if partial is not None]
     sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device) for partial, like in needed]
     for first in range(0, len(needed), 3):
-        group = list(zip([partial for partial, _ in needed[first:first + 3]], sums[first:first + 3]))
-        P, N = group[0][0].shape
-        pairs = [tensor for pair in group for tensor in pair] + [None, None] * (3 - len(group))
-        block_p = min(COLUMN_SUM_BLOCK_P, triton.next_power_of_2(P))
-        block_c = COLUMN_SUM_BLOCK_C if group[0][0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
-        grid = (triton.cdiv(N, block_c), len(group))
-        _column_sums_kernel[grid](*pairs, P, N, COUNT=len(group), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+        pairs = []
+        for (partial, _), total in zip(needed[first:first + 3], sums[first:first + 3]):
+            pairs += (partial, total)
+        count = len(pairs) // 2
+        P, N = pairs[0].shape
+        # plain integer arithmetic: triton.cdiv and next_power_of_2 are host calls of a few µs
+        # each in newer Triton (constexpr functions)
+        block_p = min(COLUMN_SUM_BLOCK_P, 1 << (P - 1).bit_length())
+        block_c = COLUMN_SUM_BLOCK_C if pairs[0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
+        _column_sums_kernel[(-(-N // block_c), count)](*pairs, *(None, None) * (3 - count), P, N, COUNT=count,
+                                                       BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
 
