@@ -239,12 +239,17 @@ class Session:
         """Keep what `previous` measured (or failed at): skipped cells are measured again."""
         self.record, self.resuming = previous, True
         self.record.meta["planned_measurements"] = self.plan.measurement_count
-        kept = [row for row in previous.measurements if row.status != SKIP]
-        self.record.measurements = kept
+        def cell(row: Measurement) -> tuple[str, str, str, str]:
+            return row.dtype, row.op, row.shape, row.provider
+
+        done = [row for row in previous.measurements if row.status != SKIP]
         modes: dict[tuple[str, str, str, str], int] = defaultdict(int)
-        for row in kept:
-            modes[(row.dtype, row.op, row.shape, row.provider)] += 1
+        for row in done:
+            modes[cell(row)] += 1
+        # a provider is measured again at a shape where any of its modes was skipped
         self.kept = {key for key, count in modes.items() if count == len(MODES)}
+        kept = [row for row in done if cell(row) in self.kept]
+        self.record.measurements = kept
         self.done = len(kept)
         self.resumed_from = len(kept)
         self.record.meta.setdefault("resumed", []).append(
