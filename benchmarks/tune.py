@@ -20,6 +20,16 @@ every shape, so a run cut short keeps what it measured. `--write-table` then tur
 DIR/tune.json into codegen/schedule_table.json: the fastest measured configuration per op,
 kernel kind and width (and the fastest looped one), merged into the table's entries for widths
 the run did not measure.
+
+    python -m benchmarks.tune --out DIR --forms --shapes MxN,... [--dtype bf16]
+
+times each op's own schedule (its table entry as it stands) at each shape in the four kernel
+forms: masks dropped where the row blocks tile exactly or kept, and the row-block loop kept or
+compiled away where each program has one row block. Which is faster depends on the entry
+(H100: the looped layer-norm forward at fp32 4096x32768 is 16% faster masked with the loop,
+at bf16 4096x65536 14% faster unmasked with the loop, than in the rule's form), so
+`--write-table` files the form measured fastest over every shape and dtype that used the entry,
+where it beats the rule's by FORM_MARGIN.
 """
 
 from __future__ import annotations
@@ -77,6 +87,16 @@ MIN_ELEMENTS_PER_THREAD = 8
 #: 1 warp; 4096x1024: 1 row, 1 warp)
 STEP_ELEMENTS = (512, 1024, 2048, 4096, 8192, 16384)
 STAGE_CHOICES = (1, 3)
+#: kernel forms of a table entry (generated modules: `_form`): bit 1 drops the masks where the
+#: row blocks tile the tensor exactly (EVEN), bit 2 keeps the row-block loop with one program per
+#: row block (STRIDED); the searches above measure the rule's form, `--forms` all four
+FORMS = (0, 1, 2, 3)
+RULE_FORM = 1
+#: `--forms` measures each form this many times, interleaved, and keeps its fastest
+FORM_REPEATS = 2
+#: a form other than the rule's is written only where, at the slowest of the entry's measured
+#: shapes, it is this much (of that shape's fastest form) ahead of the rule
+FORM_MARGIN = 0.01
 
 
 #: ops tune measures besides benchmarks.ops.OPS: cross-entropy's kernels read the logits
@@ -132,17 +152,8 @@ def _kernel_stats(compiled) -> dict:
     }
 
 
-def _form(module, m: int, n: int, rows: int, width: int, programs: int, plain: bool) -> tuple:
-    """(EVEN, STRIDED) of a configuration: as the module's _schedule sets them, or (`plain`)
-    the kernels' form before session 9, masks and the row-block loop kept."""
-    if plain:
-        return False, True
-    return module._even(m, n, rows, width), programs < -(-m // rows)
-
-
 def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, looped=False,
-                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD,
-                 plain=False):
+                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD):
     """Schedules for one launcher at one shape, each measured: whole rows, or (`looped`)
     looped rows and the table's whole-row entry for this width."""
     block_n = 1 << (n - 1).bit_length()
@@ -172,15 +183,13 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         one_sweep = bool(step) and (rule_one_sweep if one_sweep is None else one_sweep)
         schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks,
                                     one_sweep, module._keeps(bool(step), n, element_size),
-                                    *_form(module, m, n, rows, width, programs, plain))
+                                    *module._form(m, n, rows, width, programs, RULE_FORM))
         module._schedule = lambda *_args, **_kwargs: schedule
         for key, recorder in recorders.items():
             recorder.compiled = None
             setattr(module, key, recorder)
         config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
                   "stages": stages, "step": step}
-        if plain:
-            config["plain"] = True
         if joined and step:
             config["one_sweep"] = one_sweep
             if one_sweep != rule_one_sweep:
@@ -282,19 +291,72 @@ def _as_config(schedule, m: int, sms: int) -> dict:
             "step": schedule.block_n if schedule.looped else 0, "one_sweep": schedule.one_sweep}
 
 
-def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
-         modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS,
-         most_per_thread=MAX_ELEMENTS_PER_THREAD, plain: bool = False) -> None:
+def _session(out: Path):
+    """The GPU's properties, a clock, and DIR/tune.json: as an earlier run left it, or new."""
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
     clock = CudaClock(device, getattr(properties, "L2_cache_size", 50 * 2**20))
-    began = time.perf_counter()
     path = out / "tune.json"
     report = json.loads(path.read_text()) if path.exists() else {
         "device": properties.name, "sms": properties.multi_processor_count,
         "torch": torch.__version__, "triton": importlib.import_module("triton").__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": [],
     }
+    return properties, clock, path, report
+
+
+def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
+    """`--forms`: each op's own schedule at each shape, timed in every kernel form that differs
+    there (masks or none, the row-block loop or none), FORM_REPEATS times interleaved; each
+    record names the table entry the schedule came from, so `--write-table` can file the
+    fastest form under it."""
+    properties, clock, path, report = _session(out)
+    report.setdefault("forms", [])
+    began = time.perf_counter()
+    for op_name in ops:
+        module = importlib.import_module(f"generated.{op_name}")
+        for m, n in shapes:
+            if time.perf_counter() - began > budget_s:
+                print(f"budget spent; stopped before {op_name} {m}x{n}", flush=True)
+                path.write_text(json.dumps(report, indent=1))
+                return
+            forward, backward, element_size = launcher_calls(op_name, module, m, n, dtype)
+            for mode, call in (("fwd", forward), ("bwd", backward)):
+                used = _used_schedule(module, call)
+                flags = {form: module._form(m, n, used.rows, used.block_n, used.programs, form)
+                         for form in FORMS}
+                moved = _moved(_op(op_name), mode, m, n, element_size)
+                speeds: dict = {}
+                original = module._schedule
+                for _repeat in range(FORM_REPEATS):
+                    for even, strided in sorted(set(flags.values())):
+                        fixed = used._replace(even=even, strided=strided)
+                        module._schedule = lambda *_args, fixed=fixed, **_kwargs: fixed
+                        try:
+                            call()  # compile outside the timed loop
+                            work = Workload(lambda _state, call=call: call())
+                            stats = measure(clock, work, REP_MS)
+                        finally:
+                            module._schedule = original
+                        gbps = moved / stats.median_ms / 1e6
+                        speeds[even, strided] = max(speeds.get((even, strided), 0.0), gbps)
+                entry = used.entry
+                record = {"op": op_name, "mode": mode, "m": m, "n": n, "dtype": str(dtype),
+                          "entry": None if entry is None else list(entry),
+                          "config": (None if entry is None
+                                     else list(module.MEASURED_SCHEDULES[entry][:6])),
+                          "gbps": {str(form): speeds[flags[form]] for form in FORMS}}
+                report["forms"].append(record)
+                shown = " ".join(f"{form}:{gbps:.0f}" for form, gbps in record["gbps"].items())
+                print(f"{op_name} {mode} {m}x{n} entry {entry}: forms {shown} GB/s", flush=True)
+            path.write_text(json.dumps(report, indent=1))
+
+
+def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
+         modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS,
+         most_per_thread=MAX_ELEMENTS_PER_THREAD) -> None:
+    properties, clock, path, report = _session(out)
+    began = time.perf_counter()
     for op_name in ops:
         module = importlib.import_module(f"generated.{op_name}")
         for m, n in shapes:
@@ -308,14 +370,14 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                     continue
                 results = _tune_kernel(module, name, call, m, n, element_size, _op(op_name), mode,
                                        clock, properties.multi_processor_count, looped,
-                                       partial_rows, most_per_thread, plain)
+                                       partial_rows, most_per_thread)
                 moved = _moved(_op(op_name), mode, m, n, element_size)
                 # the module's own schedule, with its table and with its rules alone, is a
                 # candidate too (rules no search covers: the softmax backward's whole rows
                 # past 16384, say)
                 table = module.MEASURED_SCHEDULES
-                default = None  # not measured with --plain: the module's schedule takes its form
-                for source, schedules in (() if plain else (("rules", {}), ("default", table))):
+                default = None
+                for source, schedules in (("rules", {}), ("default", table)):
                     module.MEASURED_SCHEDULES = schedules
                     module._schedule.cache_clear()
                     try:
@@ -331,8 +393,7 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                 best = max((r for r in results if "gbps" in r),
                            key=lambda r: r["gbps"])
                 shown = "-" if default is None else f"{default:.0f}"
-                print(f"{op_name} {mode} {m}x{n}{' (plain form)' if plain else ''}: "
-                      f"default {shown} GB/s, "
+                print(f"{op_name} {mode} {m}x{n}: default {shown} GB/s, "
                       f"best {best['gbps']:.0f}"
                       f" at rows {best['rows']} warps {best['warps']} programs {best['programs']}"
                       f" stages {best['stages']} step {best['step']}"
@@ -370,7 +431,47 @@ def _merged(paths: list[Path]) -> dict:
                 pooled[key] = dict(result)
     dates = sorted(report["date"] for report in reports)
     return reports[-1] | {"date": dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}",
-                          "results": list(pooled.values())}
+                          "results": list(pooled.values()),
+                          "forms": [record for report in reports
+                                    for record in report.get("forms", [])]}
+
+
+#: an entry's fields where the table leaves them out: step (whole rows), the sweep (the rule's)
+ENTRY_DEFAULTS = (0, 0, 0, 0, 0, -1)
+
+
+def best_form(records: list[dict]) -> int:
+    """The kernel form to file for one entry from its `--forms` records (every shape and dtype
+    that took it): the form whose slowest shape, as a share of that shape's fastest form, is
+    highest; the rule's form unless another is FORM_MARGIN ahead of it."""
+    def score(form: int) -> float:
+        return min(r["gbps"][str(form)] / max(r["gbps"].values()) for r in records)
+
+    best = max(FORMS, key=lambda form: (score(form), form == RULE_FORM))
+    return RULE_FORM if score(RULE_FORM) >= score(best) - FORM_MARGIN else best
+
+
+def _with_forms(ops: dict, records: list[dict]) -> None:
+    """File each entry's best form (`best_form`) in it, from the records of the configuration
+    it holds now: records of an entry the same write replaced, or of the rules' constants, are
+    set aside (and said so)."""
+    grouped: dict = {}
+    for record in records:
+        if record.get("entry") is not None:
+            kind, width = record["entry"]
+            grouped.setdefault((record["op"], kind, str(width)), []).append(record)
+    for (op, kind, width), group in sorted(grouped.items()):
+        entry = ops.get(BORROW.get(op, op), {}).get(kind, {}).get(width)
+        held = None if entry is None else list((*entry, *ENTRY_DEFAULTS[len(entry):])[:6])
+        current = [record for record in group if record["config"] == held]
+        if not current:
+            print(f"tune --write-table: {op} {kind} {width}: its --forms records measured "
+                  f"another configuration than the entry now holds; form left out")
+            continue
+        form = best_form(current)
+        fields = list(entry[:6])
+        ops[BORROW.get(op, op)][kind][width] = (
+            fields if form == RULE_FORM else [*fields, *ENTRY_DEFAULTS[len(fields):], form])
 
 
 def _joined(op: str, mode: str) -> bool:
@@ -437,11 +538,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
     from codegen.schedule import MEASURED_TABLE, load_measured
 
     report = _merged(measurements)
-    if any(config.get("plain") for result in report["results"] for config in result["configs"]):
-        raise SystemExit("tune --write-table: these runs include --plain measurements (the kernels "
-                         "with masks and the row-block loop always kept), which the generated "
-                         "modules do not run: not a source for the table")
-    previous = load_measured()
+    previous = load_measured(MEASURED_TABLE)
     ops = {op: {kind: dict(widths) for kind, widths in kinds.items()}
            for op, kinds in previous.get("ops", {}).items()}
     for result in _shared_rows(_shared_16bit(report["results"])):
@@ -463,9 +560,11 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 if best.get("step") and _joined(result["op"], result["mode"]):
                     entry.append(int(best["one_sweep"]))
                 kinds.setdefault(kind, {})[width] = entry
+    _with_forms(ops, report["forms"])
+    measured = report["results"] + report["forms"]
     run = {key: report[key] for key in ("device", "sms", "torch", "triton", "date")} | {
-        "dtype": sorted({r["dtype"] for r in report["results"]}), "command": command,
-        "shapes": sorted({f"{r['m']}x{r['n']}" for r in report["results"]},
+        "dtype": sorted({r["dtype"] for r in measured}), "command": command,
+        "shapes": sorted({f"{r['m']}x{r['n']}" for r in measured},
                          key=lambda shape: tuple(int(v) for v in shape.split("x")[::-1]))}
     runs = previous.get("runs") or ([previous["measured"]] if "measured" in previous else [])
     runs = [entry for entry in runs if entry.get("command") != command]  # a rerun replaces
@@ -478,7 +577,10 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "at that width). Entries are [rows per step, warps, "
                 "programs per SM (0: one program per row block), software-pipeline stages, "
                 "columns per step of a looped row (0: whole rows), and for looped rows with a "
-                "joined sweep 1 (one sweep) or 0 (a pass each), the form measured faster]; "
+                "joined sweep 1 (one sweep) or 0 (a pass each), the form measured faster "
+                "(-1: the rule), and where --forms measured another kernel form faster than "
+                "the rule's, that form (bit 1: no masks where the row blocks tile, bit 2: the "
+                "row-block loop kept with one program per row block)]; "
                 "'<kind>_looped' holds the fastest looped entry, used where rows may not be "
                 "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32) and "
                 "serve them, 16-bit dtypes share the others. Ops under 'borrow' "
@@ -511,10 +613,9 @@ def main() -> None:
     parser.add_argument("--max-elements-per-thread", type=int, default=MAX_ELEMENTS_PER_THREAD,
                         help="whole rows: the most elements a thread holds (64 lets a row of "
                              "65536 take 32 warps)")
-    parser.add_argument("--plain", action="store_true",
-                        help="run every configuration with masks and the row-block loop kept "
-                             "(EVEN and STRIDED off: the kernels' form before session 9), to "
-                             "compare with a run without it; not a source for --write-table")
+    parser.add_argument("--forms", action="store_true",
+                        help="time each op's own schedule at --shapes in every kernel form "
+                             "(masks or none, the row-block loop or none), for --write-table")
     parser.add_argument("--write-table", action="store_true",
                         help="write codegen/schedule_table.json from OUT/tune.json; no GPU")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
@@ -531,8 +632,11 @@ def main() -> None:
         shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     partial_rows = (tuple(int(r) for r in args.partial_rows.split(",")) if args.partial_rows
                     else LOOPED_PARTIAL_ROWS)
+    if args.forms:
+        measure_forms(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s)
+        return
     tune(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s, args.looped,
-         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread, args.plain)
+         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ def load_measured(path: Path = MEASURED_TABLE) -> dict:
     of two, or a padded width measured as itself and used only there),
     [rows, warps, programs per SM (0: one program per row block), software-pipeline stages,
     columns per step of a looped row (0 or absent: whole rows), for a looped row with a joined
-    sweep whether one sweep (1) or a pass each (0) was the faster (absent: the rule decides)],
+    sweep whether one sweep (1) or a pass each (0) was the faster (absent or -1: the rule
+    decides), the kernel form measured faster (bit 1: no masks where the row blocks tile, bit
+    2: the row-block loop kept with one program per row block; absent: 1)],
     the fastest measured; under "<kind>_looped" the fastest looped one, for rows that may not be
     whole; "<kind>_fp32" and "<kind>_fp32_looped" as measured on fp32 tensors."""
     return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
@@ -132,17 +134,19 @@ class ScheduleTable:
     #: for widths and ops the table does not cover
     measured_table: dict = field(default_factory=load_measured, compare=False, repr=False)
 
-    def measured(self, op: str) -> list[tuple[str, int, tuple[int, int, int, int, int, int]]]:
+    def measured(self, op: str) -> list[tuple[str, int, tuple[int, ...]]]:
         """(kind, block_n, (rows, warps, programs per SM, stages, columns per looped step, one
-        sweep)) of one op, sorted; an op listed under "borrow" uses the measurements of the op
-        it names. Entries of four numbers (whole rows, from before looped rows were measured)
-        get a 0 step; entries without the sweep form measured (five numbers, or whole rows)
-        get -1: the module's one-sweep rule decides."""
+        sweep, form)) of one op, sorted; an op listed under "borrow" uses the measurements of
+        the op it names. Entries of four numbers (whole rows, from before looped rows were
+        measured) get a 0 step; entries without the sweep form measured (five numbers, or whole
+        rows) get -1: the module's one-sweep rule decides; entries without a kernel form
+        measured (`benchmarks.tune --forms`) get 1: masks dropped where the blocks tile, the
+        row-block loop only where programs step over several row blocks."""
         ops = self.measured_table["ops"]
         source = op if op in ops else self.measured_table["borrow"].get(op)
         kinds = ops.get(source, {})
-        return sorted((kind, int(block_n), (*config, 0, -1)[:6] if len(config) < 5
-                       else (*config, -1)[:6])
+        defaults = (0, 0, 0, 0, 0, -1, 1)
+        return sorted((kind, int(block_n), (*config, *defaults[len(config):]))
                       for kind, by_width in kinds.items() for block_n, config in by_width.items())
 
     def constants(self, op: str) -> dict[str, int]:

@@ -50,8 +50,9 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 #: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-_Schedule = namedtuple("_Schedule",
-                       "looped block_n rows warps programs stages chunks one_sweep keep even strided")
+#: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
+_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
+                       "keep even strided entry", defaults=(None,))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -78,62 +79,64 @@ def _use_triton(tensor):
 #: measured schedules (codegen/schedule_table.json): (kind, row width: a power of two, or a padded width measured as itself) ->
 #: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
 #: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
-#: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides): the fastest measured; "<kind>_looped":
+#: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
+#: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
+#: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
-    ("bwd", 256): (8, 2, 4, 1, 0, -1),
-    ("bwd", 512): (4, 2, 2, 3, 0, -1),
-    ("bwd", 1024): (4, 4, 2, 3, 0, -1),
-    ("bwd", 2048): (4, 8, 1, 3, 0, -1),
-    ("bwd", 4096): (2, 8, 1, 3, 0, -1),
-    ("bwd", 5120): (1, 8, 1, 3, 0, -1),
-    ("bwd", 8192): (1, 8, 1, 3, 0, -1),
-    ("bwd", 12288): (2, 32, 1, 1, 8192, -1),
-    ("bwd", 16384): (1, 16, 1, 1, 0, -1),
-    ("bwd", 32768): (16, 8, 1, 3, 1024, -1),
-    ("bwd", 65536): (16, 8, 1, 3, 1024, -1),
-    ("bwd", 262144): (8, 8, 1, 3, 2048, -1),
-    ("bwd_fp32", 32768): (8, 16, 1, 1, 1024, -1),
-    ("bwd_fp32", 65536): (8, 8, 1, 3, 1024, -1),
-    ("bwd_fp32", 262144): (8, 16, 1, 1, 1024, -1),
-    ("bwd_fp32_looped", 32768): (8, 16, 1, 1, 1024, -1),
-    ("bwd_fp32_looped", 65536): (8, 8, 1, 3, 1024, -1),
-    ("bwd_fp32_looped", 262144): (8, 16, 1, 1, 1024, -1),
-    ("bwd_looped", 4096): (2, 8, 2, 1, 2048, -1),
-    ("bwd_looped", 5120): (2, 8, 2, 1, 2048, -1),
-    ("bwd_looped", 8192): (2, 16, 1, 1, 4096, -1),
-    ("bwd_looped", 12288): (2, 32, 1, 1, 8192, -1),
-    ("bwd_looped", 16384): (2, 32, 1, 1, 8192, -1),
-    ("bwd_looped", 32768): (16, 8, 1, 3, 1024, -1),
-    ("bwd_looped", 65536): (16, 8, 1, 3, 1024, -1),
-    ("bwd_looped", 262144): (8, 8, 1, 3, 2048, -1),
-    ("fwd", 256): (4, 1, 0, 1, 0, -1),
-    ("fwd", 512): (2, 1, 0, 1, 0, -1),
-    ("fwd", 1024): (2, 2, 0, 1, 0, -1),
-    ("fwd", 2048): (4, 8, 8, 3, 0, -1),
-    ("fwd", 4096): (1, 8, 0, 1, 0, -1),
-    ("fwd", 5120): (1, 8, 0, 1, 2048, -1),
-    ("fwd", 8192): (1, 16, 0, 1, 4096, -1),
-    ("fwd", 12288): (1, 16, 0, 1, 4096, -1),
-    ("fwd", 16384): (1, 32, 0, 1, 8192, -1),
-    ("fwd", 32768): (1, 32, 0, 1, 16384, -1),
-    ("fwd", 65536): (1, 32, 0, 3, 16384, -1),
-    ("fwd", 262144): (1, 16, 0, 3, 8192, -1),
-    ("fwd_fp32", 32768): (1, 32, 0, 1, 16384, -1),
-    ("fwd_fp32", 65536): (1, 32, 0, 1, 8192, -1),
-    ("fwd_fp32", 262144): (1, 16, 0, 3, 2048, -1),
-    ("fwd_fp32_looped", 32768): (1, 32, 0, 1, 16384, -1),
-    ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 8192, -1),
-    ("fwd_fp32_looped", 262144): (1, 16, 0, 3, 2048, -1),
-    ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1),
-    ("fwd_looped", 5120): (1, 8, 0, 1, 2048, -1),
-    ("fwd_looped", 8192): (1, 16, 0, 1, 4096, -1),
-    ("fwd_looped", 12288): (1, 16, 0, 1, 4096, -1),
-    ("fwd_looped", 16384): (1, 32, 0, 1, 8192, -1),
-    ("fwd_looped", 32768): (1, 32, 0, 1, 16384, -1),
-    ("fwd_looped", 65536): (1, 32, 0, 3, 16384, -1),
-    ("fwd_looped", 262144): (1, 16, 0, 3, 8192, -1),
+    ("bwd", 256): (8, 2, 4, 1, 0, -1, 1),
+    ("bwd", 512): (4, 2, 2, 3, 0, -1, 1),
+    ("bwd", 1024): (4, 4, 2, 3, 0, -1, 1),
+    ("bwd", 2048): (4, 8, 1, 3, 0, -1, 1),
+    ("bwd", 4096): (2, 8, 1, 3, 0, -1, 1),
+    ("bwd", 5120): (1, 8, 1, 3, 0, -1, 1),
+    ("bwd", 8192): (1, 8, 1, 3, 0, -1, 1),
+    ("bwd", 12288): (2, 32, 1, 1, 8192, -1, 1),
+    ("bwd", 16384): (1, 16, 1, 1, 0, -1, 1),
+    ("bwd", 32768): (16, 8, 1, 3, 1024, -1, 1),
+    ("bwd", 65536): (16, 8, 1, 3, 1024, -1, 1),
+    ("bwd", 262144): (8, 8, 1, 3, 2048, -1, 1),
+    ("bwd_fp32", 32768): (8, 16, 1, 1, 1024, -1, 1),
+    ("bwd_fp32", 65536): (8, 8, 1, 3, 1024, -1, 1),
+    ("bwd_fp32", 262144): (8, 16, 1, 1, 1024, -1, 1),
+    ("bwd_fp32_looped", 32768): (8, 16, 1, 1, 1024, -1, 1),
+    ("bwd_fp32_looped", 65536): (8, 8, 1, 3, 1024, -1, 1),
+    ("bwd_fp32_looped", 262144): (8, 16, 1, 1, 1024, -1, 1),
+    ("bwd_looped", 4096): (2, 8, 2, 1, 2048, -1, 1),
+    ("bwd_looped", 5120): (2, 8, 2, 1, 2048, -1, 1),
+    ("bwd_looped", 8192): (2, 16, 1, 1, 4096, -1, 1),
+    ("bwd_looped", 12288): (2, 32, 1, 1, 8192, -1, 1),
+    ("bwd_looped", 16384): (2, 32, 1, 1, 8192, -1, 1),
+    ("bwd_looped", 32768): (16, 8, 1, 3, 1024, -1, 1),
+    ("bwd_looped", 65536): (16, 8, 1, 3, 1024, -1, 1),
+    ("bwd_looped", 262144): (8, 8, 1, 3, 2048, -1, 1),
+    ("fwd", 256): (4, 1, 0, 1, 0, -1, 1),
+    ("fwd", 512): (2, 1, 0, 1, 0, -1, 1),
+    ("fwd", 1024): (2, 2, 0, 1, 0, -1, 1),
+    ("fwd", 2048): (4, 8, 8, 3, 0, -1, 1),
+    ("fwd", 4096): (1, 8, 0, 1, 0, -1, 1),
+    ("fwd", 5120): (1, 8, 0, 1, 2048, -1, 1),
+    ("fwd", 8192): (1, 16, 0, 1, 4096, -1, 1),
+    ("fwd", 12288): (1, 16, 0, 1, 4096, -1, 1),
+    ("fwd", 16384): (1, 32, 0, 1, 8192, -1, 1),
+    ("fwd", 32768): (1, 32, 0, 1, 16384, -1, 1),
+    ("fwd", 65536): (1, 32, 0, 3, 16384, -1, 1),
+    ("fwd", 262144): (1, 16, 0, 3, 8192, -1, 1),
+    ("fwd_fp32", 32768): (1, 32, 0, 1, 16384, -1, 1),
+    ("fwd_fp32", 65536): (1, 32, 0, 1, 8192, -1, 1),
+    ("fwd_fp32", 262144): (1, 16, 0, 3, 2048, -1, 1),
+    ("fwd_fp32_looped", 32768): (1, 32, 0, 1, 16384, -1, 1),
+    ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 8192, -1, 1),
+    ("fwd_fp32_looped", 262144): (1, 16, 0, 3, 2048, -1, 1),
+    ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1, 1),
+    ("fwd_looped", 5120): (1, 8, 0, 1, 2048, -1, 1),
+    ("fwd_looped", 8192): (1, 16, 0, 1, 4096, -1, 1),
+    ("fwd_looped", 12288): (1, 16, 0, 1, 4096, -1, 1),
+    ("fwd_looped", 16384): (1, 32, 0, 1, 8192, -1, 1),
+    ("fwd_looped", 32768): (1, 32, 0, 1, 16384, -1, 1),
+    ("fwd_looped", 65536): (1, 32, 0, 3, 16384, -1, 1),
+    ("fwd_looped", 262144): (1, 16, 0, 3, 8192, -1, 1),
 }
 
 
@@ -158,26 +161,26 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     # (H100, bf16 layer-norm forward 4096x12288: 2596 GB/s whole in a 16384 block, 2763 looped at
     # 4096 columns a step, without masks); other padded rows take their power-of-two width's
     width = N if (kind + wide, N) in MEASURED_SCHEDULES or (kind, N) in MEASURED_SCHEDULES else block_n
-    measured = MEASURED_SCHEDULES.get((kind + wide, width), MEASURED_SCHEDULES.get((kind, width)))
+    entry = _entry((kind + wide, width), (kind, width))
     exact = (kind + wide, width) in MEASURED_SCHEDULES or element_size == 2
-    if must_loop and (measured is None or not measured[4]):
+    if must_loop and (entry is None or not MEASURED_SCHEDULES[entry][4]):
         # the looped entries were measured at N == width; a padded row that must loop keeps
         # the constants (H100, bf16 layer-norm backward 4096x12288: 1209 GB/s with the entry
         # measured at 16384, 1415 with the constants)
-        looped_entry = MEASURED_SCHEDULES.get((kind + wide + "_looped", width),
-                                              MEASURED_SCHEDULES.get((kind + "_looped", width)))
+        entry = _entry((kind + wide + "_looped", width), (kind + "_looped", width))
         exact = (kind + wide + "_looped", width) in MEASURED_SCHEDULES or element_size == 2
-        measured = looped_entry if N == width else None
+        entry = entry if N == width else None
     if grid_stride and N < width and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N:
         # a padded row with column partials takes the constants whatever kind of entry its
         # width has (the measurement above); before session 7 a width whose fastest entry
         # looped (32768) lent it to padded rows (24576) too, unmeasured either way
-        measured = None
+        entry = None
+    measured = None if entry is None else MEASURED_SCHEDULES[entry]
     looped = must_loop or (measured is not None and measured[4] > 0)
     stages, per_sm = (LOOPED_STAGES if looped else 1), 0
-    sweep = -1
+    sweep, form = -1, 1
     if measured is not None:
-        rows, warps, per_sm, stages, step, sweep = measured
+        rows, warps, per_sm, stages, step, sweep, form = measured
         rows = max(1, min(rows, triton.next_power_of_2(M)))
         block_n = step or block_n
     elif looped:
@@ -211,14 +214,29 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
-                     _even(M, N, rows, block_n), programs < row_blocks)
+                     *_form(M, N, rows, block_n, programs, form), entry)
+
+
+def _entry(*keys):
+    """The first of `keys` that MEASURED_SCHEDULES has, or None."""
+    return next((key for key in keys if key in MEASURED_SCHEDULES), None)
 
 
 def _even(M, N, rows, block_n):
     """Whether row blocks of rows x block_n tile the (M, N) tensor exactly: the kernels then
-    take no masks (EVEN), which the compiler drops from every load, store and select (H100,
+    may take no masks (EVEN), which the compiler drops from every load, store and select (H100,
     fp16 layer-norm forward 4096x512, a scratch probe: 1066 GB/s masked, 1092 without)."""
     return M % rows == 0 and N % block_n == 0
+
+
+def _form(M, N, rows, block_n, programs, form):
+    """(EVEN, STRIDED) of a schedule: no masks where the row blocks tile exactly and the entry's
+    form allows it (bit 1), the row-block loop where fewer programs than row blocks run or the
+    form keeps it anyway (bit 2). Either way can be the faster, by entry: `benchmarks.tune
+    --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
+    rule (no masks, no loop), 2847 masked with the loop; bf16 4096x65536: 2395, and 2721 without
+    masks but with the loop; backward bf16 1024x262144: 1209, 1441 masked without the loop."""
+    return bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows)
 
 
 @triton.jit

@@ -14,9 +14,10 @@ def test_measured_table_reaches_the_module():
     table = load_measured()
     assert table["ops"], "codegen/schedule_table.json has no measurements"
     # entries of four numbers predate looped rows: whole rows (a fifth number, 0); a sixth, the
-    # sweep form measured, is -1 (the rule decides) where the entry has none
-    expected = {(kind, int(width)): ((*config, 0, -1)[:6] if len(config) < 5
-                                     else (*config, -1)[:6])
+    # sweep form measured, is -1 (the rule decides) where the entry has none; a seventh, the
+    # kernel form measured, is 1 (the rule's) where the entry has none
+    defaults = (0, 0, 0, 0, 0, -1, 1)
+    expected = {(kind, int(width)): (*config, *defaults[len(config):])
                 for kind, widths in table["ops"]["layernorm"].items()
                 for width, config in widths.items()}
     assert layernorm.MEASURED_SCHEDULES == expected
@@ -32,7 +33,7 @@ def _whole(module):
 
 
 def test_measured_schedule_is_used():
-    (kind, width), (rows, warps, per_sm, stages, _step, _sweep) = _whole(layernorm)[0]
+    (kind, width), (rows, warps, per_sm, stages, _step, _sweep, _form) = _whole(layernorm)[0]
     layernorm._schedule.cache_clear()
     schedule = layernorm._schedule(4096, width, kind == "bwd", kind, 2, 2, torch.device("cpu"),
                                    layernorm.PERSISTENT_MAX_BLOCK_N)
@@ -51,7 +52,7 @@ def test_measured_looped_schedule_is_used():
               if key[0] == "fwd" and config[4] and key[1] <= layernorm.PERSISTENT_MAX_BLOCK_N
               and key[1] & (key[1] - 1) == 0]  # a power of two: its entry serves padded rows
     assert looped, "no measured forward below PERSISTENT_MAX_BLOCK_N loops"
-    (kind, width), (rows, warps, _per_sm, _stages, step, _sweep) = looped[0]
+    (kind, width), (rows, warps, _per_sm, _stages, step, _sweep, _form) = looped[0]
     for n in (width, width * 3 // 4 + 1):
         layernorm._schedule.cache_clear()
         schedule = layernorm._schedule(4096, n, False, kind, 1, 2, torch.device("cpu"),
@@ -66,7 +67,7 @@ def test_measured_looped_schedule_is_used():
 def test_an_entry_s_measured_sweep_form_overrides_the_rule(monkeypatch, sweep, n, one_sweep):
     assert layernorm.ONE_SWEEP_MIN_N == 65536
     width = 1 << (n - 1).bit_length()
-    entry = {("fwd", width): (1, 16, 0, 1, 8192, sweep)}
+    entry = {("fwd", width): (1, 16, 0, 1, 8192, sweep, 1)}
     monkeypatch.setattr(layernorm, "MEASURED_SCHEDULES", entry)
     layernorm._schedule.cache_clear()
     try:
@@ -78,9 +79,9 @@ def test_an_entry_s_measured_sweep_form_overrides_the_rule(monkeypatch, sweep, n
 
 
 def test_fp32_rows_take_fp32_entries_where_there_are_some(monkeypatch):
-    table = {("fwd", 8192): (1, 8, 0, 1, 0, -1), ("fwd_fp32", 8192): (1, 16, 0, 1, 2048, -1),
-             ("fwd_looped", 32768): (1, 16, 0, 1, 8192, -1),
-             ("fwd_fp32_looped", 32768): (1, 8, 0, 1, 4096, -1)}
+    table = {("fwd", 8192): (1, 8, 0, 1, 0, -1, 1), ("fwd_fp32", 8192): (1, 16, 0, 1, 2048, -1, 1),
+             ("fwd_looped", 32768): (1, 16, 0, 1, 8192, -1, 1),
+             ("fwd_fp32_looped", 32768): (1, 8, 0, 1, 4096, -1, 1)}
     monkeypatch.setattr(layernorm, "MEASURED_SCHEDULES", table)
     layernorm._schedule.cache_clear()
 
@@ -168,7 +169,7 @@ def test_rows_that_must_loop_take_the_measured_looped_entry():
 def test_a_padded_width_measured_as_itself_takes_its_own_entry(kind):
     # 12288 was measured at 12288 (tune files it under 12288): its entry, only at that width
     entry = layernorm.MEASURED_SCHEDULES[(kind, 12288)]
-    rows, warps, _per_sm, stages, step, _sweep = entry
+    rows, warps, _per_sm, stages, step, _sweep, _form = entry
     grid_stride = kind == "bwd"
     layernorm._schedule.cache_clear()
     schedule = layernorm._schedule(4096, 12288, grid_stride, kind, 2, 2, torch.device("cpu"),
@@ -189,7 +190,7 @@ def test_a_padded_width_measured_as_itself_takes_its_own_entry(kind):
 def test_wide_elements_drop_the_pipeline():
     pipelined = [(key, config) for key, config in _whole(layernorm) if config[3] > 1]
     assert pipelined, "no measured schedule is pipelined"
-    (kind, width), (rows, _warps, _per_sm, stages, _step, _sweep) = min(pipelined,
+    (kind, width), (rows, _warps, _per_sm, stages, _step, _sweep, _form) = min(pipelined,
                                                                 key=lambda item: item[0][1])
     # an entry measured at this element size runs as measured; a 16-bit entry used for fp32
     # falls back to one stage where the buffers of the wider elements would not fit
@@ -301,11 +302,14 @@ def test_even_and_strided_follow_the_shape(m, n, grid_stride):
     layernorm._schedule.cache_clear()
     schedule = layernorm._schedule(m, n, grid_stride, "bwd" if grid_stride else "fwd", 2, 2,
                                    torch.device("cpu"), layernorm.PERSISTENT_MAX_BLOCK_N)
-    assert schedule.even == (m % schedule.rows == 0 and n % schedule.block_n == 0)
-    assert schedule.strided == (schedule.programs < -(-m // schedule.rows))
+    # ... as the table entry's measured form allows (bit 1: no masks, bit 2: the loop anyway)
+    form = 1 if schedule.entry is None else layernorm.MEASURED_SCHEDULES[schedule.entry][6]
+    tiles = m % schedule.rows == 0 and n % schedule.block_n == 0
+    assert schedule.even == (tiles and bool(form & 1))
+    assert schedule.strided == (schedule.programs < -(-m // schedule.rows) or bool(form & 2))
     if m == 4095 or n == 500:
         assert not schedule.even  # a partial row block, a padded row
-    if n in (512, 1024):
+    if n in (512, 1024) and form & 1:
         assert schedule.even == (m == 4096)
 
 

@@ -62,6 +62,7 @@ def test_a_padded_width_is_an_entry_of_its_own(tmp_path, monkeypatch):
               "results": [_result(4096, "torch.bfloat16", [_config(2, 4, 900)], n=12288)]}
     (tmp_path / "tune.json").write_text(json.dumps(report))
     previous = codegen.schedule.load_measured()["ops"]["softmax"]["bwd"]
+    (tmp_path / "table.json").write_text(codegen.schedule.MEASURED_TABLE.read_text())
     monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
     written = json.loads(write_table([tmp_path / "tune.json"], "test").read_text())
     widths = written["ops"]["softmax"]["bwd"]
@@ -69,27 +70,80 @@ def test_a_padded_width_is_an_entry_of_its_own(tmp_path, monkeypatch):
     assert widths["16384"] == previous["16384"]
 
 
-def test_plain_form_keeps_masks_and_the_row_block_loop():
-    from benchmarks.tune import _form
+def test_the_form_bits_set_masks_and_the_row_block_loop():
     from generated import layernorm
 
-    # as _schedule sets them: 4096 rows in blocks of 2 tile exactly; 2048 programs cover them
-    assert _form(layernorm, 4096, 512, 2, 512, 2048, plain=False) == (True, False)
-    assert _form(layernorm, 4095, 512, 2, 512, 264, plain=False) == (False, True)
-    # --plain: the form before session 9 whatever the shape
-    assert _form(layernorm, 4096, 512, 2, 512, 2048, plain=True) == (False, True)
+    # 4096 rows in blocks of 2 tile exactly; 2048 programs, one per row block
+    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, False)  # the rule
+    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True)
+    # no form drops masks that a partial row block needs, or the loop over several row blocks
+    for form in range(4):
+        assert layernorm._form(4095, 512, 2, 512, 264, form) == (False, True)
 
 
-def test_plain_measurements_are_no_table_source(tmp_path):
+def _forms(entry, config, speeds, op="layernorm", dtype="torch.bfloat16"):
+    return {"op": op, "mode": "fwd", "m": 4096, "n": 32768, "dtype": dtype, "entry": entry,
+            "config": config, "gbps": dict(zip(("0", "1", "2", "3"), speeds, strict=True))}
+
+
+def test_the_form_filed_is_the_best_at_the_entrys_slowest_shape():
+    from benchmarks.tune import best_form
+
+    # form 2 wins clearly at one shape and loses 1% at the other: its worst is 0.99
+    records = [_forms(None, None, (2345, 2462, 2847, 2179)),
+               _forms(None, None, (2700, 2800, 2772, 2790))]
+    assert best_form(records) == 2
+    # where the rule is within FORM_MARGIN of the best at its worst, it stays
+    assert best_form([_forms(None, None, (1000, 995, 1004, 990))]) == 1
+    # a shape where only one form differs from the others (rows that do not tile)
+    assert best_form([_forms(None, None, (1441, 1209, 1428, 1209))]) == 0
+
+
+def test_write_table_files_forms_under_the_entry_that_was_measured(tmp_path, monkeypatch):
     import json
 
-    import pytest
-
+    import codegen.schedule
     from benchmarks.tune import write_table
 
-    config = _config(2, 4, 900) | {"plain": True}
+    table = codegen.schedule.load_measured()
+    held = table["ops"]["layernorm"]["fwd_fp32"]["32768"]
+    config = [*held, -1][:6] if len(held) < 6 else held[:6]
+    records = [_forms(["fwd_fp32", 32768], config, (2345, 2462, 2847, 2179), dtype="torch.float32"),
+               # the 16-bit entry at 8192, measured with another configuration than it holds
+               _forms(["fwd", 8192], [9, 9, 0, 1, 2048, -1], (1, 2, 3, 4)),
+               # a shape the rules' constants served: no entry to file it under
+               _forms(None, None, (1, 2, 3, 4))]
     report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
-              "results": [_result(4096, "torch.bfloat16", [config])]}
+              "results": [], "forms": records}
     (tmp_path / "tune.json").write_text(json.dumps(report))
-    with pytest.raises(SystemExit, match="--plain"):
-        write_table([tmp_path / "tune.json"], "test")
+    (tmp_path / "table.json").write_text(codegen.schedule.MEASURED_TABLE.read_text())
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
+    written = json.loads(write_table([tmp_path / "tune.json"], "forms").read_text())
+    assert written["ops"]["layernorm"]["fwd_fp32"]["32768"] == [*config, 2]
+    assert written["ops"]["layernorm"]["fwd"]["8192"] == table["ops"]["layernorm"]["fwd"]["8192"]
+    assert written["runs"][-1]["shapes"] == ["4096x32768"]
+    # a later measurement that finds the rule's form best takes the field away again
+    report["forms"] = [_forms(["fwd_fp32", 32768], config, (2400, 2800, 2700, 2600),
+                              dtype="torch.float32")]
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    written = json.loads(write_table([tmp_path / "tune.json"], "forms").read_text())
+    assert written["ops"]["layernorm"]["fwd_fp32"]["32768"] == config
+
+
+def test_an_entrys_form_reaches_the_schedule(monkeypatch):
+    import torch
+
+    from generated import layernorm
+
+    key = ("fwd_fp32", 32768)
+    for form, flags in ((1, (True, False)), (2, (False, True)), (0, (False, False))):
+        entry = (*layernorm.MEASURED_SCHEDULES[key][:6], form)
+        monkeypatch.setitem(layernorm.MEASURED_SCHEDULES, key, entry)
+        layernorm._schedule.cache_clear()
+        schedule = layernorm._schedule(4096, 32768, False, "fwd", 1, 4, torch.device("cuda"),
+                                       layernorm.PERSISTENT_MAX_BLOCK_N)
+        assert schedule.entry == key
+        assert (schedule.even, schedule.strided) == flags
+    layernorm._schedule.cache_clear()
