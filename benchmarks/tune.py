@@ -345,6 +345,7 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                           "entry": None if entry is None else list(entry),
                           "config": (None if entry is None
                                      else list(module.MEASURED_SCHEDULES[entry][:6])),
+                          "stages": used.stages,
                           "gbps": {str(form): speeds[flags[form]] for form in FORMS}}
                 report["forms"].append(record)
                 shown = " ".join(f"{form}:{gbps:.0f}" for form, gbps in record["gbps"].items())
@@ -444,34 +445,64 @@ def best_form(records: list[dict]) -> int:
     """The kernel form to file for one entry from its `--forms` records (every shape and dtype
     that took it): the form whose slowest shape, as a share of that shape's fastest form, is
     highest; the rule's form unless another is FORM_MARGIN ahead of it."""
-    def score(form: int) -> float:
-        return min(r["gbps"][str(form)] / max(r["gbps"].values()) for r in records)
-
-    best = max(FORMS, key=lambda form: (score(form), form == RULE_FORM))
-    return RULE_FORM if score(RULE_FORM) >= score(best) - FORM_MARGIN else best
+    best = max(FORMS, key=lambda form: (_score(records, form), form == RULE_FORM))
+    return RULE_FORM if _score(records, RULE_FORM) >= _score(records, best) - FORM_MARGIN else best
 
 
 def _with_forms(ops: dict, records: list[dict]) -> None:
     """File each entry's best form (`best_form`) in it, from the records of the configuration
     it holds now: records of an entry the same write replaced, or of the rules' constants, are
-    set aside (and said so)."""
+    set aside (and said so). A 16-bit entry that fp32 rows borrow takes the form best on 16-bit
+    tensors; where fp32 runs FORM_MARGIN faster in another, the same configuration is filed for
+    fp32 under "<kind>_fp32" with that form (at the pipeline stages fp32 ran with: its own
+    entry is taken as it stands, with no fallback for wider elements)."""
     grouped: dict = {}
     for record in records:
         if record.get("entry") is not None:
             kind, width = record["entry"]
-            grouped.setdefault((record["op"], kind, str(width)), []).append(record)
+            grouped.setdefault((BORROW.get(record["op"], record["op"]), kind, str(width)),
+                               []).append(record)
     for (op, kind, width), group in sorted(grouped.items()):
-        entry = ops.get(BORROW.get(op, op), {}).get(kind, {}).get(width)
+        entry = ops.get(op, {}).get(kind, {}).get(width)
         held = None if entry is None else list((*entry, *ENTRY_DEFAULTS[len(entry):])[:6])
         current = [record for record in group if record["config"] == held]
         if not current:
             print(f"tune --write-table: {op} {kind} {width}: its --forms records measured "
                   f"another configuration than the entry now holds; form left out")
             continue
-        form = best_form(current)
+        wide = [record for record in current if record["dtype"] == "torch.float32"]
+        narrow = [record for record in current if record not in wide]
+        form = best_form(narrow or wide) if narrow or "_fp32" in kind else _held_form(entry)
+        ops[op][kind][width] = _formed(entry, form)
+        if not wide or not narrow or "_fp32" in kind:
+            continue
+        own = best_form(wide)
+        if _score(wide, form) >= _score(wide, own) - FORM_MARGIN:
+            continue
+        stages = {record.get("stages", held[3] if held[3] == 1 else None) for record in wide}
+        if len(stages) != 1 or None in stages:
+            print(f"tune --write-table: {op} {kind} {width}: fp32 runs faster in form {own}, "
+                  f"but its records do not say at which pipeline stages; no fp32 entry filed")
+            continue
+        fp32_kind = kind.replace("_looped", "") + "_fp32" + ("_looped" if "_looped" in kind else "")
         fields = list(entry[:6])
-        ops[BORROW.get(op, op)][kind][width] = (
-            fields if form == RULE_FORM else [*fields, *ENTRY_DEFAULTS[len(fields):], form])
+        fields[3] = stages.pop()
+        ops[op].setdefault(fp32_kind, {})[width] = _formed(fields, own)
+
+
+def _score(records: list[dict], form: int) -> float:
+    """The form's speed at the slowest of `records` (a share of that record's fastest form)."""
+    return min(r["gbps"][str(form)] / max(r["gbps"].values()) for r in records)
+
+
+def _held_form(entry: list) -> int:
+    return entry[6] if len(entry) > 6 else RULE_FORM
+
+
+def _formed(entry: list, form: int) -> list:
+    """An entry's fields with `form` filed: none past the sweep for the rule's form."""
+    fields = list(entry[:6])
+    return fields if form == RULE_FORM else [*fields, *ENTRY_DEFAULTS[len(fields):], form]
 
 
 def _joined(op: str, mode: str) -> bool:
@@ -582,8 +613,9 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "the rule's, that form (bit 1: no masks where the row blocks tile, bit 2: the "
                 "row-block loop kept with one program per row block)]; "
                 "'<kind>_looped' holds the fastest looped entry, used where rows may not be "
-                "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32) and "
-                "serve them, 16-bit dtypes share the others. Ops under 'borrow' "
+                "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32, or "
+                "--forms: a 16-bit entry's configuration that fp32 ran faster in another form) "
+                "and serve them, 16-bit dtypes share the others. Ops under 'borrow' "
                 "were not measured; they use the named op's entries.",
         "ops": {op: {kind: dict(sorted(widths.items(), key=lambda item: int(item[0])))
                      for kind, widths in sorted(kinds.items())}

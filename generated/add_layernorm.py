@@ -85,7 +85,8 @@ def _use_triton(tensor):
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
 #: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
-#: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
+#: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
+#: where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
     ("bwd", 256): (4, 1, 4, 3, 0, -1, 1),
     ("bwd", 512): (4, 2, 2, 3, 0, -1, 1),
@@ -98,7 +99,7 @@ MEASURED_SCHEDULES = {
     ("bwd", 16384): (8, 8, 1, 3, 2048, -1, 1),
     ("bwd", 32768): (16, 8, 1, 3, 1024, -1, 1),
     ("bwd", 65536): (16, 8, 1, 3, 1024, -1, 1),
-    ("bwd", 262144): (8, 8, 1, 1, 2048, -1, 1),
+    ("bwd", 262144): (8, 8, 1, 1, 2048, -1, 3),
     ("bwd_fp32", 32768): (8, 8, 1, 3, 1024, -1, 1),
     ("bwd_fp32", 65536): (8, 8, 1, 3, 1024, -1, 1),
     ("bwd_fp32", 262144): (8, 16, 1, 1, 1024, -1, 1),
@@ -119,13 +120,15 @@ MEASURED_SCHEDULES = {
     ("fwd", 2048): (2, 4, 0, 1, 0, -1, 1),
     ("fwd", 4096): (2, 8, 0, 1, 0, -1, 1),
     ("fwd", 5120): (1, 8, 0, 1, 2048, 1, 1),
-    ("fwd", 8192): (1, 8, 0, 1, 2048, -1, 1),
+    ("fwd", 8192): (1, 8, 0, 1, 2048, -1, 3),
     ("fwd", 12288): (1, 16, 0, 1, 4096, 0, 1),
     ("fwd", 16384): (1, 16, 2, 3, 0, -1, 1),
-    ("fwd", 32768): (1, 16, 0, 1, 4096, 0, 1),
-    ("fwd", 65536): (1, 32, 0, 1, 8192, 1, 1),
-    ("fwd", 262144): (1, 8, 0, 3, 2048, 1, 1),
-    ("fwd_fp32", 32768): (1, 16, 0, 1, 8192, 0, 1),
+    ("fwd", 32768): (1, 16, 0, 1, 4096, 0, 3),
+    ("fwd", 65536): (1, 32, 0, 1, 8192, 1, 2),
+    ("fwd", 262144): (1, 8, 0, 3, 2048, 1, 3),
+    ("fwd_fp32", 5120): (1, 8, 0, 1, 2048, 1, 2),
+    ("fwd_fp32", 8192): (1, 8, 0, 1, 2048, -1, 2),
+    ("fwd_fp32", 32768): (1, 16, 0, 1, 8192, 0, 2),
     ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1, 1),
     ("fwd_fp32", 262144): (1, 8, 0, 3, 2048, 1, 1),
     ("fwd_fp32_looped", 32768): (1, 16, 0, 1, 8192, 0, 1),

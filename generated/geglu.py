@@ -82,7 +82,8 @@ def _use_triton(tensor):
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
 #: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
-#: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
+#: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
+#: where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
 }
 

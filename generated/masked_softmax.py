@@ -89,7 +89,8 @@ def _use_triton(tensor):
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
 #: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
-#: on fp32 tensors, taken by 4-byte elements where the table has them (else the 16-bit ones)
+#: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
+#: where the table has them (else the 16-bit ones)
 MEASURED_SCHEDULES = {
     ("bwd", 256): (4, 1, 0, 1, 0, -1, 1),
     ("bwd", 512): (2, 1, 0, 1, 0, -1, 1),
@@ -100,11 +101,13 @@ MEASURED_SCHEDULES = {
     ("bwd", 8192): (1, 16, 0, 1, 0, -1, 1),
     ("bwd", 12288): (1, 32, 0, 1, 4096, -1, 1),
     ("bwd", 16384): (1, 16, 0, 1, 0, -1, 1),
-    ("bwd", 32768): (1, 32, 0, 1, 0, -1, 1),
+    ("bwd", 32768): (1, 32, 0, 1, 0, -1, 3),
     ("bwd", 65536): (1, 32, 0, 1, 16384, -1, 1),
-    ("bwd", 262144): (1, 16, 0, 3, 8192, -1, 1),
+    ("bwd", 262144): (1, 16, 0, 3, 8192, -1, 0),
+    ("bwd_fp32", 5120): (1, 16, 0, 1, 2048, -1, 2),
+    ("bwd_fp32", 12288): (1, 32, 0, 1, 4096, -1, 3),
     ("bwd_fp32", 32768): (1, 32, 0, 1, 8192, -1, 1),
-    ("bwd_fp32", 65536): (1, 16, 0, 1, 8192, -1, 1),
+    ("bwd_fp32", 65536): (1, 16, 0, 1, 8192, -1, 2),
     ("bwd_fp32", 262144): (1, 32, 0, 3, 4096, -1, 1),
     ("bwd_fp32_looped", 32768): (1, 32, 0, 1, 8192, -1, 1),
     ("bwd_fp32_looped", 65536): (1, 16, 0, 1, 8192, -1, 1),
@@ -127,8 +130,10 @@ MEASURED_SCHEDULES = {
     ("fwd", 12288): (1, 16, 0, 1, 4096, 0, 1),
     ("fwd", 16384): (1, 16, 0, 1, 0, -1, 1),
     ("fwd", 32768): (1, 16, 0, 1, 0, -1, 1),
-    ("fwd", 65536): (1, 32, 0, 1, 16384, 0, 1),
+    ("fwd", 65536): (1, 32, 0, 1, 16384, 0, 2),
     ("fwd", 262144): (1, 8, 0, 3, 4096, 1, 1),
+    ("fwd_fp32", 5120): (1, 8, 0, 1, 2048, 0, 2),
+    ("fwd_fp32", 12288): (1, 16, 0, 1, 4096, 0, 0),
     ("fwd_fp32", 32768): (1, 32, 0, 1, 16384, 1, 1),
     ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1, 1),
     ("fwd_fp32", 262144): (1, 8, 0, 3, 4096, 1, 1),

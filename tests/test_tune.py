@@ -147,3 +147,37 @@ def test_an_entrys_form_reaches_the_schedule(monkeypatch):
         assert schedule.entry == key
         assert (schedule.even, schedule.strided) == flags
     layernorm._schedule.cache_clear()
+
+
+def test_fp32_rows_that_run_faster_in_another_form_get_an_entry_of_their_own(tmp_path,
+                                                                              monkeypatch):
+    import json
+
+    import codegen.schedule
+    from benchmarks.tune import write_table
+
+    table = codegen.schedule.load_measured()
+    held = table["ops"]["softmax"]["fwd"]["5120"]
+    config = (held + [-1])[:6]
+    bf16 = _forms(["fwd", 5120], config, (2910, 2910, 2633, 2633))
+    fp32 = _forms(["fwd", 5120], config, (2744, 2744, 2906, 2906), dtype="torch.float32")
+    fp32["stages"] = 1
+    piped = table["ops"]["layernorm"]["bwd"]["4096"]  # 3 pipeline stages
+    piped_config = (piped + [-1])[:6]
+    no_stages = [_forms(["bwd", 4096], piped_config, (2400, 2400, 2400, 2400)),
+                 _forms(["bwd", 4096], piped_config, (2468, 2433, 2468, 2433),
+                        dtype="torch.float32")]
+    for record in (bf16, fp32, *no_stages):
+        record["op"] = "softmax" if record is bf16 or record is fp32 else "layernorm"
+    report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
+              "results": [], "forms": [bf16, fp32, *no_stages]}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    (tmp_path / "table.json").write_text(codegen.schedule.MEASURED_TABLE.read_text())
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
+    written = json.loads(write_table([tmp_path / "tune.json"], "forms").read_text())["ops"]
+    # 16-bit rows keep the rule's form; fp32 rows get the configuration in the form they ran
+    # faster in, at the stages they ran with
+    assert written["softmax"]["fwd"]["5120"] == held[:6]
+    assert written["softmax"]["fwd_fp32"]["5120"] == [*config[:3], 1, *config[4:], 2]
+    # a record that does not say its pipeline stages, for an entry that pipelines: none filed
+    assert "4096" not in written["layernorm"].get("bwd_fp32", {})
