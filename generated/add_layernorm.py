@@ -245,8 +245,9 @@ def _form(M, N, rows, block_n, programs, form):
     form allows it (bit 1), the row-block loop where fewer programs than row blocks run or the
     form keeps it anyway (bit 2). Either way can be the faster, by entry: `benchmarks.tune
     --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
-    rule (no masks, no loop), 2847 masked with the loop; bf16 4096x65536: 2395, and 2721 without
-    masks but with the loop; backward bf16 1024x262144: 1209, 1441 masked without the loop."""
+    rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
+    masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
+    1024x262144: 1205, 1438 masked without the loop."""
     return bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows)
 
 
