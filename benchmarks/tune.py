@@ -27,7 +27,7 @@ times each op's own schedule (its table entry as it stands) at each shape in the
 forms: masks dropped where the row blocks tile exactly or kept, and the row-block loop kept or
 compiled away where each program has one row block. Which is faster depends on the entry
 (H100: the looped layer-norm forward at fp32 4096x32768 is 16% faster masked with the loop,
-at bf16 4096x65536 14% faster unmasked with the loop, than in the rule's form), so
+at bf16 4096x65536 13% faster unmasked with the loop, than in the rule's form), so
 `--write-table` files the form measured fastest over every shape and dtype that used the entry,
 where it beats the rule's by FORM_MARGIN.
 """
