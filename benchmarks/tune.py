@@ -282,13 +282,15 @@ def _used_schedule(module, call):
     return used[0]
 
 
-def _as_config(schedule, m: int, sms: int) -> dict:
-    """A module schedule as a tune record: programs per SM 0 when it is one per row block."""
+def _as_config(schedule, m: int, sms: int, form: int = RULE_FORM) -> dict:
+    """A module schedule as a tune record: programs per SM 0 when it is one per row block;
+    `form`, the kernel form its table entry holds (the searches run the rule's)."""
     row_blocks = -(-m // schedule.rows)
     per_sm = 0 if schedule.programs >= row_blocks else max(1, schedule.programs // sms)
     return {"rows": schedule.rows, "warps": schedule.warps, "programs": schedule.programs,
             "per_sm": per_sm, "stages": schedule.stages,
-            "step": schedule.block_n if schedule.looped else 0, "one_sweep": schedule.one_sweep}
+            "step": schedule.block_n if schedule.looped else 0, "one_sweep": schedule.one_sweep,
+            "form": form}
 
 
 def _session(out: Path):
@@ -377,24 +379,23 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                 # candidate too (rules no search covers: the softmax backward's whole rows
                 # past 16384, say)
                 table = module.MEASURED_SCHEDULES
-                default = None
                 for source, schedules in (("rules", {}), ("default", table)):
                     module.MEASURED_SCHEDULES = schedules
                     module._schedule.cache_clear()
                     try:
                         used = _used_schedule(module, call)
+                        form = RULE_FORM if used.entry is None else schedules[used.entry][6]
                         stats = measure(clock, Workload(lambda _state, call=call: call()), REP_MS)
                     finally:
                         module.MEASURED_SCHEDULES = table
                         module._schedule.cache_clear()
                     gbps = moved / stats.median_ms / 1e6
-                    results.append(_as_config(used, m, properties.multi_processor_count)
+                    results.append(_as_config(used, m, properties.multi_processor_count, form)
                                    | {"ms": stats.median_ms, "gbps": gbps, source: True})
                     default = gbps
                 best = max((r for r in results if "gbps" in r),
                            key=lambda r: r["gbps"])
-                shown = "-" if default is None else f"{default:.0f}"
-                print(f"{op_name} {mode} {m}x{n}: default {shown} GB/s, "
+                print(f"{op_name} {mode} {m}x{n}: default {default:.0f} GB/s, "
                       f"best {best['gbps']:.0f}"
                       f" at rows {best['rows']} warps {best['warps']} programs {best['programs']}"
                       f" stages {best['stages']} step {best['step']}"
@@ -514,8 +515,8 @@ def _joined(op: str, mode: str) -> bool:
 
 
 def _signature(config: dict) -> tuple:
-    return tuple(config.get(k) for k in ("rows", "warps", "per_sm", "stages", "step",
-                                         "one_sweep"))
+    return (*(config.get(k) for k in ("rows", "warps", "per_sm", "stages", "step", "one_sweep")),
+            config.get("form", RULE_FORM))
 
 
 def _pooled(group: list[dict], combine) -> list[dict]:
@@ -590,7 +591,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
                          best.get("step", 0)]
                 if best.get("step") and _joined(result["op"], result["mode"]):
                     entry.append(int(best["one_sweep"]))
-                kinds.setdefault(kind, {})[width] = entry
+                # the module's own schedule competes in the form its entry holds
+                kinds.setdefault(kind, {})[width] = _formed(entry, best.get("form", RULE_FORM))
     _with_forms(ops, report["forms"])
     measured = report["results"] + report["forms"]
     run = {key: report[key] for key in ("device", "sms", "torch", "triton", "date")} | {

@@ -181,3 +181,23 @@ def test_fp32_rows_that_run_faster_in_another_form_get_an_entry_of_their_own(tmp
     assert written["softmax"]["fwd_fp32"]["5120"] == [*config[:3], 1, *config[4:], 2]
     # a record that does not say its pipeline stages, for an entry that pipelines: none filed
     assert "4096" not in written["layernorm"].get("bwd_fp32", {})
+
+
+def test_the_modules_own_schedule_keeps_its_form_when_it_wins(tmp_path, monkeypatch):
+    # the "default" candidate is timed in the form its entry holds; filed as the fastest, the
+    # entry keeps that form, and a searched configuration (the rule's form) stays apart from it
+    import json
+
+    import codegen.schedule
+    from benchmarks.tune import _signature, write_table
+
+    searched = _config(1, 16, 2462) | {"step": 8192}
+    default = _config(1, 16, 2858) | {"step": 8192, "form": 2, "default": True}
+    assert _signature(searched) != _signature(default)
+    report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
+              "results": [_result(4096, "torch.bfloat16", [searched, default], n=32768)]}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    (tmp_path / "table.json").write_text(codegen.schedule.MEASURED_TABLE.read_text())
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
+    written = json.loads(write_table([tmp_path / "tune.json"], "test").read_text())["ops"]
+    assert written["softmax"]["bwd"]["32768"] == [1, 16, 0, 1, 8192, -1, 2]
