@@ -23,9 +23,10 @@ the run did not measure.
 
     python -m benchmarks.tune --out DIR --forms --shapes MxN,... [--dtype bf16]
 
-times each op's own schedule (its table entry as it stands) at each shape in the four kernel
-forms: masks dropped where the row blocks tile exactly or kept, and the row-block loop kept or
-compiled away where each program has one row block. Which is faster depends on the entry
+times each op's own schedule (its table entry as it stands) at each shape in every kernel form:
+masks dropped where the row blocks tile exactly or kept, the row-block loop kept or compiled away
+where each program has one row block, and for looped rows every other sweep run forwards or
+backwards. Which is faster depends on the entry
 (H100: the looped layer-norm forward at fp32 4096x32768 is 16% faster masked with the loop,
 at bf16 4096x65536 13% faster unmasked with the loop, than in the rule's form), so
 `--write-table` files the form measured fastest over every shape and dtype that used the entry,
@@ -89,8 +90,10 @@ STEP_ELEMENTS = (512, 1024, 2048, 4096, 8192, 16384)
 STAGE_CHOICES = (1, 3)
 #: kernel forms of a table entry (generated modules: `_form`): bit 1 drops the masks where the
 #: row blocks tile the tensor exactly (EVEN), bit 2 keeps the row-block loop with one program per
-#: row block (STRIDED); the searches above measure the rule's form, `--forms` all four
-FORMS = (0, 1, 2, 3)
+#: row block (STRIDED), bit 4 runs every other sweep of a looped row backwards (REVERSE: it
+#: starts on the columns the sweep before ended on, the likeliest still in L2); the searches
+#: above measure the rule's form, `--forms` all eight (whole rows: the four of bits 1 and 2)
+FORMS = tuple(range(8))
 RULE_FORM = 1
 #: `--forms` measures each form this many times, interleaved, and keeps its fastest
 FORM_REPEATS = 2
@@ -309,7 +312,8 @@ def _session(out: Path):
 
 def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
     """`--forms`: each op's own schedule at each shape, timed in every kernel form that differs
-    there (masks or none, the row-block loop or none), FORM_REPEATS times interleaved; each
+    there (masks or none, the row-block loop or none, looped sweeps all forwards or every other
+    one backwards), FORM_REPEATS times interleaved; each
     record names the table entry the schedule came from, so `--write-table` can file the
     fastest form under it."""
     properties, clock, path, report = _session(out)
@@ -331,8 +335,8 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                 speeds: dict = {}
                 original = module._schedule
                 for _repeat in range(FORM_REPEATS):
-                    for even, strided in sorted(set(flags.values())):
-                        fixed = used._replace(even=even, strided=strided)
+                    for even, strided, reverse in sorted(set(flags.values())):
+                        fixed = used._replace(even=even, strided=strided, reverse=reverse)
                         module._schedule = lambda *_args, fixed=fixed, **_kwargs: fixed
                         try:
                             call()  # compile outside the timed loop
@@ -341,7 +345,8 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                         finally:
                             module._schedule = original
                         gbps = moved / stats.median_ms / 1e6
-                        speeds[even, strided] = max(speeds.get((even, strided), 0.0), gbps)
+                        speeds[even, strided, reverse] = max(
+                            speeds.get((even, strided, reverse), 0.0), gbps)
                 entry = used.entry
                 record = {"op": op_name, "mode": mode, "m": m, "n": n, "dtype": str(dtype),
                           "entry": None if entry is None else list(entry),
@@ -492,8 +497,9 @@ def _with_forms(ops: dict, records: list[dict]) -> None:
 
 
 def _score(records: list[dict], form: int) -> float:
-    """The form's speed at the slowest of `records` (a share of that record's fastest form)."""
-    return min(r["gbps"][str(form)] / max(r["gbps"].values()) for r in records)
+    """The form's speed at the slowest of `records` (a share of that record's fastest form); 0
+    where a record has no time for it (runs before bit 4 measured four forms)."""
+    return min(r["gbps"].get(str(form), 0.0) / max(r["gbps"].values()) for r in records)
 
 
 def _held_form(entry: list) -> int:
@@ -613,7 +619,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "joined sweep 1 (one sweep) or 0 (a pass each), the form measured faster "
                 "(-1: the rule), and where --forms measured another kernel form faster than "
                 "the rule's, that form (bit 1: no masks where the row blocks tile, bit 2: the "
-                "row-block loop kept with one program per row block)]; "
+                "row-block loop kept with one program per row block, bit 4: every other "
+                "sweep of a looped row run backwards)]; "
                 "'<kind>_looped' holds the fastest looped entry, used where rows may not be "
                 "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32, or "
                 "--forms: a 16-bit entry's configuration that fp32 ran faster in another form) "

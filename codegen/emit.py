@@ -304,30 +304,63 @@ class KernelContext:
         }
 
     def sweep_lines(self) -> list[str]:
-        """The looped kernel's reduction sweeps, relative to its row-block loop."""
+        """The looped kernel's reduction sweeps, relative to its row-block loop. Where the
+        schedule says REVERSE, every other sweep (and the epilogue after an odd count) runs from
+        the last column block to the first: it starts on the columns the sweep before it ended
+        on, the likeliest still in L2."""
         lines = []
+        # sweeps run so far with ONE_SWEEP set and without it: their parity sets a direction
+        one, two = 0, 0
         for g, group in enumerate(self.sweeps):
             # what the sweeps after this group and the epilogue read again
             after = set(self.epilogue["element_loads"]).union(
                 *(p["element_loads"] for later in self.sweeps[g + 1:] for p in later["two"]))
             if group["one"] is None:
-                lines += self._sweep_lines(group["two"][0], after)
+                lines += self._sweep_lines(group["two"][0], after, self._backwards(one, two))
+                one, two = one + 1, two + 1
                 continue
+            if one % 2:
+                # a joined sweep counts steps per lane from the first column block (Welford)
+                raise ValueError(f"kernel {self.name}: a joined sweep must run forwards, "
+                                 f"got one after {one} sweeps")
             lines.append("if ONE_SWEEP:")
-            lines += ["    " + line for line in self._sweep_lines(group["one"], after)]
+            lines += ["    " + line for line in self._sweep_lines(group["one"], after, "0")]
             lines.append("else:")
             for i, p in enumerate(group["two"]):
                 again = after.union(*(q["element_loads"] for q in group["two"][i + 1:]))
-                lines += ["    " + line for line in self._sweep_lines(p, again)]
+                lines += ["    " + line for line in self._sweep_lines(
+                    p, again, self._backwards(two + i, two + i))]
+            one, two = one + 1, two + len(group["two"])
         return lines
 
-    def _sweep_lines(self, p: dict[str, Any], again: set[str]) -> list[str]:
+    def epilogue_columns_line(self) -> str:
+        """`cols` of the looped kernel's epilogue step, after every sweep (sweep_lines)."""
+        return self.columns_line(self._backwards(len(self.sweeps),
+                                                 sum(len(group["two"]) for group in self.sweeps)))
+
+    @staticmethod
+    def _backwards(one: int, two: int) -> str:
+        """Whether a sweep after `one` sweeps (ONE_SWEEP set) or `two` (not set) runs backwards
+        under REVERSE: the parity of those counts, as a constexpr expression."""
+        if one % 2 == two % 2:
+            return str(one % 2)
+        return "ONE_SWEEP" if one % 2 else "(1 - ONE_SWEEP)"
+
+    @staticmethod
+    def columns_line(backwards: str) -> str:
+        """`cols` of a sweep's step `chunk`: its column block, counted from the last one where
+        the sweep runs backwards."""
+        block = "chunk" if backwards == "0" else (
+            f"_column_block(chunk, CHUNKS, REVERSE{'' if backwards == '1' else ' * ' + backwards})")
+        return f"cols = {block} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
+
+    def _sweep_lines(self, p: dict[str, Any], again: set[str], backwards: str) -> list[str]:
         body = (self.column_load_lines(p["column_inputs"])
                 + self.element_load_lines(p["element_loads"], again)
                 + self.assign_lines(p["assigns"]) + p["step"])
         return (p["init"]
                 + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):",
-                   "    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
+                   "    " + self.columns_line(backwards),
                    "    col_mask = _below(cols, N, EVEN)",
                    "    mask = row_mask & col_mask"]
                 + ["    " + line for line in body]
@@ -466,7 +499,8 @@ class KernelContext:
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
-        return args + ["KEEP: tl.constexpr", "EVEN: tl.constexpr", "STRIDED: tl.constexpr"]
+        return args + ["KEEP: tl.constexpr", "EVEN: tl.constexpr", "STRIDED: tl.constexpr",
+                       "REVERSE: tl.constexpr"]
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],

@@ -54,7 +54,7 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided entry", defaults=(None,))
+                       "keep even strided reverse entry", defaults=(None,))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -83,7 +83,8 @@ def _use_triton(tensor):
 #: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
 #: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
-#: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
+#: one program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
+#: (REVERSE), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
 #: where the table has them (else the 16-bit ones)
@@ -92,7 +93,7 @@ MEASURED_SCHEDULES = {
     ("bwd", 512): (4, 2, 2, 3, 0, -1, 1),
     ("bwd", 1024): (4, 4, 2, 3, 0, -1, 1),
     ("bwd", 2048): (4, 8, 1, 3, 0, -1, 1),
-    ("bwd", 4096): (2, 8, 1, 3, 0, -1, 1),
+    ("bwd", 4096): (2, 8, 1, 3, 0, -1, 0),
     ("bwd", 5120): (1, 16, 1, 3, 0, -1, 1),
     ("bwd", 8192): (1, 16, 1, 3, 0, -1, 1),
     ("bwd", 12288): (2, 16, 1, 1, 8192, -1, 1),
@@ -103,6 +104,7 @@ MEASURED_SCHEDULES = {
     ("bwd_fp32", 256): (4, 1, 4, 3, 0, -1, 1),
     ("bwd_fp32", 512): (8, 4, 1, 3, 0, -1, 1),
     ("bwd_fp32", 1024): (8, 8, 1, 3, 0, -1, 1),
+    ("bwd_fp32", 16384): (8, 8, 1, 1, 2048, -1, 5),
     ("bwd_fp32", 32768): (8, 8, 1, 3, 1024, -1, 1),
     ("bwd_fp32", 65536): (8, 8, 1, 3, 1024, -1, 1),
     ("bwd_fp32", 262144): (8, 16, 1, 1, 1024, -1, 1),
@@ -121,22 +123,22 @@ MEASURED_SCHEDULES = {
     ("fwd", 512): (4, 2, 0, 1, 0, -1, 1),
     ("fwd", 1024): (4, 4, 8, 3, 0, -1, 1),
     ("fwd", 2048): (2, 4, 0, 1, 0, -1, 1),
-    ("fwd", 4096): (2, 8, 0, 1, 0, -1, 1),
+    ("fwd", 4096): (2, 8, 0, 1, 0, -1, 0),
     ("fwd", 5120): (1, 8, 0, 1, 2048, 1, 1),
-    ("fwd", 8192): (1, 8, 0, 1, 2048, -1, 3),
+    ("fwd", 8192): (1, 8, 0, 1, 2048, -1, 7),
     ("fwd", 12288): (1, 16, 0, 1, 4096, 0, 1),
     ("fwd", 16384): (1, 16, 2, 3, 0, -1, 1),
     ("fwd", 32768): (1, 16, 0, 1, 4096, 0, 3),
     ("fwd", 65536): (1, 32, 0, 1, 8192, 1, 2),
-    ("fwd", 262144): (1, 8, 0, 3, 2048, 1, 3),
+    ("fwd", 262144): (1, 8, 0, 3, 2048, 1, 7),
     ("fwd_fp32", 256): (4, 1, 0, 1, 0, -1, 1),
     ("fwd_fp32", 512): (4, 2, 0, 1, 0, -1, 1),
     ("fwd_fp32", 1024): (2, 2, 8, 3, 0, -1, 1),
-    ("fwd_fp32", 5120): (1, 8, 0, 1, 2048, 1, 2),
-    ("fwd_fp32", 8192): (1, 8, 0, 1, 2048, -1, 2),
-    ("fwd_fp32", 32768): (1, 16, 0, 1, 8192, 0, 2),
+    ("fwd_fp32", 5120): (1, 8, 0, 1, 2048, 1, 6),
+    ("fwd_fp32", 8192): (1, 8, 0, 1, 2048, -1, 6),
+    ("fwd_fp32", 32768): (1, 16, 0, 1, 8192, 0, 6),
     ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1, 1),
-    ("fwd_fp32", 262144): (1, 8, 0, 3, 2048, 1, 1),
+    ("fwd_fp32", 262144): (1, 8, 0, 3, 2048, 1, 6),
     ("fwd_fp32_looped", 32768): (1, 16, 0, 1, 8192, 0, 1),
     ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 16384, 1, 1),
     ("fwd_fp32_looped", 262144): (1, 8, 0, 3, 2048, 1, 1),
@@ -241,14 +243,27 @@ def _even(M, N, rows, block_n):
 
 
 def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED) of a schedule: no masks where the row blocks tile exactly and the entry's
-    form allows it (bit 1), the row-block loop where fewer programs than row blocks run or the
-    form keeps it anyway (bit 2). Either way can be the faster, by entry: `benchmarks.tune
+    """(EVEN, STRIDED, REVERSE) of a schedule: no masks where the row blocks tile exactly and the
+    entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks run
+    or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
+    the form says so (bit 4). Either way can be the faster, by entry: `benchmarks.tune
     --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
     rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
     masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
     1024x262144: 1205, 1438 masked without the loop."""
-    return bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows)
+    return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows),
+            bool(form & 4) and block_n < N)
+
+
+@triton.jit
+def _column_block(chunk, CHUNKS: tl.constexpr, BACKWARDS: tl.constexpr):
+    """The column block step `chunk` of a sweep over CHUNKS blocks reads: the chunk-th, or
+    counted from the last one where the sweep runs BACKWARDS."""
+    if BACKWARDS:
+        block = CHUNKS - 1 - chunk
+    else:
+        block = chunk
+    return block
 
 
 @triton.jit
@@ -400,6 +415,7 @@ def _add_layernorm_fwd_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -480,6 +496,7 @@ def _add_layernorm_fwd_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -534,7 +551,7 @@ def _add_layernorm_fwd_red(
             mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_INPUT_BIAS:
@@ -551,7 +568,7 @@ def _add_layernorm_fwd_red(
             var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
             rstd = 1.0 / _sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            cols = _column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_BIAS:
@@ -618,6 +635,7 @@ def _add_layernorm_bwd_default_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -699,6 +717,7 @@ def _add_layernorm_bwd_default_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -728,7 +747,7 @@ def _add_layernorm_bwd_default_red(
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -801,6 +820,7 @@ def _add_layernorm_bwd_recompute_mean_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -881,6 +901,7 @@ def _add_layernorm_bwd_recompute_mean_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -909,7 +930,7 @@ def _add_layernorm_bwd_recompute_mean_red(
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
@@ -995,6 +1016,7 @@ def _add_layernorm_bwd_invertible_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -1078,6 +1100,7 @@ def _add_layernorm_bwd_invertible_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_add_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -1110,7 +1133,7 @@ def _add_layernorm_bwd_invertible_red(
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_BIAS:
@@ -1344,6 +1367,7 @@ def _add_layernorm_fwd(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     return y, residual_out, mean, rstd,
@@ -1402,6 +1426,7 @@ def _add_layernorm_bwd_default(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, dbias, = _column_sums(
@@ -1463,6 +1488,7 @@ def _add_layernorm_bwd_recompute_mean(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, dbias, = _column_sums(
@@ -1524,6 +1550,7 @@ def _add_layernorm_bwd_invertible(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     dinput_bias, dweight, dbias, = _column_sums(

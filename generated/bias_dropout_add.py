@@ -54,7 +54,7 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided entry", defaults=(None,))
+                       "keep even strided reverse entry", defaults=(None,))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -83,7 +83,8 @@ def _use_triton(tensor):
 #: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
 #: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
-#: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
+#: one program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
+#: (REVERSE), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
 #: where the table has them (else the 16-bit ones)
@@ -181,14 +182,27 @@ def _even(M, N, rows, block_n):
 
 
 def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED) of a schedule: no masks where the row blocks tile exactly and the entry's
-    form allows it (bit 1), the row-block loop where fewer programs than row blocks run or the
-    form keeps it anyway (bit 2). Either way can be the faster, by entry: `benchmarks.tune
+    """(EVEN, STRIDED, REVERSE) of a schedule: no masks where the row blocks tile exactly and the
+    entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks run
+    or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
+    the form says so (bit 4). Either way can be the faster, by entry: `benchmarks.tune
     --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
     rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
     masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
     1024x262144: 1205, 1438 masked without the loop."""
-    return bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows)
+    return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows),
+            bool(form & 4) and block_n < N)
+
+
+@triton.jit
+def _column_block(chunk, CHUNKS: tl.constexpr, BACKWARDS: tl.constexpr):
+    """The column block step `chunk` of a sweep over CHUNKS blocks reads: the chunk-th, or
+    counted from the last one where the sweep runs BACKWARDS."""
+    if BACKWARDS:
+        block = CHUNKS - 1 - chunk
+    else:
+        block = chunk
+    return block
 
 
 @triton.jit
@@ -373,6 +387,7 @@ def _bias_dropout_add_fwd_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_bias_dropout_add_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -428,6 +443,7 @@ def _bias_dropout_add_fwd_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_bias_dropout_add_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -483,6 +499,7 @@ def _bias_dropout_add_bwd_default_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_bias_dropout_add_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -532,6 +549,7 @@ def _bias_dropout_add_bwd_default_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_bias_dropout_add_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -640,6 +658,7 @@ def _bias_dropout_add_fwd(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     return y,
@@ -679,6 +698,7 @@ def _bias_dropout_add_bwd_default(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     dbias, = _column_sums(

@@ -50,7 +50,7 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided entry", defaults=(None,))
+                       "keep even strided reverse entry", defaults=(None,))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -79,7 +79,8 @@ def _use_triton(tensor):
 #: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
 #: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
-#: one program per row block (STRIDED), 1 the rule): the fastest measured; "<kind>_looped":
+#: one program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
+#: (REVERSE), 1 the rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
 #: where the table has them (else the 16-bit ones)
@@ -94,18 +95,21 @@ MEASURED_SCHEDULES = {
     ("bwd", 12288): (1, 32, 0, 1, 4096, -1, 1),
     ("bwd", 16384): (1, 16, 0, 1, 0, -1, 1),
     ("bwd", 32768): (1, 32, 0, 1, 0, -1, 3),
-    ("bwd", 65536): (1, 32, 0, 1, 16384, -1, 1),
-    ("bwd", 262144): (1, 16, 0, 3, 8192, -1, 0),
+    ("bwd", 65536): (1, 32, 0, 1, 16384, -1, 5),
+    ("bwd", 128256): (1, 32, 0, 1, 16384, -1, 4),
+    ("bwd", 262144): (1, 16, 0, 3, 8192, -1, 6),
     ("bwd_fp32", 256): (2, 2, 0, 1, 0, -1, 1),
     ("bwd_fp32", 512): (1, 1, 0, 1, 0, -1, 1),
     ("bwd_fp32", 1024): (1, 1, 0, 1, 0, -1, 1),
-    ("bwd_fp32", 5120): (1, 16, 0, 1, 2048, -1, 2),
-    ("bwd_fp32", 12288): (1, 32, 0, 1, 4096, -1, 3),
-    ("bwd_fp32", 32768): (1, 32, 0, 1, 8192, -1, 1),
-    ("bwd_fp32", 65536): (1, 16, 0, 1, 8192, -1, 2),
-    ("bwd_fp32", 262144): (1, 32, 0, 3, 4096, -1, 1),
+    ("bwd_fp32", 5120): (1, 16, 0, 1, 2048, -1, 6),
+    ("bwd_fp32", 12288): (1, 32, 0, 1, 4096, -1, 1),
+    ("bwd_fp32", 32768): (1, 32, 0, 1, 8192, -1, 7),
+    ("bwd_fp32", 65536): (1, 16, 0, 1, 8192, -1, 6),
+    ("bwd_fp32", 128256): (1, 32, 0, 1, 16384, -1, 6),
+    ("bwd_fp32", 262144): (1, 32, 0, 3, 4096, -1, 6),
     ("bwd_fp32_looped", 32768): (1, 32, 0, 1, 8192, -1, 1),
     ("bwd_fp32_looped", 65536): (1, 16, 0, 1, 8192, -1, 1),
+    ("bwd_fp32_looped", 128256): (1, 32, 0, 1, 16384, -1, 1),
     ("bwd_fp32_looped", 262144): (1, 32, 0, 3, 4096, -1, 1),
     ("bwd_looped", 4096): (1, 16, 0, 1, 2048, -1, 1),
     ("bwd_looped", 5120): (1, 16, 0, 1, 2048, -1, 1),
@@ -114,6 +118,7 @@ MEASURED_SCHEDULES = {
     ("bwd_looped", 16384): (1, 16, 0, 1, 8192, -1, 1),
     ("bwd_looped", 32768): (1, 16, 0, 3, 8192, -1, 1),
     ("bwd_looped", 65536): (1, 32, 0, 1, 16384, -1, 1),
+    ("bwd_looped", 128256): (1, 32, 0, 1, 16384, -1, 1),
     ("bwd_looped", 262144): (1, 16, 0, 3, 8192, -1, 1),
     ("fwd", 256): (16, 4, 8, 3, 0, -1, 1),
     ("fwd", 512): (4, 8, 0, 1, 0, -1, 1),
@@ -125,8 +130,9 @@ MEASURED_SCHEDULES = {
     ("fwd", 12288): (1, 16, 0, 1, 4096, 0, 1),
     ("fwd", 16384): (1, 16, 0, 1, 0, -1, 1),
     ("fwd", 32768): (1, 16, 0, 1, 0, -1, 1),
-    ("fwd", 65536): (1, 32, 0, 1, 16384, 0, 2),
-    ("fwd", 262144): (1, 8, 0, 3, 4096, 1, 1),
+    ("fwd", 65536): (1, 32, 0, 1, 16384, 0, 6),
+    ("fwd", 128256): (1, 32, 4, 1, 16384, 1, 1),
+    ("fwd", 262144): (1, 8, 0, 3, 4096, 1, 5),
     ("fwd_fp32", 256): (4, 1, 0, 1, 0, -1, 1),
     ("fwd_fp32", 512): (4, 2, 0, 1, 0, -1, 1),
     ("fwd_fp32", 1024): (4, 4, 0, 1, 0, -1, 1),
@@ -134,9 +140,11 @@ MEASURED_SCHEDULES = {
     ("fwd_fp32", 12288): (1, 16, 0, 1, 4096, 0, 0),
     ("fwd_fp32", 32768): (1, 32, 0, 1, 16384, 1, 1),
     ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1, 1),
-    ("fwd_fp32", 262144): (1, 8, 0, 3, 4096, 1, 1),
+    ("fwd_fp32", 128256): (1, 16, 0, 3, 8192, 1, 6),
+    ("fwd_fp32", 262144): (1, 8, 0, 3, 4096, 1, 6),
     ("fwd_fp32_looped", 32768): (1, 32, 0, 1, 16384, 1, 1),
     ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 16384, 1, 1),
+    ("fwd_fp32_looped", 128256): (1, 16, 0, 3, 8192, 1, 1),
     ("fwd_fp32_looped", 262144): (1, 8, 0, 3, 4096, 1, 1),
     ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1, 1),
     ("fwd_looped", 5120): (1, 8, 0, 1, 2048, 0, 1),
@@ -145,6 +153,7 @@ MEASURED_SCHEDULES = {
     ("fwd_looped", 16384): (1, 16, 0, 1, 8192, -1, 1),
     ("fwd_looped", 32768): (1, 32, 0, 1, 8192, 0, 1),
     ("fwd_looped", 65536): (1, 32, 0, 1, 16384, 0, 1),
+    ("fwd_looped", 128256): (1, 32, 4, 1, 16384, 1, 1),
     ("fwd_looped", 262144): (1, 8, 0, 3, 4096, 1, 1),
 }
 
@@ -239,14 +248,27 @@ def _even(M, N, rows, block_n):
 
 
 def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED) of a schedule: no masks where the row blocks tile exactly and the entry's
-    form allows it (bit 1), the row-block loop where fewer programs than row blocks run or the
-    form keeps it anyway (bit 2). Either way can be the faster, by entry: `benchmarks.tune
+    """(EVEN, STRIDED, REVERSE) of a schedule: no masks where the row blocks tile exactly and the
+    entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks run
+    or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
+    the form says so (bit 4). Either way can be the faster, by entry: `benchmarks.tune
     --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
     rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
     masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
     1024x262144: 1205, 1438 masked without the loop."""
-    return bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows)
+    return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows),
+            bool(form & 4) and block_n < N)
+
+
+@triton.jit
+def _column_block(chunk, CHUNKS: tl.constexpr, BACKWARDS: tl.constexpr):
+    """The column block step `chunk` of a sweep over CHUNKS blocks reads: the chunk-th, or
+    counted from the last one where the sweep runs BACKWARDS."""
+    if BACKWARDS:
+        block = CHUNKS - 1 - chunk
+    else:
+        block = chunk
+    return block
 
 
 @triton.jit
@@ -380,6 +402,7 @@ def _softmax_fwd_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -418,6 +441,7 @@ def _softmax_fwd_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -454,7 +478,7 @@ def _softmax_fwd_red(
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-                cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = _below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
@@ -462,7 +486,7 @@ def _softmax_fwd_red(
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            cols = _column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
@@ -489,6 +513,7 @@ def _softmax_bwd_default_per(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
@@ -525,6 +550,7 @@ def _softmax_bwd_default_red(
     KEEP: tl.constexpr,
     EVEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -544,7 +570,7 @@ def _softmax_bwd_default_red(
             sum_dp_p_acc += dp * p
         sum_dp_p = tl.sum(sum_dp_p_acc, axis=1)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = _below(cols, N, EVEN)
             mask = row_mask & col_mask
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
@@ -608,6 +634,7 @@ def _softmax_fwd(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     return p,
@@ -638,6 +665,7 @@ def _softmax_bwd_default(
         KEEP=schedule.keep,
         EVEN=schedule.even,
         STRIDED=schedule.strided,
+        REVERSE=schedule.reverse,
         num_warps=schedule.warps,
     )
     return dx,

@@ -28,11 +28,12 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> t
     return select_path(monkeypatch, request.param)
 
 
-@pytest.fixture(params=["persistent", "looped"])
+@pytest.fixture(params=["persistent", "looped", "looped-reverse"])
 def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Kernel schedule of the test module's generated module `OP`; runs once per schedule."""
-    if request.param == "looped":
+    """Kernel schedule of the test module's generated module `OP`; runs once per schedule:
+    whole rows, looped rows, looped rows with every other sweep run backwards (REVERSE)."""
+    if request.param != "persistent":
         modules = request.module.OP
         for module in modules if isinstance(modules, tuple) else (modules,):
-            force_looped(monkeypatch, module)
+            force_looped(monkeypatch, module, reverse=request.param == "looped-reverse")
     return request.param

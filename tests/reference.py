@@ -49,9 +49,14 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     return torch.device("cuda" if HAS_CUDA and path == "triton" else "cpu")
 
 
-def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: bool = True) -> None:
+def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: bool = True,
+                 reverse: bool = False) -> None:
     """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule, with two dependent
-    reductions in one sweep (codegen/fuse.py) or, `one_sweep=False`, in a pass each."""
+    reductions in one sweep (codegen/fuse.py) or, `one_sweep=False`, in a pass each; `reverse`:
+    with every other sweep run backwards (the form's bit 4, REVERSE)."""
+    if reverse:
+        form = module._form
+        monkeypatch.setattr(module, "_form", lambda *args: form(*args[:-1], args[-1] | 4))
     monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
     monkeypatch.setattr(module, "PERSISTENT_MAX_BWD_ROW_BYTES", 0)  # backwards too
     monkeypatch.setattr(module, "PERSISTENT_MAX_FWD_ROW_BYTES", 0)

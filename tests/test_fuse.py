@@ -125,16 +125,20 @@ def _calls(device):
                                     cross_entropy], ids=lambda m: m.__name__.split(".")[-1])
 def test_one_sweep_equals_a_pass_each(monkeypatch, module):
     # fp64: the running forms (Welford, online max) agree with the passes they replace to
-    # rounding; the conftest's looped schedule runs the one-sweep form everywhere else.
-    # The Triton path only: the torch path has no sweeps to compare
-    device = select_path(monkeypatch, "triton")
+    # rounding, and so do both with every other sweep run backwards (REVERSE: after one sweep
+    # the epilogue runs backwards, after two passes the second); the conftest's looped schedule
+    # runs the one-sweep form everywhere else. The Triton path only: the torch path has no sweeps
     results = []
     for one_sweep in (True, False):
-        force_looped(monkeypatch, module, one_sweep)
-        out = _calls(device)[module]()
-        results.append([t for t in (out if isinstance(out, tuple) else (out,))])
-    for one, two in zip(*results, strict=True):
-        torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-12, equal_nan=True)
+        for reverse in (False, True):
+            monkeypatch.undo()
+            device = select_path(monkeypatch, "triton")
+            force_looped(monkeypatch, module, one_sweep, reverse)
+            out = _calls(device)[module]()
+            results.append([t for t in (out if isinstance(out, tuple) else (out,))])
+    for other in results[1:]:
+        for first, got in zip(results[0], other, strict=True):
+            torch.testing.assert_close(got, first, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
 def test_cross_entropy_target_logit_is_read_as_one_element():
@@ -181,3 +185,24 @@ def test_sums_that_vanish_where_masked_skip_the_select():
     forward = KernelContext(kernels("softmax")["fwd"], TRITON)
     reductions = {r["name"]: r for p in forward.passes for r in p["reductions"]}
     assert reductions["denominator"]["masked"].startswith("tl.where(mask")
+
+
+def test_every_other_sweep_runs_backwards_under_reverse():
+    from codegen.emit import KernelContext
+    from codegen.printers import TRITON
+
+    def directions(context):
+        lines = [line.strip() for line in context.sweep_lines()]
+        return [line.split(" = ", 1)[1].split(" * BLOCK_N")[0] for line in lines
+                if line.startswith("cols = ")], context.epilogue_columns_line()
+
+    # the layer-norm forward: one joined sweep (forwards: Welford counts steps from the first
+    # column block) or the mean's and the variance's passes (the second backwards); the
+    # epilogue backwards after the one sweep, forwards after the two
+    sweeps, epilogue = directions(KernelContext(kernels("layernorm")["fwd"], TRITON))
+    assert sweeps == ["chunk", "chunk", "_column_block(chunk, CHUNKS, REVERSE)"]
+    assert epilogue.startswith("cols = _column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) ")
+    # the layer-norm backward: one sweep for both sums, then the epilogue backwards
+    sweeps, epilogue = directions(KernelContext(kernels("layernorm")["default"], TRITON))
+    assert sweeps == ["chunk"]
+    assert epilogue.startswith("cols = _column_block(chunk, CHUNKS, REVERSE) ")

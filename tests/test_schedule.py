@@ -324,10 +324,14 @@ FORCED = [(8, 64, 2, 64, 4), (8, 64, 2, 64, 2), (7, 60, 2, 64, 4), (7, 60, 2, 64
           (8, 64, 2, 32, 4), (8, 64, 2, 32, 3), (7, 60, 2, 32, 4), (7, 60, 2, 32, 2)]
 
 
-@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs"), FORCED)
-def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n, programs):
+@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs", "reverse"),
+                         [(*case, False) for case in FORCED]
+                         + [(*case, True) for case in FORCED if case[3] < case[1]])
+def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n, programs,
+                                                             reverse):
     # the generated kernels against the generated torch path, in fp64, for every combination of
-    # EVEN (no masks) and STRIDED (grid-stride row-block loop), whole rows and looped rows
+    # EVEN (no masks) and STRIDED (grid-stride row-block loop), whole rows and looped rows, and
+    # looped rows with every other sweep run backwards (REVERSE)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(m * n + programs)
     x, dy = (torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
@@ -338,7 +342,8 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
     chunks = -(-n // block_n)
     row_blocks = -(-m // rows)
     schedule = layernorm._Schedule(looped, block_n, rows, 1, programs, 1, chunks, False, False,
-                                   m % rows == 0 and n % block_n == 0, programs < row_blocks)
+                                   m % rows == 0 and n % block_n == 0, programs < row_blocks,
+                                   reverse)
     assert (schedule.even, schedule.strided) in {(True, True), (True, False), (False, True),
                                                  (False, False)}
     chosen = layernorm._schedule

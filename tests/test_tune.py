@@ -70,22 +70,25 @@ def test_a_padded_width_is_an_entry_of_its_own(tmp_path, monkeypatch):
     assert widths["16384"] == previous["16384"]
 
 
-def test_the_form_bits_set_masks_and_the_row_block_loop():
+def test_the_form_bits_set_masks_the_row_block_loop_and_the_sweep_direction():
     from generated import layernorm
 
     # 4096 rows in blocks of 2 tile exactly; 2048 programs, one per row block
-    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, False)  # the rule
-    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, False)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, False, False)  # the rule
+    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, False, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True, False)
     # no form drops masks that a partial row block needs, or the loop over several row blocks
-    for form in range(4):
-        assert layernorm._form(4095, 512, 2, 512, 264, form) == (False, True)
+    for form in range(8):
+        assert layernorm._form(4095, 512, 2, 512, 264, form)[:2] == (False, True)
+    # bit 4 runs every other sweep backwards, where the row loops (BLOCK_N < N) and only there
+    assert layernorm._form(4096, 512, 1, 128, 4096, 5) == (True, False, True)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 7) == (True, True, False)
 
 
 def _forms(entry, config, speeds, op="layernorm", dtype="torch.bfloat16"):
     return {"op": op, "mode": "fwd", "m": 4096, "n": 32768, "dtype": dtype, "entry": entry,
-            "config": config, "gbps": dict(zip(("0", "1", "2", "3"), speeds, strict=True))}
+            "config": config, "gbps": {str(form): gbps for form, gbps in enumerate(speeds)}}
 
 
 def test_the_form_filed_is_the_best_at_the_entrys_slowest_shape():
@@ -99,6 +102,11 @@ def test_the_form_filed_is_the_best_at_the_entrys_slowest_shape():
     assert best_form([_forms(None, None, (1000, 995, 1004, 990))]) == 1
     # a shape where only one form differs from the others (rows that do not tile)
     assert best_form([_forms(None, None, (1441, 1209, 1428, 1209))]) == 0
+    # the backwards sweeps (bit 4) compete where they were measured, and not where a record of
+    # a run before them has four forms only
+    looped = _forms(None, None, (1955, 1955, 1950, 1950, 2049, 2047, 2040, 2045))
+    assert best_form([looped]) == 4
+    assert best_form([looped, _forms(None, None, (1000, 1010, 1000, 1000))]) == 1
 
 
 def test_write_table_files_forms_under_the_entry_that_was_measured(tmp_path, monkeypatch):
@@ -138,14 +146,15 @@ def test_an_entrys_form_reaches_the_schedule(monkeypatch):
     from generated import layernorm
 
     key = ("fwd_fp32", 32768)
-    for form, flags in ((1, (True, False)), (2, (False, True)), (0, (False, False))):
+    for form, flags in ((1, (True, False, False)), (2, (False, True, False)),
+                        (0, (False, False, False)), (5, (True, False, True))):
         entry = (*layernorm.MEASURED_SCHEDULES[key][:6], form)
         monkeypatch.setitem(layernorm.MEASURED_SCHEDULES, key, entry)
         layernorm._schedule.cache_clear()
         schedule = layernorm._schedule(4096, 32768, False, "fwd", 1, 4, torch.device("cuda"),
                                        layernorm.PERSISTENT_MAX_BLOCK_N)
         assert schedule.entry == key
-        assert (schedule.even, schedule.strided) == flags
+        assert (schedule.even, schedule.strided, schedule.reverse) == flags
     layernorm._schedule.cache_clear()
 
 
