@@ -263,7 +263,8 @@ def _form(M, N, rows, block_n, programs, form):
     --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
     rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
     masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
-    1024x262144: 1205, 1438 masked without the loop."""
+    1024x262144: 1205, 1438 masked without the loop; softmax backward bf16 2048x128256 (a sweep
+    and the epilogue): 2008, 2209 with the epilogue run backwards."""
     return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows),
             bool(form & 4) and block_n < N)
 
