@@ -222,8 +222,8 @@ def table(report: dict) -> str:
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in report["results"]:
         s = r["schedule"]
-        kind = (f"looped {s['block_n']}{' one sweep' if s['one_sweep'] else ''}" if s["looped"]
-                else "whole")
+        kind = (f"looped {s['block_n']}{' one sweep' if s['one_sweep'] else ''}"
+                f"{' reversed' if s.get('reverse') else ''}" if s["looped"] else "whole")
         sched = (f"{kind}, rows {s['rows']}, warps {s['warps']}, programs {s['programs']}, "
                  f"stages {s['stages']}")
         c = r.get("ncu") or {}

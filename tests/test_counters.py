@@ -55,6 +55,8 @@ def test_table_reads_bytes_against_the_model_and_the_copy_at_size():
     row = counters.table(report).splitlines()[-1]
     assert "looped 8 one sweep" in row and "| 50% of 200 |" in row and "| 1.20 |" in row
     assert "barrier 2.0" in row
+    result["schedule"]["reverse"] = True  # every other sweep backwards (the form's bit 4)
+    assert "looped 8 one sweep reversed," in counters.table(report).splitlines()[-1]
 
 
 def test_default_cases_cover_the_grid_and_cross_entropy_s_vocabularies():
