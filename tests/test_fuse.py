@@ -206,3 +206,18 @@ def test_every_other_sweep_runs_backwards_under_reverse():
     sweeps, epilogue = directions(KernelContext(kernels("layernorm")["default"], TRITON))
     assert sweeps == ["chunk"]
     assert epilogue.startswith("cols = _column_block(chunk, CHUNKS, REVERSE) ")
+
+
+def test_a_sweep_s_direction_follows_the_parity_of_the_sweeps_before_it():
+    from codegen.emit import KernelContext
+
+    # (sweeps before it with ONE_SWEEP set, without): forwards, backwards, or by ONE_SWEEP
+    assert KernelContext._backwards(2, 2) == "0"
+    assert KernelContext._backwards(1, 3) == "1"
+    assert KernelContext._backwards(1, 2) == "ONE_SWEEP"
+    assert KernelContext._backwards(2, 3) == "(1 - ONE_SWEEP)"
+    assert KernelContext.columns_line("0") == (
+        "cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+    assert KernelContext.columns_line("(1 - ONE_SWEEP)") == (
+        "cols = _column_block(chunk, CHUNKS, REVERSE * (1 - ONE_SWEEP)) * BLOCK_N"
+        " + tl.arange(0, BLOCK_N)[None, :]")
