@@ -10,13 +10,15 @@ queues the launch, a 256 MiB write empties L2, CUDA events time only the kernels
 compiled kernel's registers, spills and shared memory are recorded. The search is a grid: rows
 per step (1, or 512 to 16384 elements a step), warps (8 to 32 elements a thread), 1 or 3
 software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM looping
-over row blocks. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per step
-(1024 to 16384), rows per step, warps (4 to 16 elements a thread), programs, and 1 or 3 stages
-for the three fastest (and, for kernels with a joined sweep, the other form of it: the table
-entry records the faster form), against the table's whole-row entry for the width measured in
-the same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes: the logits
-read, and in the backward their gradient written). Results go to DIR/tune.json, written after
-every shape, so a run cut short keeps what it measured. `--write-table` then turns
+over row blocks; kernels with column partials (a backward's parameter gradients) are measured
+again at the register budget of the programs an SM runs (form bit 8), and against the table's
+entry for the width where it loops. `--looped` measures looped rows instead (LOOPED_SHAPES):
+columns per step (1024 to 16384), rows per step, warps (4 to 16 elements a thread), programs,
+and 1 or 3 stages for the three fastest (and, for kernels with a joined sweep, the other form of
+it: the table entry records the faster form), against the table's whole-row entry for the width
+measured in the same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes:
+the logits read, and in the backward their gradient written). Results go to DIR/tune.json,
+written after every shape, so a run cut short keeps what it measured. `--write-table` then turns
 DIR/tune.json into codegen/schedule_table.json: the fastest measured configuration per op,
 kernel kind and width (and the fastest looped one), merged into the table's entries for widths
 the run did not measure.
@@ -25,10 +27,11 @@ the run did not measure.
 
 times each op's own schedule (its table entry as it stands) at each shape in every kernel form:
 masks dropped where the row blocks tile exactly or kept, the row-block loop kept or compiled away
-where each program has one row block, and for looped rows every other sweep run forwards or
-backwards. Which is faster depends on the entry
-(H100: the looped layer-norm forward at fp32 4096x32768 is 16% faster masked with the loop,
-at bf16 4096x65536 13% faster unmasked with the loop, than in the rule's form), so
+where each program has one row block, for looped rows every other sweep run forwards or
+backwards, and for whole rows the registers left to ptxas or set to the SM's budget. Which is
+faster depends on the entry (H100: the looped layer-norm forward at fp32 4096x32768 is 16%
+faster masked with the loop, at bf16 4096x65536 13% faster unmasked with the loop, than in the
+rule's form), so
 `--write-table` files the form measured fastest over every shape and dtype that used the entry,
 where it beats the rule's by FORM_MARGIN.
 """
@@ -91,9 +94,13 @@ STAGE_CHOICES = (1, 3)
 #: kernel forms of a table entry (generated modules: `_form`): bit 1 drops the masks where the
 #: row blocks tile the tensor exactly (EVEN), bit 2 keeps the row-block loop with one program per
 #: row block (STRIDED), bit 4 runs every other sweep of a looped row backwards (REVERSE: it
-#: starts on the columns the sweep before ended on, the likeliest still in L2); the searches
-#: above measure the rule's form, `--forms` all eight (whole rows: the four of bits 1 and 2)
-FORMS = tuple(range(8))
+#: starts on the columns the sweep before ended on, the likeliest still in L2), bit 8 compiles
+#: whole rows to the register budget of the programs an SM runs (REGS: ptxas left to itself may
+#: take far fewer registers and spill); the searches above measure the rule's form (whole rows
+#: with column partials: and the rule's with REGS), `--forms` every form (whole rows: the eight
+#: of bits 1, 2 and 8; looped rows: the eight of bits 1, 2 and 4)
+FORMS = tuple(range(16))
+REGS_FORM = 8
 RULE_FORM = 1
 #: `--forms` measures each form this many times, interleaved, and keeps its fastest
 FORM_REPEATS = 2
@@ -177,7 +184,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     rule_one_sweep = rule_one(module, n, element_size)
     joined = any("ONE_SWEEP" in getattr(module, key).arg_names for key in kernels)
 
-    def run(rows, warps, programs, stages=1, step=0, one_sweep=None):
+    def run(rows, warps, programs, stages=1, step=0, one_sweep=None, form=RULE_FORM):
         per_sm = programs // sms
         row_blocks = -(-m // rows)
         programs = min(programs, row_blocks) if programs else row_blocks
@@ -186,13 +193,15 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         one_sweep = bool(step) and (rule_one_sweep if one_sweep is None else one_sweep)
         schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks,
                                     one_sweep, module._keeps(bool(step), n, element_size),
-                                    *module._form(m, n, rows, width, programs, RULE_FORM))
+                                    *module._form(m, n, rows, width, programs, form))
         module._schedule = lambda *_args, **_kwargs: schedule
         for key, recorder in recorders.items():
             recorder.compiled = None
             setattr(module, key, recorder)
         config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
                   "stages": stages, "step": step}
+        if form != RULE_FORM:
+            config["form"] = form
         if joined and step:
             config["one_sweep"] = one_sweep
             if one_sweep != rule_one_sweep:
@@ -251,6 +260,15 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         return [w for w in (1, 2, 4, 8, 16, 32)
                 if MIN_ELEMENTS_PER_THREAD <= elements / (32 * w) <= most_per_thread]
 
+    # the table's entry for this width where it loops competes in the same run (as --looped
+    # measures the whole-row entry), so --write-table keeps it where whole rows are slower
+    wide = "_fp32" if element_size == 4 else ""
+    entry = next((module.MEASURED_SCHEDULES[key] for key in ((mode + wide, n), (mode, n))
+                  if key in module.MEASURED_SCHEDULES), None)
+    if entry is not None and entry[4]:
+        rows, warps, per_sm, stages, step = entry[:5]
+        run(min(rows, m), warps, sms * per_sm if per_sm else 0, stages, step,
+            None if len(entry) < 6 or entry[5] < 0 else bool(entry[5]))
     row_choices = [r for r in _pow2s(1, 64)
                    if r <= m and (r == 1 or r * block_n in STEP_ELEMENTS)]
     per_sm_choices = (1, 2, 4, 8) if partials else (0, 2, 4, 8)
@@ -261,6 +279,10 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                     if per_sm == 0 and stages > 1:
                         continue  # one row block per program: nothing to pipeline
                     run(rows, warps, sms * per_sm, stages)
+                    if partials:
+                        # the partial rows held next to a whole row: ptxas may spill rather than
+                        # take the registers the programs an SM runs leave (`_maxnreg`)
+                        run(rows, warps, sms * per_sm, stages, form=RULE_FORM | REGS_FORM)
     return results
 
 
@@ -313,7 +335,8 @@ def _session(out: Path):
 def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
     """`--forms`: each op's own schedule at each shape, timed in every kernel form that differs
     there (masks or none, the row-block loop or none, looped sweeps all forwards or every other
-    one backwards), FORM_REPEATS times interleaved; each
+    one backwards, whole rows at ptxas's registers or the SM's budget), FORM_REPEATS times
+    interleaved; each
     record names the table entry the schedule came from, so `--write-table` can file the
     fastest form under it."""
     properties, clock, path, report = _session(out)
@@ -335,8 +358,9 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                 speeds: dict = {}
                 original = module._schedule
                 for _repeat in range(FORM_REPEATS):
-                    for even, strided, reverse in sorted(set(flags.values())):
-                        fixed = used._replace(even=even, strided=strided, reverse=reverse)
+                    for even, strided, reverse, regs in sorted(set(flags.values())):
+                        fixed = used._replace(even=even, strided=strided, reverse=reverse,
+                                              regs=regs)
                         module._schedule = lambda *_args, fixed=fixed, **_kwargs: fixed
                         try:
                             call()  # compile outside the timed loop
@@ -345,8 +369,8 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                         finally:
                             module._schedule = original
                         gbps = moved / stats.median_ms / 1e6
-                        speeds[even, strided, reverse] = max(
-                            speeds.get((even, strided, reverse), 0.0), gbps)
+                        speeds[even, strided, reverse, regs] = max(
+                            speeds.get((even, strided, reverse, regs), 0.0), gbps)
                 entry = used.entry
                 record = {"op": op_name, "mode": mode, "m": m, "n": n, "dtype": str(dtype),
                           "entry": None if entry is None else list(entry),
@@ -498,7 +522,8 @@ def _with_forms(ops: dict, records: list[dict]) -> None:
 
 def _score(records: list[dict], form: int) -> float:
     """The form's speed at the slowest of `records` (a share of that record's fastest form); 0
-    where a record has no time for it (runs before bit 4 measured four forms)."""
+    where a record has no time for it (runs before bit 4 measured four forms, before bit 8
+    eight)."""
     return min(r["gbps"].get(str(form), 0.0) / max(r["gbps"].values()) for r in records)
 
 
@@ -620,7 +645,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "(-1: the rule), and where --forms measured another kernel form faster than "
                 "the rule's, that form (bit 1: no masks where the row blocks tile, bit 2: the "
                 "row-block loop kept with one program per row block, bit 4: every other "
-                "sweep of a looped row run backwards)]; "
+                "sweep of a looped row run backwards, bit 8: whole rows compiled to the "
+                "register budget of the programs an SM runs)]; "
                 "'<kind>_looped' holds the fastest looped entry, used where rows may not be "
                 "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32, or "
                 "--forms: a 16-bit entry's configuration that fp32 ran faster in another form) "

@@ -52,8 +52,9 @@ _INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside ke
 _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
+#: `regs`: launch with the register budget of the SM's programs (`_maxnreg`), not ptxas's choice
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided reverse entry", defaults=(None,))
+                       "keep even strided reverse regs entry", defaults=(None,))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -83,7 +84,8 @@ def _use_triton(tensor):
 #: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
 #: one program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
-#: (REVERSE), 1 the rule): the fastest measured; "<kind>_looped":
+#: (REVERSE), bit 8 compiles whole rows to the register budget of an SM's programs (REGS), 1 the
+#: rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
 #: where the table has them (else the 16-bit ones)
@@ -96,7 +98,7 @@ MEASURED_SCHEDULES = {
     ("bwd", 5120): (1, 8, 1, 3, 0, -1, 1),
     ("bwd", 8192): (1, 8, 1, 3, 0, -1, 1),
     ("bwd", 12288): (2, 32, 1, 1, 8192, -1, 1),
-    ("bwd", 16384): (1, 16, 1, 1, 0, -1, 0),
+    ("bwd", 16384): (1, 32, 1, 1, 0, -1, 1),
     ("bwd", 32768): (16, 8, 1, 3, 1024, -1, 1),
     ("bwd", 65536): (16, 8, 1, 3, 1024, -1, 1),
     ("bwd", 262144): (8, 8, 1, 3, 2048, -1, 1),
@@ -240,17 +242,35 @@ def _even(M, N, rows, block_n):
 
 
 def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED, REVERSE) of a schedule: no masks where the row blocks tile exactly and the
-    entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks run
-    or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
-    the form says so (bit 4). Either way can be the faster, by entry: `benchmarks.tune
+    """(EVEN, STRIDED, REVERSE, REGS) of a schedule: no masks where the row blocks tile exactly and
+    the entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks
+    run or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
+    the form says so (bit 4), whole rows compiled to the register budget of the programs an SM
+    runs where the form says so and they loop over row blocks (bit 8, `_maxnreg`). Either way can be the faster, by entry:
+    `benchmarks.tune
     --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
     rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
     masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
     1024x262144: 1205, 1438 masked without the loop; softmax backward bf16 2048x128256 (a sweep
     and the epilogue): 2008, 2209 with the epilogue run backwards."""
     return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows),
-            bool(form & 4) and block_n < N)
+            bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and programs < -(-M // rows))
+
+
+@functools.lru_cache(maxsize=256)
+def _maxnreg(warps, programs, device):
+    """The registers a thread may take where a persistent schedule's programs share the SMs
+    evenly: the SM's register file over the threads of the programs it runs (at most 255; None
+    off CUDA). Left to
+    itself ptxas may take far fewer and spill (H100, triton 3.6, bf16 layer-norm backward
+    4096x16384 whole rows, 8 warps, 132 programs: 32 registers and 584 spilled, 150 GB/s; capped
+    at 255: 255 registers, 160 spilled, 1528 GB/s)."""
+    if device.type != "cuda":
+        return None
+    properties = torch.cuda.get_device_properties(device)
+    per_sm = -(-programs // properties.multi_processor_count)
+    registers = getattr(properties, "regs_per_multiprocessor", 65536)
+    return min(255, registers // (32 * warps * per_sm))
 
 
 @triton.jit
@@ -1014,6 +1034,7 @@ def _add_rmsnorm_fwd(
         STRIDED=schedule.strided,
         REVERSE=schedule.reverse,
         num_warps=schedule.warps,
+        maxnreg=_maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
     )
     return y, residual_out, rstd,
 
@@ -1066,6 +1087,7 @@ def _add_rmsnorm_bwd_default(
         STRIDED=schedule.strided,
         REVERSE=schedule.reverse,
         num_warps=schedule.warps,
+        maxnreg=_maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
     )
     dinput_bias, dweight, = _column_sums(
         (dinput_bias_partial, input_bias),
@@ -1122,6 +1144,7 @@ def _add_rmsnorm_bwd_invertible(
         STRIDED=schedule.strided,
         REVERSE=schedule.reverse,
         num_warps=schedule.warps,
+        maxnreg=_maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
     )
     dinput_bias, dweight, = _column_sums(
         (dinput_bias_partial, input_bias),

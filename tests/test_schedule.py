@@ -343,7 +343,7 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
     row_blocks = -(-m // rows)
     schedule = layernorm._Schedule(looped, block_n, rows, 1, programs, 1, chunks, False, False,
                                    m % rows == 0 and n % block_n == 0, programs < row_blocks,
-                                   reverse)
+                                   reverse, not looped)
     assert (schedule.even, schedule.strided) in {(True, True), (True, False), (False, True),
                                                  (False, False)}
     chosen = layernorm._schedule

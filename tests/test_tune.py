@@ -74,16 +74,45 @@ def test_the_form_bits_set_masks_the_row_block_loop_and_the_sweep_direction():
     from generated import layernorm
 
     # 4096 rows in blocks of 2 tile exactly; 2048 programs, one per row block
-    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, False, False)  # the rule
-    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, False, False)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True, False)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, False, False, False)  # the rule
+    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, False, False, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True, False, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True, False, False)
     # no form drops masks that a partial row block needs, or the loop over several row blocks
-    for form in range(8):
+    for form in range(16):
         assert layernorm._form(4095, 512, 2, 512, 264, form)[:2] == (False, True)
     # bit 4 runs every other sweep backwards, where the row loops (BLOCK_N < N) and only there
-    assert layernorm._form(4096, 512, 1, 128, 4096, 5) == (True, False, True)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 7) == (True, True, False)
+    assert layernorm._form(4096, 512, 1, 128, 4096, 5) == (True, False, True, False)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 7) == (True, True, False, False)
+    # bit 8 sets the register budget, for whole rows (BLOCK_N >= N) that programs loop over
+    # (fewer programs than row blocks), and only there
+    assert layernorm._form(4096, 500, 2, 512, 264, 9) == (False, True, False, True)
+    assert layernorm._form(4096, 500, 2, 512, 2048, 9) == (False, False, False, False)
+    assert layernorm._form(4096, 512, 1, 128, 264, 13) == (True, True, True, False)
+
+
+def test_the_register_budget_splits_the_sms_register_file_over_the_programs_it_runs(monkeypatch):
+    from collections import namedtuple
+
+    import torch
+
+    from generated import layernorm
+
+    device = namedtuple("Device", "type index")
+    properties = namedtuple("Properties", "multi_processor_count regs_per_multiprocessor")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: properties(132, 65536))
+    layernorm._maxnreg.cache_clear()
+    try:
+        # one program of 8 warps an SM: 256 registers a thread, capped at ptxas's 255
+        assert layernorm._maxnreg(8, 132, device("cuda", 0)) == 255
+        assert layernorm._maxnreg(16, 132, device("cuda", 0)) == 128
+        # 264 programs: two an SM share the file; 133 programs: some SM runs two
+        assert layernorm._maxnreg(16, 264, device("cuda", 0)) == 64
+        assert layernorm._maxnreg(8, 133, device("cuda", 0)) == 128
+        assert layernorm._maxnreg(4, 1, device("cuda", 0)) == 255
+        assert layernorm._maxnreg(8, 132, device("cpu", None)) is None  # the interpreter
+    finally:
+        layernorm._maxnreg.cache_clear()
 
 
 def _forms(entry, config, speeds, op="layernorm", dtype="torch.bfloat16"):
@@ -107,6 +136,11 @@ def test_the_form_filed_is_the_best_at_the_entrys_slowest_shape():
     looped = _forms(None, None, (1955, 1955, 1950, 1950, 2049, 2047, 2040, 2045))
     assert best_form([looped]) == 4
     assert best_form([looped, _forms(None, None, (1000, 1010, 1000, 1000))]) == 1
+    # the register budget (bit 8) likewise: forms 8-15 where a record has them
+    whole = _forms(None, None, (1350, 1349, 1340, 1340, 1350, 1349, 1340, 1340,
+                                1530, 1528, 1520, 1520, 1530, 1528, 1520, 1520))
+    assert best_form([whole]) == 8
+    assert best_form([whole, looped]) == 1
 
 
 def test_write_table_files_forms_under_the_entry_that_was_measured(tmp_path, monkeypatch):
@@ -141,20 +175,33 @@ def test_write_table_files_forms_under_the_entry_that_was_measured(tmp_path, mon
 
 
 def test_an_entrys_form_reaches_the_schedule(monkeypatch):
+    from collections import namedtuple
+
     import torch
 
     from generated import layernorm
 
-    key = ("fwd_fp32", 32768)
-    for form, flags in ((1, (True, False, False)), (2, (False, True, False)),
-                        (0, (False, False, False)), (5, (True, False, True))):
+    properties = namedtuple("Properties", "multi_processor_count regs_per_multiprocessor")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: properties(132, 65536))
+    # a looped forward entry (fp32 rows of 32768), a whole-row one with one program per row
+    # block (16-bit rows of 512), and a whole-row backward whose 132 programs loop (fp32 1024)
+    for key, grid_stride, element_size, form, flags in (
+            (("fwd_fp32", 32768), False, 4, 1, (True, False, False, False)),
+            (("fwd_fp32", 32768), False, 4, 2, (False, True, False, False)),
+            (("fwd_fp32", 32768), False, 4, 0, (False, False, False, False)),
+            (("fwd_fp32", 32768), False, 4, 5, (True, False, True, False)),
+            (("fwd_fp32", 32768), False, 4, 13, (True, False, True, False)),
+            (("fwd", 512), False, 2, 9, (True, False, False, False)),
+            (("bwd_fp32", 1024), True, 4, 9, (True, True, False, True)),
+            (("bwd_fp32", 1024), True, 4, 12, (False, True, False, True)),
+            (("bwd_fp32", 1024), True, 4, 1, (True, True, False, False))):
         entry = (*layernorm.MEASURED_SCHEDULES[key][:6], form)
         monkeypatch.setitem(layernorm.MEASURED_SCHEDULES, key, entry)
         layernorm._schedule.cache_clear()
-        schedule = layernorm._schedule(4096, 32768, False, "fwd", 1, 4, torch.device("cuda"),
-                                       layernorm.PERSISTENT_MAX_BLOCK_N)
+        schedule = layernorm._schedule(4096, key[1], grid_stride, key[0][:3], 1, element_size,
+                                       torch.device("cuda"), layernorm.PERSISTENT_MAX_BLOCK_N)
         assert schedule.entry == key
-        assert (schedule.even, schedule.strided, schedule.reverse) == flags
+        assert (schedule.even, schedule.strided, schedule.reverse, schedule.regs) == flags
     layernorm._schedule.cache_clear()
 
 
