@@ -14,9 +14,9 @@ over row blocks; kernels with column partials (a backward's parameter gradients)
 again at the register budget of the programs an SM runs (form bit 8), and every kernel against
 the table's entry for the width where that entry loops. `--looped` measures looped rows instead
 (LOOPED_SHAPES): columns per step (1024 to 16384), rows per step, warps (4 to 16 elements a
-thread), programs, and 1 or 3 stages for the three fastest (and, for kernels with a joined sweep, the other form of
-it: the table entry records the faster form), against the table's whole-row entry for the width
-measured in the same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes:
+thread), programs, and 1 or 3 stages for the three fastest (and, for kernels with a joined
+sweep, the other form of it: the table entry records the faster form), against the table's
+whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes:
 the logits read, and in the backward their gradient written). Results go to DIR/tune.json,
 written after every shape, so a run cut short keeps what it measured. `--write-table` then turns
 DIR/tune.json into codegen/schedule_table.json: the fastest measured configuration per op,
