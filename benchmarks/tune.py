@@ -16,12 +16,12 @@ the table's entry for the width where that entry loops. `--looped` measures loop
 (LOOPED_SHAPES): columns per step (1024 to 16384), rows per step, warps (4 to 16 elements a
 thread), programs, and 1 or 3 stages for the three fastest (and, for kernels with a joined
 sweep, the other form of it: the table entry records the faster form), against the table's
-whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the cross-entropy kernels too (bytes:
-the logits read, and in the backward their gradient written). Results go to DIR/tune.json,
-written after every shape, so a run cut short keeps what it measured. `--write-table` then turns
-DIR/tune.json into codegen/schedule_table.json: the fastest measured configuration per op,
-kernel kind and width (and the fastest looped one), merged into the table's entries for widths
-the run did not measure.
+whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the
+cross-entropy kernels too (bytes: the logits read, and in the backward their gradient written).
+Results go to DIR/tune.json, written after every shape, so a run cut short keeps what it
+measured. `--write-table` then turns DIR/tune.json into codegen/schedule_table.json: the fastest
+measured configuration per op, kernel kind and width (and the fastest looped one), merged into
+the table's entries for widths the run did not measure.
 
     python -m benchmarks.tune --out DIR --forms --shapes MxN,... [--dtype bf16]
 
