@@ -279,9 +279,10 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                     if per_sm == 0 and stages > 1:
                         continue  # one row block per program: nothing to pipeline
                     run(rows, warps, sms * per_sm, stages)
-                    if partials:
+                    if partials and sms * per_sm < -(-m // rows):
                         # the partial rows held next to a whole row: ptxas may spill rather than
-                        # take the registers the programs an SM runs leave (`_maxnreg`)
+                        # take the registers the programs an SM runs leave (`_maxnreg`; only
+                        # where programs loop over row blocks, as `_form` sets it)
                         run(rows, warps, sms * per_sm, stages, form=RULE_FORM | REGS_FORM)
     return results
 

@@ -253,26 +253,26 @@ def _form(M, N, rows, block_n, programs, form):
     """(EVEN, STRIDED, REVERSE, REGS) of a schedule: no masks where the row blocks tile exactly and
     the entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks
     run or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
-    the form says so (bit 4), whole rows compiled to the register budget of the programs an SM
-    runs where the form says so and they loop over row blocks (bit 8, `_maxnreg`). Either way can be the faster, by entry:
-    `benchmarks.tune
-    --forms` (H100, 2026-11-22), layer-norm forward fp32 4096x32768 looped: 2462 GB/s with the
-    rule (no masks, no loop), 2858 masked with the loop; bf16 4096x65536: 2397, and 2719 without
-    masks but with the loop (fp16: 2536, and 2767 masked with the loop); backward bf16
-    1024x262144: 1205, 1438 masked without the loop; softmax backward bf16 2048x128256 (a sweep
-    and the epilogue): 2008, 2209 with the epilogue run backwards."""
-    return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or programs < -(-M // rows),
-            bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and programs < -(-M // rows))
+    the form says so (bit 4), whole rows that programs loop over compiled to the register budget
+    of the programs an SM runs where the form says so (bit 8, `_maxnreg`). Either way can be the
+    faster, by entry: `benchmarks.tune --forms` (H100, 2026-11-22), layer-norm forward fp32
+    4096x32768 looped: 2462 GB/s with the rule (no masks, no loop), 2858 masked with the loop;
+    bf16 4096x65536: 2397, and 2719 without masks but with the loop (fp16: 2536, and 2767 masked
+    with the loop); backward bf16 1024x262144: 1205, 1438 masked without the loop; softmax
+    backward bf16 2048x128256 (a sweep and the epilogue): 2008, 2209 with the epilogue run
+    backwards; layer-norm backward fp32 4096x4096 whole: 2423, 2470 at the register budget."""
+    loops = programs < -(-M // rows)
+    return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or loops,
+            bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and loops)
 
 
 @functools.lru_cache(maxsize=256)
 def _maxnreg(warps, programs, device):
     """The registers a thread may take where a persistent schedule's programs share the SMs
     evenly: the SM's register file over the threads of the programs it runs (at most 255; None
-    off CUDA). Left to
-    itself ptxas may take far fewer and spill (H100, triton 3.6, bf16 layer-norm backward
-    4096x16384 whole rows, 8 warps, 132 programs: 32 registers and 584 spilled, 150 GB/s; capped
-    at 255: 255 registers, 160 spilled, 1528 GB/s)."""
+    off CUDA). Left to itself ptxas may take far fewer and spill (H100, triton 3.6, bf16
+    layer-norm backward 4096x16384 whole rows, 8 warps, 132 programs: 32 registers and 584
+    spilled, 150 GB/s; capped at 255: 255 registers, 160 spilled, 1528 GB/s)."""
     if device.type != "cuda":
         return None
     properties = torch.cuda.get_device_properties(device)
