@@ -57,7 +57,7 @@ def print_pieces(pieces: dict, calls: int) -> None:
 
 def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     """Host µs of the layer-norm forward's pieces: the checks, the schedule, the allocations,
-    Triton's JIT dispatch and its C launcher alone."""
+    Triton's JIT dispatch, its C launcher alone, and the module's direct launch."""
     import triton.language as tl
 
     x = x.detach()
@@ -75,7 +75,7 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
                       ACC=tl.float32, ROWS=schedule.rows, BLOCK_N=schedule.block_n,
                       STAGES=schedule.stages, CHUNKS=schedule.chunks,
                       ONE_SWEEP=schedule.one_sweep, KEEP=schedule.keep, EVEN=schedule.even,
-                      STRIDED=schedule.strided)
+                      STRIDED=schedule.strided, REVERSE=schedule.reverse)
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     grid = (schedule.programs,)
 
@@ -107,6 +107,8 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
             *args, **constexprs, num_warps=schedule.warps),
         "compiled.run(...): Triton's C launcher alone (the floor)": lambda: compiled.run(
             *launch_args),
+        "_launch(...): the module's direct launch (key, then the C launcher)": lambda: (
+            module._launch(kernel, grid, schedule.warps, None, *args, **constexprs)),
     }
     print_pieces(pieces, calls)
 

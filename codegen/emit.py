@@ -87,6 +87,9 @@ class KernelContext:
         self.seeded = "random" in self.generated.values()
         self.row_shape = bool(self.broadcast_inputs) or "row_index" in self.generated.values()
         self.element_inputs = [t.name for t in kernel.tensors("element")]
+        # element tensors read: the required ones, and each optional one where given
+        self.required_loads = sum(not t.optional for t in kernel.tensors("element"))
+        self.optional_loads = [t.name for t in kernel.tensors("element") if t.optional]
         self.optional_elements = {t.name: self.printer(t.absent)
                                   for t in kernel.tensors("element") if t.optional}
         self.first = next(t.name for t in kernel.tensors("element") if not t.optional)

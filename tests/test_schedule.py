@@ -210,6 +210,25 @@ def test_wide_elements_drop_the_pipeline():
     assert wide.stages == 1
 
 
+def test_an_entry_holds_for_the_loads_it_was_measured_with():
+    """A kernel reading more element tensors than the measured one (a borrowed table's op with
+    its extra input given) takes the shared-memory guard: add_layer_norm's prenorm backward at
+    65536 columns asked the H100 for 233472 bytes with the layer-norm entry's 3 stages."""
+    device = torch.device("cpu")
+    module = add_layernorm
+    module._schedule.cache_clear()
+    loads = module.MEASURED_LOADS["bwd"]
+    measured = module._schedule(64, 65536, True, "bwd", loads, 2, device,
+                                module.PERSISTENT_MAX_BLOCK_N)
+    more = module._schedule(64, 65536, True, "bwd", loads + 1, 2, device,
+                            module.PERSISTENT_MAX_BLOCK_N)
+    entry = module.MEASURED_SCHEDULES[measured.entry]
+    assert entry[3] > 1 and measured.stages == entry[3]
+    assert (entry[3] * measured.rows * measured.block_n * 2 * (loads + 1)
+            > module.PIPELINE_SHARED_BYTES)
+    assert more.stages == 1 and more.block_n == measured.block_n
+
+
 # the pairs the launchers make: fp32 partials of 16- or 32-bit parameters (float32 parameters
 # may go with a 16-bit input), fp64 partials of fp64 parameters
 OUTPUT_DTYPES = {

@@ -1,0 +1,127 @@
+"""The direct launch (`_launch` in every generated module): a CUDA call keyed as Triton would
+specialize it launches the kernel compiled for an earlier such call without the JIT's binding.
+The key must tell apart every call Triton compiles apart, or a kernel compiled for aligned
+addresses or for M == 1 would run where they do not hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from reference import HAS_CUDA
+from test_cuda_graphs import NAMES, _cases, _step
+
+import generated.layernorm as layernorm
+import generated.rmsnorm as rmsnorm
+
+
+def test_key_tells_apart_what_triton_compiles_apart():
+    """Triton compiles apart ints that are 1, multiples of 16, or past int32; tensors of other
+    dtypes or not 16-byte aligned; None, bools. The key must be at least as fine (floats, all
+    passed as fp32, may share one)."""
+    def key(*args):
+        return tuple(layernorm._specializations(args))
+
+    for a, b in ((1, 2), (2, 16), (2**31 - 16, 2**31), (-(2**31), -(2**31) - 16), (None, 0),
+                 (True, False)):
+        assert key(a) != key(b), (a, b)
+    assert key(1e-5) == key(0.5) and key(1e-5) != key(None)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    assert key(x) == key(x[8:]) and key(x) != key(x[1:]) and key(x) != key(x.float())
+    parameter = torch.nn.Parameter(x[1:])  # a subclass: keyed as the tensor it is
+    assert key(parameter) == key(x[1:])
+    assert key(x, 3, 1e-5) != key(x, 4, 1e-5) and key(x, 3, 1e-5) == key(x[8:], 3, 0.1)
+
+
+def test_launch_hooks_keep_the_jit_path():
+    """Profilers hook launches: a set hook, or a chain holding one (triton 3.6+ keeps chains,
+    never None, so an empty chain must not count as a hook)."""
+    hooked = layernorm._hooked
+    assert not hooked(None) and hooked(print)
+    chain = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if chain is not None and hasattr(chain.launch_enter_hook, "calls"):
+        fresh = type(chain.launch_enter_hook)()
+        assert not hooked(fresh)
+        fresh.add(print)
+        assert hooked(fresh)
+
+
+pytestmark_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the direct launch is CUDA's")
+
+
+def _jit_calls(monkeypatch):
+    """A counter of launches through Triton's JIT (JITFunction.run)."""
+    calls = []
+    run = triton.runtime.JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.JITFunction, "run", counted)
+    return calls
+
+
+@pytestmark_cuda
+def test_repeated_calls_launch_directly(monkeypatch):
+    x = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        y = layernorm.layer_norm(x, (1024,), w, b)
+        return (y, *torch.autograd.grad(y, (x, w, b), dy))
+
+    step()  # compiles (or finds compiled) through the JIT, keys the launches
+    calls = _jit_calls(monkeypatch)
+    got = step()
+    assert calls == [], f"launched through the JIT again: {calls}"
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    yr = torch.nn.functional.layer_norm(xr, (1024,), wr, br)
+    ref = (yr, *torch.autograd.grad(yr, (xr, wr, br), dy.double()))
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=2e-2, atol=2e-2)
+
+
+@pytestmark_cuda
+@pytest.mark.parametrize("rows", [1, 2, 17, 64])
+def test_misaligned_and_one_row_calls_compile_their_own(monkeypatch, rows):
+    """After aligned calls, the same shapes at an odd address (and M == 1, a constant to
+    Triton) must not run the kernel compiled for the aligned ones."""
+    N = 1000  # a padded row (masks); rows 2000 bytes apart: a shifted start shifts every row
+    w = torch.randn(N, device="cuda")
+    base = torch.randn(rows * N + 8, device="cuda", dtype=torch.float16)
+    aligned = base[:rows * N].view(rows, N)
+    shifted = base[1:rows * N + 1].view(rows, N)  # 2 bytes past a 16-byte boundary
+    assert shifted.data_ptr() % 16 != 0
+    monkeypatch.setattr(layernorm, "_LAUNCHES", {})
+    for x in (aligned, shifted, aligned, shifted):
+        for module, call in ((layernorm, lambda x: layernorm.layer_norm(x, (N,), w)),
+                             (rmsnorm, lambda x: rmsnorm.rms_norm(x, (N,), w, 1e-6))):
+            got = call(x)
+            xr = x.double()
+            want = (torch.nn.functional.layer_norm(xr, (N,), w.double()) if module is layernorm
+                    else torch.nn.functional.rms_norm(xr, (N,), w.double(), 1e-6))
+            torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    kernels = {id(layernorm._layernorm_fwd_per), id(layernorm._layernorm_fwd_red)}
+    keys = [key for key in layernorm._LAUNCHES if key[0] in kernels]
+    assert len(keys) == 2, keys  # the aligned and the shifted input keyed apart
+
+
+@pytestmark_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_every_op_launches_directly(monkeypatch, name):
+    """Every generated launcher's kernels (forward, backward, column sums) take the direct path
+    from their second call on: each passes its constexprs by name in signature order."""
+    generator = torch.Generator("cuda").manual_seed(3)
+    cases, params = _cases(64, 1024, generator)
+    fn, inputs = cases[name]
+    with torch.no_grad():
+        outputs = fn(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    grads = [torch.randn_like(o) for o in outputs]
+    _step(fn, inputs, params, grads)
+    calls = _jit_calls(monkeypatch)
+    _step(fn, inputs, params, grads)
+    assert calls == [], f"{name}: launched through the JIT again: {calls}"
