@@ -185,13 +185,17 @@ def test_compile_reduce_overhead_layer_norm():
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for _ in range(4):
         torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)  # the graphs' gradients: read before the next replay
         x = _tensor((512, 1024), generator)
         out = compiled(x)
         got = out.detach().clone()  # the graph's output memory is reused by the next replay
         out.float().sum().backward()
-        got_grad = x.grad.clone()
+        got_grads = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad(set_to_none=True)
         x.grad = None
         want = model(x)
         want.float().sum().backward()
         torch.testing.assert_close(got, want)
-        torch.testing.assert_close(got_grad, x.grad)
+        for got_grad, want_grad in zip(
+                got_grads, [x.grad, *(p.grad for p in model.parameters())], strict=True):
+            torch.testing.assert_close(got_grad, want_grad)
