@@ -90,14 +90,14 @@ def _use_triton(tensor):
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
 #: where the table has them (else the 16-bit ones)
+MEASURED_SCHEDULES = {
+}
 #: element tensors the measured kernels read (the forward, the default backward): an entry
 #: holds as measured for calls that read no more; one that reads more (a borrowed table's op
 #: with its extra input given: add_layer_norm's prenorm gradient, say) takes the shared-memory
 #: guard below, as rules do (H100, bf16 add_layer_norm prenorm backward 64x65536 with the
 #: layer-norm entry's 3 stages: 233472 bytes of shared memory asked for, 232448 there)
 MEASURED_LOADS = {"fwd": 1, "bwd": 1}
-MEASURED_SCHEDULES = {
-}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -222,7 +222,6 @@ def _maxnreg(warps, programs, device):
     return min(255, registers // (32 * warps * per_sm))
 
 
-
 #: (id of a kernel, CUDA device, warps, register cap, its constexprs' values, its arguments as
 #: `_specializations` keys them) -> the kernel Triton compiled for such a call, or False where
 #: calls keyed so keep the JIT's path
@@ -253,10 +252,11 @@ def _hooked(hook):
 def _launch(kernel, grid, warps, maxnreg, *args, **constexprs):
     """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg). A CUDA call keyed as an
     earlier one (`_specializations`) launches the kernel Triton compiled then through its C
-    launcher, without the JIT's per-call argument binding, cache key and checks in Python (H100
-    host, triton 3.6, layer-norm forward 32x1024: 19.9 µs a launch through the JIT, 7.1 µs
-    direct, 5.7 µs the C launcher alone). Launch hooks (profilers), the interpreter and other
-    Triton versions keep the JIT's path; Triton's options (debug, ...) are the first call's."""
+    launcher, without the JIT's per-call argument binding, cache key and checks in Python
+    (`benchmarks.host_profile`, H100 host, triton 3.6, layer-norm forward 32x1024: 32.8 µs a
+    launch through the JIT, 20.2 µs here, 9.2 µs the C launcher alone). Launch hooks
+    (profilers), the interpreter and other Triton versions keep the JIT's path; Triton's options
+    (debug, ...) are those of the first call so keyed."""
     if not _DIRECT or not args[0].is_cuda or _hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook):
         return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
     device = torch._C._cuda_getDevice()
@@ -276,6 +276,7 @@ def _launch(kernel, grid, warps, maxnreg, *args, **constexprs):
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
                  compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs.values())
     return compiled
+
 
 @triton.jit
 def _column_block(chunk, CHUNKS: tl.constexpr, BACKWARDS: tl.constexpr):
