@@ -121,6 +121,8 @@ def launch_bound(module, calls: int) -> None:
     bias = torch.zeros_like(weight)
     for label, fn in (
         ("vjpforge", lambda: module.layer_norm(x, (1024,), weight, bias)),
+        ("vjpforge launcher (no checks)", lambda: module._layernorm_fwd(
+            x, weight, bias, 1e-5, store_mean=False, store_rstd=False)),
         ("torch", lambda: torch.nn.functional.layer_norm(x, (1024,), weight, bias)),
     ):
         wall = host_micros(fn, calls)
@@ -156,22 +158,28 @@ def main() -> None:
                     requires_grad=True)
     extra = () if args.op == "softmax" else ((args.cols,),)
 
-    def step(backward: bool) -> None:
-        y = call(x, *extra)
+    torch_call = {"layernorm": torch.nn.functional.layer_norm,
+                  "rmsnorm": torch.nn.functional.rms_norm,
+                  "softmax": lambda x: torch.softmax(x, -1)}[args.op]
+
+    def step(fn, backward: bool) -> None:
+        y = fn(x, *extra)
         if backward:
             y.backward(torch.ones_like(y))
 
     for backward in (False, True):
-        for _ in range(20):
-            step(backward)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            step(backward)
-        torch.cuda.synchronize()
-        micros = (time.perf_counter() - start) / args.calls * 1e6
-        print(f"{args.op} {args.rows}x{args.cols} {'fwd+bwd' if backward else 'fwd'}: "
-              f"{micros:.1f} us per call")
+        for label, fn in (("vjpforge", call), ("torch", torch_call)):
+            for _ in range(20):
+                step(fn, backward)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                step(fn, backward)
+            torch.cuda.synchronize()
+            micros = (time.perf_counter() - start) / args.calls * 1e6
+            print(f"{label} {args.op} {args.rows}x{args.cols} "
+                  f"{'fwd+bwd' if backward else 'fwd'} (input requires grad): "
+                  f"{micros:.1f} us per call")
     if args.op != "softmax":
         # The same call through the torch.library op (what torch.compile sees) instead of the
         # autograd.Function that eager calls use: the registration's own host cost.
@@ -201,7 +209,7 @@ def main() -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
-        step(True)
+        step(call, True)
     torch.cuda.synchronize()
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)

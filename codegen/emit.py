@@ -127,6 +127,12 @@ class KernelContext:
         self.flagged_stores = [s for s in self.element_stores + self.row_stores
                                + self.reduced_stores if s["flag"]]
         self.args = self._args()
+        # tensors the kernel takes by address, in argument order: (name, whether it may be None,
+        # the first element input then standing in for it)
+        self.pointer_inputs = ([(e, e in self.optional_elements) for e in self.element_inputs]
+                               + [(c["name"], True) for c in self.column_inputs]
+                               + [(name, False) for name in self.scalar_inputs + self.row_inputs]
+                               + [("seed", False)] * self.seeded)
         self.extra_inputs = ["seed"] * self.seeded + ["row_shape"] * self.row_shape
         self.inputs = (self.element_inputs + self.kernel_columns + self.scalar_inputs
                        + self.row_inputs + self.scalars + self.extra_inputs)

@@ -280,16 +280,22 @@ def _maxnreg(warps, programs, device):
     return min(255, registers // (32 * warps * per_sm))
 
 
-#: (id of a kernel, CUDA device, warps, register cap, its constexprs' values, its arguments as
-#: `_specializations` keys them) -> the kernel Triton compiled for such a call, or False where
-#: calls keyed so keep the JIT's path
-_LAUNCHES = {}
-#: most keys `_LAUNCHES` holds before it starts over (each distinct shape adds keys)
+#: a launch plan: the schedule, and how to launch the kernel Triton compiled for the call that
+#: made it (`launch(grid, 1, 1, stream, *head, *arguments, *tail)`, tail: the constexprs' values)
+_Plan = namedtuple("_Plan", "schedule launch grid head tail")
+#: (launcher, CUDA device, what its schedule and Triton's compile depend on) -> _Plan; `_launch`
+#: keys by kernel instead
+_PLANS = {}
+#: most plans `_PLANS` holds before it starts over (each distinct shape adds some)
 LAUNCH_CACHE_SIZE = 4096
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
-#: Triton versions whose compiled kernels launch as `_launch` calls them (the JIT's own call:
-#: grid, stream, function, packed metadata, launch metadata and hooks, then every argument)
-_DIRECT = _RUNTIME is not None and (3, 6) <= tuple(map(int, triton.__version__.split(".")[:2])) <= (3, 9)
+_VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
+#: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,
+#: stream, function, packed metadata, launch metadata and hooks, then every argument)
+_DIRECT = _RUNTIME is not None and (3, 6) <= _VERSION <= (3, 9)
+#: triton 3.6, whose launcher object only allocates scratch memory in Python before its C
+#: function: a kernel that takes none is launched through the C function itself
+_C_LAUNCH = _VERSION == (3, 6)
 
 
 def _specializations(args):
@@ -307,33 +313,44 @@ def _hooked(hook):
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _direct():
+    """Whether a CUDA call may launch through a plan: a Triton version whose launcher plans call,
+    and no launch hooks (profilers), which only the JIT's path calls."""
+    return _DIRECT and not (_hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook))
+
+
+def _plan(key, schedule, kernel, compiled, grid, positional, constexprs):
+    """Keep what launches `compiled` again under `key` (None: keep nothing). Only where the call
+    gave every constexpr by name, in signature order after its `positional` arguments: the plan
+    then passes their values in that order. Triton's options (debug, ...) are those of this call."""
+    if key is None or not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(constexprs):
+        return
+    run = compiled.run
+    if _C_LAUNCH and not run.global_scratch_size and not run.profile_scratch_size:
+        launch, head = run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                    compiled.packed_metadata, None, None, None)
+    else:
+        launch, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
+    if len(_PLANS) >= LAUNCH_CACHE_SIZE:
+        _PLANS.clear()
+    _PLANS[key] = _Plan(schedule, launch, grid, head, tuple(constexprs.values()))
+
+
 def _launch(kernel, grid, warps, maxnreg, *args, **constexprs):
-    """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg). A CUDA call keyed as an
-    earlier one (`_specializations`) launches the kernel Triton compiled then through its C
-    launcher, without the JIT's per-call argument binding, cache key and checks in Python
-    (`benchmarks.host_profile`, H100 host, triton 3.6, layer-norm forward 32x1024: 32.8 µs a
-    launch through the JIT, 20.2 µs here, 9.2 µs the C launcher alone). Launch hooks
-    (profilers), the interpreter and other Triton versions keep the JIT's path; Triton's options
-    (debug, ...) are those of the first call so keyed."""
-    if not _DIRECT or not args[0].is_cuda or _hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook):
+    """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg), keyed by
+    `_specializations` where launchers key by their inputs: a CUDA call keyed as an earlier one
+    launches the kernel Triton compiled then without the JIT's per-call binding and checks."""
+    if not (args[0].is_cuda and _direct()):
         return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
     device = torch._C._cuda_getDevice()
     key = (id(kernel), device, warps, maxnreg, *constexprs.values(), *_specializations(args))
-    compiled = _LAUNCHES.get(key)
-    if not compiled:
-        launched = kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
-        if compiled is None:
-            if len(_LAUNCHES) >= LAUNCH_CACHE_SIZE:
-                _LAUNCHES.clear()
-            # direct only where the call gives every constexpr by name, in signature order after
-            # the positional arguments: the key then holds their values in one order, and the
-            # launcher takes them as given
-            direct = isinstance(kernel, triton.runtime.JITFunction) and kernel.arg_names[len(args):] == list(constexprs)
-            _LAUNCHES[key] = launched if direct else False
-        return launched
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs.values())
-    return compiled
+    plan = _PLANS.get(key)
+    if plan is None:
+        compiled = kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
+        _plan(key, None, kernel, compiled, grid, len(args), constexprs)
+        return compiled
+    plan.launch(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device), *plan.head,
+                *args, *plan.tail)
 
 
 @triton.jit
@@ -1066,39 +1083,88 @@ def _add_rmsnorm_fwd(
         return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, store_residual_out, store_rstd, residual_out_dtype)
     acc = _accumulator(x.dtype)
     device = x.device
-    schedule = _schedule(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    x_stride = x.stride(0)
+    residual_stride = residual.stride(0) if residual is not None else 0
+    plan = key = None
+    if x.is_cuda and _direct():
+        x_ptr = x.data_ptr()
+        residual_ptr = residual.data_ptr() if residual is not None else x_ptr
+        input_bias_ptr = input_bias.data_ptr() if input_bias is not None else x_ptr
+        weight_ptr = weight.data_ptr() if weight is not None else x_ptr
+        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        key = (
+            "_add_rmsnorm_fwd", torch._C._cuda_getDevice(), M, N,
+            x.dtype, x_ptr & 15,
+            residual is not None and residual.dtype, residual_ptr & 15,
+            input_bias is not None and input_bias.dtype, input_bias_ptr & 15,
+            weight is not None and weight.dtype, weight_ptr & 15,
+            x_stride,
+            residual_stride,
+            store_residual_out,
+            store_rstd,
+            residual_out_dtype,
+        )
+        plan = _PLANS.get(key)
+    schedule = plan.schedule if plan else _schedule(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
     residual_out = torch.empty((M, N), dtype=residual_out_dtype or x.dtype, device=device) if store_residual_out else None
     rstd = torch.empty((M,), dtype=acc, device=device) if store_rstd else None
-    kernel = _add_rmsnorm_fwd_red if schedule.looped else _add_rmsnorm_fwd_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
-        _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
-        x, x.stride(0),
-        residual if residual is not None else x, residual.stride(0) if residual is not None else 0,
-        input_bias if input_bias is not None else x,
-        weight if weight is not None else x,
-        y, y.stride(0),
-        residual_out if store_residual_out else x, residual_out.stride(0) if store_residual_out else 0,
-        rstd if store_rstd else x,
-        *_fp32_pair(eps),
-        *_fp32_pair(weight_offset),
-        M, N,
-        HAS_RESIDUAL=residual is not None,
-        HAS_INPUT_BIAS=input_bias is not None,
-        HAS_WEIGHT=weight is not None,
-        STORE_RESIDUAL_OUT=store_residual_out,
-        STORE_RSTD=store_rstd,
-        ACC=_TRITON_ACC[acc],
-        ROWS=schedule.rows,
-        BLOCK_N=schedule.block_n,
-        STAGES=schedule.stages,
-        CHUNKS=schedule.chunks,
-        KEEP=schedule.keep,
-        EVEN=schedule.even,
-        STRIDED=schedule.strided,
-        REVERSE=schedule.reverse,
-    )
+    if plan:
+        y_ptr = y.data_ptr()
+        residual_out_ptr = residual_out.data_ptr() if store_residual_out else 0
+        rstd_ptr = rstd.data_ptr() if store_rstd else 0
+        # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
+        if (y_ptr | residual_out_ptr | rstd_ptr) & 15:
+            plan = key = None
+    if plan:
+        plan.launch(
+            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+            x_ptr, x_stride,
+            residual_ptr, residual_stride,
+            input_bias_ptr,
+            weight_ptr,
+            y_ptr, N,
+            residual_out_ptr, N if store_residual_out else 0,
+            rstd_ptr,
+            *_fp32_pair(eps),
+            *_fp32_pair(weight_offset),
+            M, N,
+            *plan.tail,
+        )
+    else:
+        kernel = _add_rmsnorm_fwd_red if schedule.looped else _add_rmsnorm_fwd_per
+        arguments = (
+            x, x_stride,
+            residual if residual is not None else x, residual_stride,
+            input_bias if input_bias is not None else x,
+            weight if weight is not None else x,
+            y, N,
+            residual_out if residual_out is not None else x, N if store_residual_out else 0,
+            rstd if rstd is not None else x,
+            *_fp32_pair(eps),
+            *_fp32_pair(weight_offset),
+            M, N,
+        )
+        constexprs = dict(
+            HAS_RESIDUAL=residual is not None,
+            HAS_INPUT_BIAS=input_bias is not None,
+            HAS_WEIGHT=weight is not None,
+            STORE_RESIDUAL_OUT=store_residual_out,
+            STORE_RSTD=store_rstd,
+            ACC=_TRITON_ACC[acc],
+            ROWS=schedule.rows,
+            BLOCK_N=schedule.block_n,
+            STAGES=schedule.stages,
+            CHUNKS=schedule.chunks,
+            KEEP=schedule.keep,
+            EVEN=schedule.even,
+            STRIDED=schedule.strided,
+            REVERSE=schedule.reverse,
+        )
+        grid = (schedule.programs,)
+        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     return y, residual_out, rstd,
 
 
@@ -1118,40 +1184,95 @@ def _add_rmsnorm_bwd_default(
         return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    dy_stride = dy.stride(0)
+    dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
+    residual_out_stride = residual_out.stride(0)
+    plan = key = None
+    if dy.is_cuda and _direct():
+        dy_ptr = dy.data_ptr()
+        dresidual_out_ptr = dresidual_out.data_ptr() if dresidual_out is not None else dy_ptr
+        residual_out_ptr = residual_out.data_ptr()
+        input_bias_ptr = input_bias.data_ptr() if input_bias is not None else dy_ptr
+        weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
+        rstd_ptr = rstd.data_ptr()
+        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        key = (
+            "_add_rmsnorm_bwd_default", torch._C._cuda_getDevice(), M, N,
+            dy.dtype, dy_ptr & 15,
+            dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
+            residual_out.dtype, residual_out_ptr & 15,
+            input_bias is not None and input_bias.dtype, input_bias_ptr & 15,
+            weight is not None and weight.dtype, weight_ptr & 15,
+            rstd.dtype, rstd_ptr & 15,
+            dy_stride,
+            dresidual_out_stride,
+            residual_out_stride,
+            store_dinput_bias,
+            store_dweight,
+        )
+        plan = _PLANS.get(key)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
-    kernel = _add_rmsnorm_bwd_default_red if schedule.looped else _add_rmsnorm_bwd_default_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
-        _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
-        dy, dy.stride(0),
-        dresidual_out if dresidual_out is not None else dy, dresidual_out.stride(0) if dresidual_out is not None else 0,
-        residual_out, residual_out.stride(0),
-        input_bias if input_bias is not None else dy,
-        weight if weight is not None else dy,
-        rstd,
-        dx, dx.stride(0),
-        dinput_bias_partial if store_dinput_bias else dy,
-        dweight_partial if store_dweight else dy,
-        *_fp32_pair(weight_offset),
-        M, N,
-        HAS_DRESIDUAL_OUT=dresidual_out is not None,
-        HAS_INPUT_BIAS=input_bias is not None,
-        HAS_WEIGHT=weight is not None,
-        STORE_DINPUT_BIAS=store_dinput_bias,
-        STORE_DWEIGHT=store_dweight,
-        ACC=_TRITON_ACC[acc],
-        ROWS=schedule.rows,
-        BLOCK_N=schedule.block_n,
-        STAGES=schedule.stages,
-        CHUNKS=schedule.chunks,
-        KEEP=schedule.keep,
-        EVEN=schedule.even,
-        STRIDED=schedule.strided,
-        REVERSE=schedule.reverse,
-    )
+    if plan:
+        dx_ptr = dx.data_ptr()
+        dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
+        dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
+        # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
+        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr) & 15:
+            plan = key = None
+    if plan:
+        plan.launch(
+            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+            dy_ptr, dy_stride,
+            dresidual_out_ptr, dresidual_out_stride,
+            residual_out_ptr, residual_out_stride,
+            input_bias_ptr,
+            weight_ptr,
+            rstd_ptr,
+            dx_ptr, N,
+            dinput_bias_partial_ptr,
+            dweight_partial_ptr,
+            *_fp32_pair(weight_offset),
+            M, N,
+            *plan.tail,
+        )
+    else:
+        kernel = _add_rmsnorm_bwd_default_red if schedule.looped else _add_rmsnorm_bwd_default_per
+        arguments = (
+            dy, dy_stride,
+            dresidual_out if dresidual_out is not None else dy, dresidual_out_stride,
+            residual_out, residual_out_stride,
+            input_bias if input_bias is not None else dy,
+            weight if weight is not None else dy,
+            rstd,
+            dx, N,
+            dinput_bias_partial if dinput_bias_partial is not None else dy,
+            dweight_partial if dweight_partial is not None else dy,
+            *_fp32_pair(weight_offset),
+            M, N,
+        )
+        constexprs = dict(
+            HAS_DRESIDUAL_OUT=dresidual_out is not None,
+            HAS_INPUT_BIAS=input_bias is not None,
+            HAS_WEIGHT=weight is not None,
+            STORE_DINPUT_BIAS=store_dinput_bias,
+            STORE_DWEIGHT=store_dweight,
+            ACC=_TRITON_ACC[acc],
+            ROWS=schedule.rows,
+            BLOCK_N=schedule.block_n,
+            STAGES=schedule.stages,
+            CHUNKS=schedule.chunks,
+            KEEP=schedule.keep,
+            EVEN=schedule.even,
+            STRIDED=schedule.strided,
+            REVERSE=schedule.reverse,
+        )
+        grid = (schedule.programs,)
+        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dinput_bias, dweight, = _column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1175,40 +1296,95 @@ def _add_rmsnorm_bwd_invertible(
         return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
-    schedule = _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    dy_stride = dy.stride(0)
+    dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
+    y_stride = y.stride(0)
+    plan = key = None
+    if dy.is_cuda and _direct():
+        dy_ptr = dy.data_ptr()
+        dresidual_out_ptr = dresidual_out.data_ptr() if dresidual_out is not None else dy_ptr
+        y_ptr = y.data_ptr()
+        input_bias_ptr = input_bias.data_ptr() if input_bias is not None else dy_ptr
+        weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
+        rstd_ptr = rstd.data_ptr()
+        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        key = (
+            "_add_rmsnorm_bwd_invertible", torch._C._cuda_getDevice(), M, N,
+            dy.dtype, dy_ptr & 15,
+            dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
+            y.dtype, y_ptr & 15,
+            input_bias is not None and input_bias.dtype, input_bias_ptr & 15,
+            weight is not None and weight.dtype, weight_ptr & 15,
+            rstd.dtype, rstd_ptr & 15,
+            dy_stride,
+            dresidual_out_stride,
+            y_stride,
+            store_dinput_bias,
+            store_dweight,
+        )
+        plan = _PLANS.get(key)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
-    kernel = _add_rmsnorm_bwd_invertible_red if schedule.looped else _add_rmsnorm_bwd_invertible_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
-        _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
-        dy, dy.stride(0),
-        dresidual_out if dresidual_out is not None else dy, dresidual_out.stride(0) if dresidual_out is not None else 0,
-        y, y.stride(0),
-        input_bias if input_bias is not None else dy,
-        weight if weight is not None else dy,
-        rstd,
-        dx, dx.stride(0),
-        dinput_bias_partial if store_dinput_bias else dy,
-        dweight_partial if store_dweight else dy,
-        *_fp32_pair(weight_offset),
-        M, N,
-        HAS_DRESIDUAL_OUT=dresidual_out is not None,
-        HAS_INPUT_BIAS=input_bias is not None,
-        HAS_WEIGHT=weight is not None,
-        STORE_DINPUT_BIAS=store_dinput_bias,
-        STORE_DWEIGHT=store_dweight,
-        ACC=_TRITON_ACC[acc],
-        ROWS=schedule.rows,
-        BLOCK_N=schedule.block_n,
-        STAGES=schedule.stages,
-        CHUNKS=schedule.chunks,
-        KEEP=schedule.keep,
-        EVEN=schedule.even,
-        STRIDED=schedule.strided,
-        REVERSE=schedule.reverse,
-    )
+    if plan:
+        dx_ptr = dx.data_ptr()
+        dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
+        dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
+        # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
+        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr) & 15:
+            plan = key = None
+    if plan:
+        plan.launch(
+            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+            dy_ptr, dy_stride,
+            dresidual_out_ptr, dresidual_out_stride,
+            y_ptr, y_stride,
+            input_bias_ptr,
+            weight_ptr,
+            rstd_ptr,
+            dx_ptr, N,
+            dinput_bias_partial_ptr,
+            dweight_partial_ptr,
+            *_fp32_pair(weight_offset),
+            M, N,
+            *plan.tail,
+        )
+    else:
+        kernel = _add_rmsnorm_bwd_invertible_red if schedule.looped else _add_rmsnorm_bwd_invertible_per
+        arguments = (
+            dy, dy_stride,
+            dresidual_out if dresidual_out is not None else dy, dresidual_out_stride,
+            y, y_stride,
+            input_bias if input_bias is not None else dy,
+            weight if weight is not None else dy,
+            rstd,
+            dx, N,
+            dinput_bias_partial if dinput_bias_partial is not None else dy,
+            dweight_partial if dweight_partial is not None else dy,
+            *_fp32_pair(weight_offset),
+            M, N,
+        )
+        constexprs = dict(
+            HAS_DRESIDUAL_OUT=dresidual_out is not None,
+            HAS_INPUT_BIAS=input_bias is not None,
+            HAS_WEIGHT=weight is not None,
+            STORE_DINPUT_BIAS=store_dinput_bias,
+            STORE_DWEIGHT=store_dweight,
+            ACC=_TRITON_ACC[acc],
+            ROWS=schedule.rows,
+            BLOCK_N=schedule.block_n,
+            STAGES=schedule.stages,
+            CHUNKS=schedule.chunks,
+            KEEP=schedule.keep,
+            EVEN=schedule.even,
+            STRIDED=schedule.strided,
+            REVERSE=schedule.reverse,
+        )
+        grid = (schedule.programs,)
+        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dinput_bias, dweight, = _column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1501,11 +1677,11 @@ def _check_param(function, name, param, shape, input):
         raise ValueError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
         )
-    mixed = param.dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
-    if param.dtype != input.dtype and not mixed:
+    dtype = param.dtype
+    if dtype != input.dtype and not (dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)):
         raise TypeError(
             f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or float32 for a "
-            f"float16/bfloat16 input, got {param.dtype}"
+            f"float16/bfloat16 input, got {dtype}"
         )
     return param if param.dim() == 1 else param.reshape(-1)
 
@@ -1545,7 +1721,14 @@ def _check_scalar_param(function, name, param, input):
 
 
 def _check_normalized_shape(function, normalized_shape, input):
-    if type(normalized_shape) is int:  # the common cases first: checks are host time on every call
+    # the common cases first: checks are host time on every call (one trailing dim, as an int or
+    # a 1-tuple, that matches)
+    kind = type(normalized_shape)
+    if kind is int or (kind is tuple or kind is torch.Size) and len(normalized_shape) == 1:
+        n = normalized_shape if kind is int else normalized_shape[0]
+        if type(n) is int and input.dim() and input.shape[-1] == n:
+            return (n,), n
+    if type(normalized_shape) is int:
         shape = (normalized_shape,)
     elif type(normalized_shape) in (tuple, torch.Size) and all(type(d) is int for d in normalized_shape):
         shape = tuple(normalized_shape)
@@ -1592,7 +1775,12 @@ def _check_real(function, name, value):
 
 
 def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for tensor in tensors:  # a loop: any() over a generator takes twice the host time
+        if tensor is not None and tensor.requires_grad:
+            return True
+    return False
 
 
 def _check_option(function, name, value, check):

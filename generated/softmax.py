@@ -288,16 +288,22 @@ def _maxnreg(warps, programs, device):
     return min(255, registers // (32 * warps * per_sm))
 
 
-#: (id of a kernel, CUDA device, warps, register cap, its constexprs' values, its arguments as
-#: `_specializations` keys them) -> the kernel Triton compiled for such a call, or False where
-#: calls keyed so keep the JIT's path
-_LAUNCHES = {}
-#: most keys `_LAUNCHES` holds before it starts over (each distinct shape adds keys)
+#: a launch plan: the schedule, and how to launch the kernel Triton compiled for the call that
+#: made it (`launch(grid, 1, 1, stream, *head, *arguments, *tail)`, tail: the constexprs' values)
+_Plan = namedtuple("_Plan", "schedule launch grid head tail")
+#: (launcher, CUDA device, what its schedule and Triton's compile depend on) -> _Plan; `_launch`
+#: keys by kernel instead
+_PLANS = {}
+#: most plans `_PLANS` holds before it starts over (each distinct shape adds some)
 LAUNCH_CACHE_SIZE = 4096
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
-#: Triton versions whose compiled kernels launch as `_launch` calls them (the JIT's own call:
-#: grid, stream, function, packed metadata, launch metadata and hooks, then every argument)
-_DIRECT = _RUNTIME is not None and (3, 6) <= tuple(map(int, triton.__version__.split(".")[:2])) <= (3, 9)
+_VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
+#: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,
+#: stream, function, packed metadata, launch metadata and hooks, then every argument)
+_DIRECT = _RUNTIME is not None and (3, 6) <= _VERSION <= (3, 9)
+#: triton 3.6, whose launcher object only allocates scratch memory in Python before its C
+#: function: a kernel that takes none is launched through the C function itself
+_C_LAUNCH = _VERSION == (3, 6)
 
 
 def _specializations(args):
@@ -315,33 +321,44 @@ def _hooked(hook):
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _direct():
+    """Whether a CUDA call may launch through a plan: a Triton version whose launcher plans call,
+    and no launch hooks (profilers), which only the JIT's path calls."""
+    return _DIRECT and not (_hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook))
+
+
+def _plan(key, schedule, kernel, compiled, grid, positional, constexprs):
+    """Keep what launches `compiled` again under `key` (None: keep nothing). Only where the call
+    gave every constexpr by name, in signature order after its `positional` arguments: the plan
+    then passes their values in that order. Triton's options (debug, ...) are those of this call."""
+    if key is None or not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(constexprs):
+        return
+    run = compiled.run
+    if _C_LAUNCH and not run.global_scratch_size and not run.profile_scratch_size:
+        launch, head = run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                    compiled.packed_metadata, None, None, None)
+    else:
+        launch, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
+    if len(_PLANS) >= LAUNCH_CACHE_SIZE:
+        _PLANS.clear()
+    _PLANS[key] = _Plan(schedule, launch, grid, head, tuple(constexprs.values()))
+
+
 def _launch(kernel, grid, warps, maxnreg, *args, **constexprs):
-    """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg). A CUDA call keyed as an
-    earlier one (`_specializations`) launches the kernel Triton compiled then through its C
-    launcher, without the JIT's per-call argument binding, cache key and checks in Python
-    (`benchmarks.host_profile`, H100 host, triton 3.6, layer-norm forward 32x1024: 32.8 µs a
-    launch through the JIT, 20.2 µs here, 9.2 µs the C launcher alone). Launch hooks
-    (profilers), the interpreter and other Triton versions keep the JIT's path; Triton's options
-    (debug, ...) are those of the first call so keyed."""
-    if not _DIRECT or not args[0].is_cuda or _hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook):
+    """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg), keyed by
+    `_specializations` where launchers key by their inputs: a CUDA call keyed as an earlier one
+    launches the kernel Triton compiled then without the JIT's per-call binding and checks."""
+    if not (args[0].is_cuda and _direct()):
         return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
     device = torch._C._cuda_getDevice()
     key = (id(kernel), device, warps, maxnreg, *constexprs.values(), *_specializations(args))
-    compiled = _LAUNCHES.get(key)
-    if not compiled:
-        launched = kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
-        if compiled is None:
-            if len(_LAUNCHES) >= LAUNCH_CACHE_SIZE:
-                _LAUNCHES.clear()
-            # direct only where the call gives every constexpr by name, in signature order after
-            # the positional arguments: the key then holds their values in one order, and the
-            # launcher takes them as given
-            direct = isinstance(kernel, triton.runtime.JITFunction) and kernel.arg_names[len(args):] == list(constexprs)
-            _LAUNCHES[key] = launched if direct else False
-        return launched
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs.values())
-    return compiled
+    plan = _PLANS.get(key)
+    if plan is None:
+        compiled = kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
+        _plan(key, None, kernel, compiled, grid, len(args), constexprs)
+        return compiled
+    plan.launch(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device), *plan.head,
+                *args, *plan.tail)
 
 
 @triton.jit
@@ -702,26 +719,55 @@ def _softmax_fwd(
         return _softmax_fwd_torch(x)
     acc = _accumulator(x.dtype)
     device = x.device
-    schedule = _schedule(M, N, False, "fwd", 1, x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    x_stride = x.stride(0)
+    plan = key = None
+    if x.is_cuda and _direct():
+        x_ptr = x.data_ptr()
+        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        key = (
+            "_softmax_fwd", torch._C._cuda_getDevice(), M, N,
+            x.dtype, x_ptr & 15,
+            x_stride,
+        )
+        plan = _PLANS.get(key)
+    schedule = plan.schedule if plan else _schedule(M, N, False, "fwd", 1, x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     p = torch.empty((M, N), dtype=x.dtype, device=device)
-    kernel = _softmax_fwd_red if schedule.looped else _softmax_fwd_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
-        _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
-        x, x.stride(0),
-        p, p.stride(0),
-        M, N,
-        ACC=_TRITON_ACC[acc],
-        ROWS=schedule.rows,
-        BLOCK_N=schedule.block_n,
-        STAGES=schedule.stages,
-        CHUNKS=schedule.chunks,
-        ONE_SWEEP=schedule.one_sweep,
-        KEEP=schedule.keep,
-        EVEN=schedule.even,
-        STRIDED=schedule.strided,
-        REVERSE=schedule.reverse,
-    )
+    if plan:
+        p_ptr = p.data_ptr()
+        # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
+        if (p_ptr) & 15:
+            plan = key = None
+    if plan:
+        plan.launch(
+            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+            x_ptr, x_stride,
+            p_ptr, N,
+            M, N,
+            *plan.tail,
+        )
+    else:
+        kernel = _softmax_fwd_red if schedule.looped else _softmax_fwd_per
+        arguments = (
+            x, x_stride,
+            p, N,
+            M, N,
+        )
+        constexprs = dict(
+            ACC=_TRITON_ACC[acc],
+            ROWS=schedule.rows,
+            BLOCK_N=schedule.block_n,
+            STAGES=schedule.stages,
+            CHUNKS=schedule.chunks,
+            ONE_SWEEP=schedule.one_sweep,
+            KEEP=schedule.keep,
+            EVEN=schedule.even,
+            STRIDED=schedule.strided,
+            REVERSE=schedule.reverse,
+        )
+        grid = (schedule.programs,)
+        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     return p,
 
 
@@ -734,26 +780,60 @@ def _softmax_bwd_default(
         return _softmax_bwd_default_torch(dp, p)
     acc = _accumulator(dp.dtype)
     device = dp.device
-    schedule = _schedule(M, N, False, "bwd", 2, dp.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    dp_stride = dp.stride(0)
+    p_stride = p.stride(0)
+    plan = key = None
+    if dp.is_cuda and _direct():
+        dp_ptr = dp.data_ptr()
+        p_ptr = p.data_ptr()
+        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        key = (
+            "_softmax_bwd_default", torch._C._cuda_getDevice(), M, N,
+            dp.dtype, dp_ptr & 15,
+            p.dtype, p_ptr & 15,
+            dp_stride,
+            p_stride,
+        )
+        plan = _PLANS.get(key)
+    schedule = plan.schedule if plan else _schedule(M, N, False, "bwd", 2, dp.element_size(), device, PERSISTENT_MAX_BLOCK_N)
     dx = torch.empty((M, N), dtype=dp.dtype, device=device)
-    kernel = _softmax_bwd_default_red if schedule.looped else _softmax_bwd_default_per
-    _launch(
-        kernel, (schedule.programs,), schedule.warps,
-        _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None,
-        dp, dp.stride(0),
-        p, p.stride(0),
-        dx, dx.stride(0),
-        M, N,
-        ACC=_TRITON_ACC[acc],
-        ROWS=schedule.rows,
-        BLOCK_N=schedule.block_n,
-        STAGES=schedule.stages,
-        CHUNKS=schedule.chunks,
-        KEEP=schedule.keep,
-        EVEN=schedule.even,
-        STRIDED=schedule.strided,
-        REVERSE=schedule.reverse,
-    )
+    if plan:
+        dx_ptr = dx.data_ptr()
+        # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
+        if (dx_ptr) & 15:
+            plan = key = None
+    if plan:
+        plan.launch(
+            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+            dp_ptr, dp_stride,
+            p_ptr, p_stride,
+            dx_ptr, N,
+            M, N,
+            *plan.tail,
+        )
+    else:
+        kernel = _softmax_bwd_default_red if schedule.looped else _softmax_bwd_default_per
+        arguments = (
+            dp, dp_stride,
+            p, p_stride,
+            dx, N,
+            M, N,
+        )
+        constexprs = dict(
+            ACC=_TRITON_ACC[acc],
+            ROWS=schedule.rows,
+            BLOCK_N=schedule.block_n,
+            STAGES=schedule.stages,
+            CHUNKS=schedule.chunks,
+            KEEP=schedule.keep,
+            EVEN=schedule.even,
+            STRIDED=schedule.strided,
+            REVERSE=schedule.reverse,
+        )
+        grid = (schedule.programs,)
+        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     return dx,
 
 
@@ -904,11 +984,11 @@ def _check_param(function, name, param, shape, input):
         raise ValueError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
         )
-    mixed = param.dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
-    if param.dtype != input.dtype and not mixed:
+    dtype = param.dtype
+    if dtype != input.dtype and not (dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)):
         raise TypeError(
             f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or float32 for a "
-            f"float16/bfloat16 input, got {param.dtype}"
+            f"float16/bfloat16 input, got {dtype}"
         )
     return param if param.dim() == 1 else param.reshape(-1)
 
@@ -948,7 +1028,14 @@ def _check_scalar_param(function, name, param, input):
 
 
 def _check_normalized_shape(function, normalized_shape, input):
-    if type(normalized_shape) is int:  # the common cases first: checks are host time on every call
+    # the common cases first: checks are host time on every call (one trailing dim, as an int or
+    # a 1-tuple, that matches)
+    kind = type(normalized_shape)
+    if kind is int or (kind is tuple or kind is torch.Size) and len(normalized_shape) == 1:
+        n = normalized_shape if kind is int else normalized_shape[0]
+        if type(n) is int and input.dim() and input.shape[-1] == n:
+            return (n,), n
+    if type(normalized_shape) is int:
         shape = (normalized_shape,)
     elif type(normalized_shape) in (tuple, torch.Size) and all(type(d) is int for d in normalized_shape):
         shape = tuple(normalized_shape)
@@ -995,7 +1082,12 @@ def _check_real(function, name, value):
 
 
 def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for tensor in tensors:  # a loop: any() over a generator takes twice the host time
+        if tensor is not None and tensor.requires_grad:
+            return True
+    return False
 
 
 def _check_dim(function, dim, input):

@@ -1,7 +1,8 @@
-"""The direct launch (`_launch` in every generated module): a CUDA call keyed as Triton would
+"""The direct launch (launch plans in every generated module): a CUDA call keyed as Triton would
 specialize it launches the kernel compiled for an earlier such call without the JIT's binding.
-The key must tell apart every call Triton compiles apart, or a kernel compiled for aligned
-addresses or for M == 1 would run where they do not hold."""
+Launchers key by their inputs, `_launch` (the column sums) by its kernel's arguments. A key must
+tell apart every call Triton compiles apart, or a kernel compiled for aligned addresses or for
+M == 1 would run where they do not hold."""
 
 from __future__ import annotations
 
@@ -73,13 +74,17 @@ def test_repeated_calls_launch_directly(monkeypatch):
         y = layernorm.layer_norm(x, (1024,), w, b)
         return (y, *torch.autograd.grad(y, (x, w, b), dy))
 
-    monkeypatch.setattr(layernorm, "_LAUNCHES", {})
+    monkeypatch.setattr(layernorm, "_PLANS", {})
     first = step()  # through the JIT (compiling or not), which keys the launches
     calls = _jit_calls(monkeypatch)
     again = step()
     assert calls == [], f"launched through the JIT again: {calls}"
     for got, want in zip(again, first, strict=True):
         assert torch.equal(got, want), "the direct launch computed other values than the JIT's"
+    plans = list(layernorm._PLANS.values())
+    assert len(plans) == 3, plans  # forward, backward, column sums
+    if layernorm._C_LAUNCH:  # triton 3.6: the C launcher itself, not its Python wrapper
+        assert all(plan.launch.__class__.__name__ == "builtin_function_or_method" for plan in plans)
 
 
 @pytestmark_cuda
@@ -93,15 +98,14 @@ def test_misaligned_and_one_row_calls_compile_their_own(monkeypatch, rows):
     aligned = base[:rows * N].view(rows, N)
     shifted = base[1:rows * N + 1].view(rows, N)  # 2 bytes past a 16-byte boundary
     assert shifted.data_ptr() % 16 != 0
-    monkeypatch.setattr(layernorm, "_LAUNCHES", {})
+    monkeypatch.setattr(layernorm, "_PLANS", {})
     for x in (aligned, shifted, aligned, shifted):
         for call in (lambda x: layernorm.layer_norm(x, (N,), w),
                      lambda x: rmsnorm.rms_norm(x, (N,), w, 1e-6)):
             # a kernel compiled for aligned rows would misread the shifted ones: the same
             # values from an aligned copy must come out exactly the same
             assert torch.equal(call(x), call(x.clone()))
-    kernels = {id(layernorm._layernorm_fwd_per), id(layernorm._layernorm_fwd_red)}
-    keys = [key for key in layernorm._LAUNCHES if key[0] in kernels]
+    keys = [key for key in layernorm._PLANS if key[0] == "_layernorm_fwd"]
     assert len(keys) == 2, keys  # the aligned and the shifted input keyed apart
 
 
