@@ -990,7 +990,10 @@ def _check_param(function, name, param, shape, input):
             f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or float32 for a "
             f"float16/bfloat16 input, got {dtype}"
         )
-    return param if param.dim() == 1 else param.reshape(-1)
+    if param.dim() != 1:
+        param = param.reshape(-1)
+    # the kernels read a parameter's columns one element apart: a strided one (w[::2]) is copied
+    return param if param.is_contiguous() else param.contiguous()
 
 
 def _check_like_input(function, name, tensor, input, reference="input"):
