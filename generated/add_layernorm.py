@@ -1436,6 +1436,11 @@ def _add_layernorm_fwd(
         return _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean, store_rstd, residual_out_dtype)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean, store_rstd, residual_out_dtype)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -1447,7 +1452,7 @@ def _add_layernorm_fwd(
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_layernorm_fwd", torch._C._cuda_getDevice(), M, N,
+            "_add_layernorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             residual is not None and residual.dtype, residual_ptr & 15,
             input_bias is not None and input_bias.dtype, input_bias_ptr & 15,
@@ -1549,6 +1554,11 @@ def _add_layernorm_bwd_default(
         return _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_layernorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -1564,7 +1574,7 @@ def _add_layernorm_bwd_default(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_layernorm_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_add_layernorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
             residual_out.dtype, residual_out_ptr & 15,
@@ -1676,6 +1686,11 @@ def _add_layernorm_bwd_recompute_mean(
         return _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_layernorm_bwd_recompute_mean(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -1690,7 +1705,7 @@ def _add_layernorm_bwd_recompute_mean(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_layernorm_bwd_recompute_mean", torch._C._cuda_getDevice(), M, N,
+            "_add_layernorm_bwd_recompute_mean", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
             residual_out.dtype, residual_out_ptr & 15,
@@ -1799,6 +1814,11 @@ def _add_layernorm_bwd_invertible(
         return _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -1813,7 +1833,7 @@ def _add_layernorm_bwd_invertible(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_layernorm_bwd_invertible", torch._C._cuda_getDevice(), M, N,
+            "_add_layernorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
             y.dtype, y_ptr & 15,

@@ -1083,6 +1083,11 @@ def _add_rmsnorm_fwd(
         return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, store_residual_out, store_rstd, residual_out_dtype)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_residual_out, store_rstd, residual_out_dtype)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -1093,7 +1098,7 @@ def _add_rmsnorm_fwd(
         weight_ptr = weight.data_ptr() if weight is not None else x_ptr
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_rmsnorm_fwd", torch._C._cuda_getDevice(), M, N,
+            "_add_rmsnorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             residual is not None and residual.dtype, residual_ptr & 15,
             input_bias is not None and input_bias.dtype, input_bias_ptr & 15,
@@ -1184,6 +1189,11 @@ def _add_rmsnorm_bwd_default(
         return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -1197,7 +1207,7 @@ def _add_rmsnorm_bwd_default(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_rmsnorm_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_add_rmsnorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
             residual_out.dtype, residual_out_ptr & 15,
@@ -1296,6 +1306,11 @@ def _add_rmsnorm_bwd_invertible(
         return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -1309,7 +1324,7 @@ def _add_rmsnorm_bwd_invertible(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_add_rmsnorm_bwd_invertible", torch._C._cuda_getDevice(), M, N,
+            "_add_rmsnorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             dresidual_out is not None and dresidual_out.dtype, dresidual_out_ptr & 15,
             y.dtype, y_ptr & 15,

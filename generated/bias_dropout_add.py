@@ -738,6 +738,11 @@ def _bias_dropout_add_fwd(
         return _bias_dropout_add_fwd_torch(x, residual, bias, p, seed)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _bias_dropout_add_fwd(x, residual, bias, p, seed)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -748,7 +753,7 @@ def _bias_dropout_add_fwd(
         seed_ptr = seed.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_bias_dropout_add_fwd", torch._C._cuda_getDevice(), M, N,
+            "_bias_dropout_add_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             residual is not None and residual.dtype, residual_ptr & 15,
             bias is not None and bias.dtype, bias_ptr & 15,
@@ -819,6 +824,11 @@ def _bias_dropout_add_bwd_default(
         return _bias_dropout_add_bwd_default_torch(dy, bias, p, seed, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _bias_dropout_add_bwd_default(dy, bias, p, seed, store_dbias)
     dy_stride = dy.stride(0)
     plan = key = None
     if dy.is_cuda and _direct():
@@ -827,7 +837,7 @@ def _bias_dropout_add_bwd_default(
         seed_ptr = seed.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_bias_dropout_add_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_bias_dropout_add_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             bias is not None and bias.dtype, bias_ptr & 15,
             seed.dtype, seed_ptr & 15,

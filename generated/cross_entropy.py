@@ -761,6 +761,11 @@ def _cross_entropy_fwd(
         return _cross_entropy_fwd_torch(x, target, ignore_index, label_smoothing, store_row_max, store_denominator)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _cross_entropy_fwd(x, target, ignore_index, label_smoothing, store_row_max, store_denominator)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and _direct():
@@ -768,7 +773,7 @@ def _cross_entropy_fwd(
         target_ptr = target.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_cross_entropy_fwd", torch._C._cuda_getDevice(), M, N,
+            "_cross_entropy_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             target.dtype, target_ptr & 15,
             x_stride,
@@ -847,6 +852,11 @@ def _cross_entropy_bwd_default(
         return _cross_entropy_bwd_default_torch(x, dloss, target, row_max, denominator, ignore_index, label_smoothing)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _cross_entropy_bwd_default(x, dloss, target, row_max, denominator, ignore_index, label_smoothing)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and _direct():
@@ -857,7 +867,7 @@ def _cross_entropy_bwd_default(
         denominator_ptr = denominator.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_cross_entropy_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_cross_entropy_bwd_default", device.index, M, N,
             x.dtype, x_ptr & 15,
             dloss.dtype, dloss_ptr & 15,
             target.dtype, target_ptr & 15,

@@ -665,6 +665,11 @@ def _gelu_tanh_fwd(
         return _gelu_tanh_fwd_torch(x, bias)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _gelu_tanh_fwd(x, bias)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and _direct():
@@ -672,7 +677,7 @@ def _gelu_tanh_fwd(
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_gelu_tanh_fwd", torch._C._cuda_getDevice(), M, N,
+            "_gelu_tanh_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             bias is not None and bias.dtype, bias_ptr & 15,
             x_stride,
@@ -732,6 +737,11 @@ def _gelu_tanh_bwd_default(
         return _gelu_tanh_bwd_default_torch(dy, x, bias, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _gelu_tanh_bwd_default(dy, x, bias, store_dbias)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -741,7 +751,7 @@ def _gelu_tanh_bwd_default(
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_gelu_tanh_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_gelu_tanh_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             x.dtype, x_ptr & 15,
             bias is not None and bias.dtype, bias_ptr & 15,

@@ -1226,6 +1226,11 @@ def _layernorm_fwd(
         return _layernorm_fwd_torch(x, weight, bias, eps, store_mean, store_rstd)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _layernorm_fwd(x, weight, bias, eps, store_mean, store_rstd)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and _direct():
@@ -1234,7 +1239,7 @@ def _layernorm_fwd(
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_layernorm_fwd", torch._C._cuda_getDevice(), M, N,
+            "_layernorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,
             bias is not None and bias.dtype, bias_ptr & 15,
@@ -1317,6 +1322,11 @@ def _layernorm_bwd_default(
         return _layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _layernorm_bwd_default(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -1329,7 +1339,7 @@ def _layernorm_bwd_default(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_layernorm_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_layernorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             x.dtype, x_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,
@@ -1422,6 +1432,11 @@ def _layernorm_bwd_recompute_mean(
         return _layernorm_bwd_recompute_mean_torch(dy, x, weight, bias, rstd, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _layernorm_bwd_recompute_mean(dy, x, weight, bias, rstd, store_dweight, store_dbias)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -1433,7 +1448,7 @@ def _layernorm_bwd_recompute_mean(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_layernorm_bwd_recompute_mean", torch._C._cuda_getDevice(), M, N,
+            "_layernorm_bwd_recompute_mean", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             x.dtype, x_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,
@@ -1523,6 +1538,11 @@ def _layernorm_bwd_invertible(
         return _layernorm_bwd_invertible_torch(dy, y, weight, bias, rstd, store_dweight, store_dbias)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _layernorm_bwd_invertible(dy, y, weight, bias, rstd, store_dweight, store_dbias)
     dy_stride = dy.stride(0)
     y_stride = y.stride(0)
     plan = key = None
@@ -1534,7 +1554,7 @@ def _layernorm_bwd_invertible(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_layernorm_bwd_invertible", torch._C._cuda_getDevice(), M, N,
+            "_layernorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             y.dtype, y_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,

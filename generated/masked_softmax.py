@@ -932,6 +932,11 @@ def _masked_softmax_fwd(
         return _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p, p_dtype)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _masked_softmax_fwd(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p, p_dtype)
     x_stride = x.stride(0)
     attention_mask_strides = attention_mask.stride()[:3] if attention_mask is not None else (0, 0, 0)
     plan = key = None
@@ -941,7 +946,7 @@ def _masked_softmax_fwd(
         seed_ptr = seed.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_masked_softmax_fwd", torch._C._cuda_getDevice(), M, N,
+            "_masked_softmax_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             attention_mask is not None and attention_mask.dtype, attention_mask_ptr & 15,
             seed.dtype, seed_ptr & 15,
@@ -1027,6 +1032,11 @@ def _masked_softmax_bwd_default(
         return _masked_softmax_bwd_default_torch(dy, p, scale, window, dropout_p, seed, row_shape)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _masked_softmax_bwd_default(dy, p, scale, window, dropout_p, seed, row_shape)
     dy_stride = dy.stride(0)
     p_stride = p.stride(0)
     plan = key = None
@@ -1036,7 +1046,7 @@ def _masked_softmax_bwd_default(
         seed_ptr = seed.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_masked_softmax_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_masked_softmax_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             p.dtype, p_ptr & 15,
             seed.dtype, seed_ptr & 15,

@@ -931,6 +931,11 @@ def _rmsnorm_fwd(
         return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and _direct():
@@ -938,7 +943,7 @@ def _rmsnorm_fwd(
         weight_ptr = weight.data_ptr() if weight is not None else x_ptr
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_rmsnorm_fwd", torch._C._cuda_getDevice(), M, N,
+            "_rmsnorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,
             x_stride,
@@ -1010,6 +1015,11 @@ def _rmsnorm_bwd_default(
         return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -1020,7 +1030,7 @@ def _rmsnorm_bwd_default(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_rmsnorm_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_rmsnorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             x.dtype, x_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,
@@ -1100,6 +1110,11 @@ def _rmsnorm_bwd_invertible(
         return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight)
     dy_stride = dy.stride(0)
     y_stride = y.stride(0)
     plan = key = None
@@ -1110,7 +1125,7 @@ def _rmsnorm_bwd_invertible(
         rstd_ptr = rstd.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_rmsnorm_bwd_invertible", torch._C._cuda_getDevice(), M, N,
+            "_rmsnorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             y.dtype, y_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,

@@ -719,13 +719,18 @@ def _softmax_fwd(
         return _softmax_fwd_torch(x)
     acc = _accumulator(x.dtype)
     device = x.device
+    if x.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _softmax_fwd(x)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and _direct():
         x_ptr = x.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_softmax_fwd", torch._C._cuda_getDevice(), M, N,
+            "_softmax_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
             x_stride,
         )
@@ -780,6 +785,11 @@ def _softmax_bwd_default(
         return _softmax_bwd_default_torch(dp, p)
     acc = _accumulator(dp.dtype)
     device = dp.device
+    if dp.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _softmax_bwd_default(dp, p)
     dp_stride = dp.stride(0)
     p_stride = p.stride(0)
     plan = key = None
@@ -788,7 +798,7 @@ def _softmax_bwd_default(
         p_ptr = p.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_softmax_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_softmax_bwd_default", device.index, M, N,
             dp.dtype, dp_ptr & 15,
             p.dtype, p_ptr & 15,
             dp_stride,

@@ -636,6 +636,11 @@ def _swiglu_fwd(
         return _swiglu_fwd_torch(gate, up)
     acc = _accumulator(gate.dtype)
     device = gate.device
+    if gate.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _swiglu_fwd(gate, up)
     gate_stride = gate.stride(0)
     up_stride = up.stride(0)
     plan = key = None
@@ -644,7 +649,7 @@ def _swiglu_fwd(
         up_ptr = up.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_swiglu_fwd", torch._C._cuda_getDevice(), M, N,
+            "_swiglu_fwd", device.index, M, N,
             gate.dtype, gate_ptr & 15,
             up.dtype, up_ptr & 15,
             gate_stride,
@@ -703,6 +708,11 @@ def _swiglu_bwd_default(
         return _swiglu_bwd_default_torch(dy, gate, up)
     acc = _accumulator(dy.dtype)
     device = dy.device
+    if dy.is_cuda and device.index != torch._C._cuda_getDevice():
+        # Triton compiles for and launches on the current device: make it the tensors' device,
+        # as torch's own ops do
+        with torch.cuda.device(device):
+            return _swiglu_bwd_default(dy, gate, up)
     dy_stride = dy.stride(0)
     gate_stride = gate.stride(0)
     up_stride = up.stride(0)
@@ -713,7 +723,7 @@ def _swiglu_bwd_default(
         up_ptr = up.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
         key = (
-            "_swiglu_bwd_default", torch._C._cuda_getDevice(), M, N,
+            "_swiglu_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
             gate.dtype, gate_ptr & 15,
             up.dtype, up_ptr & 15,

@@ -125,3 +125,31 @@ def test_every_op_launches_directly(monkeypatch, name):
     calls = _jit_calls(monkeypatch)
     _step(fn, inputs, params, grads)
     assert calls == [], f"{name}: launched through the JIT again: {calls}"
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="two CUDA devices")
+@pytest.mark.parametrize("name", NAMES)
+def test_tensors_on_another_device_than_the_current(name):
+    """Tensors on cuda:1 while cuda:0 is current: every op runs on its tensors' device, as
+    torch's own ops do, and computes bit for bit what it does with cuda:1 current (Triton
+    compiles for and launches on the current device; each launcher makes it the tensors')."""
+    with torch.cuda.device(1):
+        generator = torch.Generator("cuda").manual_seed(3)
+        cases, params = _cases(64, 1024, generator)
+        fn, inputs = cases[name]
+        with torch.no_grad():
+            outputs = fn(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        grads = [torch.randn_like(o) for o in outputs]
+        want_outputs, want_grads = _step(fn, inputs, params, grads)
+        want_outputs = [o.detach().clone() for o in want_outputs]
+        want_grads = [None if g is None else g.clone() for g in want_grads]
+    with torch.cuda.device(0):
+        got_outputs, got_grads = _step(fn, inputs, params, grads)
+    torch.cuda.synchronize(1)
+    for got, want in zip((*got_outputs, *got_grads), (*want_outputs, *want_grads), strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.device == torch.device("cuda", 1), got.device
+        assert torch.equal(got, want), f"{name}: other values with cuda:0 current"
