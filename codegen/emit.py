@@ -182,7 +182,7 @@ class KernelContext:
                 lines.append(f"{e} = cols")
                 continue
             if kind == "random":
-                lines.append(f"{e} = _uniform(seed, offsets * N + cols).to(ACC)")
+                lines.append(f"{e} = _uniform(seed, offsets, cols, N, BLOCK_N).to(ACC)")
                 continue
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
             hint = "evict_last" if again is not None and e in again else "evict_first"
