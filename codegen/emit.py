@@ -182,7 +182,7 @@ class KernelContext:
                 lines.append(f"{e} = cols")
                 continue
             if kind == "random":
-                lines.append(f"{e} = _uniform(seed, offsets, cols, N, BLOCK_N).to(ACC)")
+                lines.append(f"{e} = _uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)")
                 continue
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
             hint = "evict_last" if again is not None and e in again else "evict_first"
@@ -342,10 +342,10 @@ class KernelContext:
             one, two = one + 1, two + len(group["two"])
         return lines
 
-    def epilogue_columns_line(self) -> str:
+    def epilogue_columns_lines(self) -> list[str]:
         """`cols` of the looped kernel's epilogue step, after every sweep (sweep_lines)."""
-        return self.columns_line(self._backwards(len(self.sweeps),
-                                                 sum(len(group["two"]) for group in self.sweeps)))
+        return self.columns_lines(self._backwards(len(self.sweeps),
+                                                  sum(len(group["two"]) for group in self.sweeps)))
 
     @staticmethod
     def _backwards(one: int, two: int) -> str:
@@ -355,22 +355,24 @@ class KernelContext:
             return str(one % 2)
         return "ONE_SWEEP" if one % 2 else "(1 - ONE_SWEEP)"
 
-    @staticmethod
-    def columns_line(backwards: str) -> str:
+    def columns_lines(self, backwards: str) -> list[str]:
         """`cols` of a sweep's step `chunk`: its column block, counted from the last one where
-        the sweep runs backwards."""
+        the sweep runs backwards; in a kernel that draws random values, `col0`, the block's first
+        column, too (`_uniform` draws from it a Philox call per four columns)."""
         block = "chunk" if backwards == "0" else (
             f"_column_block(chunk, CHUNKS, REVERSE{'' if backwards == '1' else ' * ' + backwards})")
-        return f"cols = {block} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"
+        if not self.seeded:
+            return [f"cols = {block} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
+        return [f"col0 = {block} * BLOCK_N", "cols = col0 + tl.arange(0, BLOCK_N)[None, :]"]
 
     def _sweep_lines(self, p: dict[str, Any], again: set[str], backwards: str) -> list[str]:
         body = (self.column_load_lines(p["column_inputs"])
                 + self.element_load_lines(p["element_loads"], again)
                 + self.assign_lines(p["assigns"]) + p["step"])
         return (p["init"]
-                + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):",
-                   "    " + self.columns_line(backwards),
-                   "    col_mask = _below(cols, N, EVEN)",
+                + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):"]
+                + ["    " + line for line in self.columns_lines(backwards)]
+                + ["    col_mask = _below(cols, N, EVEN)",
                    "    mask = row_mask & col_mask"]
                 + ["    " + line for line in body]
                 + p["merge"] + self.assign_lines(p["after"]))

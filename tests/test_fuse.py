@@ -194,7 +194,7 @@ def test_every_other_sweep_runs_backwards_under_reverse():
     def directions(context):
         lines = [line.strip() for line in context.sweep_lines()]
         return [line.split(" = ", 1)[1].split(" * BLOCK_N")[0] for line in lines
-                if line.startswith("cols = ")], context.epilogue_columns_line()
+                if line.startswith("cols = ")], context.epilogue_columns_lines()[-1]
 
     # the layer-norm forward: one joined sweep (forwards: Welford counts steps from the first
     # column block) or the mean's and the variance's passes (the second backwards); the
@@ -216,8 +216,16 @@ def test_a_sweep_s_direction_follows_the_parity_of_the_sweeps_before_it():
     assert KernelContext._backwards(1, 3) == "1"
     assert KernelContext._backwards(1, 2) == "ONE_SWEEP"
     assert KernelContext._backwards(2, 3) == "(1 - ONE_SWEEP)"
-    assert KernelContext.columns_line("0") == (
-        "cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
-    assert KernelContext.columns_line("(1 - ONE_SWEEP)") == (
+    from codegen.printers import TRITON
+
+    context = KernelContext(kernels("layernorm")["fwd"], TRITON)
+    assert context.columns_lines("0") == [
+        "cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
+    assert context.columns_lines("(1 - ONE_SWEEP)") == [
         "cols = _column_block(chunk, CHUNKS, REVERSE * (1 - ONE_SWEEP)) * BLOCK_N"
-        " + tl.arange(0, BLOCK_N)[None, :]")
+        " + tl.arange(0, BLOCK_N)[None, :]"]
+    # a kernel that draws random values names the block's first column for `_uniform`
+    seeded = KernelContext(kernels("bias_dropout_add")["fwd"], TRITON)
+    assert seeded.columns_lines("1") == [
+        "col0 = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N",
+        "cols = col0 + tl.arange(0, BLOCK_N)[None, :]"]
