@@ -10,7 +10,12 @@ Ops and shapes (bf16 by default):
   {8x16x512x512, 4x32x1024x1024, 1x32x4096x4096, causal 4x32x1024x1024};
   bytes = fwd: read x + write y + write p (3X); bwd: read dy, p + write dx (3X);
 - cross_entropy, mean reduction, 5% ignored targets: rows x V in {4096x32000, 8192x128256,
-  2048x256000}; bytes = fwd: read x (X); bwd: read x + write dx (2X).
+  2048x256000}; bytes = fwd: read x (X); bwd: read x + write dx (2X);
+- gelu and gelu_tanh with a bias: rows x N in {4096x4096, 8192x16384}; bytes = fwd: read x +
+  write y (2X); bwd: read dy, x + write dx (3X);
+- swiglu, geglu (silu / exact gelu of gate, times up): rows x N in {4096x11008, 8192x14336};
+  bytes = fwd: read gate, up + write y (3X); bwd: read dy, gate, up + write dgate, dup (5X).
+  Liger's geglu computes the tanh GELU (ours the exact one): its row is a reference.
 Every provider is charged the same bytes; "vjpforge speed-up" is the provider's time over
 ours. Timing: CUDA events, median after warm-up, the L2
 flushed before each call (benchmarks/timing.py). torch.compile is compiled fresh per shape.
@@ -30,7 +35,11 @@ from benchmarks.environment import create_environment, measure_copy_bandwidth
 from benchmarks.timing import Workload, measure
 from generated.bias_dropout_add import bias_dropout_add
 from generated.cross_entropy import cross_entropy
+from generated.geglu import geglu
+from generated.gelu import gelu
+from generated.gelu_tanh import gelu_tanh
 from generated.masked_softmax import masked_softmax
+from generated.swiglu import swiglu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -41,6 +50,15 @@ def _liger_cross_entropy() -> Callable | None:
     except ImportError:
         return None
     return lambda x, t: liger_cross_entropy(x, t, ignore_index=-100)
+
+
+def _liger(name: str) -> Callable | None:
+    """liger_kernel.transformers.functional's `name`, or None without Liger."""
+    try:
+        from liger_kernel.transformers import functional
+    except ImportError:
+        return None
+    return getattr(functional, name, None)
 
 
 def cases(smoke: bool):
@@ -103,6 +121,37 @@ def cases(smoke: bool):
         if liger is not None:
             providers["liger"] = liger
         yield ("cross_entropy", f"{m}x{v}", make, providers, 1, 2, m * v)
+
+    gelus = {"gelu": (gelu, "none"), "gelu_tanh": (gelu_tanh, "tanh")}
+    shapes = [(64, 256)] if smoke else [(4096, 4096), (8192, 16384)]
+    for op, (ours, approximate) in gelus.items():
+        for m, n in shapes:
+            def make(m=m, n=n, dtype=None, device=None):
+                x = torch.randn(m, n, dtype=dtype, device=device, requires_grad=True)
+                bias = torch.randn(n, dtype=dtype, device=device, requires_grad=True)
+                return x, bias
+
+            def theirs(x, b, approximate=approximate):
+                return F.gelu(x + b, approximate=approximate)
+            yield (op, f"{m}x{n}", make,
+                   {"vjpforge": lambda x, b, ours=ours: ours(x, bias=b), "torch": theirs,
+                    "compile": theirs}, 2, 3, m * n)
+
+    glus = {"swiglu": (swiglu, F.silu, "liger_swiglu"), "geglu": (geglu, F.gelu, "liger_geglu")}
+    shapes = [(64, 256)] if smoke else [(4096, 11008), (8192, 14336)]
+    for op, (ours, activation, liger_name) in glus.items():
+        for m, n in shapes:
+            def make(m=m, n=n, dtype=None, device=None):
+                gate = torch.randn(m, n, dtype=dtype, device=device, requires_grad=True)
+                up = torch.randn(m, n, dtype=dtype, device=device, requires_grad=True)
+                return gate, up
+
+            def theirs(gate, up, activation=activation):
+                return activation(gate) * up
+            providers = {"vjpforge": ours, "torch": theirs, "compile": theirs}
+            if (liger_fn := _liger(liger_name)) is not None:
+                providers["liger"] = liger_fn
+            yield (op, f"{m}x{n}", make, providers, 3, 5, m * n)
 
 
 def main() -> None:

@@ -61,6 +61,9 @@ class ScheduleTable:
     persistent_max_bwd_row_bytes: int = 0
     #: ... and forward kernels likewise (0 here, raised per op in `per_op` where measured)
     persistent_max_fwd_row_bytes: int = 0
+    #: forward kernels loop over rows wider than this (persistent_max_block_n here, lowered per
+    #: op in `per_op` where measured)
+    persistent_max_fwd_block_n: int = 16384
     #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
     #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
     #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
@@ -130,6 +133,13 @@ class ScheduleTable:
                     # benchmarks.run at 2048x128256 (one sweep, code 1453802 / a pass each,
                     # 9954f72): bf16 1718 / 1601 GB/s, fp32 1973 / 1505
                     "one_sweep_min_n": 65537},
+        # elementwise forwards whose activation is costly loop over 4096 columns a step instead
+        # of whole rows: more programs an SM hide its latency (H100, bf16, 2026-11-22, a probe
+        # forcing the schedule: GELU forward 8192x16384 271 us whole at 16 warps, 237 at 32,
+        # 196 looped at 4096 and 8 warps, against torch.compile's 216; GeGLU 4096x11008 139,
+        # 106, 98, torch.compile 95)
+        **{op: {"persistent_max_fwd_block_n": 4096}
+           for op in ("gelu", "gelu_tanh", "swiglu", "geglu")},
     })
 
     #: measured per-op schedules (see load_measured); the constants above are the fallback
@@ -161,6 +171,7 @@ class ScheduleTable:
             "PADDED_PARTIAL_LOOPED_BLOCK_N": self.padded_partial_looped_block_n,
             "PERSISTENT_MAX_BWD_ROW_BYTES": self.persistent_max_bwd_row_bytes,
             "PERSISTENT_MAX_FWD_ROW_BYTES": self.persistent_max_fwd_row_bytes,
+            "PERSISTENT_MAX_FWD_BLOCK_N": self.persistent_max_fwd_block_n,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,

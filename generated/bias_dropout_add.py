@@ -28,6 +28,7 @@ PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
 PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_ROW_BYTES = 0
+PERSISTENT_MAX_FWD_BLOCK_N = 16384
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -102,6 +103,8 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 1}
 
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
+    if kind == "fwd":
+        persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
     row_bytes = block_n * element_size
     if grid_stride:
