@@ -137,7 +137,10 @@ class ScheduleTable:
         # of whole rows: more programs an SM hide its latency (H100, bf16, 2026-11-22, a probe
         # forcing the schedule: GELU forward 8192x16384 271 us whole at 16 warps, 237 at 32,
         # 196 looped at 4096 and 8 warps, against torch.compile's 216; GeGLU 4096x11008 139,
-        # 106, 98, torch.compile 95)
+        # 106, 98, torch.compile 95). With this rule (16 warps, 3 stages), `benchmarks.
+        # transformer_ops` before/after the same day: GELU 8192x16384 0.271 -> 0.212 ms, GeGLU
+        # 4096x11008 0.139 -> 0.100 and 8192x14336 0.290 -> 0.240, tanh GELU 8192x16384 0.191
+        # -> 0.186, SwiGLU 4096x11008 0.100 -> 0.096 and 8192x14336 0.236 -> 0.240
         **{op: {"persistent_max_fwd_block_n": 4096}
            for op in ("gelu", "gelu_tanh", "swiglu", "geglu")},
     })
