@@ -504,9 +504,9 @@ def _uniform(seed, rows, col0, N, BLOCK_N: tl.constexpr):
     + col // 4, under the key (seed low word, seed high word), mapped to a float as tl.rand does.
     A Philox call gives four words: a tile of BLOCK_N >= 4 columns (col0 a multiple of 4) draws
     one per four columns and interleaves them, a quarter of the integer multiplies a word per
-    element took (H100, bias-dropout-add 16384x4096 bf16: forward 249 -> 138 us, backward
-    245 -> 134, the forward 138 without any random values). Nothing is stored: a backward
-    regenerates the same values."""
+    element took (H100, bias-dropout-add 16384x4096 bf16, a scratch probe of the kernels in
+    session 14, docs/benchmarks.md: forward 249 -> 138 us, backward 245 -> 134, the forward 138
+    without any random values). Nothing is stored: a backward regenerates the same values."""
     if BLOCK_N >= 4:
         counter = rows * ((N + 3) // 4) + (col0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
     else:
