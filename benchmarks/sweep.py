@@ -126,7 +126,7 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
         for values in itertools.product(*choices.values()):
             for name, value in zip(choices, values, strict=True):
                 setattr(module, name, value)
-            module._schedule.cache_clear()
+            module._forget_schedules()
             try:
                 fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
             except Exception as error:  # noqa: BLE001 - report and go on
@@ -142,7 +142,7 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
                     best[mode] = (gbps, values)
         for name, value in defaults.items():
             setattr(module, name, value)
-        module._schedule.cache_clear()
+        module._forget_schedules()
         fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
         default_fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
         default_bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
@@ -154,7 +154,7 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
             flush=True,
         )
     module.MEASURED_SCHEDULES = measured
-    module._schedule.cache_clear()
+    module._forget_schedules()
 
 
 def main() -> None:

@@ -15,7 +15,12 @@ Ops and shapes (bf16 by default):
   write y (2X); bwd: read dy, x + write dx (3X);
 - swiglu, geglu (silu / exact gelu of gate, times up): rows x N in {4096x11008, 8192x14336};
   bytes = fwd: read gate, up + write y (3X); bwd: read dy, gate, up + write dgate, dup (5X).
-  Liger's geglu computes the tanh GELU (ours the exact one): its row is a reference.
+  Liger's geglu computes the tanh GELU (ours the exact one): its row is a reference;
+- add_layer_norm and add_rms_norm with prenorm (a pre-LN block's residual add: returns the norm
+  of x + residual and the sum), eps 1e-6: rows x hidden in {4096x4096, 16384x4096, 8192x8192};
+  bytes = fwd: read x, residual + write y, sum (4X); bwd: read dy, dsum, the saved sum + write
+  dx (4X; dresidual is dx). Liger's fused_add_rms_norm (in_place=False: the upstream gradient
+  is reused) is the same op for RMS norm; Liger has no fused add for layer norm.
 Every provider is charged the same bytes; "vjpforge speed-up" is the provider's time over
 ours. Timing: CUDA events, median after warm-up, the L2
 flushed before each call (benchmarks/timing.py). torch.compile is compiled fresh per shape.
@@ -33,6 +38,8 @@ import torch.nn.functional as F
 
 from benchmarks.environment import create_environment, measure_copy_bandwidth
 from benchmarks.timing import Workload, measure
+from generated.add_layernorm import add_layer_norm
+from generated.add_rmsnorm import add_rms_norm
 from generated.bias_dropout_add import bias_dropout_add
 from generated.cross_entropy import cross_entropy
 from generated.geglu import geglu
@@ -153,6 +160,40 @@ def cases(smoke: bool):
                 providers["liger"] = liger_fn
             yield (op, f"{m}x{n}", make, providers, 3, 5, m * n)
 
+    def torch_add_norm(rms):
+        def fn(x, residual, weight, bias=None):
+            total = x + residual
+            n = (x.shape[-1],)
+            if rms:
+                return F.rms_norm(total, n, weight, 1e-6), total
+            return F.layer_norm(total, n, weight, bias, 1e-6), total
+        return fn
+
+    def ours_add_norm(rms):
+        def fn(x, residual, weight, bias=None):
+            n = (x.shape[-1],)
+            if rms:
+                return add_rms_norm(x, residual, n, weight, 1e-6, prenorm=True)
+            return add_layer_norm(x, residual, n, weight, bias, 1e-6, prenorm=True)
+        return fn
+
+    liger_add_rms = _liger("liger_fused_add_rms_norm")
+    shapes = [(64, 256)] if smoke else [(4096, 4096), (16384, 4096), (8192, 8192)]
+    for op, rms in (("add_layer_norm", False), ("add_rms_norm", True)):
+        for m, n in shapes:
+            def make(m=m, n=n, rms=rms, dtype=None, device=None):
+                x = torch.randn(m, n, dtype=dtype, device=device, requires_grad=True)
+                residual = torch.randn(m, n, dtype=dtype, device=device, requires_grad=True)
+                params = [torch.randn(n, dtype=dtype, device=device, requires_grad=True)
+                          for _ in range(1 if rms else 2)]  # weight (and bias)
+                return x, residual, *params
+            providers = {"vjpforge": ours_add_norm(rms), "torch": torch_add_norm(rms),
+                         "compile": torch_add_norm(rms)}
+            if rms and liger_add_rms is not None:
+                providers["liger"] = (lambda x, residual, weight:
+                                      liger_add_rms(x, residual, weight, 1e-6, in_place=False))
+            yield (op, f"{m}x{n}", make, providers, 4, 4, m * n)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -171,20 +212,21 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for op, label, make, providers, fwd_x, bwd_x, elements in cases(args.cpu_smoke):
         inputs = make(dtype=dtype, device=env.device)
-        upstream_like = None
         results = {}
         for name, fn in providers.items():
             if name == "compile" and env.is_cuda:
                 torch._dynamo.reset()
                 fn = torch.compile(fn)
-            out = fn(*inputs)
-            upstream_like = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+            outs = fn(*inputs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            upstream = tuple(torch.randn_like(o) if o.dim() else torch.ones_like(o)
+                             for o in outs)
             leaves = [t for t in inputs if t.requires_grad]
 
             def forward(_state=None, fn=fn, inputs=inputs):
                 return fn(*inputs)
 
-            def backward(out, leaves=leaves, upstream=upstream_like):
+            def backward(out, leaves=leaves, upstream=upstream):
                 return torch.autograd.grad(out, leaves, upstream)
 
             for mode, work, bytes_x in (

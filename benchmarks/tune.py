@@ -198,6 +198,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         for key, recorder in recorders.items():
             recorder.compiled = None
             setattr(module, key, recorder)
+        module._forget_schedules()  # launch plans would launch past both
         config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
                   "stages": stages, "step": step}
         if form != RULE_FORM:
@@ -221,6 +222,7 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
             module._schedule = original_schedule
             for key, kernel in originals.items():
                 setattr(module, key, kernel)
+            module._forget_schedules()
         results.append(record)
         return record.get("gbps", 0.0)
 
@@ -301,10 +303,12 @@ def _used_schedule(module, call):
         return used[-1]
 
     module._schedule = spy
+    module._forget_schedules()  # a launch plan would not ask `_schedule`
     try:
         call()
     finally:
         module._schedule = original
+        module._forget_schedules()
     return used[0]
 
 
@@ -363,12 +367,14 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                         fixed = used._replace(even=even, strided=strided, reverse=reverse,
                                               regs=regs)
                         module._schedule = lambda *_args, fixed=fixed, **_kwargs: fixed
+                        module._forget_schedules()
                         try:
                             call()  # compile outside the timed loop
                             work = Workload(lambda _state, call=call: call())
                             stats = measure(clock, work, REP_MS)
                         finally:
                             module._schedule = original
+                            module._forget_schedules()
                         gbps = moved / stats.median_ms / 1e6
                         speeds[even, strided, reverse, regs] = max(
                             speeds.get((even, strided, reverse, regs), 0.0), gbps)
@@ -411,14 +417,14 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
                 table = module.MEASURED_SCHEDULES
                 for source, schedules in (("rules", {}), ("default", table)):
                     module.MEASURED_SCHEDULES = schedules
-                    module._schedule.cache_clear()
+                    module._forget_schedules()
                     try:
                         used = _used_schedule(module, call)
                         form = RULE_FORM if used.entry is None else schedules[used.entry][6]
                         stats = measure(clock, Workload(lambda _state, call=call: call()), REP_MS)
                     finally:
                         module.MEASURED_SCHEDULES = table
-                        module._schedule.cache_clear()
+                        module._forget_schedules()
                     gbps = moved / stats.median_ms / 1e6
                     results.append(_as_config(used, m, properties.multi_processor_count, form)
                                    | {"ms": stats.median_ms, "gbps": gbps, source: True})

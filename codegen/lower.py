@@ -42,12 +42,13 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
 
     element_stores = [s for s in stores if s.level in ("element", "column")]
     assigns, loads = _element_work([s.expr for s in element_stores], definitions, order, levels)
-    shared, rewritten = _share_subexpressions([s.expr for s in element_stores], levels)
+    epilogue_assigns, rewritten = _share_subexpressions(
+        assigns, [s.expr for s in element_stores], levels)
     by_name = {s.name: expr for s, expr in zip(element_stores, rewritten, strict=True)}
     final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.flag, s.like)
                          for s in stores)
     outputs = tuple(Tensor(s.name, s.level) for s in final_stores)
-    epilogue = Pass(loads=loads, assigns=assigns + shared, reductions=(), after=())
+    epilogue = Pass(loads=loads, assigns=epilogue_assigns, reductions=(), after=())
 
     absent = dict(graph.element_absent)
     inputs = tuple(Tensor(t, "element", absent.get(t), broadcast=t in graph.broadcast_inputs)
@@ -151,21 +152,44 @@ def _element_work(exprs: list[sympy.Expr], definitions: dict[str, Definition],
     return assigns, tuple(sorted(loads))
 
 
-def _share_subexpressions(exprs: list[sympy.Expr], levels: dict[str, str]
-                          ) -> tuple[tuple[Assign, ...], list[sympy.Expr]]:
-    """Common subexpression elimination over the epilogue's outputs."""
+def _share_subexpressions(assigns: tuple[Assign, ...], exprs: list[sympy.Expr],
+                          levels: dict[str, str]) -> tuple[tuple[Assign, ...], list[sympy.Expr]]:
+    """Common subexpression elimination over the epilogue: its element definitions and its
+    outputs together, so that a value the backward prints again inside an output (GeGLU's
+    erf(sqrt(2)*gate/2), in the activation it recomputes and in the activation's derivative)
+    is evaluated once. Returns the epilogue's assigns (each temporary placed before the first
+    definition that uses it) and the outputs rewritten."""
     if not exprs:
-        return (), exprs
+        return assigns, exprs
     names = (sympy.Symbol(f"common_{i}", real=True) for i in range(10_000))
-    replacements, reduced = sympy.cse(exprs, symbols=names, optimizations=None)
+    replacements, reduced = sympy.cse([a.expr for a in assigns] + exprs, symbols=names,
+                                      optimizations=None)
     # Keep only elementwise temporaries; row-level ones (1/N) print inline at row shape.
-    assigns: list[Assign] = []
+    temporaries: list[Assign] = []
     inline: dict[sympy.Symbol, sympy.Expr] = {}
     for symbol, expr in replacements:
         expr = expr.xreplace(inline)
         if any(levels.get(s.name) == "element" for s in expr.free_symbols):
             levels[symbol.name] = "element"
-            assigns.append(Assign(symbol.name, expr, "element"))
+            temporaries.append(Assign(symbol.name, expr, "element"))
         else:
             inline[symbol] = expr
-    return tuple(assigns), [e.xreplace(inline) for e in reduced]
+    reduced = [e.xreplace(inline) for e in reduced]
+    # sympy orders the temporaries so that each follows those it uses; a temporary goes before
+    # the first definition that uses it, directly or through a later temporary
+    result: list[Assign] = []
+    placed: set[str] = set()
+
+    def place(needs: set[str]) -> None:
+        for temporary in temporaries:
+            if temporary.name in needs and temporary.name not in placed:
+                place({s.name for s in temporary.expr.free_symbols})
+                placed.add(temporary.name)
+                result.append(temporary)
+
+    for assign, expr in zip(assigns, reduced, strict=False):
+        place({s.name for s in expr.free_symbols})
+        result.append(Assign(assign.name, expr, assign.level))
+    outputs = reduced[len(assigns):]
+    place({s.name for e in outputs for s in e.free_symbols})
+    return tuple(result), outputs

@@ -64,6 +64,8 @@ class ScheduleTable:
     #: forward kernels loop over rows wider than this (persistent_max_block_n here, lowered per
     #: op in `per_op` where measured)
     persistent_max_fwd_block_n: int = 16384
+    #: ... and backward kernels likewise
+    persistent_max_bwd_block_n: int = 16384
     #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
     #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
     #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
@@ -142,7 +144,16 @@ class ScheduleTable:
         # 4096x11008 0.139 -> 0.100 and 8192x14336 0.290 -> 0.240, tanh GELU 8192x16384 0.191
         # -> 0.186, SwiGLU 4096x11008 0.100 -> 0.096 and 8192x14336 0.236 -> 0.240
         **{op: {"persistent_max_fwd_block_n": 4096}
-           for op in ("gelu", "gelu_tanh", "swiglu", "geglu")},
+           for op in ("gelu", "gelu_tanh")},
+        # ... and so do the GLU backwards (no reductions either way): H100, bf16, 2026-11-22, a
+        # probe forcing the constants (whole rows, or looped at 2048-8192 columns, 1 or 3
+        # stages, 4-16 warps), backward whole rows (16 warps) against looped at 4096 columns,
+        # 3 stages, 16 warps: GeGLU 4096x11008 2069 vs 2838 GB/s, 8192x14336 2358 vs 2955;
+        # SwiGLU 4096x11008 2670 vs 2869, 8192x14336 2974 vs 2977 (the fastest: 8192 columns,
+        # 8 warps, 2876 and 2981). GeGLU's erf is evaluated once since the same day's
+        # lowering shares subexpressions of the epilogue's definitions with its outputs
+        **{op: {"persistent_max_fwd_block_n": 4096, "persistent_max_bwd_block_n": 4096}
+           for op in ("swiglu", "geglu")},
     })
 
     #: measured per-op schedules (see load_measured); the constants above are the fallback
@@ -175,6 +186,7 @@ class ScheduleTable:
             "PERSISTENT_MAX_BWD_ROW_BYTES": self.persistent_max_bwd_row_bytes,
             "PERSISTENT_MAX_FWD_ROW_BYTES": self.persistent_max_fwd_row_bytes,
             "PERSISTENT_MAX_FWD_BLOCK_N": self.persistent_max_fwd_block_n,
+            "PERSISTENT_MAX_BWD_BLOCK_N": self.persistent_max_bwd_block_n,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,

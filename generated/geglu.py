@@ -26,6 +26,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 4096
+PERSISTENT_MAX_BWD_BLOCK_N = 4096
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -100,8 +101,8 @@ MEASURED_LOADS = {"fwd": 2, "bwd": 3}
 
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
-    if kind == "fwd":
-        persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N)
+    persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
+                                 else PERSISTENT_MAX_BWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
     row_bytes = block_n * element_size
     if grid_stride:
@@ -230,6 +231,20 @@ _Plan = namedtuple("_Plan", "schedule launch grid head tail")
 _PLANS = {}
 #: most plans `_PLANS` holds before it starts over (each distinct shape adds some)
 LAUNCH_CACHE_SIZE = 4096
+
+
+def _forget_schedules():
+    """Drop the schedules and launch plans made so far: the next call of each launcher chooses
+    its schedule and kernel again. Whoever changes this module's constants, MEASURED_SCHEDULES,
+    `_schedule`, `_form` or a kernel (benchmarks.sweep, benchmarks.tune, benchmarks.counters,
+    the tests) calls it after the change and after undoing it: a plan keeps launching what its
+    first call compiled, past `_schedule` and the kernel objects."""
+    _PLANS.clear()
+    clear = getattr(_schedule, "cache_clear", None)  # None where `_schedule` is replaced
+    if clear is not None:
+        clear()
+
+
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
 _VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
 #: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,
@@ -453,7 +468,8 @@ def _geglu_fwd_per(
         mask = row_mask & col_mask
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        activation = 0.5 * gate * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
+        common_0 = 0.5 * gate  # common_0 = gate/2
+        activation = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
         y = activation * up  # y = activation*up
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -492,7 +508,8 @@ def _geglu_fwd_red(
             mask = row_mask & col_mask
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            activation = 0.5 * gate * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
+            common_0 = 0.5 * gate  # common_0 = gate/2
+            activation = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
             y = activation * up  # y = activation*up
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -535,9 +552,10 @@ def _geglu_bwd_default_per(
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        activation = 0.5 * gate * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
-        common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * gate  # common_0 = sqrt(2)*gate
-        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * gate * gate) + tl.math.erf(0.5 * common_0) + 1.0)).to(dgate_ptr.dtype.element_ty), mask=mask)
+        common_1 = 0.5 * gate  # common_1 = gate/2
+        common_2 = tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1) + 1.0  # common_2 = erf(sqrt(2)*common_1) + 1
+        activation = common_1 * common_2  # activation = common_1*common_2
+        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * _exp(-0.5 * gate * gate))).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
@@ -580,9 +598,10 @@ def _geglu_bwd_default_red(
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            activation = 0.5 * gate * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
-            common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * gate  # common_0 = sqrt(2)*gate
-            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * gate * gate) + tl.math.erf(0.5 * common_0) + 1.0)).to(dgate_ptr.dtype.element_ty), mask=mask)
+            common_1 = 0.5 * gate  # common_1 = gate/2
+            common_2 = tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1) + 1.0  # common_2 = erf(sqrt(2)*common_1) + 1
+            activation = common_1 * common_2  # activation = common_1*common_2
+            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * _exp(-0.5 * gate * gate))).to(dgate_ptr.dtype.element_ty), mask=mask)
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
@@ -596,7 +615,8 @@ def _geglu_fwd_torch(
     M, N = gate.shape
     gate = gate.to(acc)
     up = up.to(acc)
-    activation = 0.5 * gate * (torch.erf(0.7071067811865476 * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
+    common_0 = 0.5 * gate  # common_0 = gate/2
+    activation = common_0 * (torch.erf(1.4142135623730951 * common_0) + 1.0)  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
     y = activation * up  # y = activation*up
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
@@ -614,9 +634,10 @@ def _geglu_bwd_default_torch(
     dy = dy.to(acc)
     gate = gate.to(acc)
     up = up.to(acc)
-    activation = 0.5 * gate * (torch.erf(0.7071067811865476 * gate) + 1.0)  # activation = gate*(erf(sqrt(2)*gate/2) + 1)/2
-    common_0 = 1.4142135623730951 * gate  # common_0 = sqrt(2)*gate
-    dgate = torch.broadcast_to(0.5 * dy * up * (0.5641895835477563 * common_0 * torch.exp(-0.5 * gate * gate) + torch.erf(0.5 * common_0) + 1.0), (M, N)).to(dtype).contiguous()
+    common_1 = 0.5 * gate  # common_1 = gate/2
+    common_2 = torch.erf(1.4142135623730951 * common_1) + 1.0  # common_2 = erf(sqrt(2)*common_1) + 1
+    activation = common_1 * common_2  # activation = common_1*common_2
+    dgate = torch.broadcast_to(0.5 * dy * up * (common_2 + 0.7978845608028654 * gate * torch.exp(-0.5 * gate * gate)), (M, N)).to(dtype).contiguous()
     dup = torch.broadcast_to(activation * dy, (M, N)).to(dtype).contiguous()
     return dgate, dup,
 

@@ -28,6 +28,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 4096
+PERSISTENT_MAX_BWD_BLOCK_N = 16384
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -102,8 +103,8 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
-    if kind == "fwd":
-        persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N)
+    persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
+                                 else PERSISTENT_MAX_BWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
     row_bytes = block_n * element_size
     if grid_stride:
@@ -232,6 +233,20 @@ _Plan = namedtuple("_Plan", "schedule launch grid head tail")
 _PLANS = {}
 #: most plans `_PLANS` holds before it starts over (each distinct shape adds some)
 LAUNCH_CACHE_SIZE = 4096
+
+
+def _forget_schedules():
+    """Drop the schedules and launch plans made so far: the next call of each launcher chooses
+    its schedule and kernel again. Whoever changes this module's constants, MEASURED_SCHEDULES,
+    `_schedule`, `_form` or a kernel (benchmarks.sweep, benchmarks.tune, benchmarks.counters,
+    the tests) calls it after the change and after undoing it: a plan keeps launching what its
+    first call compiled, past `_schedule` and the kernel objects."""
+    _PLANS.clear()
+    clear = getattr(_schedule, "cache_clear", None)  # None where `_schedule` is replaced
+    if clear is not None:
+        clear()
+
+
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
 _VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
 #: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,
@@ -459,7 +474,8 @@ def _gelu_fwd_per(
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
-        y = 0.5 * z * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * z) + 1.0)  # y = z*(erf(sqrt(2)*z/2) + 1)/2
+        common_0 = 0.5 * z  # common_0 = z/2
+        y = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # y = common_0*(erf(sqrt(2)*common_0) + 1)
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -501,7 +517,8 @@ def _gelu_fwd_red(
                 bias = 0.0
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
-            y = 0.5 * z * (tl.math.erf((tl.full([], 0.7071067690849304, ACC) + tl.full([], 1.2101617152815436e-08, ACC)) * z) + 1.0)  # y = z*(erf(sqrt(2)*z/2) + 1)/2
+            common_0 = 0.5 * z  # common_0 = z/2
+            y = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # y = common_0*(erf(sqrt(2)*common_0) + 1)
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -623,7 +640,8 @@ def _gelu_fwd_torch(
     x = x.to(acc)
     bias = bias.to(acc) if bias is not None else 0.0
     z = bias + x  # z = bias + x
-    y = 0.5 * z * (torch.erf(0.7071067811865476 * z) + 1.0)  # y = z*(erf(sqrt(2)*z/2) + 1)/2
+    common_0 = 0.5 * z  # common_0 = z/2
+    y = common_0 * (torch.erf(1.4142135623730951 * common_0) + 1.0)  # y = common_0*(erf(sqrt(2)*common_0) + 1)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
 

@@ -27,6 +27,7 @@ PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 16384
+PERSISTENT_MAX_BWD_BLOCK_N = 16384
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -160,8 +161,8 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
-    if kind == "fwd":
-        persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N)
+    persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
+                                 else PERSISTENT_MAX_BWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
     row_bytes = block_n * element_size
     if grid_stride:
@@ -290,6 +291,20 @@ _Plan = namedtuple("_Plan", "schedule launch grid head tail")
 _PLANS = {}
 #: most plans `_PLANS` holds before it starts over (each distinct shape adds some)
 LAUNCH_CACHE_SIZE = 4096
+
+
+def _forget_schedules():
+    """Drop the schedules and launch plans made so far: the next call of each launcher chooses
+    its schedule and kernel again. Whoever changes this module's constants, MEASURED_SCHEDULES,
+    `_schedule`, `_form` or a kernel (benchmarks.sweep, benchmarks.tune, benchmarks.counters,
+    the tests) calls it after the change and after undoing it: a plan keeps launching what its
+    first call compiled, past `_schedule` and the kernel objects."""
+    _PLANS.clear()
+    clear = getattr(_schedule, "cache_clear", None)  # None where `_schedule` is replaced
+    if clear is not None:
+        clear()
+
+
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
 _VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
 #: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,

@@ -37,3 +37,14 @@ def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         for module in modules if isinstance(modules, tuple) else (modules,):
             force_looped(monkeypatch, module, reverse=request.param == "looped-reverse")
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def forget_schedules():
+    """After each test, every loaded generated module forgets its schedules and launch plans: a
+    test that forced a schedule (force_looped, test_schedule's `_forced`) leaves none behind
+    for the next test's calls of the same shape, which a launch plan would otherwise launch."""
+    yield
+    for name, module in list(sys.modules.items()):
+        if name.startswith("generated.") and hasattr(module, "_forget_schedules"):
+            module._forget_schedules()

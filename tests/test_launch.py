@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from reference import HAS_CUDA
+from reference import HAS_CUDA, force_looped
 from test_cuda_graphs import NAMES, _cases, _step
 
 import generated.layernorm as layernorm
@@ -125,6 +125,45 @@ def test_every_op_launches_directly(monkeypatch, name):
     calls = _jit_calls(monkeypatch)
     _step(fn, inputs, params, grads)
     assert calls == [], f"{name}: launched through the JIT again: {calls}"
+
+
+def test_forgetting_schedules_drops_plans_and_cached_schedules(monkeypatch):
+    """`_forget_schedules` empties the plans and `_schedule`'s cache, and does not fail where
+    `_schedule` was replaced (benchmarks.tune replaces it with a fixed schedule)."""
+    monkeypatch.setattr(layernorm, "_PLANS", {"key": "plan"})
+    layernorm._schedule(64, 1024, False, "fwd", 1, 2, torch.device("cpu"), 16384)
+    assert layernorm._schedule.cache_info().currsize > 0
+    layernorm._forget_schedules()
+    assert layernorm._PLANS == {} and layernorm._schedule.cache_info().currsize == 0
+    monkeypatch.setattr(layernorm, "_schedule", lambda *_args: None)
+    layernorm._PLANS["key"] = "plan"
+    layernorm._forget_schedules()
+    assert layernorm._PLANS == {}
+
+
+def test_a_forced_schedule_is_launched_after_a_plan(monkeypatch):
+    """A schedule forced after calls of the same shape (force_looped, benchmarks.sweep and tune)
+    is the one launched: the plans made before are forgotten (on CUDA the second call would
+    otherwise launch the whole-row kernel of the first)."""
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    if not HAS_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(4, 8192 + 64, device=device)
+    whole = layernorm.layer_norm(x, (x.shape[1],))
+    layernorm.layer_norm(x, (x.shape[1],))  # from here on a CUDA call of this shape has a plan
+    launched = []
+    looped = layernorm._layernorm_fwd_red
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launched.append("_layernorm_fwd_red")
+            return looped[grid]
+
+    monkeypatch.setattr(layernorm, "_layernorm_fwd_red", Recorder())
+    force_looped(monkeypatch, layernorm)
+    forced = layernorm.layer_norm(x, (x.shape[1],))
+    assert launched == ["_layernorm_fwd_red"], "the plan of the whole-row call was launched"
+    torch.testing.assert_close(forced, whole)
 
 
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="two CUDA devices")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from codegen.schedule import DEFAULT, load_measured
-from generated import add_layernorm, layernorm, softmax
+from generated import add_layernorm, geglu, gelu, layernorm, softmax, swiglu
 
 
 def test_measured_table_reaches_the_module():
@@ -334,8 +334,10 @@ def test_even_and_strided_follow_the_shape(m, n, grid_stride):
 
 
 def _forced(module, schedule):
-    """The module's launchers with `_schedule` returning `schedule` (restored by the caller)."""
+    """The module's launchers with `_schedule` returning `schedule` (restored by the caller, the
+    launch plans then forgotten by the autouse `forget_schedules` fixture)."""
     module._schedule = lambda *_args, **_kwargs: schedule
+    module._forget_schedules()  # a CUDA call keyed as an earlier one would launch its plan
 
 
 # (rows, columns, rows a step, block_n, programs): each (EVEN, STRIDED) pair, whole and looped
@@ -379,3 +381,23 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
     expected = layernorm._layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, True, True)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("module", [geglu, swiglu, gelu])
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_elementwise_rows_loop_where_measured(module, kind):
+    """GLU forwards and backwards, and GELU's forward, step over 4096 columns of an LLM's MLP
+    row (11008) instead of a padded whole row of 16384 (codegen/schedule.py, per_op: H100,
+    GeGLU backward 4096x11008 2069 against 2838 GB/s); GELU's backward, with its bias gradient's
+    column partials, keeps the rule of kernels with partials (whole rows up to 16 KiB)."""
+    module._schedule.cache_clear()
+    grid_stride = module is gelu and kind == "bwd"
+    schedule = module._schedule(4096, 11008 if module is not gelu else 4096 + 2048, grid_stride,
+                                kind, 2, 2, torch.device("cpu"), module.PERSISTENT_MAX_BLOCK_N)
+    loops = not grid_stride
+    assert schedule.looped == loops
+    if loops:
+        assert (schedule.block_n, schedule.warps, schedule.stages) == (4096, 16, 3)
+    # the other ops keep the common limit in both directions
+    assert layernorm.PERSISTENT_MAX_FWD_BLOCK_N == layernorm.PERSISTENT_MAX_BLOCK_N
+    assert layernorm.PERSISTENT_MAX_BWD_BLOCK_N == layernorm.PERSISTENT_MAX_BLOCK_N
