@@ -1,7 +1,8 @@
 """Transformer-block ops against torch eager, torch.compile and Liger-Kernel, in GB/s and as a
 share of the copy bandwidth measured in the same run.
 
-    python -m benchmarks.transformer_ops [--dtype bf16] [--rep-ms 100] [--cpu-smoke]
+    python -m benchmarks.transformer_ops [--dtype bf16] [--rep-ms 100] [--ops swiglu,geglu]
+                                         [--cpu-smoke]
 
 Ops and shapes (bf16 by default):
 - bias_dropout_add, p = 0.1: rows x hidden in {4096x1024, 16384x4096, 8192x8192};
@@ -199,6 +200,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--rep-ms", type=float, default=100.0)
+    parser.add_argument("--ops", default="",
+                        help="comma-separated ops to run (default: every op above)")
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args()
     env = create_environment(args.cpu_smoke)
@@ -210,7 +213,12 @@ def main() -> None:
           f" copy {copy.gbps:.0f} GB/s, {args.dtype}")
     print("| op | shape | mode | provider | ms | GB/s | % of copy | vjpforge speed-up |")
     print("|---|---|---|---|---|---|---|---|")
+    chosen = set(filter(None, args.ops.split(",")))
+    if unknown := chosen - {case[0] for case in cases(args.cpu_smoke)}:
+        parser.error(f"--ops: no such op {', '.join(sorted(unknown))}")
     for op, label, make, providers, fwd_x, bwd_x, elements in cases(args.cpu_smoke):
+        if chosen and op not in chosen:
+            continue
         inputs = make(dtype=dtype, device=env.device)
         results = {}
         for name, fn in providers.items():

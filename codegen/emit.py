@@ -15,6 +15,7 @@ import sympy
 
 from codegen.fuse import Moments, OnlineExp, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
+from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
 from derive.algebra import GuardedReciprocal
@@ -155,6 +156,17 @@ class KernelContext:
             + [("row_shape", "list[int]")] * self.row_shape)
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
         self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
+        # elementwise through and through: no reductions, nothing per row or per column, no
+        # values from the element's position, every element tensor given. Its rows may be read
+        # as rows of another width (the launcher's fold)
+        exprs = [a.expr for a in (*kernel.prologue, *kernel.epilogue.assigns)]
+        exprs += [s.expr for s in kernel.stores]
+        self.foldable = (not (kernel.passes or self.row_inputs or self.column_inputs
+                              or self.row_stores or self.reduced_stores or kernel.generated
+                              or self.optional_elements or self.broadcast_inputs
+                              or self.aliases)
+                         and all(ROW_LENGTH not in {s.name for s in e.free_symbols}
+                                 for e in exprs))
 
     # Line snippets: each a list of source lines relative to the block they go in.
     def column_load_lines(self, columns: list[dict[str, Any]]) -> list[str]:

@@ -66,6 +66,10 @@ class ScheduleTable:
     persistent_max_fwd_block_n: int = 16384
     #: ... and backward kernels likewise
     persistent_max_bwd_block_n: int = 16384
+    #: elementwise-only kernels (no reductions, nothing per row or column) read contiguous rows
+    #: whose width is not a multiple of this as rows of this width, where the tensor tiles into
+    #: them (0: never)
+    fold_block_n: int = 0
     #: software-pipeline stages of a looped row's column sweeps: `python -m benchmarks.sweep
     #: --large` on the H100 (2026-11-21, bf16): 3 stages beat 1 at 4096x32768 (layer-norm
     #: backward 966 vs 812 GB/s, forward 2382 vs 2016; RMS norm backward 1343 vs 1124; softmax
@@ -152,7 +156,15 @@ class ScheduleTable:
         # SwiGLU 4096x11008 2670 vs 2869, 8192x14336 2974 vs 2977 (the fastest: 8192 columns,
         # 8 warps, 2876 and 2981). GeGLU's erf is evaluated once since the same day's
         # lowering shares subexpressions of the epilogue's definitions with its outputs
-        **{op: {"persistent_max_fwd_block_n": 4096, "persistent_max_bwd_block_n": 4096}
+        # GLU kernels (elementwise only) also read contiguous rows of 11008 or 14336 as rows of
+        # 4096, one a program: a probe forcing FOLD_BLOCK_N (0, 1024-8192), ROW_BLOCK_ELEMENTS
+        # (4096-16384) and MAX_WARPS (8, 16), H100, bf16, 2026-11-22, fwd / bwd GB/s without the
+        # fold -> folded at 4096 with 4096 elements a program (16 warps): GeGLU 4096x11008
+        # 2726 / 2844 -> 2805 / 2937, 8192x14336 2935 / 2956 -> 2966 / 3019; SwiGLU 4096x11008
+        # 2788 / 2876 -> 2859 / 2911, 8192x14336 2930 / 2938 -> 2993 / 3001. GeGLU's backward
+        # at 8192 elements a program (2 rows of 4096) ran 2359 and 2434
+        **{op: {"persistent_max_fwd_block_n": 4096, "persistent_max_bwd_block_n": 4096,
+                "fold_block_n": 4096, "row_block_elements": 4096}
            for op in ("swiglu", "geglu")},
     })
 
@@ -187,6 +199,7 @@ class ScheduleTable:
             "PERSISTENT_MAX_FWD_ROW_BYTES": self.persistent_max_fwd_row_bytes,
             "PERSISTENT_MAX_FWD_BLOCK_N": self.persistent_max_fwd_block_n,
             "PERSISTENT_MAX_BWD_BLOCK_N": self.persistent_max_bwd_block_n,
+            "FOLD_BLOCK_N": self.fold_block_n,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,

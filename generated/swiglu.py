@@ -30,12 +30,13 @@ PERSISTENT_MAX_BWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 4096
 PERSISTENT_MAX_BWD_BLOCK_N = 4096
+FOLD_BLOCK_N = 4096
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
 KEEP_MAX_ROW_BYTES = 262144
 LOOPED_GRID_STRIDE_ROWS = 2
-ROW_BLOCK_ELEMENTS = 8192
+ROW_BLOCK_ELEMENTS = 4096
 MAX_ROWS = 64
 PROGRAMS_PER_SM = 1
 INTERPRETER_PROGRAMS = 4
@@ -659,6 +660,12 @@ def _swiglu_fwd(
         # as torch's own ops do
         with torch.cuda.device(device):
             return _swiglu_fwd(gate, up)
+    if FOLD_BLOCK_N and N % FOLD_BLOCK_N and not M * N % FOLD_BLOCK_N and gate.stride(0) == N and up.stride(0) == N:
+        # elementwise only, on contiguous rows: read as rows of FOLD_BLOCK_N, which tile the
+        # blocks that padded rows of N would not
+        folded = (M * N // FOLD_BLOCK_N, FOLD_BLOCK_N)
+        outputs = _swiglu_fwd(gate.view(folded), up.view(folded))
+        return tuple(t.view(M, N) if t is not None else None for t in outputs)
     gate_stride = gate.stride(0)
     up_stride = up.stride(0)
     plan = key = None
@@ -731,6 +738,12 @@ def _swiglu_bwd_default(
         # as torch's own ops do
         with torch.cuda.device(device):
             return _swiglu_bwd_default(dy, gate, up)
+    if FOLD_BLOCK_N and N % FOLD_BLOCK_N and not M * N % FOLD_BLOCK_N and dy.stride(0) == N and gate.stride(0) == N and up.stride(0) == N:
+        # elementwise only, on contiguous rows: read as rows of FOLD_BLOCK_N, which tile the
+        # blocks that padded rows of N would not
+        folded = (M * N // FOLD_BLOCK_N, FOLD_BLOCK_N)
+        outputs = _swiglu_bwd_default(dy.view(folded), gate.view(folded), up.view(folded))
+        return tuple(t.view(M, N) if t is not None else None for t in outputs)
     dy_stride = dy.stride(0)
     gate_stride = gate.stride(0)
     up_stride = up.stride(0)

@@ -66,3 +66,40 @@ def test_inputs_must_match(device):
         geglu.geglu(gate, None)
     with pytest.raises(TypeError, match="argument 'gate' must have dtype"):
         swiglu.swiglu(torch.ones(2, 3, dtype=torch.int32, device=device), gate)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rows_fold_into_rows_of_the_fold_width(device, monkeypatch, variant):
+    """Elementwise-only launchers read contiguous rows whose width is not a multiple of
+    FOLD_BLOCK_N as rows of FOLD_BLOCK_N (where the tensor tiles into them): the same values
+    bit for bit, forward and backward; rows with a stride of their own are not folded."""
+    module = swiglu if variant == "swiglu" else geglu
+    forward = getattr(module, f"_{variant}_fwd")
+    backward = getattr(module, f"_{variant}_bwd_default")
+    gate, up, dy = (randn((6, 96), seed=seed, device=device) * 2 for seed in (1, 2, 3))
+    wide = randn((6, 128), seed=4, device=device)
+    strided = wide[:, :96]  # rows 128 apart: no fold
+    widths = []
+    schedule = module._schedule
+    monkeypatch.setattr(module, "_schedule", lambda M, N, *args: widths.append(N)
+                        or schedule(M, N, *args))
+
+    def run(fold):
+        monkeypatch.setattr(module, "FOLD_BLOCK_N", fold)
+        module._forget_schedules()
+        widths.clear()
+        results = (*forward(gate, up), *backward(dy, gate, up), *forward(strided, up))
+        return results, list(widths)
+
+    unfolded, unfolded_widths = run(0)
+    folded, folded_widths = run(64)  # 6 x 96 = 9 rows of 64
+    if device.type == "cpu" and not module._use_triton(gate):
+        assert unfolded_widths == folded_widths == []  # the torch path: no kernels
+    else:
+        assert unfolded_widths == [96, 96, 96]
+        assert folded_widths == [64, 64, 96]
+    for got, want in zip(folded, unfolded, strict=True):
+        assert got.shape == want.shape == (6, 96)
+        assert torch.equal(got, want)
+    expected = VARIANTS[variant][1](gate, up)
+    torch.testing.assert_close(folded[0], expected)
