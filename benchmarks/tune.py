@@ -14,8 +14,8 @@ over row blocks; kernels with column partials (a backward's parameter gradients)
 again at the register budget of the programs an SM runs (form bit 8), and every kernel against
 the table's entry for the width where that entry loops. `--looped` measures looped rows instead
 (LOOPED_SHAPES): columns per step (1024 to 16384), rows per step, warps (4 to 16 elements a
-thread), programs, and 1 or 3 stages for the three fastest (and, for kernels with a joined
-sweep, the other form of it: the table entry records the faster form), against the table's
+thread), programs, 1 or 3 stages, each (for kernels with a joined sweep) in both forms of it
+(the table entry records the faster form), against the table's
 whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the
 cross-entropy kernels too (bytes: the logits read, and in the backward their gradient written).
 Results go to DIR/tune.json, written after every shape, so a run cut short keeps what it
@@ -81,8 +81,6 @@ LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD = 64
 LOOPED_PARTIAL_MAX_STEP_ELEMENTS = 16384
 LOOPED_MIN_ELEMENTS_PER_THREAD = 4
 LOOPED_MAX_ELEMENTS_PER_THREAD = 16
-LOOPED_TOP = 3
-"""Looped configurations that are measured again with STAGE_CHOICES' pipelines."""
 REP_MS = 15.0
 MAX_ELEMENTS_PER_THREAD = 32
 MIN_ELEMENTS_PER_THREAD = 8
@@ -178,9 +176,9 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     results = []
 
     # looped kernels with a joined sweep (codegen/fuse.py) run it where the module's rule
-    # says (rows of ONE_SWEEP_MIN_N columns and more); the other form is measured next to the
-    # fastest configurations (marked against_rule) and competes for the table entry, which
-    # records the form that won
+    # says (rows of ONE_SWEEP_MIN_N columns and more); the other form is measured next to each
+    # configuration (marked against_rule) and competes for the table entry, which records the
+    # form that won
     rule_one_sweep = rule_one(module, n, element_size)
     joined = any("ONE_SWEEP" in getattr(module, key).arg_names for key in kernels)
 
@@ -233,9 +231,12 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         if whole is not None and not whole[4] and block_n <= module.PERSISTENT_MAX_BLOCK_N:
             rows, warps, per_sm, stages = whole[:4]
             run(min(rows, m), warps, sms * per_sm, stages)
-        first = []
         most = (LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD if partials
                 else LOOPED_MAX_ELEMENTS_PER_THREAD)
+        # every configuration in every pipeline depth and sweep form: a screen at one stage in
+        # the rule's form missed the fastest (H100, bf16 cross-entropy forward 4096x32000: one
+        # sweep at 2048 columns, 4 warps, 3 stages 2489 GB/s in a probe; the screen's best 2213)
+        forms = (None, not rule_one_sweep) if joined else (None,)
         for step in (s for s in LOOPED_STEPS if s < block_n):
             for rows in (partial_rows if partials else (1,)):
                 if rows * step > (LOOPED_PARTIAL_MAX_STEP_ELEMENTS if partials else step):
@@ -247,14 +248,9 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                     # or one program per row (0) or 1, 2 or 4 per SM for kernels without
                     # partials (fewer rows in flight: a row read twice may still be in L2)
                     for per_sm in ((1, 2) if rows <= 2 else (1,)) if partials else (0, 1, 2, 4):
-                        first.append((run(rows, warps, sms * per_sm, 1, step),
-                                      (rows, warps, sms * per_sm, step)))
-        for _gbps, (rows, warps, programs, step) in sorted(first, reverse=True)[:LOOPED_TOP]:
-            for stages in STAGE_CHOICES:
-                if stages > 1:
-                    run(rows, warps, programs, stages, step)
-                if joined:
-                    run(rows, warps, programs, stages, step, not rule_one_sweep)
+                        for stages in STAGE_CHOICES:
+                            for one_sweep in forms:
+                                run(rows, warps, sms * per_sm, stages, step, one_sweep)
         return results
 
     def warps_for(rows):
