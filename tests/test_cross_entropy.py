@@ -267,12 +267,34 @@ BAD_CLASSES = {
 }
 
 
+@pytest.mark.parametrize("interpret", [False, True])
 @pytest.mark.parametrize("case", BAD_CLASSES)
-def test_class_out_of_range_is_rejected_on_cpu(case):
+def test_class_out_of_range_is_rejected_on_cpu(monkeypatch, case, interpret):
+    # checked by the torch path, or (interpret) by the Triton kernel that CUDA tensors take
+    if interpret and HAS_CUDA:
+        pytest.skip("the kernels were compiled for the GPU, not the interpreter")
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     shift, match = BAD_CLASSES[case]
     x = randn((4, 8), device=torch.device("cpu"))
     with pytest.raises(ValueError, match=match):
         cross_entropy(x, target_of(x) + shift)
+
+
+def test_targets_are_counted_and_checked_over_several_steps(device, monkeypatch):
+    # the target statistics kernel steps over TARGET_STATS_BLOCK targets at a time: a mean over
+    # rows in three steps, and a class out of range in the last one only
+    monkeypatch.setattr(cross_entropy_module, "TARGET_STATS_BLOCK", 4)
+    x = randn((11, V), device=device)
+    target = targets((11,), V, device, ignored=[0, 5, 10])
+    torch.testing.assert_close(cross_entropy(x, target),
+                               F.cross_entropy(x, target, ignore_index=IGNORE))
+    target[9] = V
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=f"got {V}"):
+            cross_entropy(x, target)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the device-side check needs a CUDA device")
