@@ -1307,8 +1307,8 @@ def _check_target(function, name, target, input, ignore_index):
         flat = target.reshape(-1).contiguous()
         counted = torch.empty((), dtype=torch.int64, device=target.device)
         valid = torch.empty((), dtype=torch.bool, device=target.device)
-        _target_stats[(1,)](flat, flat.numel(), classes, int(ignore_index), counted, valid,
-                            BLOCK=TARGET_STATS_BLOCK)
+        _launch(_target_stats, (1,), 4, None, flat, flat.numel(), classes, int(ignore_index),
+                counted, valid, BLOCK=TARGET_STATS_BLOCK)
     else:
         kept = target != int(ignore_index)
         counted = kept.sum()
