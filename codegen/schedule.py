@@ -147,7 +147,13 @@ class ScheduleTable:
         # transformer_ops` before/after the same day: GELU 8192x16384 0.271 -> 0.212 ms, GeGLU
         # 4096x11008 0.139 -> 0.100 and 8192x14336 0.290 -> 0.240, tanh GELU 8192x16384 0.191
         # -> 0.186, SwiGLU 4096x11008 0.100 -> 0.096 and 8192x14336 0.236 -> 0.240
-        **{op: {"persistent_max_fwd_block_n": 4096}
+        # their backwards, whose one column partial (the bias gradient) is a small share of a
+        # step's traffic, loop one row a step: H100, 2026-11-22, a probe forcing the constants
+        # (rows a step 1, 2, 4; 2048-8192 columns; 8 or 16 warps; 1 or 2 programs an SM; whole
+        # rows up to 32 or 64 KiB), GELU backward fp32 8192x16384 2485 GB/s at 2 rows x 4096
+        # columns, 2675 at 1 row x 4096 (16 warps); bf16 (whole rows of 32 KiB) 2260-2263 in
+        # every configuration
+        **{op: {"persistent_max_fwd_block_n": 4096, "looped_grid_stride_rows": 1}
            for op in ("gelu", "gelu_tanh")},
         # ... and so do the GLU backwards (no reductions either way): H100, bf16, 2026-11-22, a
         # probe forcing the constants (whole rows, or looped at 2048-8192 columns, 1 or 3
