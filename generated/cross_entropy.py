@@ -1281,6 +1281,52 @@ def _target_stats(target_ptr, M, classes, ignore_index, counted_ptr, valid_ptr,
     tl.store(valid_ptr, tl.sum(invalid, axis=0) == 0)
 
 
+#: losses a step of `_counted_mean`'s one program reads
+COUNTED_MEAN_BLOCK = 4096
+
+
+@triton.jit
+def _counted_mean(loss_ptr, counted_ptr, M, mean_ptr, scale_ptr, BLOCK: tl.constexpr):
+    """One program: mean = the sum of the M losses over counted (NaN where counted is 0, as
+    torch), stored in mean's dtype, and scale = 1 / max(counted, 1), the backward's factor."""
+    total = tl.zeros([BLOCK], loss_ptr.dtype.element_ty)
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        total += tl.load(loss_ptr + rows, mask=rows < M, other=0.0)
+    counted = tl.load(counted_ptr)
+    denominator = tl.maximum(counted, 1).to(loss_ptr.dtype.element_ty)
+    mean = tl.where(counted > 0, tl.sum(total, axis=0) / denominator, float("nan"))
+    tl.store(mean_ptr, mean.to(mean_ptr.dtype.element_ty))
+    tl.store(scale_ptr, 1.0 / denominator)
+
+
+class _CountedMean(torch.autograd.Function):
+    """The mean of per-row losses (fp32, or fp64) over the counted rows, in `dtype`: NaN where
+    no row is counted, as torch, with a finite gradient (the ignored rows' gradients are 0).
+    One small kernel forward where torch takes six (the sum, the count's guard, the division,
+    the NaN select, the cast), one backward (the product with the saved scale)."""
+
+    @staticmethod
+    def forward(ctx, loss, counted, dtype):
+        if _use_triton(loss):
+            mean = torch.empty((), dtype=dtype, device=loss.device)
+            scale = torch.empty((), dtype=loss.dtype, device=loss.device)
+            _launch(_counted_mean, (1,), 4, None, loss, counted, loss.numel(), mean, scale,
+                    BLOCK=COUNTED_MEAN_BLOCK)
+        else:
+            denominator = counted.clamp_min(1).to(loss.dtype)
+            mean = torch.where(counted > 0, loss.sum() / denominator, float("nan")).to(dtype)
+            scale = 1.0 / denominator
+        ctx.save_for_backward(scale)
+        ctx.rows = loss.shape
+        return mean
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale, = ctx.saved_tensors
+        return torch.mul(grad, scale).expand(ctx.rows), None, None
+
+
 def _check_target(function, name, target, input, ignore_index):
     """Integer class indices, one per row of `input`, each in [0, N) or ignore_index: returns
     them as int64, and the count of those other than ignore_index (a 0-d int64 tensor on their
@@ -1370,8 +1416,10 @@ def cross_entropy(input, target, *, ignore_index=-100, label_smoothing=0.0, redu
         return loss.reshape(shape[:-1]).to(input.dtype)
     if reduction == "sum":
         return loss.sum().to(input.dtype)
-    if counted is None:
-        counted = (target != ignore_index).sum()
+    if counted is not None:
+        return _CountedMean.apply(loss, counted, input.dtype)
+    # under torch.compile, or no rows: torch's ops
+    counted = (target != ignore_index).sum()
     # all rows ignored: a NaN mean, as torch, but zero (not NaN) gradients, as torch
     mean = torch.where(counted > 0, loss.sum() / counted.clamp_min(1), float("nan"))
     return mean.to(input.dtype)

@@ -284,13 +284,17 @@ def test_class_out_of_range_is_rejected_on_cpu(monkeypatch, case, interpret):
 
 
 def test_targets_are_counted_and_checked_over_several_steps(device, monkeypatch):
-    # the target statistics kernel steps over TARGET_STATS_BLOCK targets at a time: a mean over
-    # rows in three steps, and a class out of range in the last one only
+    # the target statistics and the mean kernels step over 4 rows at a time here: a mean over
+    # rows in three steps (and its gradient), and a class out of range in the last one only
     monkeypatch.setattr(cross_entropy_module, "TARGET_STATS_BLOCK", 4)
-    x = randn((11, V), device=device)
+    monkeypatch.setattr(cross_entropy_module, "COUNTED_MEAN_BLOCK", 4)
+    x = randn((11, V), device=device).requires_grad_()
     target = targets((11,), V, device, ignored=[0, 5, 10])
-    torch.testing.assert_close(cross_entropy(x, target),
-                               F.cross_entropy(x, target, ignore_index=IGNORE))
+    loss = cross_entropy(x, target)
+    expected = F.cross_entropy(x, target, ignore_index=IGNORE)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, x)[0],
+                               torch.autograd.grad(expected, x)[0])
     target[9] = V
     if device.type == "cpu":
         with pytest.raises(ValueError, match=f"got {V}"):
