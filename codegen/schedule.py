@@ -161,7 +161,7 @@ class ScheduleTable:
         # 3 stages, 16 warps: GeGLU 4096x11008 2069 vs 2838 GB/s, 8192x14336 2358 vs 2955;
         # SwiGLU 4096x11008 2670 vs 2869, 8192x14336 2974 vs 2977 (the fastest: 8192 columns,
         # 8 warps, 2876 and 2981). GeGLU's erf is evaluated once since the same day's
-        # lowering shares subexpressions of the epilogue's definitions with its outputs
+        # lowering shares subexpressions of the epilogue's definitions with its outputs.
         # GLU kernels (elementwise only) also read contiguous rows of 11008 or 14336 as rows of
         # 4096, one a program: a probe forcing FOLD_BLOCK_N (0, 1024-8192), ROW_BLOCK_ELEMENTS
         # (4096-16384) and MAX_WARPS (8, 16), H100, bf16, 2026-11-22, fwd / bwd GB/s without the
