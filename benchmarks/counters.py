@@ -175,7 +175,7 @@ def run(case_list, dtype_name: str, out: Path) -> dict:
         module, call, element_size = _calls(op, mode, m, n, dtype)
         name = "fwd" if mode == "fwd" else "bwd_default"
         keys = [k for k in vars(module) if k.startswith(f"_{op}_{name}_")
-                and k.endswith(("_per", "_red"))]
+                and k.endswith(("_per", "_red", "_split"))]
         recorders = {k: _Recorder(getattr(module, k)) for k in keys}
         originals = {k: getattr(module, k) for k in keys}
         for k, recorder in recorders.items():

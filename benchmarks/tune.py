@@ -39,6 +39,7 @@ where it beats the rule's by FORM_MARGIN.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -333,7 +334,31 @@ def _session(out: Path):
     return properties, clock, path, report
 
 
+@contextlib.contextmanager
+def _unsplit(ops):
+    """The ops' modules with split rows off (SPLIT_MIN_N 0) until the block ends: the table
+    holds whole and looped rows, which split rows replace at the widths SPLIT_MIN_N gives them,
+    before the table is read; measured here, a split schedule would be filed as whole rows."""
+    modules = [importlib.import_module(f"generated.{op}") for op in ops]
+    saved = [module.SPLIT_MIN_N for module in modules]
+    for module in modules:
+        module.SPLIT_MIN_N = 0
+        module._forget_schedules()
+    try:
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            module.SPLIT_MIN_N = value
+            module._forget_schedules()
+
+
 def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
+    """`--forms`: see `_measure_forms` (split rows off)."""
+    with _unsplit(ops):
+        _measure_forms(ops, dtype, shapes, out, budget_s)
+
+
+def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
     """`--forms`: each op's own schedule at each shape, timed in every kernel form that differs
     there (masks or none, the row-block loop or none, looped sweeps all forwards or every other
     one backwards, whole rows at ptxas's registers or the SM's budget), FORM_REPEATS times
@@ -390,6 +415,12 @@ def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
 def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
          modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS,
          most_per_thread=MAX_ELEMENTS_PER_THREAD) -> None:
+    """Measure the schedules of each op at each shape into out/tune.json (split rows off)."""
+    with _unsplit(ops):
+        _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread)
+
+
+def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread):
     properties, clock, path, report = _session(out)
     began = time.perf_counter()
     for op_name in ops:

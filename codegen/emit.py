@@ -127,6 +127,15 @@ class KernelContext:
         self.persistent_epilogue = [a for a in self.epilogue["assigns"] if a["name"] not in done]
         self.flagged_stores = [s for s in self.element_stores + self.row_stores
                                + self.reduced_stores if s["flag"]]
+        # split rows (`{name}_split`): a row's column slabs spread over programs that run at
+        # once and exchange their slabs' partial row sums; for kernels with column partials
+        # and row reductions, nothing kept per row or per program, no values drawn per element
+        self.splittable = bool(self.column_stores and any(p["reductions"] for p in self.passes)
+                               and not (self.picks or kernel.generated or self.broadcast_inputs
+                                        or self.row_stores or self.scalar_stores
+                                        or self.row_shape))
+        #: partial row sums a program publishes per exchange: the most of any pass
+        self.split_span = max(len(p["reductions"]) for p in self.passes) if self.splittable else 0
         self.args = self._args()
         # tensors the kernel takes by address, in argument order: (name, whether it may be None,
         # the first element input then standing in for it)
@@ -499,6 +508,55 @@ class KernelContext:
                 "flag": flag,
                 "formula": f"{store.name} = {formula(store.expr)}"}
 
+    def flag_args(self) -> list[str]:
+        """The constexpr flags of every kernel form: optional inputs given, outputs stored."""
+        return ([f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
+                + [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
+                + [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores])
+
+    def split_load_lines(self) -> tuple[list[str], list[str]]:
+        """The split kernel's element loads, relative to its row-block loop: (those of the next
+        row block, issued before this block's partial row sums are exchanged so that they are
+        in flight while the program waits, into `<name>_next`; this block's, taken from them)."""
+        issue, take = [], []
+        for e in self.element_inputs:
+            load = (f"{e}_next = tl.load({e}_ptr + next_offsets * {e}_row_stride + cols, "
+                    "mask=next_mask, other=0.0)")
+            if e in self.optional_elements:
+                issue += [f"if {self.element_flags[e]}:", f"    {load}"]
+                take += [f"if {self.element_flags[e]}:", f"    {e} = {e}_next.to(ACC)", "else:",
+                         f"    {e} = {self.optional_elements[e]}"]
+            else:
+                issue.append(load)
+                take.append(f"{e} = {e}_next.to(ACC)")
+        return issue, take
+
+    def split_pass_lines(self, p: dict[str, Any]) -> list[str]:
+        """One pass of the split kernel: each reduction over this program's slab, published in
+        the group's exchange slot; the group's programs meet (`_split_exchange`); each
+        reduction then the sum (or max) of its members' partials, in member order."""
+        lines = self.assign_lines(p["assigns"])
+        if not p["reductions"]:
+            return lines + self.assign_lines(p["after"])
+        span = self.split_span
+        # two slots a group, used in turn: a program can only write a slot again after every
+        # program of its group met it at the exchange after this one, so all have read it
+        lines.append(f"split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * "
+                     f"{span} * ROWS")
+        for i, r in enumerate(p["reductions"]):
+            lines.append(f"tl.store(split_slot + (member * {span} + {i}) * ROWS + "
+                         f"tl.arange(0, ROWS), tl.{r['op']}({r['masked']}, axis=1))")
+        lines += ["exchanges += 1", "_split_exchange(split_count_ptr + group, exchanges * SPLIT)"]
+        for i, r in enumerate(p["reductions"]):
+            partials = (f"tl.load(split_slot + (members * {span} + {i}) * ROWS + lanes, "
+                        f"mask=members < SPLIT, other={r['identity']}, cache_modifier=\".cg\")")
+            lines.append(f"{r['name']} = {r['scale_prefix']}tl.{r['op']}({partials}, axis=0)"
+                         f"[:, None]{r['scale_suffix']}  # {r['formula']}")
+            if r["op"] == "max":
+                lines.append(f'{r["name"]} = tl.where({r["name"]} == float("-inf"), 0.0, '
+                             f'{r["name"]})  # {r["finite"]}')
+        return lines + self.assign_lines(p["after"])
+
     def _args(self) -> list[str]:
         args = []
         for name in self.element_inputs:
@@ -516,9 +574,11 @@ class KernelContext:
         args += [f"{s['name']}_partial_ptr" for s in self.reduced_stores]
         args += [f"{name}_{part}" for name in self.scalars for part in ("high", "low")]
         args += ["M", "N"] + ["D1", "D2"] * self.row_shape
-        args += [f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
-        args += [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
-        args += [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores]
+        # the split kernel's exchange buffers (the other kernels take them and leave them be)
+        args += ["split_sums_ptr", "split_count_ptr"] * self.splittable
+        args += self.flag_args()
+        self.split_args = [*args, "ACC: tl.constexpr", "ROWS: tl.constexpr",
+                           "BLOCK_N: tl.constexpr", "SPLIT: tl.constexpr", "MEMBERS: tl.constexpr"]
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep

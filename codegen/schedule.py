@@ -100,6 +100,24 @@ class ScheduleTable:
     #: rows per step of a looped kernel that accumulates column partials: each step's
     #: read-modify-write of the fp32 partials (8 bytes a column per partial) is shared by them
     looped_grid_stride_rows: int = 2
+    #: kernels with column partials and row reductions (norm backwards) split rows of at least
+    #: this many columns over a group of programs that run at once (0: never; per op in
+    #: `per_op`, where measured): each program keeps a slab of SPLIT_BLOCK_N columns of a row
+    #: and its column partials in registers, and the group's programs exchange their slabs'
+    #: partial row sums, so every element is read once where a looped row reads it twice
+    #: (and again its partials each step)
+    split_min_n: int = 0
+    #: ... and of at least this many bytes
+    split_min_row_bytes: int = 0
+    #: columns of a program's slab, widened where a row would need more than
+    #: split_max_members programs
+    split_block_n: int = 4096
+    split_max_members: int = 32
+    #: slab columns an SM holds: SPLIT_SM_ELEMENTS // slab programs an SM
+    split_sm_elements: int = 8192
+    split_elements_per_thread: int = 16
+    #: rows a program takes a step (each step one exchange per pass)
+    split_rows: int = 1
     #: target elements per program step when N is small (several rows per program)
     row_block_elements: int = 8192
     max_rows: int = 64
@@ -127,6 +145,23 @@ class ScheduleTable:
     #: its backward at 4096x32000 whole ran 2x slower than looped (benchmarks.transformer_ops,
     #: same day); forwards lose too (layer-norm forward 4096x32768 whole: 1096 vs 2392 looped)
     per_op: dict = field(default_factory=lambda: {
+        # norm backwards split rows of 12288 columns and more (layer norm) and of 64 KiB and
+        # more (RMS norm: whole rows of 16384 bf16 columns stay). A probe of the split kernel
+        # (H100, bf16, 2026-11-22; slabs of 2048-8192 columns, 1 or 2 rows a step, 8 or 16
+        # warps, 1 or 2 programs an SM, the next row block's loads issued before the exchange
+        # or not), fastest against the table: layer norm 4096x16384 1948 vs 1509 GB/s,
+        # 4096x32768 2147 vs 1494, 4096x65536 2087 vs 1522 (slabs of 4096 columns, 8 warps, 2
+        # programs an SM), 1024x262144 1762 vs 1428 (8192, 16 warps, 1 an SM); RMS norm
+        # 4096x32768 2192 vs 1602, 4096x65536 2255 vs 1637, 1024x262144 2024 vs 1592 (8192
+        # columns, 8 warps, 1 an SM); one row a step, the next block's loads issued first, won
+        # each. The generated kernels with these constants, split or not (same machine and day,
+        # probe forcing SPLIT_MIN_N): layer norm bf16 4096x12288 2003 vs 1514, 4096x8192 1750 vs
+        # 2536, 16384x5120 1618 vs 2522; fp32 4096x12288 2252 vs 1749, 4096x8192 1873 vs 2667;
+        # RMS norm bf16 4096x16384 2012 vs 2295, 4096x12288 1730 vs 2255; fp32 4096x16384 2270
+        # vs 2023, 4096x12288 2178 vs 2360, 4096x32768 2559 vs 1714
+        "layernorm": {"split_min_n": 12288},
+        "rmsnorm": {"split_min_n": 1, "split_min_row_bytes": 65536, "split_block_n": 8192,
+                    "split_elements_per_thread": 32},
         "softmax": {"persistent_max_bwd_row_bytes": 65536,
                     # forward: `benchmarks.tune --modes fwd --shapes 4096x32768` (H100, bf16,
                     # 2026-11-22): whole rows at 32 warps 2789 GB/s against 2559 looped
@@ -206,6 +241,13 @@ class ScheduleTable:
             "PERSISTENT_MAX_FWD_BLOCK_N": self.persistent_max_fwd_block_n,
             "PERSISTENT_MAX_BWD_BLOCK_N": self.persistent_max_bwd_block_n,
             "FOLD_BLOCK_N": self.fold_block_n,
+            "SPLIT_MIN_N": self.split_min_n,
+            "SPLIT_MIN_ROW_BYTES": self.split_min_row_bytes,
+            "SPLIT_BLOCK_N": self.split_block_n,
+            "SPLIT_MAX_MEMBERS": self.split_max_members,
+            "SPLIT_SM_ELEMENTS": self.split_sm_elements,
+            "SPLIT_ELEMENTS_PER_THREAD": self.split_elements_per_thread,
+            "SPLIT_ROWS": self.split_rows,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,

@@ -31,6 +31,13 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_BLOCK_N = 16384
 FOLD_BLOCK_N = 0
+SPLIT_MIN_N = 0
+SPLIT_MIN_ROW_BYTES = 0
+SPLIT_BLOCK_N = 4096
+SPLIT_MAX_MEMBERS = 32
+SPLIT_SM_ELEMENTS = 8192
+SPLIT_ELEMENTS_PER_THREAD = 16
+SPLIT_ROWS = 1
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -57,8 +64,9 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
 #: `regs`: launch with the register budget of the SM's programs (`_maxnreg`), not ptxas's choice
+#: `split`: the programs a row is split over (`_split_schedule`; 0: rows are not split)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided reverse regs entry", defaults=(None,))
+                       "keep even strided reverse regs entry split", defaults=(None, 0))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -167,7 +175,12 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n, split=False):
+    if split and 0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES:
+        # a kernel with a split form (`_split_schedule`), at rows wide enough for it
+        schedule = _split_schedule(M, N, device)
+        if schedule is not None:
+            return schedule
     persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
                                  else PERSISTENT_MAX_BWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
@@ -244,6 +257,30 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
                      *_form(M, N, rows, block_n, programs, form), entry)
+
+
+def _split_schedule(M, N, device):
+    """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
+    SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
+    SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
+    the register budget of the programs an SM runs (so that a cooperative launch fits). Under
+    the interpreter, which runs programs one after another, one program takes a whole row.
+    None where a row's programs would not all fit on the GPU at once."""
+    block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
+    rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
+    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
+    if device.type == "cuda":
+        # at most 64 warps an SM run at once (H100)
+        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, 64 // warps))
+        slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    else:
+        block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
+    members = triton.cdiv(N, block_n)
+    groups = min(triton.cdiv(M, rows), slots // members)
+    if groups < 1:
+        return None
+    return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
+                     False, False, True, False, device.type == "cuda", None, members)
 
 
 def _entry(*keys):
@@ -398,6 +435,19 @@ def _below(index, bound, EVEN: tl.constexpr):
     return below
 
 
+@triton.jit
+def _split_exchange(count_ptr, arrivals):
+    """The split kernels' meeting point: this program's stores so far are released to its group
+    (every thread's stores issued first), then it waits until the group's counter holds
+    `arrivals` (each program adds one an exchange) and acquires what the others stored. Programs
+    of a group must run at once: a cooperative launch, and one program under the interpreter,
+    which runs programs one after another."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < arrivals:
+        pass
+
+
 def _keeps(looped, N, element_size):
     """Whether a looped row's earlier sweeps keep what a later one reads again in L2."""
     return looped and N * element_size <= KEEP_MAX_ROW_BYTES
@@ -406,11 +456,13 @@ def _keeps(looped, N, element_size):
 def _partials(needed, schedule, N, acc, device):
     """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
 
-    A persistent kernel writes every row of them; a looped one accumulates into them.
+    A persistent kernel writes every row of them; a looped one accumulates into them; the
+    programs of a split kernel's group write one row, each its slab of it.
     """
     if not needed:
         return None
-    return torch.empty((schedule.programs, N), dtype=acc, device=device)
+    rows = schedule.programs // schedule.split if schedule.split else schedule.programs
+    return torch.empty((rows, N), dtype=acc, device=device)
 
 
 @triton.jit
@@ -742,6 +794,8 @@ def _add_layernorm_bwd_default_per(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_DRESIDUAL_OUT: tl.constexpr,
     HAS_INPUT_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -824,6 +878,8 @@ def _add_layernorm_bwd_default_red(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_DRESIDUAL_OUT: tl.constexpr,
     HAS_INPUT_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -909,6 +965,112 @@ def _add_layernorm_bwd_default_red(
 
 
 @triton.jit
+def _add_layernorm_bwd_default_split(
+    dy_ptr,
+    dy_row_stride,
+    dresidual_out_ptr,
+    dresidual_out_row_stride,
+    residual_out_ptr,
+    residual_out_row_stride,
+    input_bias_ptr,
+    weight_ptr,
+    bias_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dinput_bias_partial_ptr,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    HAS_DRESIDUAL_OUT: tl.constexpr,
+    HAS_INPUT_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DINPUT_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_add_layernorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
+    sums through split_sums; each program keeps its slab's column partials in registers over
+    every row of its group, so a row too wide for one program is read once."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+    if HAS_DRESIDUAL_OUT:
+        dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
+    residual_out_next = tl.load(residual_out_ptr + next_offsets * residual_out_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dy = dy_next.to(ACC)
+        if HAS_DRESIDUAL_OUT:
+            dresidual_out = dresidual_out_next.to(ACC)
+        else:
+            dresidual_out = 0.0
+        residual_out = residual_out_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+        if HAS_DRESIDUAL_OUT:
+            dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
+        residual_out_next = tl.load(residual_out_ptr + next_offsets * residual_out_row_stride + cols, mask=next_mask, other=0.0)
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
+        tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
+        tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight * x_hat, axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DINPUT_BIAS:
+            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
+        if STORE_DWEIGHT:
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+        if STORE_DBIAS:
+            dbias_acc += dy  # dbias = dy
+    if STORE_DINPUT_BIAS:
+        tl.store(dinput_bias_partial_ptr + group * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DBIAS:
+        tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
+
+
+@triton.jit
 def _add_layernorm_bwd_recompute_mean_per(
     dy_ptr,
     dy_row_stride,
@@ -927,6 +1089,8 @@ def _add_layernorm_bwd_recompute_mean_per(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_DRESIDUAL_OUT: tl.constexpr,
     HAS_INPUT_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -1008,6 +1172,8 @@ def _add_layernorm_bwd_recompute_mean_red(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_DRESIDUAL_OUT: tl.constexpr,
     HAS_INPUT_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -1105,6 +1271,115 @@ def _add_layernorm_bwd_recompute_mean_red(
 
 
 @triton.jit
+def _add_layernorm_bwd_recompute_mean_split(
+    dy_ptr,
+    dy_row_stride,
+    dresidual_out_ptr,
+    dresidual_out_row_stride,
+    residual_out_ptr,
+    residual_out_row_stride,
+    input_bias_ptr,
+    weight_ptr,
+    bias_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dinput_bias_partial_ptr,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    HAS_DRESIDUAL_OUT: tl.constexpr,
+    HAS_INPUT_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DINPUT_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_add_layernorm_bwd_recompute_mean, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
+    sums through split_sums; each program keeps its slab's column partials in registers over
+    every row of its group, so a row too wide for one program is read once."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+    if HAS_DRESIDUAL_OUT:
+        dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
+    residual_out_next = tl.load(residual_out_ptr + next_offsets * residual_out_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dy = dy_next.to(ACC)
+        if HAS_DRESIDUAL_OUT:
+            dresidual_out = dresidual_out_next.to(ACC)
+        else:
+            dresidual_out = 0.0
+        residual_out = residual_out_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+        if HAS_DRESIDUAL_OUT:
+            dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
+        residual_out_next = tl.load(residual_out_ptr + next_offsets * residual_out_row_stride + cols, mask=next_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
+        tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(residual_out, axis=1))
+        tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        mean = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+        sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
+        tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight * x_hat, axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DINPUT_BIAS:
+            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
+        if STORE_DWEIGHT:
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+        if STORE_DBIAS:
+            dbias_acc += dy  # dbias = dy
+    if STORE_DINPUT_BIAS:
+        tl.store(dinput_bias_partial_ptr + group * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DBIAS:
+        tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
+
+
+@triton.jit
 def _add_layernorm_bwd_invertible_per(
     dy_ptr,
     dy_row_stride,
@@ -1123,6 +1398,8 @@ def _add_layernorm_bwd_invertible_per(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_DRESIDUAL_OUT: tl.constexpr,
     HAS_INPUT_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -1207,6 +1484,8 @@ def _add_layernorm_bwd_invertible_red(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_DRESIDUAL_OUT: tl.constexpr,
     HAS_INPUT_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -1296,6 +1575,114 @@ def _add_layernorm_bwd_invertible_red(
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dbias_partial += tl.sum(dy, axis=0)[None, :]  # dbias = dy
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
+
+
+@triton.jit
+def _add_layernorm_bwd_invertible_split(
+    dy_ptr,
+    dy_row_stride,
+    dresidual_out_ptr,
+    dresidual_out_row_stride,
+    y_ptr,
+    y_row_stride,
+    input_bias_ptr,
+    weight_ptr,
+    bias_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dinput_bias_partial_ptr,
+    dweight_partial_ptr,
+    dbias_partial_ptr,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    HAS_DRESIDUAL_OUT: tl.constexpr,
+    HAS_INPUT_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DINPUT_BIAS: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_add_layernorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
+    sums through split_sums; each program keeps its slab's column partials in registers over
+    every row of its group, so a row too wide for one program is read once."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        bias = 0.0
+    dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+    if HAS_DRESIDUAL_OUT:
+        dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
+    y_next = tl.load(y_ptr + next_offsets * y_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dy = dy_next.to(ACC)
+        if HAS_DRESIDUAL_OUT:
+            dresidual_out = dresidual_out_next.to(ACC)
+        else:
+            dresidual_out = 0.0
+        y = y_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+        if HAS_DRESIDUAL_OUT:
+            dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
+        y_next = tl.load(y_ptr + next_offsets * y_row_stride + cols, mask=next_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
+        tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
+        tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight * x_hat, axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
+        sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DINPUT_BIAS:
+            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
+        if STORE_DWEIGHT:
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+        if STORE_DBIAS:
+            dbias_acc += dy  # dbias = dy
+    if STORE_DINPUT_BIAS:
+        tl.store(dinput_bias_partial_ptr + group * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
+    if STORE_DBIAS:
+        tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
 
 def _add_layernorm_fwd_torch(
@@ -1540,6 +1927,9 @@ def _add_layernorm_fwd(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
+        )
+        options = {}
+        constexprs.update(
             STAGES=schedule.stages,
             CHUNKS=schedule.chunks,
             ONE_SWEEP=schedule.one_sweep,
@@ -1550,7 +1940,7 @@ def _add_layernorm_fwd(
         )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     return y, residual_out, mean, rstd,
 
@@ -1610,18 +2000,26 @@ def _add_layernorm_bwd_default(
             store_dbias,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
     dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    split_sums = split_count = None
+    if schedule.split:
+        # a group's exchange slots (two, each a partial per row, reduction and member) and its
+        # counter of arrivals, which starts at zero
+        split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 2 * schedule.rows,), dtype=acc, device=device)
+        split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
+        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
         dx_ptr = dx.data_ptr()
         dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
         dbias_partial_ptr = dbias_partial.data_ptr() if store_dbias else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr | dbias_partial_ptr) & 15:
+        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr | dbias_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -1639,6 +2037,7 @@ def _add_layernorm_bwd_default(
             dweight_partial_ptr,
             dbias_partial_ptr,
             M, N,
+            split_sums_ptr, split_count_ptr,
             *plan.tail,
         )
     else:
@@ -1657,6 +2056,7 @@ def _add_layernorm_bwd_default(
             dweight_partial if dweight_partial is not None else dy,
             dbias_partial if dbias_partial is not None else dy,
             M, N,
+            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
         )
         constexprs = dict(
             HAS_DRESIDUAL_OUT=dresidual_out is not None,
@@ -1669,16 +2069,26 @@ def _add_layernorm_bwd_default(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
         )
+        options = {}
+        if schedule.split:
+            kernel = _add_layernorm_bwd_default_split
+            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            if device.type == "cuda":
+                # every program of a group at once, or the launch fails (never a deadlock)
+                options["launch_cooperative_grid"] = True
+        else:
+            constexprs.update(
+                STAGES=schedule.stages,
+                CHUNKS=schedule.chunks,
+                KEEP=schedule.keep,
+                EVEN=schedule.even,
+                STRIDED=schedule.strided,
+                REVERSE=schedule.reverse,
+            )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dinput_bias, dweight, dbias, = _column_sums(
         (dinput_bias_partial, input_bias),
@@ -1740,18 +2150,26 @@ def _add_layernorm_bwd_recompute_mean(
             store_dbias,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
     dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    split_sums = split_count = None
+    if schedule.split:
+        # a group's exchange slots (two, each a partial per row, reduction and member) and its
+        # counter of arrivals, which starts at zero
+        split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 2 * schedule.rows,), dtype=acc, device=device)
+        split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
+        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
         dx_ptr = dx.data_ptr()
         dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
         dbias_partial_ptr = dbias_partial.data_ptr() if store_dbias else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr | dbias_partial_ptr) & 15:
+        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr | dbias_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -1768,6 +2186,7 @@ def _add_layernorm_bwd_recompute_mean(
             dweight_partial_ptr,
             dbias_partial_ptr,
             M, N,
+            split_sums_ptr, split_count_ptr,
             *plan.tail,
         )
     else:
@@ -1785,6 +2204,7 @@ def _add_layernorm_bwd_recompute_mean(
             dweight_partial if dweight_partial is not None else dy,
             dbias_partial if dbias_partial is not None else dy,
             M, N,
+            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
         )
         constexprs = dict(
             HAS_DRESIDUAL_OUT=dresidual_out is not None,
@@ -1797,16 +2217,26 @@ def _add_layernorm_bwd_recompute_mean(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
         )
+        options = {}
+        if schedule.split:
+            kernel = _add_layernorm_bwd_recompute_mean_split
+            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            if device.type == "cuda":
+                # every program of a group at once, or the launch fails (never a deadlock)
+                options["launch_cooperative_grid"] = True
+        else:
+            constexprs.update(
+                STAGES=schedule.stages,
+                CHUNKS=schedule.chunks,
+                KEEP=schedule.keep,
+                EVEN=schedule.even,
+                STRIDED=schedule.strided,
+                REVERSE=schedule.reverse,
+            )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dinput_bias, dweight, dbias, = _column_sums(
         (dinput_bias_partial, input_bias),
@@ -1868,18 +2298,26 @@ def _add_layernorm_bwd_invertible(
             store_dbias,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
     dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    split_sums = split_count = None
+    if schedule.split:
+        # a group's exchange slots (two, each a partial per row, reduction and member) and its
+        # counter of arrivals, which starts at zero
+        split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 2 * schedule.rows,), dtype=acc, device=device)
+        split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
+        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
         dx_ptr = dx.data_ptr()
         dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
         dbias_partial_ptr = dbias_partial.data_ptr() if store_dbias else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr | dbias_partial_ptr) & 15:
+        if (dx_ptr | dinput_bias_partial_ptr | dweight_partial_ptr | dbias_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -1896,6 +2334,7 @@ def _add_layernorm_bwd_invertible(
             dweight_partial_ptr,
             dbias_partial_ptr,
             M, N,
+            split_sums_ptr, split_count_ptr,
             *plan.tail,
         )
     else:
@@ -1913,6 +2352,7 @@ def _add_layernorm_bwd_invertible(
             dweight_partial if dweight_partial is not None else dy,
             dbias_partial if dbias_partial is not None else dy,
             M, N,
+            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
         )
         constexprs = dict(
             HAS_DRESIDUAL_OUT=dresidual_out is not None,
@@ -1925,16 +2365,26 @@ def _add_layernorm_bwd_invertible(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
         )
+        options = {}
+        if schedule.split:
+            kernel = _add_layernorm_bwd_invertible_split
+            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            if device.type == "cuda":
+                # every program of a group at once, or the launch fails (never a deadlock)
+                options["launch_cooperative_grid"] = True
+        else:
+            constexprs.update(
+                STAGES=schedule.stages,
+                CHUNKS=schedule.chunks,
+                KEEP=schedule.keep,
+                EVEN=schedule.even,
+                STRIDED=schedule.strided,
+                REVERSE=schedule.reverse,
+            )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dinput_bias, dweight, dbias, = _column_sums(
         (dinput_bias_partial, input_bias),

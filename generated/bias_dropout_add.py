@@ -31,6 +31,13 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_BLOCK_N = 16384
 FOLD_BLOCK_N = 0
+SPLIT_MIN_N = 0
+SPLIT_MIN_ROW_BYTES = 0
+SPLIT_BLOCK_N = 4096
+SPLIT_MAX_MEMBERS = 32
+SPLIT_SM_ELEMENTS = 8192
+SPLIT_ELEMENTS_PER_THREAD = 16
+SPLIT_ROWS = 1
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -57,8 +64,9 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
 #: `regs`: launch with the register budget of the SM's programs (`_maxnreg`), not ptxas's choice
+#: `split`: the programs a row is split over (`_split_schedule`; 0: rows are not split)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided reverse regs entry", defaults=(None,))
+                       "keep even strided reverse regs entry split", defaults=(None, 0))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -104,7 +112,12 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 1}
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n, split=False):
+    if split and 0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES:
+        # a kernel with a split form (`_split_schedule`), at rows wide enough for it
+        schedule = _split_schedule(M, N, device)
+        if schedule is not None:
+            return schedule
     persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
                                  else PERSISTENT_MAX_BWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
@@ -181,6 +194,30 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
                      *_form(M, N, rows, block_n, programs, form), entry)
+
+
+def _split_schedule(M, N, device):
+    """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
+    SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
+    SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
+    the register budget of the programs an SM runs (so that a cooperative launch fits). Under
+    the interpreter, which runs programs one after another, one program takes a whole row.
+    None where a row's programs would not all fit on the GPU at once."""
+    block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
+    rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
+    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
+    if device.type == "cuda":
+        # at most 64 warps an SM run at once (H100)
+        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, 64 // warps))
+        slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    else:
+        block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
+    members = triton.cdiv(N, block_n)
+    groups = min(triton.cdiv(M, rows), slots // members)
+    if groups < 1:
+        return None
+    return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
+                     False, False, True, False, device.type == "cuda", None, members)
 
 
 def _entry(*keys):
@@ -335,6 +372,19 @@ def _below(index, bound, EVEN: tl.constexpr):
     return below
 
 
+@triton.jit
+def _split_exchange(count_ptr, arrivals):
+    """The split kernels' meeting point: this program's stores so far are released to its group
+    (every thread's stores issued first), then it waits until the group's counter holds
+    `arrivals` (each program adds one an exchange) and acquires what the others stored. Programs
+    of a group must run at once: a cooperative launch, and one program under the interpreter,
+    which runs programs one after another."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < arrivals:
+        pass
+
+
 def _keeps(looped, N, element_size):
     """Whether a looped row's earlier sweeps keep what a later one reads again in L2."""
     return looped and N * element_size <= KEEP_MAX_ROW_BYTES
@@ -343,11 +393,13 @@ def _keeps(looped, N, element_size):
 def _partials(needed, schedule, N, acc, device):
     """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
 
-    A persistent kernel writes every row of them; a looped one accumulates into them.
+    A persistent kernel writes every row of them; a looped one accumulates into them; the
+    programs of a split kernel's group write one row, each its slab of it.
     """
     if not needed:
         return None
-    return torch.empty((schedule.programs, N), dtype=acc, device=device)
+    rows = schedule.programs // schedule.split if schedule.split else schedule.programs
+    return torch.empty((rows, N), dtype=acc, device=device)
 
 
 @triton.jit
@@ -838,6 +890,9 @@ def _bias_dropout_add_fwd(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
+        )
+        options = {}
+        constexprs.update(
             STAGES=schedule.stages,
             CHUNKS=schedule.chunks,
             KEEP=schedule.keep,
@@ -847,7 +902,7 @@ def _bias_dropout_add_fwd(
         )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     return y,
 
@@ -923,6 +978,9 @@ def _bias_dropout_add_bwd_default(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
+        )
+        options = {}
+        constexprs.update(
             STAGES=schedule.stages,
             CHUNKS=schedule.chunks,
             KEEP=schedule.keep,
@@ -932,7 +990,7 @@ def _bias_dropout_add_bwd_default(
         )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dbias, = _column_sums(
         (dbias_partial, bias),

@@ -29,6 +29,13 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 16384
 PERSISTENT_MAX_BWD_BLOCK_N = 16384
 FOLD_BLOCK_N = 0
+SPLIT_MIN_N = 1
+SPLIT_MIN_ROW_BYTES = 65536
+SPLIT_BLOCK_N = 8192
+SPLIT_MAX_MEMBERS = 32
+SPLIT_SM_ELEMENTS = 8192
+SPLIT_ELEMENTS_PER_THREAD = 32
+SPLIT_ROWS = 1
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -55,8 +62,9 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 #: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
 #: `regs`: launch with the register budget of the SM's programs (`_maxnreg`), not ptxas's choice
+#: `split`: the programs a row is split over (`_split_schedule`; 0: rows are not split)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided reverse regs entry", defaults=(None,))
+                       "keep even strided reverse regs entry split", defaults=(None, 0))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -161,7 +169,12 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n):
+def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n, split=False):
+    if split and 0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES:
+        # a kernel with a split form (`_split_schedule`), at rows wide enough for it
+        schedule = _split_schedule(M, N, device)
+        if schedule is not None:
+            return schedule
     persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
                                  else PERSISTENT_MAX_BWD_BLOCK_N)
     block_n = triton.next_power_of_2(N)
@@ -238,6 +251,30 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
     return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
                      triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
                      *_form(M, N, rows, block_n, programs, form), entry)
+
+
+def _split_schedule(M, N, device):
+    """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
+    SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
+    SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
+    the register budget of the programs an SM runs (so that a cooperative launch fits). Under
+    the interpreter, which runs programs one after another, one program takes a whole row.
+    None where a row's programs would not all fit on the GPU at once."""
+    block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
+    rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
+    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
+    if device.type == "cuda":
+        # at most 64 warps an SM run at once (H100)
+        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, 64 // warps))
+        slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    else:
+        block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
+    members = triton.cdiv(N, block_n)
+    groups = min(triton.cdiv(M, rows), slots // members)
+    if groups < 1:
+        return None
+    return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
+                     False, False, True, False, device.type == "cuda", None, members)
 
 
 def _entry(*keys):
@@ -392,6 +429,19 @@ def _below(index, bound, EVEN: tl.constexpr):
     return below
 
 
+@triton.jit
+def _split_exchange(count_ptr, arrivals):
+    """The split kernels' meeting point: this program's stores so far are released to its group
+    (every thread's stores issued first), then it waits until the group's counter holds
+    `arrivals` (each program adds one an exchange) and acquires what the others stored. Programs
+    of a group must run at once: a cooperative launch, and one program under the interpreter,
+    which runs programs one after another."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < arrivals:
+        pass
+
+
 def _keeps(looped, N, element_size):
     """Whether a looped row's earlier sweeps keep what a later one reads again in L2."""
     return looped and N * element_size <= KEEP_MAX_ROW_BYTES
@@ -400,11 +450,13 @@ def _keeps(looped, N, element_size):
 def _partials(needed, schedule, N, acc, device):
     """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
 
-    A persistent kernel writes every row of them; a looped one accumulates into them.
+    A persistent kernel writes every row of them; a looped one accumulates into them; the
+    programs of a split kernel's group write one row, each its slab of it.
     """
     if not needed:
         return None
-    return torch.empty((schedule.programs, N), dtype=acc, device=device)
+    rows = schedule.programs // schedule.split if schedule.split else schedule.programs
+    return torch.empty((rows, N), dtype=acc, device=device)
 
 
 @triton.jit
@@ -625,6 +677,8 @@ def _rmsnorm_bwd_default_per(
     weight_offset_low,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_WEIGHT: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     ACC: tl.constexpr,
@@ -681,6 +735,8 @@ def _rmsnorm_bwd_default_red(
     weight_offset_low,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_WEIGHT: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     ACC: tl.constexpr,
@@ -739,6 +795,81 @@ def _rmsnorm_bwd_default_red(
 
 
 @triton.jit
+def _rmsnorm_bwd_default_split(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dweight_partial_ptr,
+    weight_offset_high,
+    weight_offset_low,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    HAS_WEIGHT: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_rmsnorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
+    sums through split_sums; each program keeps its slab's column partials in registers over
+    every row of its group, so a row too wide for one program is read once."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+    x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dy = dy_next.to(ACC)
+        x = x_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+        x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        x_hat = rstd * x  # x_hat = rstd*x
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * x_hat * (weight + weight_offset), axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DWEIGHT:
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
+
+
+@triton.jit
 def _rmsnorm_bwd_invertible_per(
     dy_ptr,
     dy_row_stride,
@@ -753,6 +884,8 @@ def _rmsnorm_bwd_invertible_per(
     weight_offset_low,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_WEIGHT: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     ACC: tl.constexpr,
@@ -809,6 +942,8 @@ def _rmsnorm_bwd_invertible_red(
     weight_offset_low,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_WEIGHT: tl.constexpr,
     STORE_DWEIGHT: tl.constexpr,
     ACC: tl.constexpr,
@@ -864,6 +999,81 @@ def _rmsnorm_bwd_invertible_red(
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
+
+
+@triton.jit
+def _rmsnorm_bwd_invertible_split(
+    dy_ptr,
+    dy_row_stride,
+    y_ptr,
+    y_row_stride,
+    weight_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dweight_partial_ptr,
+    weight_offset_high,
+    weight_offset_low,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    HAS_WEIGHT: tl.constexpr,
+    STORE_DWEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_rmsnorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
+    sums through split_sums; each program keeps its slab's column partials in registers over
+    every row of its group, so a row too wide for one program is read once."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        weight = 1.0
+    dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+    y_next = tl.load(y_ptr + next_offsets * y_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dy = dy_next.to(ACC)
+        y = y_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+        y_next = tl.load(y_ptr + next_offsets * y_row_stride + cols, mask=next_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        x_hat = y * _guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * x_hat * (weight + weight_offset), axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DWEIGHT:
+            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+    if STORE_DWEIGHT:
+        tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
 def _rmsnorm_fwd_torch(
@@ -1007,6 +1217,9 @@ def _rmsnorm_fwd(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
+        )
+        options = {}
+        constexprs.update(
             STAGES=schedule.stages,
             CHUNKS=schedule.chunks,
             KEEP=schedule.keep,
@@ -1016,7 +1229,7 @@ def _rmsnorm_fwd(
         )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     return y, rstd,
 
@@ -1059,14 +1272,22 @@ def _rmsnorm_bwd_default(
             store_dweight,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
+    split_sums = split_count = None
+    if schedule.split:
+        # a group's exchange slots (two, each a partial per row, reduction and member) and its
+        # counter of arrivals, which starts at zero
+        split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 1 * schedule.rows,), dtype=acc, device=device)
+        split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
+        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
         dx_ptr = dx.data_ptr()
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr | dweight_partial_ptr) & 15:
+        if (dx_ptr | dweight_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -1079,6 +1300,7 @@ def _rmsnorm_bwd_default(
             dweight_partial_ptr,
             *_fp32_pair(weight_offset),
             M, N,
+            split_sums_ptr, split_count_ptr,
             *plan.tail,
         )
     else:
@@ -1092,6 +1314,7 @@ def _rmsnorm_bwd_default(
             dweight_partial if dweight_partial is not None else dy,
             *_fp32_pair(weight_offset),
             M, N,
+            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
@@ -1099,16 +1322,26 @@ def _rmsnorm_bwd_default(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
         )
+        options = {}
+        if schedule.split:
+            kernel = _rmsnorm_bwd_default_split
+            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            if device.type == "cuda":
+                # every program of a group at once, or the launch fails (never a deadlock)
+                options["launch_cooperative_grid"] = True
+        else:
+            constexprs.update(
+                STAGES=schedule.stages,
+                CHUNKS=schedule.chunks,
+                KEEP=schedule.keep,
+                EVEN=schedule.even,
+                STRIDED=schedule.strided,
+                REVERSE=schedule.reverse,
+            )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dweight, = _column_sums(
         (dweight_partial, weight),
@@ -1154,14 +1387,22 @@ def _rmsnorm_bwd_invertible(
             store_dweight,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = _partials(store_dweight, schedule, N, acc, device)
+    split_sums = split_count = None
+    if schedule.split:
+        # a group's exchange slots (two, each a partial per row, reduction and member) and its
+        # counter of arrivals, which starts at zero
+        split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 1 * schedule.rows,), dtype=acc, device=device)
+        split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
+        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
         dx_ptr = dx.data_ptr()
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr | dweight_partial_ptr) & 15:
+        if (dx_ptr | dweight_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -1174,6 +1415,7 @@ def _rmsnorm_bwd_invertible(
             dweight_partial_ptr,
             *_fp32_pair(weight_offset),
             M, N,
+            split_sums_ptr, split_count_ptr,
             *plan.tail,
         )
     else:
@@ -1187,6 +1429,7 @@ def _rmsnorm_bwd_invertible(
             dweight_partial if dweight_partial is not None else dy,
             *_fp32_pair(weight_offset),
             M, N,
+            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
@@ -1194,16 +1437,26 @@ def _rmsnorm_bwd_invertible(
             ACC=_TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
         )
+        options = {}
+        if schedule.split:
+            kernel = _rmsnorm_bwd_invertible_split
+            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            if device.type == "cuda":
+                # every program of a group at once, or the launch fails (never a deadlock)
+                options["launch_cooperative_grid"] = True
+        else:
+            constexprs.update(
+                STAGES=schedule.stages,
+                CHUNKS=schedule.chunks,
+                KEEP=schedule.keep,
+                EVEN=schedule.even,
+                STRIDED=schedule.strided,
+                REVERSE=schedule.reverse,
+            )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg)
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
         _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
     dweight, = _column_sums(
         (dweight_partial, weight),

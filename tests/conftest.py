@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import HAS_CUDA, PATHS, force_looped, select_path
+from reference import HAS_CUDA, PATHS, force_looped, force_split, select_path, splits
 
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -28,13 +28,29 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> t
     return select_path(monkeypatch, request.param)
 
 
-@pytest.fixture(params=["persistent", "looped", "looped-reverse"])
+def _ops(test_module: object) -> tuple:
+    modules = getattr(test_module, "OP", ())
+    return modules if isinstance(modules, tuple) else (modules,)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The `schedule` fixture's schedules: whole rows, looped rows, looped rows with every
+    other sweep run backwards (REVERSE), and where the test module's generated modules `OP`
+    have kernels with a split form, split rows."""
+    if "schedule" in metafunc.fixturenames:
+        forms = ["persistent", "looped", "looped-reverse"]
+        forms += ["split"] * any(splits(module) for module in _ops(metafunc.module))
+        metafunc.parametrize("schedule", forms, indirect=True)
+
+
+@pytest.fixture
 def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Kernel schedule of the test module's generated module `OP`; runs once per schedule:
-    whole rows, looped rows, looped rows with every other sweep run backwards (REVERSE)."""
-    if request.param != "persistent":
-        modules = request.module.OP
-        for module in modules if isinstance(modules, tuple) else (modules,):
+    """Kernel schedule of the test module's generated module `OP`; runs once per schedule
+    (pytest_generate_tests)."""
+    for module in _ops(request.module) if request.param != "persistent" else ():
+        if request.param == "split":
+            force_split(monkeypatch, module)
+        else:
             force_looped(monkeypatch, module, reverse=request.param == "looped-reverse")
     return request.param
 

@@ -61,7 +61,26 @@ def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: boo
     monkeypatch.setattr(module, "PERSISTENT_MAX_BWD_ROW_BYTES", 0)  # backwards too
     monkeypatch.setattr(module, "PERSISTENT_MAX_FWD_ROW_BYTES", 0)
     monkeypatch.setattr(module, "ONE_SWEEP_MIN_N", 0 if one_sweep else 1 << 62)
+    monkeypatch.setattr(module, "SPLIT_MIN_N", 0)  # rows wide enough to split loop instead
     # the row-bytes limit is read inside the cached heuristic, and launch plans keep schedules
+    module._forget_schedules()
+
+
+#: columns of a slab where tests split rows: on a GPU most test rows then span several
+#: programs (the interpreter runs one program a row: `_split_schedule`)
+SPLIT_BLOCK_N = 64
+
+
+def splits(module: object) -> bool:
+    """Whether a generated module has kernels with a split form (`<kernel>_split`)."""
+    return any(name.endswith("_split") for name in vars(module))
+
+
+def force_split(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
+    """Make every kernel with a split form split its rows, over slabs of SPLIT_BLOCK_N
+    columns."""
+    monkeypatch.setattr(module, "SPLIT_MIN_N", 1)
+    monkeypatch.setattr(module, "SPLIT_BLOCK_N", SPLIT_BLOCK_N)
     module._forget_schedules()
 
 

@@ -5,9 +5,10 @@ import inspect
 
 import pytest
 import torch
+from reference import splits
 
 from codegen.schedule import DEFAULT, load_measured
-from generated import add_layernorm, geglu, gelu, layernorm, softmax, swiglu
+from generated import add_layernorm, geglu, gelu, layernorm, rmsnorm, softmax, swiglu
 
 
 def test_measured_table_reaches_the_module():
@@ -401,3 +402,46 @@ def test_elementwise_rows_loop_where_measured(module, kind):
     # the other ops keep the common limit in both directions
     assert layernorm.PERSISTENT_MAX_FWD_BLOCK_N == layernorm.PERSISTENT_MAX_BLOCK_N
     assert layernorm.PERSISTENT_MAX_BWD_BLOCK_N == layernorm.PERSISTENT_MAX_BLOCK_N
+
+
+def _backward_schedule(module, m, n, device, element_size=2):
+    return module._schedule(m, n, True, "bwd", 2, element_size, device,
+                            module.PERSISTENT_MAX_BLOCK_N, True)
+
+
+@pytest.mark.parametrize(("module", "min_n", "element_size"), [
+    (layernorm, 12288, 2), (layernorm, 12288, 4), (rmsnorm, 32768, 2), (rmsnorm, 16384, 4)])
+def test_norm_backwards_split_rows_from_the_measured_width(module, min_n, element_size):
+    """codegen/schedule.py, per_op: layer-norm backwards split rows of 12288 columns and more,
+    RMS-norm backwards rows of 64 KiB and more (H100, bf16: layer norm 4096x32768 2315 vs 1486
+    GB/s looped; RMS norm 4096x16384 2012 split vs 2295 whole, fp32 2270 vs 2023 looped).
+    Under the interpreter one program takes a whole row; kernels without a split form, and ops
+    without the rule, never split."""
+    cpu = torch.device("cpu")
+    split = _backward_schedule(module, 64, min_n, cpu, element_size)
+    assert (split.split, split.block_n, split.looped) == (1, 1 << (min_n - 1).bit_length(), False)
+    assert _backward_schedule(module, 64, min_n - 1, cpu, element_size).split == 0
+    whole = module._schedule(64, min_n, True, "bwd", 2, element_size, cpu,
+                             module.PERSISTENT_MAX_BLOCK_N)
+    assert whole.split == 0
+    name = module.__name__.split(".")[-1]
+    assert splits(module) and not hasattr(module, f"_{name}_fwd_split") and not splits(softmax)
+    assert add_layernorm.SPLIT_MIN_N == 0  # not measured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the SM count of a CUDA device")
+@pytest.mark.parametrize(("module", "m", "n", "block_n", "warps", "per_sm"), [
+    (layernorm, 4096, 32768, 4096, 8, 2), (layernorm, 1024, 262144, 8192, 16, 1),
+    (rmsnorm, 4096, 32768, 8192, 8, 1), (rmsnorm, 4096, 65536, 8192, 8, 1)])
+def test_split_rows_fill_the_gpu_at_once(module, m, n, block_n, warps, per_sm):
+    """Slabs of SPLIT_BLOCK_N columns, wider where a row would take more than 32 programs;
+    as many groups as fit on the GPU at once (the measured configurations)."""
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    schedule = _backward_schedule(module, m, n, device)
+    members = n // block_n
+    assert (schedule.split, schedule.block_n, schedule.warps, schedule.rows) == (
+        members, block_n, warps, 1)
+    assert schedule.programs == sms * per_sm // members * members
+    budget = min(255, 65536 // (32 * warps * per_sm))
+    assert module._maxnreg(schedule.warps, schedule.programs, device) == budget
