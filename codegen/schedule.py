@@ -109,6 +109,9 @@ class ScheduleTable:
     split_min_n: int = 0
     #: ... and of at least this many bytes
     split_min_row_bytes: int = 0
+    #: backward kernels with row reductions but no column partials (a softmax backward) split
+    #: rows of at least this many bytes (0: never)
+    split_other_min_row_bytes: int = 0
     #: columns of a program's slab, widened where a row would need more than
     #: split_max_members programs
     split_block_n: int = 4096
@@ -163,6 +166,11 @@ class ScheduleTable:
         "rmsnorm": {"split_min_n": 1, "split_min_row_bytes": 65536, "split_block_n": 8192,
                     "split_elements_per_thread": 32},
         "softmax": {"persistent_max_bwd_row_bytes": 65536,
+                    # the backward splits rows of 256 KiB and more: the generated kernel split
+                    # or not (H100, 2026-11-22, a probe forcing the constant): bf16 1024x262144
+                    # 2054 vs 1891 GB/s, fp32 4096x65536 2751 vs 2166, 1024x262144 2452 vs 1838;
+                    # but bf16 4096x65536 2273 vs 2854, fp32 4096x32768 2567 vs 2884
+                    "split_other_min_row_bytes": 262144,
                     # forward: `benchmarks.tune --modes fwd --shapes 4096x32768` (H100, bf16,
                     # 2026-11-22): whole rows at 32 warps 2789 GB/s against 2559 looped
                     "persistent_max_fwd_row_bytes": 65536,
@@ -243,6 +251,7 @@ class ScheduleTable:
             "FOLD_BLOCK_N": self.fold_block_n,
             "SPLIT_MIN_N": self.split_min_n,
             "SPLIT_MIN_ROW_BYTES": self.split_min_row_bytes,
+            "SPLIT_OTHER_MIN_ROW_BYTES": self.split_other_min_row_bytes,
             "SPLIT_BLOCK_N": self.split_block_n,
             "SPLIT_MAX_MEMBERS": self.split_max_members,
             "SPLIT_SM_ELEMENTS": self.split_sm_elements,

@@ -29,6 +29,7 @@ PERSISTENT_MAX_BWD_BLOCK_N = 16384
 FOLD_BLOCK_N = 0
 SPLIT_MIN_N = 0
 SPLIT_MIN_ROW_BYTES = 0
+SPLIT_OTHER_MIN_ROW_BYTES = 262144
 SPLIT_BLOCK_N = 4096
 SPLIT_MAX_MEMBERS = 32
 SPLIT_SM_ELEMENTS = 8192
@@ -179,7 +180,8 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n, split=False):
-    if split and 0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES:
+    if split and (0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES if grid_stride
+                  else 0 < SPLIT_OTHER_MIN_ROW_BYTES <= N * element_size):
         # a kernel with a split form (`_split_schedule`), at rows wide enough for it
         schedule = _split_schedule(M, N, device)
         if schedule is not None:
@@ -677,6 +679,8 @@ def _softmax_bwd_default_per(
     dx_row_stride,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -714,6 +718,8 @@ def _softmax_bwd_default_red(
     dx_row_stride,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -748,6 +754,62 @@ def _softmax_bwd_default_red(
             dp = tl.load(dp_ptr + offsets * dp_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dp - sum_dp_p)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_default_split(
+    dp_ptr,
+    dp_row_stride,
+    p_ptr,
+    p_row_stride,
+    dx_ptr,
+    dx_row_stride,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_softmax_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
+    sums through split_sums; each program keeps its slab's column partials in registers over
+    every row of its group, so a row too wide for one program is read once."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dp_next = tl.load(dp_ptr + next_offsets * dp_row_stride + cols, mask=next_mask, other=0.0)
+    p_next = tl.load(p_ptr + next_offsets * p_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dp = dp_next.to(ACC)
+        p = p_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dp_next = tl.load(dp_ptr + next_offsets * dp_row_stride + cols, mask=next_mask, other=0.0)
+        p_next = tl.load(p_ptr + next_offsets * p_row_stride + cols, mask=next_mask, other=0.0)
+        split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dp * p, axis=1))
+        exchanges += 1
+        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        sum_dp_p = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dp_p = 1 * sum_j(dp*p)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dp - sum_dp_p)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _softmax_fwd_torch(
@@ -879,12 +941,20 @@ def _softmax_bwd_default(
             p_stride,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, False, "bwd", 2, dp.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, False, "bwd", 2, dp.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dp.dtype, device=device)
+    split_sums = split_count = None
+    if schedule.split:
+        # a group's exchange slots (two, each a partial per row, reduction and member) and its
+        # counter of arrivals, which starts at zero
+        split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 1 * schedule.rows,), dtype=acc, device=device)
+        split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if schedule.split else dp_ptr
+        split_count_ptr = split_count.data_ptr() if schedule.split else dp_ptr
         dx_ptr = dx.data_ptr()
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr) & 15:
+        if (dx_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -893,6 +963,7 @@ def _softmax_bwd_default(
             p_ptr, p_stride,
             dx_ptr, N,
             M, N,
+            split_sums_ptr, split_count_ptr,
             *plan.tail,
         )
     else:
@@ -902,6 +973,7 @@ def _softmax_bwd_default(
             p, p_stride,
             dx, N,
             M, N,
+            split_sums if split_sums is not None else dp, split_count if split_count is not None else dp,
         )
         constexprs = dict(
             ACC=_TRITON_ACC[acc],
@@ -909,14 +981,21 @@ def _softmax_bwd_default(
             BLOCK_N=schedule.block_n,
         )
         options = {}
-        constexprs.update(
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
-        )
+        if schedule.split:
+            kernel = _softmax_bwd_default_split
+            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            if device.type == "cuda":
+                # every program of a group at once, or the launch fails (never a deadlock)
+                options["launch_cooperative_grid"] = True
+        else:
+            constexprs.update(
+                STAGES=schedule.stages,
+                CHUNKS=schedule.chunks,
+                KEEP=schedule.keep,
+                EVEN=schedule.even,
+                STRIDED=schedule.strided,
+                REVERSE=schedule.reverse,
+            )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
         compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)

@@ -62,6 +62,7 @@ def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: boo
     monkeypatch.setattr(module, "PERSISTENT_MAX_FWD_ROW_BYTES", 0)
     monkeypatch.setattr(module, "ONE_SWEEP_MIN_N", 0 if one_sweep else 1 << 62)
     monkeypatch.setattr(module, "SPLIT_MIN_N", 0)  # rows wide enough to split loop instead
+    monkeypatch.setattr(module, "SPLIT_OTHER_MIN_ROW_BYTES", 0)
     # the row-bytes limit is read inside the cached heuristic, and launch plans keep schedules
     module._forget_schedules()
 
@@ -80,6 +81,8 @@ def force_split(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
     """Make every kernel with a split form split its rows, over slabs of SPLIT_BLOCK_N
     columns."""
     monkeypatch.setattr(module, "SPLIT_MIN_N", 1)
+    monkeypatch.setattr(module, "SPLIT_MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(module, "SPLIT_OTHER_MIN_ROW_BYTES", 1)
     monkeypatch.setattr(module, "SPLIT_BLOCK_N", SPLIT_BLOCK_N)
     module._forget_schedules()
 

@@ -8,7 +8,7 @@ import torch
 from reference import splits
 
 from codegen.schedule import DEFAULT, load_measured
-from generated import add_layernorm, geglu, gelu, layernorm, rmsnorm, softmax, swiglu
+from generated import add_layernorm, cross_entropy, geglu, gelu, layernorm, rmsnorm, softmax, swiglu
 
 
 def test_measured_table_reaches_the_module():
@@ -424,9 +424,20 @@ def test_norm_backwards_split_rows_from_the_measured_width(module, min_n, elemen
     whole = module._schedule(64, min_n, True, "bwd", 2, element_size, cpu,
                              module.PERSISTENT_MAX_BLOCK_N)
     assert whole.split == 0
-    name = module.__name__.split(".")[-1]
-    assert splits(module) and not hasattr(module, f"_{name}_fwd_split") and not splits(softmax)
+    assert splits(module) and splits(softmax) and not splits(cross_entropy)  # reads a column
+    # forwards have no split form: an exchange per pass and row costs more than the row
+    assert not any(name.endswith("_fwd_split") for name in vars(module))
     assert add_layernorm.SPLIT_MIN_N == 0  # not measured
+
+
+@pytest.mark.parametrize(("element_size", "n", "split"), [
+    (2, 131072, 1), (2, 65536, 0), (4, 65536, 1), (4, 32768, 0)])
+def test_the_softmax_backward_splits_rows_of_256_kib(element_size, n, split):
+    """codegen/schedule.py, per_op: the softmax backward (no column partials) splits rows of
+    256 KiB and more (H100: fp32 4096x65536 2751 vs 2166 GB/s, bf16 4096x65536 2273 vs 2854)."""
+    schedule = softmax._schedule(64, n, False, "bwd", 2, element_size, torch.device("cpu"),
+                                 softmax.PERSISTENT_MAX_BLOCK_N, True)
+    assert schedule.split == split
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the SM count of a CUDA device")
