@@ -1,0 +1,102 @@
+"""Split rows against the module's other schedules: each backward launcher timed with its rows
+split over groups of programs (`_split_schedule`) and without (whole or looped rows), per shape.
+
+    python -m benchmarks.split --shapes 4096x12288,4096x32768 [--ops layernorm,rmsnorm,softmax]
+                               [--dtypes bf16,fp32] [--out DIR]
+
+The split rule's constants (SPLIT_MIN_N and SPLIT_MIN_ROW_BYTES for kernels with column
+partials, SPLIT_OTHER_MIN_ROW_BYTES for the others) are forced to split every row, then to
+split none; the launchers are timed with the harness's clock (L2 emptied before each call) and
+GB/s counts the backward's 3 activation-sized tensors. codegen/schedule.py's per-op rules cite
+these numbers. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.sweep import DTYPES, launcher_calls
+from benchmarks.timing import CudaClock, Workload, measure
+
+#: the module constants that decide where rows split, and the values that split every row
+SPLIT_EVERYWHERE = {"SPLIT_MIN_N": 1, "SPLIT_MIN_ROW_BYTES": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 1}
+SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
+REP_MS = 25.0
+
+
+def _forced(module, constants: dict, call) -> float:
+    """Median ms of `call` with the module's constants set to `constants` (then restored)."""
+    saved = {name: getattr(module, name) for name in constants}
+    for name, value in constants.items():
+        setattr(module, name, value)
+    module._forget_schedules()  # a launch plan would launch past the constants
+    try:
+        call()  # compile outside the timed loop
+        clock = CudaClock(torch.device("cuda"),
+                          getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+        return measure(clock, Workload(lambda _state: call()), REP_MS).median_ms
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+        module._forget_schedules()
+
+
+def compare(ops, dtypes, shapes) -> list[dict]:
+    results = []
+    for op in ops:
+        module = importlib.import_module(f"generated.{op}")
+        for dtype in dtypes:
+            for m, n in shapes:
+                _, backward, element_size = launcher_calls(op, module, m, n, DTYPES[dtype])
+                moved = 3 * m * n * element_size
+                speeds = {label: moved / _forced(module, constants, backward) / 1e6
+                          for label, constants in (("split", SPLIT_EVERYWHERE),
+                                                   ("unsplit", SPLIT_NOWHERE))}
+                default = module._schedule(m, n, op != "softmax", "bwd", 2, element_size,
+                                           torch.device("cuda"), module.PERSISTENT_MAX_BLOCK_N,
+                                           True).split
+                results.append({"op": op, "dtype": dtype, "m": m, "n": n, **speeds,
+                                "rule_splits": bool(default)})
+                print(f"{op} backward {dtype} {m}x{n}: split {speeds['split']:.0f} GB/s, "
+                      f"whole or looped {speeds['unsplit']:.0f} (the rule "
+                      f"{'splits' if default else 'does not split'})", flush=True)
+                del backward
+                torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.split",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", required=True, help="MxN,...")
+    parser.add_argument("--ops", default="layernorm,rmsnorm,softmax")
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--out", type=Path, help="write DIR/split.json")
+    args = parser.parse_args()
+    for op in args.ops.split(","):
+        if op not in ("layernorm", "rmsnorm", "softmax"):
+            parser.error(f"--ops: expected layernorm, rmsnorm or softmax, got {op!r}")
+    for dtype in args.dtypes.split(","):
+        if dtype not in DTYPES:
+            parser.error(f"--dtypes: expected some of {', '.join(DTYPES)}, got {dtype!r}")
+    try:
+        shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
+    except ValueError:
+        parser.error(f"--shapes: expected MxN,... (4096x32768), got {args.shapes!r}")
+    if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        parser.error(f"--shapes: expected MxN,... of positive sizes, got {args.shapes!r}")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.split: needs a CUDA device")
+    results = compare(args.ops.split(","), args.dtypes.split(","), shapes)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "split.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
