@@ -152,24 +152,24 @@ class ScheduleTable:
         # more (RMS norm: whole rows of 16384 bf16 columns stay). A probe of the split kernel
         # (H100, bf16, 2026-11-22; slabs of 2048-8192 columns, 1 or 2 rows a step, 8 or 16
         # warps, 1 or 2 programs an SM, the next row block's loads issued before the exchange
-        # or not), fastest against the table: layer norm 4096x16384 1948 vs 1509 GB/s,
-        # 4096x32768 2147 vs 1494, 4096x65536 2087 vs 1522 (slabs of 4096 columns, 8 warps, 2
-        # programs an SM), 1024x262144 1762 vs 1428 (8192, 16 warps, 1 an SM); RMS norm
-        # 4096x32768 2192 vs 1602, 4096x65536 2255 vs 1637, 1024x262144 2024 vs 1592 (8192
-        # columns, 8 warps, 1 an SM); one row a step, the next block's loads issued first, won
-        # each. The generated kernels with these constants, split or not (same machine and day,
-        # probe forcing SPLIT_MIN_N): layer norm bf16 4096x12288 2003 vs 1514, 4096x8192 1750 vs
-        # 2536, 16384x5120 1618 vs 2522; fp32 4096x12288 2252 vs 1749, 4096x8192 1873 vs 2667;
-        # RMS norm bf16 4096x16384 2012 vs 2295, 4096x12288 1730 vs 2255; fp32 4096x16384 2270
-        # vs 2023, 4096x12288 2178 vs 2360, 4096x32768 2559 vs 1714
+        # or not) found one row a step with the loads issued first fastest everywhere, and
+        # slabs of 4096 columns at 8 warps, 2 programs an SM for layer norm (8192 at 16 warps
+        # for 1024x262144), 8192 at 8 warps, 1 an SM for RMS norm: the constants here. With
+        # them, `python -m benchmarks.split --shapes 4096x12288,4096x16384,4096x32768,
+        # 1024x262144 --ops layernorm,rmsnorm` (H100, same day), split vs whole or looped GB/s:
+        # layer norm bf16 1966 vs 1551, 1986 vs 1523, 2304 vs 1484, 1817 vs 1422; fp32 2246 vs
+        # 1755, 2158 vs 1595, 2560 vs 1587, 2402 vs 1604; RMS norm bf16 1730 vs 2228, 2003 vs
+        # 2262, 2085 vs 1602, 1923 vs 1583; fp32 2125 vs 2332, 2294 vs 2026, 2553 vs 1714, 2525
+        # vs 1685. Layer norm at 4096x8192 and 16384x5120 (whole rows) lost split (a probe: bf16
+        # 1750 vs 2536, 1618 vs 2522)
         "layernorm": {"split_min_n": 12288},
         "rmsnorm": {"split_min_n": 1, "split_min_row_bytes": 65536, "split_block_n": 8192,
                     "split_elements_per_thread": 32},
         "softmax": {"persistent_max_bwd_row_bytes": 65536,
-                    # the backward splits rows of 256 KiB and more: the generated kernel split
-                    # or not (H100, 2026-11-22, a probe forcing the constant): bf16 1024x262144
-                    # 2054 vs 1891 GB/s, fp32 4096x65536 2751 vs 2166, 1024x262144 2452 vs 1838;
-                    # but bf16 4096x65536 2273 vs 2854, fp32 4096x32768 2567 vs 2884
+                    # the backward splits rows of 256 KiB and more: `python -m benchmarks.split
+                    # --shapes 2048x128256,4096x65536,1024x262144 --ops softmax` (H100,
+                    # 2026-11-22), split vs whole or looped GB/s: fp32 2763 vs 1893, 2753 vs
+                    # 2157, 2391 vs 1832; bf16 2118 vs 2213, 2278 vs 2824, 2030 vs 1890
                     "split_other_min_row_bytes": 262144,
                     # forward: `benchmarks.tune --modes fwd --shapes 4096x32768` (H100, bf16,
                     # 2026-11-22): whole rows at 32 warps 2789 GB/s against 2559 looped
