@@ -209,9 +209,11 @@ def _split_schedule(M, N, device):
     rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
     warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
     if device.type == "cuda":
-        # at most 64 warps an SM run at once (H100)
-        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, 64 // warps))
-        slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+        # no more programs an SM than its threads hold at once (H100: 2048, 64 warps)
+        properties = torch.cuda.get_device_properties(device)
+        threads = getattr(properties, "max_threads_per_multi_processor", 2048)
+        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, threads // (32 * warps)))
+        slots = properties.multi_processor_count * per_sm
     else:
         block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
     members = triton.cdiv(N, block_n)
