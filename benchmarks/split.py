@@ -22,6 +22,7 @@ import torch
 
 from benchmarks.sweep import DTYPES, launcher_calls
 from benchmarks.timing import CudaClock, Workload, measure
+from benchmarks.tune import _used_schedule
 
 #: the module constants that decide where rows split, and the values that split every row
 SPLIT_EVERYWHERE = {"SPLIT_MIN_N": 1, "SPLIT_MIN_ROW_BYTES": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 1}
@@ -29,7 +30,7 @@ SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
 REP_MS = 25.0
 
 
-def _forced(module, constants: dict, call) -> float:
+def _forced(module, constants: dict, call, clock: CudaClock) -> float:
     """Median ms of `call` with the module's constants set to `constants` (then restored)."""
     saved = {name: getattr(module, name) for name in constants}
     for name, value in constants.items():
@@ -37,8 +38,6 @@ def _forced(module, constants: dict, call) -> float:
     module._forget_schedules()  # a launch plan would launch past the constants
     try:
         call()  # compile outside the timed loop
-        clock = CudaClock(torch.device("cuda"),
-                          getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
         return measure(clock, Workload(lambda _state: call()), REP_MS).median_ms
     finally:
         for name, value in saved.items():
@@ -47,6 +46,8 @@ def _forced(module, constants: dict, call) -> float:
 
 
 def compare(ops, dtypes, shapes) -> list[dict]:
+    properties = torch.cuda.get_device_properties(0)
+    clock = CudaClock(torch.device("cuda"), getattr(properties, "L2_cache_size", 50 << 20))
     results = []
     for op in ops:
         module = importlib.import_module(f"generated.{op}")
@@ -54,12 +55,10 @@ def compare(ops, dtypes, shapes) -> list[dict]:
             for m, n in shapes:
                 _, backward, element_size = launcher_calls(op, module, m, n, DTYPES[dtype])
                 moved = 3 * m * n * element_size
-                speeds = {label: moved / _forced(module, constants, backward) / 1e6
+                speeds = {label: moved / _forced(module, constants, backward, clock) / 1e6
                           for label, constants in (("split", SPLIT_EVERYWHERE),
                                                    ("unsplit", SPLIT_NOWHERE))}
-                default = module._schedule(m, n, op != "softmax", "bwd", 2, element_size,
-                                           torch.device("cuda"), module.PERSISTENT_MAX_BLOCK_N,
-                                           True).split
+                default = _used_schedule(module, backward).split  # the module's own rule
                 results.append({"op": op, "dtype": dtype, "m": m, "n": n, **speeds,
                                 "rule_splits": bool(default)})
                 print(f"{op} backward {dtype} {m}x{n}: split {speeds['split']:.0f} GB/s, "

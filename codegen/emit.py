@@ -131,8 +131,9 @@ class KernelContext:
         # once and exchange their slabs' partial row sums; for backward kernels with row
         # reductions, nothing kept per row or per program, no values drawn per element or read
         # at a row's column. Not forwards: an exchange per pass and row costs more than a
-        # forward's row takes to stream (H100, bf16 layer-norm forward 4096x32768 1010 GB/s
-        # split against 2827 looped, 1024x262144 952 against 1938; codegen/schedule.py)
+        # forward's row takes to stream (H100, 2026-11-22, a probe forcing split forwards before
+        # they were dropped, not kept: bf16 layer-norm forward 4096x32768 1010 GB/s split
+        # against 2827 looped, 1024x262144 952 against 1938)
         self.splittable = (backward and any(p["reductions"] for p in self.passes)
                            and not (self.picks or kernel.generated or self.broadcast_inputs
                                     or self.row_stores or self.scalar_stores or self.row_shape))

@@ -413,8 +413,9 @@ def _backward_schedule(module, m, n, device, element_size=2):
     (layernorm, 12288, 2), (layernorm, 12288, 4), (rmsnorm, 32768, 2), (rmsnorm, 16384, 4)])
 def test_norm_backwards_split_rows_from_the_measured_width(module, min_n, element_size):
     """codegen/schedule.py, per_op: layer-norm backwards split rows of 12288 columns and more,
-    RMS-norm backwards rows of 64 KiB and more (H100, bf16: layer norm 4096x32768 2315 vs 1486
-    GB/s looped; RMS norm 4096x16384 2012 split vs 2295 whole, fp32 2270 vs 2023 looped).
+    RMS-norm backwards rows of 64 KiB and more (H100, `benchmarks.split`, bf16: layer norm
+    4096x12288 1966 split vs 1551 looped; RMS norm 4096x16384 2003 split vs 2262 whole, fp32
+    2294 vs 2026 looped).
     Under the interpreter one program takes a whole row; kernels without a split form, and ops
     without the rule, never split."""
     cpu = torch.device("cpu")
@@ -434,7 +435,8 @@ def test_norm_backwards_split_rows_from_the_measured_width(module, min_n, elemen
     (2, 131072, 1), (2, 65536, 0), (4, 65536, 1), (4, 32768, 0)])
 def test_the_softmax_backward_splits_rows_of_256_kib(element_size, n, split):
     """codegen/schedule.py, per_op: the softmax backward (no column partials) splits rows of
-    256 KiB and more (H100: fp32 4096x65536 2751 vs 2166 GB/s, bf16 4096x65536 2273 vs 2854)."""
+    256 KiB and more (H100, `benchmarks.split`: fp32 4096x65536 2753 split vs 2157 GB/s, bf16
+    4096x65536 2278 vs 2824)."""
     schedule = softmax._schedule(64, n, False, "bwd", 2, element_size, torch.device("cpu"),
                                  softmax.PERSISTENT_MAX_BLOCK_N, True)
     assert schedule.split == split
