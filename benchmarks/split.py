@@ -1,14 +1,17 @@
 """Split rows against the module's other schedules: each backward launcher timed with its rows
 split over groups of programs (`_split_schedule`) and without (whole or looped rows), per shape.
 
-    python -m benchmarks.split --shapes 4096x12288,4096x32768 [--ops layernorm,rmsnorm,softmax]
+    python -m benchmarks.split --shapes 4096x12288,4096x32768 [--ops layernorm,rmsnorm,softmax,
+                               add_layernorm,add_rmsnorm]
                                [--dtypes bf16,fp32] [--out DIR]
 
 The split rule's constants (SPLIT_MIN_N and SPLIT_MIN_ROW_BYTES for kernels with column
-partials, SPLIT_OTHER_MIN_ROW_BYTES for the others) are forced to split every row, then to
-split none; the launchers are timed with the harness's clock (L2 emptied before each call) and
-GB/s counts the backward's 3 activation-sized tensors. codegen/schedule.py's per-op rules cite
-these numbers. CUDA only.
+partials, SPLIT_OTHER_MIN_ROW_BYTES for the others, SPLIT_MAX_ROW_BYTES for both) are forced to
+split every row, then to split none; the launchers are timed with the harness's clock (L2
+emptied before each call) and GB/s counts the backward's activation-sized tensors: 3 (4 for
+the residual-add norms, whose backward also reads the residual stream's gradient:
+`benchmarks.sweep.launcher_calls`). codegen/schedule.py's per-op rules cite these numbers.
+CUDA only.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.sweep import DTYPES, launcher_calls
+from benchmarks.sweep import ADD_NORMS, DTYPES, launcher_calls
 from benchmarks.timing import CudaClock, Workload, measure
 from benchmarks.tune import _used_schedule
 
 #: the module constants that decide where rows split, and the values that split every row
-SPLIT_EVERYWHERE = {"SPLIT_MIN_N": 1, "SPLIT_MIN_ROW_BYTES": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 1}
+SPLIT_EVERYWHERE = {"SPLIT_MIN_N": 1, "SPLIT_MIN_ROW_BYTES": 0, "SPLIT_MAX_ROW_BYTES": 0,
+                    "SPLIT_OTHER_MIN_ROW_BYTES": 1}
 SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
 REP_MS = 25.0
+#: the ops whose backward kernels have a split form
+SPLIT_OPS = ("layernorm", "rmsnorm", "softmax", *ADD_NORMS)
 
 
 def _forced(module, constants: dict, call, clock: CudaClock) -> float:
@@ -54,7 +60,7 @@ def compare(ops, dtypes, shapes) -> list[dict]:
         for dtype in dtypes:
             for m, n in shapes:
                 _, backward, element_size = launcher_calls(op, module, m, n, DTYPES[dtype])
-                moved = 3 * m * n * element_size
+                moved = (4 if op in ADD_NORMS else 3) * m * n * element_size
                 speeds = {label: moved / _forced(module, constants, backward, clock) / 1e6
                           for label, constants in (("split", SPLIT_EVERYWHERE),
                                                    ("unsplit", SPLIT_NOWHERE))}
@@ -78,8 +84,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write DIR/split.json")
     args = parser.parse_args()
     for op in args.ops.split(","):
-        if op not in ("layernorm", "rmsnorm", "softmax"):
-            parser.error(f"--ops: expected layernorm, rmsnorm or softmax, got {op!r}")
+        if op not in SPLIT_OPS:
+            parser.error(f"--ops: expected some of {', '.join(SPLIT_OPS)}, got {op!r}")
     for dtype in args.dtypes.split(","):
         if dtype not in DTYPES:
             parser.error(f"--dtypes: expected some of {', '.join(DTYPES)}, got {dtype!r}")

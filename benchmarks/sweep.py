@@ -63,6 +63,8 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
     element size."""
     if op_name == "cross_entropy":
         return _cross_entropy_calls(module, m, n, dtype)
+    if op_name in ADD_NORMS:
+        return _add_norm_calls(op_name, module, m, n, dtype)
     op = OPS[op_name]
     forward = getattr(module, f"_{op_name}_fwd")
     backward = getattr(module, f"_{op_name}_bwd_default")
@@ -88,6 +90,41 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
 
     def backward_call():
         return backward(dy, *saved, *backward_scalars, *stores)
+
+    return forward_call, backward_call, x.element_size()
+
+
+#: the fused residual-add norms: their launchers' scalars after the tensors, forward (eps, and
+#: RMS norm's weight offset) and backward (RMS norm's weight offset)
+ADD_NORMS = {"add_layernorm": ((1e-5,), ()), "add_rmsnorm": ((1e-6, 0.0), (0.0,))}
+
+
+def _add_norm_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
+    """launcher_calls of generated.add_layernorm / add_rmsnorm as a pre-norm transformer block
+    runs them: h = x + residual kept as the residual stream (residual_out), y = norm(h); the
+    backward takes the gradient of y and of the residual stream (4 activation-sized tensors)."""
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device="cuda", dtype=dtype)
+
+    x, residual = randn(m, n), randn(m, n)
+    params = [randn(n) * 0.1 + 1.0] + ([randn(n) * 0.1] if op_name == "add_layernorm" else [])
+    forward_scalars, backward_scalars = ADD_NORMS[op_name]
+    statistics = (True, True) if op_name == "add_layernorm" else (True,)
+    launch_forward = getattr(module, f"_{op_name}_fwd")
+    backward = getattr(module, f"_{op_name}_bwd_default")
+
+    def forward_call():
+        return launch_forward(x, residual, None, *params, *forward_scalars, True, *statistics)
+
+    _y, residual_out, *stats = forward_call()
+    dy, dresidual_out = randn(m, n), randn(m, n)
+    stores = (False, *(True for _ in params))
+
+    def backward_call():
+        return backward(dy, dresidual_out, residual_out, None, *params, *stats,
+                        *backward_scalars, *stores)
 
     return forward_call, backward_call, x.element_size()
 

@@ -109,6 +109,8 @@ class ScheduleTable:
     split_min_n: int = 0
     #: ... and of at least this many bytes
     split_min_row_bytes: int = 0
+    #: ... and of at most this many bytes (0: no bound)
+    split_max_row_bytes: int = 0
     #: backward kernels with row reductions but no column partials (a softmax backward) split
     #: rows of at least this many bytes (0: never)
     split_other_min_row_bytes: int = 0
@@ -165,6 +167,19 @@ class ScheduleTable:
         "layernorm": {"split_min_n": 12288},
         "rmsnorm": {"split_min_n": 1, "split_min_row_bytes": 65536, "split_block_n": 8192,
                     "split_elements_per_thread": 32},
+        # the residual-add norms' backwards (4 activation-sized tensors: the gradients of the
+        # output and of the residual stream, the residual stream, the input gradient):
+        # `python -m benchmarks.split --shapes 4096x8192,4096x12288,4096x16384,4096x32768,
+        # 1024x262144 --ops add_layernorm,add_rmsnorm` (H100, 2026-11-22), split vs whole or
+        # looped GB/s: add_layernorm bf16 1858 vs 2515, 2298 vs 1718, 2180 vs 1502, 2608 vs
+        # 1507, 2239 vs 1555; fp32 1711 vs 2781, 1922 vs 1929, 1826 vs 1742, 2001 vs 1765, 1619
+        # vs 1815 (rows of 1 MiB: bounded). add_rmsnorm at rmsnorm's slabs (8192 columns, 32
+        # elements a thread) bf16 1920 vs 2573, 2020 vs 2452, 2170 vs 1889, 2280 vs 1765, 2298
+        # vs 1733; fp32 1900 vs 2789, 1939 vs 2423, 2045 vs 2164 (16384 columns: fp32 loses 6%
+        # where bf16 gains 15%; the rule counts columns), 2211 vs 1903, 1782 vs 1911 (bounded)
+        "add_layernorm": {"split_min_n": 12288, "split_max_row_bytes": 524288},
+        "add_rmsnorm": {"split_min_n": 16384, "split_max_row_bytes": 524288,
+                        "split_block_n": 8192, "split_elements_per_thread": 32},
         "softmax": {"persistent_max_bwd_row_bytes": 65536,
                     # the backward splits rows of 256 KiB and more: `python -m benchmarks.split
                     # --shapes 2048x128256,4096x65536,1024x262144 --ops softmax` (H100,
@@ -251,6 +266,7 @@ class ScheduleTable:
             "FOLD_BLOCK_N": self.fold_block_n,
             "SPLIT_MIN_N": self.split_min_n,
             "SPLIT_MIN_ROW_BYTES": self.split_min_row_bytes,
+            "SPLIT_MAX_ROW_BYTES": self.split_max_row_bytes,
             "SPLIT_OTHER_MIN_ROW_BYTES": self.split_other_min_row_bytes,
             "SPLIT_BLOCK_N": self.split_block_n,
             "SPLIT_MAX_MEMBERS": self.split_max_members,

@@ -29,6 +29,7 @@ PERSISTENT_MAX_BWD_BLOCK_N = 16384
 FOLD_BLOCK_N = 0
 SPLIT_MIN_N = 0
 SPLIT_MIN_ROW_BYTES = 0
+SPLIT_MAX_ROW_BYTES = 0
 SPLIT_OTHER_MIN_ROW_BYTES = 262144
 SPLIT_BLOCK_N = 4096
 SPLIT_MAX_MEMBERS = 32
@@ -181,7 +182,8 @@ MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 @functools.lru_cache(maxsize=4096)
 def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n, split=False):
     if split and (0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES if grid_stride
-                  else 0 < SPLIT_OTHER_MIN_ROW_BYTES <= N * element_size):
+                  else 0 < SPLIT_OTHER_MIN_ROW_BYTES <= N * element_size) and (
+                      not SPLIT_MAX_ROW_BYTES or N * element_size <= SPLIT_MAX_ROW_BYTES):
         # a kernel with a split form (`_split_schedule`), at rows wide enough for it
         schedule = _split_schedule(M, N, device)
         if schedule is not None:

@@ -82,6 +82,7 @@ def force_split(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
     columns."""
     monkeypatch.setattr(module, "SPLIT_MIN_N", 1)
     monkeypatch.setattr(module, "SPLIT_MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(module, "SPLIT_MAX_ROW_BYTES", 0)
     monkeypatch.setattr(module, "SPLIT_OTHER_MIN_ROW_BYTES", 1)
     monkeypatch.setattr(module, "SPLIT_BLOCK_N", SPLIT_BLOCK_N)
     module._forget_schedules()
