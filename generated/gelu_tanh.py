@@ -197,13 +197,28 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
                      *_form(M, N, rows, block_n, programs, form), entry)
 
 
+#: CUDA devices that refused a cooperative launch of split rows (more programs than they hold at
+#: once: another process's work, a partitioned GPU, an occupancy other than `_split_schedule`
+#: counts on): their rows no longer split, and the refused call ran unsplit
+_SPLIT_REFUSED = set()
+
+
+def _refused(error):
+    """Whether a launch error is a refused cooperative launch (nothing ran; CUDA's error is not
+    sticky)."""
+    return "cooperative" in str(error)
+
+
 def _split_schedule(M, N, device):
     """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
     SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
     SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
     the register budget of the programs an SM runs (so that a cooperative launch fits). Under
     the interpreter, which runs programs one after another, one program takes a whole row.
-    None where a row's programs would not all fit on the GPU at once."""
+    None where a row's programs would not all fit on the GPU at once, or where the device
+    refused a cooperative launch before (`_SPLIT_REFUSED`)."""
+    if device.type == "cuda" and device.index in _SPLIT_REFUSED:
+        return None
     block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
     rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
     warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))

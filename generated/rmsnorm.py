@@ -257,13 +257,28 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
                      *_form(M, N, rows, block_n, programs, form), entry)
 
 
+#: CUDA devices that refused a cooperative launch of split rows (more programs than they hold at
+#: once: another process's work, a partitioned GPU, an occupancy other than `_split_schedule`
+#: counts on): their rows no longer split, and the refused call ran unsplit
+_SPLIT_REFUSED = set()
+
+
+def _refused(error):
+    """Whether a launch error is a refused cooperative launch (nothing ran; CUDA's error is not
+    sticky)."""
+    return "cooperative" in str(error)
+
+
 def _split_schedule(M, N, device):
     """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
     SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
     SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
     the register budget of the programs an SM runs (so that a cooperative launch fits). Under
     the interpreter, which runs programs one after another, one program takes a whole row.
-    None where a row's programs would not all fit on the GPU at once."""
+    None where a row's programs would not all fit on the GPU at once, or where the device
+    refused a cooperative launch before (`_SPLIT_REFUSED`)."""
+    if device.type == "cuda" and device.index in _SPLIT_REFUSED:
+        return None
     block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
     rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
     warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
@@ -1295,60 +1310,69 @@ def _rmsnorm_bwd_default(
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
         if (dx_ptr | dweight_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
-    if plan:
-        plan.launch(
-            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
-            dy_ptr, dy_stride,
-            x_ptr, x_stride,
-            weight_ptr,
-            rstd_ptr,
-            dx_ptr, N,
-            dweight_partial_ptr,
-            *_fp32_pair(weight_offset),
-            M, N,
-            split_sums_ptr, split_count_ptr,
-            *plan.tail,
-        )
-    else:
-        kernel = _rmsnorm_bwd_default_red if schedule.looped else _rmsnorm_bwd_default_per
-        arguments = (
-            dy, dy_stride,
-            x, x_stride,
-            weight if weight is not None else dy,
-            rstd,
-            dx, N,
-            dweight_partial if dweight_partial is not None else dy,
-            *_fp32_pair(weight_offset),
-            M, N,
-            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
-        )
-        constexprs = dict(
-            HAS_WEIGHT=weight is not None,
-            STORE_DWEIGHT=store_dweight,
-            ACC=_TRITON_ACC[acc],
-            ROWS=schedule.rows,
-            BLOCK_N=schedule.block_n,
-        )
-        options = {}
-        if schedule.split:
-            kernel = _rmsnorm_bwd_default_split
-            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
-            if device.type == "cuda":
-                # every program of a group at once, or the launch fails (never a deadlock)
-                options["launch_cooperative_grid"] = True
-        else:
-            constexprs.update(
-                STAGES=schedule.stages,
-                CHUNKS=schedule.chunks,
-                KEEP=schedule.keep,
-                EVEN=schedule.even,
-                STRIDED=schedule.strided,
-                REVERSE=schedule.reverse,
+    try:
+        if plan:
+            plan.launch(
+                plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+                dy_ptr, dy_stride,
+                x_ptr, x_stride,
+                weight_ptr,
+                rstd_ptr,
+                dx_ptr, N,
+                dweight_partial_ptr,
+                *_fp32_pair(weight_offset),
+                M, N,
+                split_sums_ptr, split_count_ptr,
+                *plan.tail,
             )
-        grid = (schedule.programs,)
-        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+        else:
+            kernel = _rmsnorm_bwd_default_red if schedule.looped else _rmsnorm_bwd_default_per
+            arguments = (
+                dy, dy_stride,
+                x, x_stride,
+                weight if weight is not None else dy,
+                rstd,
+                dx, N,
+                dweight_partial if dweight_partial is not None else dy,
+                *_fp32_pair(weight_offset),
+                M, N,
+                split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
+            )
+            constexprs = dict(
+                HAS_WEIGHT=weight is not None,
+                STORE_DWEIGHT=store_dweight,
+                ACC=_TRITON_ACC[acc],
+                ROWS=schedule.rows,
+                BLOCK_N=schedule.block_n,
+            )
+            options = {}
+            if schedule.split:
+                kernel = _rmsnorm_bwd_default_split
+                constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+                if device.type == "cuda":
+                    # every program of a group at once, or the launch fails (never a deadlock)
+                    options["launch_cooperative_grid"] = True
+            else:
+                constexprs.update(
+                    STAGES=schedule.stages,
+                    CHUNKS=schedule.chunks,
+                    KEEP=schedule.keep,
+                    EVEN=schedule.even,
+                    STRIDED=schedule.strided,
+                    REVERSE=schedule.reverse,
+                )
+            grid = (schedule.programs,)
+            maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+    except RuntimeError as error:
+        if not (schedule.split and _refused(error)):
+            raise
+        # the device would not hold every program of the groups at once: this call and every
+        # later one on it run unsplit
+        _SPLIT_REFUSED.add(device.index)
+        _forget_schedules()
+        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight)
     dweight, = _column_sums(
         (dweight_partial, weight),
     )
@@ -1410,60 +1434,69 @@ def _rmsnorm_bwd_invertible(
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
         if (dx_ptr | dweight_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
-    if plan:
-        plan.launch(
-            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
-            dy_ptr, dy_stride,
-            y_ptr, y_stride,
-            weight_ptr,
-            rstd_ptr,
-            dx_ptr, N,
-            dweight_partial_ptr,
-            *_fp32_pair(weight_offset),
-            M, N,
-            split_sums_ptr, split_count_ptr,
-            *plan.tail,
-        )
-    else:
-        kernel = _rmsnorm_bwd_invertible_red if schedule.looped else _rmsnorm_bwd_invertible_per
-        arguments = (
-            dy, dy_stride,
-            y, y_stride,
-            weight if weight is not None else dy,
-            rstd,
-            dx, N,
-            dweight_partial if dweight_partial is not None else dy,
-            *_fp32_pair(weight_offset),
-            M, N,
-            split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
-        )
-        constexprs = dict(
-            HAS_WEIGHT=weight is not None,
-            STORE_DWEIGHT=store_dweight,
-            ACC=_TRITON_ACC[acc],
-            ROWS=schedule.rows,
-            BLOCK_N=schedule.block_n,
-        )
-        options = {}
-        if schedule.split:
-            kernel = _rmsnorm_bwd_invertible_split
-            constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
-            if device.type == "cuda":
-                # every program of a group at once, or the launch fails (never a deadlock)
-                options["launch_cooperative_grid"] = True
-        else:
-            constexprs.update(
-                STAGES=schedule.stages,
-                CHUNKS=schedule.chunks,
-                KEEP=schedule.keep,
-                EVEN=schedule.even,
-                STRIDED=schedule.strided,
-                REVERSE=schedule.reverse,
+    try:
+        if plan:
+            plan.launch(
+                plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+                dy_ptr, dy_stride,
+                y_ptr, y_stride,
+                weight_ptr,
+                rstd_ptr,
+                dx_ptr, N,
+                dweight_partial_ptr,
+                *_fp32_pair(weight_offset),
+                M, N,
+                split_sums_ptr, split_count_ptr,
+                *plan.tail,
             )
-        grid = (schedule.programs,)
-        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+        else:
+            kernel = _rmsnorm_bwd_invertible_red if schedule.looped else _rmsnorm_bwd_invertible_per
+            arguments = (
+                dy, dy_stride,
+                y, y_stride,
+                weight if weight is not None else dy,
+                rstd,
+                dx, N,
+                dweight_partial if dweight_partial is not None else dy,
+                *_fp32_pair(weight_offset),
+                M, N,
+                split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
+            )
+            constexprs = dict(
+                HAS_WEIGHT=weight is not None,
+                STORE_DWEIGHT=store_dweight,
+                ACC=_TRITON_ACC[acc],
+                ROWS=schedule.rows,
+                BLOCK_N=schedule.block_n,
+            )
+            options = {}
+            if schedule.split:
+                kernel = _rmsnorm_bwd_invertible_split
+                constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+                if device.type == "cuda":
+                    # every program of a group at once, or the launch fails (never a deadlock)
+                    options["launch_cooperative_grid"] = True
+            else:
+                constexprs.update(
+                    STAGES=schedule.stages,
+                    CHUNKS=schedule.chunks,
+                    KEEP=schedule.keep,
+                    EVEN=schedule.even,
+                    STRIDED=schedule.strided,
+                    REVERSE=schedule.reverse,
+                )
+            grid = (schedule.programs,)
+            maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+    except RuntimeError as error:
+        if not (schedule.split and _refused(error)):
+            raise
+        # the device would not hold every program of the groups at once: this call and every
+        # later one on it run unsplit
+        _SPLIT_REFUSED.add(device.index)
+        _forget_schedules()
+        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight)
     dweight, = _column_sums(
         (dweight_partial, weight),
     )

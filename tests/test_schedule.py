@@ -483,3 +483,40 @@ def test_split_rows_fill_the_gpu_at_once(module, m, n, block_n, warps, per_sm):
     assert schedule.programs == sms * per_sm // members * members
     budget = min(255, 65536 // (32 * warps * per_sm))
     assert module._maxnreg(schedule.warps, schedule.programs, device) == budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a cooperative launch on a CUDA device")
+def test_a_refused_cooperative_launch_runs_unsplit(monkeypatch):
+    """Where the device will not hold every program of the split groups at once (here: a group
+    for every row, far more programs than an H100 holds), CUDA refuses the cooperative launch;
+    the call then runs unsplit, leaving no trace of the refused launch, and the device's rows
+    stop splitting."""
+    device = torch.device("cuda", torch.cuda.current_device())  # as a tensor's device names it
+    m, n = 4096, 32768
+    gen = torch.Generator(device).manual_seed(0)
+    x, dy = (torch.randn((m, n), generator=gen, device=device, dtype=torch.bfloat16)
+             for _ in range(2))
+    weight, bias = (torch.randn((n,), generator=gen, device=device, dtype=torch.bfloat16)
+                    for _ in range(2))
+    _, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, True, True)
+    original = layernorm._split_schedule
+
+    def every_row_a_group(M, N, dev):
+        schedule = original(M, N, dev)
+        return schedule and schedule._replace(programs=schedule.split * M, regs=False)
+
+    monkeypatch.setattr(layernorm, "_split_schedule", every_row_a_group)
+    layernorm._forget_schedules()
+    try:
+        assert _backward_schedule(layernorm, m, n, device).split  # the rule splits these rows
+        got = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, True, True)
+        assert device.index in layernorm._SPLIT_REFUSED
+        assert _backward_schedule(layernorm, m, n, device).split == 0
+        monkeypatch.setattr(layernorm, "SPLIT_MIN_N", 0)
+        layernorm._forget_schedules()
+        want = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, True, True)
+        for k, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), f"output {k} of the refused call differs from an unsplit call"
+    finally:
+        layernorm._SPLIT_REFUSED.discard(device.index)
+        layernorm._forget_schedules()
