@@ -25,12 +25,11 @@ import torch
 
 from benchmarks.sweep import ADD_NORMS, DTYPES, launcher_calls
 from benchmarks.timing import CudaClock, Workload, measure
-from benchmarks.tune import _used_schedule
+from benchmarks.tune import SPLIT_NOWHERE, _used_schedule
 
 #: the module constants that decide where rows split, and the values that split every row
 SPLIT_EVERYWHERE = {"SPLIT_MIN_N": 1, "SPLIT_MIN_ROW_BYTES": 0, "SPLIT_MAX_ROW_BYTES": 0,
                     "SPLIT_OTHER_MIN_ROW_BYTES": 1}
-SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
 REP_MS = 25.0
 #: the ops whose backward kernels have a split form
 SPLIT_OPS = ("layernorm", "rmsnorm", "softmax", *ADD_NORMS)

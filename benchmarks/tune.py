@@ -334,21 +334,28 @@ def _session(out: Path):
     return properties, clock, path, report
 
 
+#: the module constants that turn split rows off (benchmarks.split forces them too)
+SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
+
+
 @contextlib.contextmanager
 def _unsplit(ops):
-    """The ops' modules with split rows off (SPLIT_MIN_N 0) until the block ends: the table
-    holds whole and looped rows, which split rows replace at the widths SPLIT_MIN_N gives them,
-    before the table is read; measured here, a split schedule would be filed as whole rows."""
+    """The ops' modules with split rows off (SPLIT_NOWHERE) until the block ends: the table
+    holds whole and looped rows, which split rows replace at the widths the split rules give
+    them, before the table is read; measured here, a split schedule would be filed as whole or
+    looped rows (a softmax backward's too: its rule is SPLIT_OTHER_MIN_ROW_BYTES)."""
     modules = [importlib.import_module(f"generated.{op}") for op in ops]
-    saved = [module.SPLIT_MIN_N for module in modules]
+    saved = [{name: getattr(module, name) for name in SPLIT_NOWHERE} for module in modules]
     for module in modules:
-        module.SPLIT_MIN_N = 0
+        for name, value in SPLIT_NOWHERE.items():
+            setattr(module, name, value)
         module._forget_schedules()
     try:
         yield
     finally:
-        for module, value in zip(modules, saved, strict=True):
-            module.SPLIT_MIN_N = value
+        for module, values in zip(modules, saved, strict=True):
+            for name, value in values.items():
+                setattr(module, name, value)
             module._forget_schedules()
 
 

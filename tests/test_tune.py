@@ -1,6 +1,10 @@
 """benchmarks.tune's table writing on the CPU: how measurements of several runs become one entry."""
 
+import torch
+
+from benchmarks import tune
 from benchmarks.tune import _shared_16bit, _shared_rows
+from generated import softmax
 
 
 def _config(rows, warps, gbps):
@@ -257,3 +261,17 @@ def test_the_modules_own_schedule_keeps_its_form_when_it_wins(tmp_path, monkeypa
     monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
     written = json.loads(write_table([tmp_path / "tune.json"], "test").read_text())["ops"]
     assert written["softmax"]["bwd"]["32768"] == [1, 16, 0, 1, 8192, -1, 2]
+
+
+def test_tune_measures_with_every_split_rule_off():
+    """`tune._unsplit` turns off both split rules (a softmax backward's is by row bytes), and
+    restores them: a split schedule measured by `--forms` would be filed as a looped one."""
+
+    def splits_at(n):
+        return softmax._schedule(64, n, False, "bwd", 2, 2, torch.device("cpu"),
+                                 softmax.PERSISTENT_MAX_BLOCK_N, True).split
+
+    assert splits_at(131072) == 1  # 256 KiB bf16 rows split
+    with tune._unsplit(["softmax", "layernorm"]):
+        assert splits_at(131072) == 0
+    assert splits_at(131072) == 1
