@@ -75,7 +75,8 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
                       ACC=tl.float32, ROWS=schedule.rows, BLOCK_N=schedule.block_n,
                       STAGES=schedule.stages, CHUNKS=schedule.chunks,
                       ONE_SWEEP=schedule.one_sweep, KEEP=schedule.keep, EVEN=schedule.even,
-                      STRIDED=schedule.strided, REVERSE=schedule.reverse)
+                      STRIDED=schedule.strided, REVERSE=schedule.reverse,
+                      LAST_FIRST=schedule.last_first)
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     grid = (schedule.programs,)
 

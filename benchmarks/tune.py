@@ -192,7 +192,8 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         one_sweep = bool(step) and (rule_one_sweep if one_sweep is None else one_sweep)
         schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks,
                                     one_sweep, module._keeps(bool(step), n, element_size),
-                                    *module._form(m, n, rows, width, programs, form))
+                                    *module._form(m, n, rows, width, programs, form),
+                                    last_first=module._last_first(mode))
         module._schedule = lambda *_args, **_kwargs: schedule
         for key, recorder in recorders.items():
             recorder.compiled = None

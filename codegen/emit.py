@@ -586,7 +586,7 @@ class KernelContext:
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
         return args + ["KEEP: tl.constexpr", "EVEN: tl.constexpr", "STRIDED: tl.constexpr",
-                       "REVERSE: tl.constexpr"]
+                       "REVERSE: tl.constexpr", "LAST_FIRST: tl.constexpr"]
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],

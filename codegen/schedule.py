@@ -97,6 +97,11 @@ class ScheduleTable:
     keep_max_row_bytes: int = 262144
     #: elements per step of a looped row (split over its rows)
     looped_block_n: int = 8192
+    #: backward kernels walk their row blocks from the last to the first (1) or from the first
+    #: (0): a backward's inputs were last touched in row order (the forward just before it, or
+    #: whatever wrote the output gradient: the next op's backward, a matmul's tiles), so their
+    #: last rows are the likeliest still in L2
+    backward_last_first: int = 1
     #: rows per step of a looped kernel that accumulates column partials: each step's
     #: read-modify-write of the fp32 partials (8 bytes a column per partial) is shared by them
     looped_grid_stride_rows: int = 2
@@ -278,6 +283,7 @@ class ScheduleTable:
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,
             "KEEP_MAX_ROW_BYTES": self.keep_max_row_bytes,
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
+            "BACKWARD_LAST_FIRST": self.backward_last_first,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,
             "MAX_ROWS": self.max_rows,
             "PROGRAMS_PER_SM": self.programs_per_sm,

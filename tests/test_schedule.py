@@ -356,15 +356,17 @@ FORCED = [(8, 64, 2, 64, 4), (8, 64, 2, 64, 2), (7, 60, 2, 64, 4), (7, 60, 2, 64
           (8, 64, 2, 32, 4), (8, 64, 2, 32, 3), (7, 60, 2, 32, 4), (7, 60, 2, 32, 2)]
 
 
-@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs", "reverse"),
-                         [(*case, False) for case in FORCED]
-                         + [(*case, True) for case in FORCED if case[3] < case[1]])
+@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs", "reverse", "last_first"),
+                         [(*case, False, False) for case in FORCED]
+                         + [(*case, True, False) for case in FORCED if case[3] < case[1]]
+                         + [(*case, False, True) for case in FORCED])
 def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n, programs,
-                                                             reverse):
+                                                             reverse, last_first):
     # the generated kernels against the generated torch path, in fp64, for every combination of
     # EVEN (no masks) and STRIDED (grid-stride row-block loop), whole rows and looped rows, and
     # looped rows with every other sweep run backwards (REVERSE); whole rows that programs loop
-    # over take the register budget (REGS: maxnreg on a GPU, dropped by the interpreter)
+    # over take the register budget (REGS: maxnreg on a GPU, dropped by the interpreter); the
+    # row blocks walked from the last (LAST_FIRST), a partial row block (7 rows) first
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(m * n + programs)
     x, dy = (torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
@@ -376,7 +378,8 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
     row_blocks = -(-m // rows)
     schedule = layernorm._Schedule(looped, block_n, rows, 1, programs, 1, chunks, False, False,
                                    m % rows == 0 and n % block_n == 0, programs < row_blocks,
-                                   reverse, not looped and programs < row_blocks)
+                                   reverse, not looped and programs < row_blocks,
+                                   last_first=last_first)
     assert (schedule.even, schedule.strided) in {(True, True), (True, False), (False, True),
                                                  (False, False)}
     chosen = layernorm._schedule
@@ -520,3 +523,16 @@ def test_a_refused_cooperative_launch_runs_unsplit(monkeypatch):
     finally:
         layernorm._SPLIT_REFUSED.discard(device.index)
         layernorm._forget_schedules()
+
+
+@pytest.mark.parametrize("module", [layernorm, softmax, geglu])
+def test_backwards_walk_their_rows_from_the_last(module, monkeypatch):
+    # a backward's inputs were last touched in row order (the forward, the output gradient's
+    # writer), so backwards start on the last rows; forwards walk from the first
+    device = torch.device("cpu")
+    for kind, last_first in (("fwd", False), ("bwd", True)):
+        assert module._last_first(kind) is last_first
+        assert module._schedule(64, 256, False, kind, 1, 2, device, 16384).last_first is last_first
+    monkeypatch.setattr(module, "BACKWARD_LAST_FIRST", 0)
+    module._forget_schedules()
+    assert module._schedule(64, 256, False, "bwd", 1, 2, device, 16384).last_first is False
