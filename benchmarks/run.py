@@ -59,9 +59,11 @@ from benchmarks.records import (
     RunRecord,
 )
 from benchmarks.report import write_markdown
-from benchmarks.timing import Workload, host_overhead_us, measure
+from benchmarks.timing import Stats, Workload, host_overhead_us, measure, pooled
 
 MEMORY_FACTOR = 10
+ROUNDS = 2
+"""Rounds in which each shape's providers are timed, in alternating order (`bench_providers`)."""
 """Activation-sized tensors one shape may need at once (x, dy, y, dx, saved, reference, ...)."""
 Reference = tuple[torch.Tensor, torch.Tensor]
 """torch eager's output and input gradient for one (op, dtype, shape)."""
@@ -465,8 +467,7 @@ class Session:
             return
         inputs, reference = prepared.value
         del prepared
-        for provider in providers:
-            self.bench_provider(op, dtype_name, shape, provider, inputs, reference)
+        self.bench_providers(op, dtype_name, shape, providers, inputs, reference)
         del inputs, reference
         gc.collect()
         self.env.release_memory()
@@ -494,61 +495,93 @@ class Session:
             return OK
         return f"mismatch: rel. err. y {errors[0]:.1e}, dx {errors[1]:.1e} > {tolerance:.0e}"
 
-    def bench_provider(
+    def bench_providers(
         self,
         op: OpSpec,
         dtype_name: str,
         shape: Shape,
-        provider: Provider,
+        providers: tuple[Provider, ...],
         inputs: Inputs,
         reference: Reference,
     ) -> None:
-        began = time.perf_counter()
-        fn = None if self.should_stop() else self.load(provider, op)
-        checked = (
-            Outcome("")
-            if fn is None or provider.name == BASELINE_PROVIDER
-            else self.check(fn, inputs, reference)
-        )
-        for mode in MODES:
-            row = self.new_measurement(op, dtype_name, shape, provider, mode)
-            row.check = (
-                checked.value
-                if checked.value is not None
-                else f"{checked.status}: {checked.message}"
+        """Every provider's modes at one shape: each loaded and checked, then timed in ROUNDS
+        rounds, the providers in alternating order (first to last, then last to first), each
+        round a share of the timed milliseconds; a cell's statistics pool its rounds' samples.
+        A provider measured right after a JIT or torch.compile pause is not always the same
+        one, so a slower GPU after it is shared (H100, softmax backward bf16 4096x4096, the
+        session-18 grid measuring vjpforge first: 2517 GB/s against torch.compile's 2643 and
+        Liger's 2643; each warmed up, then timed in alternating order: 2745, 2693, 2743)."""
+        loaded: dict[str, tuple[OpFn | None, Outcome[str]]] = {}
+        for provider in providers:
+            began = time.perf_counter()
+            fn = None if self.should_stop() else self.load(provider, op)
+            checked = (
+                Outcome("")
+                if fn is None or provider.name == BASELINE_PROVIDER
+                else self.check(fn, inputs, reference)
             )
-            if fn is None:
-                row.status, row.message = self.missing_status(provider, op)
-            elif checked.value is None and self.should_stop():  # the check's failure stopped us
-                row.status, row.message = checked.status, checked.message
-            elif self.should_stop():
-                row.message = self.stop_reason
-            else:
-                self.time_mode(row, make_workload(fn, inputs, mode))
-            self.record.measurements.append(row)
-            self.done += 1
-        self.wall_by_provider[provider.name] += time.perf_counter() - began
+            loaded[provider.name] = (fn, checked)
+            self.wall_by_provider[provider.name] += time.perf_counter() - began
+        parts: dict[tuple[str, str], list[Stats]] = defaultdict(list)
+        failed: dict[tuple[str, str], Outcome[Stats]] = {}
+        wall: dict[tuple[str, str], float] = defaultdict(float)
+        for round_ in range(ROUNDS):
+            for provider in providers if round_ % 2 == 0 else providers[::-1]:
+                fn, _checked = loaded[provider.name]
+                for mode in MODES:
+                    key = (provider.name, mode)
+                    if fn is None or key in failed or self.should_stop():
+                        continue
+                    began = time.perf_counter()
+                    work = make_workload(fn, inputs, mode)
+                    outcome = self.attempt(
+                        lambda work=work: measure(self.env.clock, work, self.plan.rep_ms / ROUNDS)
+                    )
+                    if outcome.value is None:
+                        failed[key] = outcome
+                    else:
+                        parts[key].append(outcome.value)
+                    wall[key] += time.perf_counter() - began
+                    self.wall_by_provider[provider.name] += time.perf_counter() - began
+        for provider in providers:
+            fn, checked = loaded[provider.name]
+            for mode in MODES:
+                key = (provider.name, mode)
+                row = self.new_measurement(op, dtype_name, shape, provider, mode)
+                row.check = (
+                    checked.value
+                    if checked.value is not None
+                    else f"{checked.status}: {checked.message}"
+                )
+                if fn is None:
+                    row.status, row.message = self.missing_status(provider, op)
+                elif key in failed:
+                    row.status, row.message = failed[key].status, failed[key].message
+                elif parts[key]:
+                    self.record_stats(row, pooled(parts[key]))
+                elif checked.value is None and self.should_stop():  # its failure stopped us
+                    row.status, row.message = checked.status, checked.message
+                else:
+                    row.message = self.stop_reason
+                row.wall_s = round(wall[key], 3)
+                self.record.measurements.append(row)
+                self.done += 1
+                self.log(f"[{self.done}/{self.plan.measurement_count}] {_describe(row)}")
 
-    def time_mode(self, row: Measurement, work: Workload) -> None:
-        began = time.perf_counter()
-        outcome = self.attempt(lambda: measure(self.env.clock, work, self.plan.rep_ms))
-        row.status, row.message = outcome.status, outcome.message
-        stats = outcome.value
-        if stats is not None:
-            row.median_ms, row.p20_ms, row.p80_ms, row.min_ms = (
-                stats.median_ms,
-                stats.p20_ms,
-                stats.p80_ms,
-                stats.min_ms,
-            )
-            row.iterations = stats.iterations
-            row.dropped = stats.dropped
-            row.host_us = stats.host_ms * 1e3
-            row.gbps = row.bytes / (stats.median_ms * 1e6)
-            copy_gbps = self.copy_gbps
-            row.pct_of_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
-        row.wall_s = round(time.perf_counter() - began, 3)
-        self.log(f"[{self.done + 1}/{self.plan.measurement_count}] {_describe(row)}")
+    def record_stats(self, row: Measurement, stats: Stats) -> None:
+        row.status = OK
+        row.median_ms, row.p20_ms, row.p80_ms, row.min_ms = (
+            stats.median_ms,
+            stats.p20_ms,
+            stats.p80_ms,
+            stats.min_ms,
+        )
+        row.iterations = stats.iterations
+        row.dropped = stats.dropped
+        row.host_us = stats.host_ms * 1e3
+        row.gbps = row.bytes / (stats.median_ms * 1e6)
+        copy_gbps = self.copy_gbps
+        row.pct_of_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
 
     def write_plots(self) -> None:
         try:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -62,6 +62,8 @@ class Stats:
     dropped: int = 0
     """Timed calls whose host time outran the GPU sleep before them: left out of the
     statistics (all of them kept, and counted here, where none was covered)."""
+    samples_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    """The samples the statistics are of (`pooled` joins measurements of one workload)."""
 
     @classmethod
     def from_samples(cls, samples_ms: list[float], host_ms: float, dropped: int = 0) -> Stats:
@@ -78,7 +80,18 @@ class Stats:
             len(ordered),
             host_ms,
             dropped,
+            tuple(ordered),
         )
+
+
+def pooled(parts: Sequence[Stats]) -> Stats:
+    """One workload's measurements taken apart (rounds interleaved with other workloads) as one:
+    the statistics of all their samples."""
+    if not parts:
+        raise ValueError(f"pooled() needs at least one Stats, got {parts!r}")
+    samples = [sample for part in parts for sample in part.samples_ms]
+    return Stats.from_samples(samples, statistics.median(part.host_ms for part in parts),
+                              sum(part.dropped for part in parts))
 
 
 class Clock(Protocol):
