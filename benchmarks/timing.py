@@ -14,6 +14,9 @@ Each timed iteration is ``state = setup(); prepare(); start; call(state); stop``
 
 The result is the median over as many iterations as fit in ``rep_ms`` (at least
 ``MIN_ITERATIONS``), after a warm-up that also triggers JIT / torch.compile.
+benchmarks.run times each shape's providers in rounds (``ROUNDS``), the providers in
+alternating order (first to last, then last to first), each round a share of ``rep_ms``; a
+cell's statistics are those of all its rounds' samples (``pooled``).
 """
 
 from __future__ import annotations
