@@ -62,9 +62,9 @@ from benchmarks.report import write_markdown
 from benchmarks.timing import Stats, Workload, host_overhead_us, measure, pooled
 
 MEMORY_FACTOR = 10
+"""Activation-sized tensors one shape may need at once (x, dy, y, dx, saved, reference, ...)."""
 ROUNDS = 2
 """Rounds in which each shape's providers are timed, in alternating order (`bench_providers`)."""
-"""Activation-sized tensors one shape may need at once (x, dy, y, dx, saved, reference, ...)."""
 Reference = tuple[torch.Tensor, torch.Tensor]
 """torch eager's output and input gradient for one (op, dtype, shape)."""
 FATAL_CUDA_ERRORS = (
@@ -508,8 +508,8 @@ class Session:
         rounds, the providers in alternating order (first to last, then last to first), each
         round a share of the timed milliseconds; a cell's statistics pool its rounds' samples.
         A provider measured right after a JIT or torch.compile pause is not always the same
-        one, so a slower GPU after it is shared (H100, softmax backward bf16 4096x4096, the
-        session-18 grid measuring vjpforge first: 2517 GB/s against torch.compile's 2643 and
+        one, so a slower GPU after it is shared (H100, softmax backward bf16 4096x4096, a grid
+        timing each provider once, vjpforge first: 2517 GB/s against torch.compile's 2643 and
         Liger's 2643; each warmed up, then timed in alternating order: 2745, 2693, 2743)."""
         loaded: dict[str, tuple[OpFn | None, Outcome[str]]] = {}
         for provider in providers:
