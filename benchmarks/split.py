@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.sweep import ADD_NORMS, DTYPES, launcher_calls
+from benchmarks.sweep import ADD_NORMS, DTYPES, launcher_calls, module_constants
 from benchmarks.timing import CudaClock, Workload, measure
 from benchmarks.tune import SPLIT_NOWHERE, _used_schedule
 
@@ -37,17 +37,9 @@ SPLIT_OPS = ("layernorm", "rmsnorm", "softmax", *ADD_NORMS)
 
 def _forced(module, constants: dict, call, clock: CudaClock) -> float:
     """Median ms of `call` with the module's constants set to `constants` (then restored)."""
-    saved = {name: getattr(module, name) for name in constants}
-    for name, value in constants.items():
-        setattr(module, name, value)
-    module._forget_schedules()  # a launch plan would launch past the constants
-    try:
+    with module_constants([module], constants):
         call()  # compile outside the timed loop
         return measure(clock, Workload(lambda _state: call()), REP_MS).median_ms
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-        module._forget_schedules()
 
 
 def compare(ops, dtypes, shapes) -> list[dict]:

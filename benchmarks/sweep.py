@@ -12,6 +12,7 @@ codegen/schedule.py is chosen from these measurements.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import itertools
 
@@ -55,6 +56,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+@contextlib.contextmanager
+def module_constants(modules, constants: dict):
+    """Each generated module's `constants` (name -> value) set until the block ends, then its
+    own values back; its schedules and launch plans forgotten both times (a plan would launch
+    past the constants)."""
+    saved = [{name: getattr(module, name) for name in constants} for module in modules]
+    for module in modules:
+        for name, value in constants.items():
+            setattr(module, name, value)
+        module._forget_schedules()
+    try:
+        yield
+    finally:
+        for module, values in zip(modules, saved, strict=True):
+            for name, value in values.items():
+                setattr(module, name, value)
+            module._forget_schedules()
 
 
 def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):

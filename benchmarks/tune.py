@@ -39,7 +39,6 @@ where it beats the rule's by FORM_MARGIN.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import math
@@ -50,7 +49,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.ops import OPS, OpSpec, bytes_moved
-from benchmarks.sweep import DTYPES, launcher_calls
+from benchmarks.sweep import DTYPES, launcher_calls, module_constants
 from benchmarks.timing import CudaClock, Workload, measure
 
 SHAPES = (
@@ -339,25 +338,13 @@ def _session(out: Path):
 SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
 
 
-@contextlib.contextmanager
 def _unsplit(ops):
     """The ops' modules with split rows off (SPLIT_NOWHERE) until the block ends: the table
     holds whole and looped rows, which split rows replace at the widths the split rules give
     them, before the table is read; measured here, a split schedule would be filed as whole or
     looped rows (a softmax backward's too: its rule is SPLIT_OTHER_MIN_ROW_BYTES)."""
-    modules = [importlib.import_module(f"generated.{op}") for op in ops]
-    saved = [{name: getattr(module, name) for name in SPLIT_NOWHERE} for module in modules]
-    for module in modules:
-        for name, value in SPLIT_NOWHERE.items():
-            setattr(module, name, value)
-        module._forget_schedules()
-    try:
-        yield
-    finally:
-        for module, values in zip(modules, saved, strict=True):
-            for name, value in values.items():
-                setattr(module, name, value)
-            module._forget_schedules()
+    return module_constants([importlib.import_module(f"generated.{op}") for op in ops],
+                            SPLIT_NOWHERE)
 
 
 def measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:

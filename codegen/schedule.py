@@ -183,14 +183,14 @@ class ScheduleTable:
         # vs 1733; fp32 1900 vs 2789, 1939 vs 2423, 2045 vs 2164 (16384 columns: fp32 loses 6%
         # where bf16 gains 15%; the rule counts columns), 2211 vs 1903, 1782 vs 1911 (bounded)
         "add_layernorm": {"split_min_n": 12288, "split_max_row_bytes": 524288},
+        "add_rmsnorm": {"split_min_n": 16384, "split_max_row_bytes": 524288,
+                        "split_block_n": 8192, "split_elements_per_thread": 32},
         # the masked softmax's backward walks its rows from the first: from the last it ran 7%
         # slower (H100, bf16, 2026-11-22, forward+backward with a (B, 1, 1, S) mask, interleaved
         # rounds: 1x32x4096x4096 2643 GB/s against 2848, 1x16x4096x4096 2619 against 2829,
         # with or without dropout), where the plain softmax at the same rows (131072x4096) ran
         # 3051 against 3045
         "masked_softmax": {"backward_last_first": 0},
-        "add_rmsnorm": {"split_min_n": 16384, "split_max_row_bytes": 524288,
-                        "split_block_n": 8192, "split_elements_per_thread": 32},
         "softmax": {"persistent_max_bwd_row_bytes": 65536,
                     # the backward splits rows of 256 KiB and more: `python -m benchmarks.split
                     # --shapes 2048x128256,4096x65536,1024x262144 --ops softmax` (H100,
