@@ -1,6 +1,6 @@
 """Measure schedules directly: every (rows, warps, programs) a kernel could run with, per shape.
 
-    python -m benchmarks.tune --out DIR [--ops layernorm,rmsnorm,softmax,cross_entropy]
+    python -m benchmarks.tune --out DIR [--ops layernorm,rmsnorm,softmax,cross_entropy,...]
                               [--dtype bf16] [--budget-s 500] [--looped]
 
 Unlike `benchmarks.sweep` (which varies the heuristic's constants), this fixes the schedule
@@ -17,7 +17,9 @@ the table's entry for the width where that entry loops. `--looped` measures loop
 thread), programs, 1 or 3 stages, each (for kernels with a joined sweep) in both forms of it
 (the table entry records the faster form), against the table's
 whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the
-cross-entropy kernels too (bytes: the logits read, and in the backward their gradient written).
+cross-entropy kernels too (bytes: the logits read, and in the backward their gradient written);
+`--ops add_layernorm,add_rmsnorm` the residual-add norms' (filed as their own entries, which
+take precedence over the norm's they otherwise borrow).
 Results go to DIR/tune.json, written after every shape, so a run cut short keeps what it
 measured. `--write-table` then turns DIR/tune.json into codegen/schedule_table.json: the fastest
 measured configuration per op, kernel kind and width (and the fastest looped one), merged into
@@ -110,18 +112,26 @@ FORM_MARGIN = 0.01
 #: ops tune measures besides benchmarks.ops.OPS: cross-entropy's kernels read the logits
 #: (forward: a loss per row; backward: and write their gradient)
 ROW_LOSSES = {"cross_entropy": OpSpec("cross_entropy", 0, lambda fn, x, params: fn(x))}
+#: ... and the residual-add norms (benchmarks.sweep.ADD_NORMS: their launchers as a pre-norm
+#: block runs them), whose kernels move one activation-sized tensor more than their norm's: the
+#: forward reads the residual and writes the sum, the backward reads the sum's gradient
+ADD_NORM_SPECS = {name: OpSpec(name, OPS[norm].n_params, OPS[norm].call_torch_style)
+                  for name, norm in (("add_layernorm", "layernorm"), ("add_rmsnorm", "rmsnorm"))}
+ADD_NORM_EXTRA = {"fwd": 2, "bwd": 1}
 
 
 def _op(name: str) -> OpSpec:
-    return ROW_LOSSES.get(name) or OPS[name]
+    return ROW_LOSSES.get(name) or ADD_NORM_SPECS.get(name) or OPS[name]
 
 
 def _moved(op: OpSpec, mode: str, m: int, n: int, element_size: int) -> int:
-    """Bytes a kernel must move: benchmarks.ops.bytes_moved, or for a row loss the logits read
-    (and, backward, their gradient written)."""
+    """Bytes a kernel must move: benchmarks.ops.bytes_moved (for a residual-add norm with
+    ADD_NORM_EXTRA activation-sized tensors more: 4 each way, as benchmarks.transformer_ops
+    charges them), or for a row loss the logits read (and, backward, their gradient written)."""
     if op.name in ROW_LOSSES:
         return m * n * element_size * (1 if mode == "fwd" else 2)
-    return bytes_moved(op, mode, m, n, element_size)
+    extra = ADD_NORM_EXTRA[mode] * m * n * element_size if op.name in ADD_NORM_SPECS else 0
+    return bytes_moved(op, mode, m, n, element_size) + extra
 
 
 def _pow2s(low: int, high: int) -> list[int]:
@@ -473,8 +483,14 @@ def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_p
 
 
 BORROW = {"add_layernorm": "layernorm", "add_rmsnorm": "rmsnorm", "masked_softmax": "softmax"}
-"""Ops without their own measurements that take those of a sibling: the same reductions with
-one more element input (the residual sum) or output (the additive mask)."""
+"""Ops that take a sibling's measurements where they have none of their own (per kernel kind
+and width: codegen.schedule.ScheduleTable.measured): the same reductions with one more element
+input (the residual) or output (the residual stream), or the additive mask."""
+
+
+def _entry_op(ops: dict, op: str, kind: str, width: str) -> str:
+    """The op whose table entry (kind, width) served `op`: its own, else the one it borrows."""
+    return op if width in ops.get(op, {}).get(kind, {}) else BORROW.get(op, op)
 
 
 def _merged(paths: list[Path]) -> dict:
@@ -519,8 +535,8 @@ def _with_forms(ops: dict, records: list[dict]) -> None:
     for record in records:
         if record.get("entry") is not None:
             kind, width = record["entry"]
-            grouped.setdefault((BORROW.get(record["op"], record["op"]), kind, str(width)),
-                               []).append(record)
+            op = _entry_op(ops, record["op"], kind, str(width))
+            grouped.setdefault((op, kind, str(width)), []).append(record)
     for (op, kind, width), group in sorted(grouped.items()):
         entry = ops.get(op, {}).get(kind, {}).get(width)
         held = None if entry is None else list((*entry, *ENTRY_DEFAULTS[len(entry):])[:6])
@@ -680,7 +696,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32, or "
                 "--forms: a 16-bit entry's configuration that fp32 ran faster in another form) "
                 "and serve them, 16-bit dtypes share the others. Ops under 'borrow' "
-                "were not measured; they use the named op's entries.",
+                "use the named op's entries at the kinds and widths they have none of their "
+                "own for.",
         "ops": {op: {kind: dict(sorted(widths.items(), key=lambda item: int(item[0])))
                      for kind, widths in sorted(kinds.items())}
                 for op, kinds in sorted(ops.items())},
@@ -696,7 +713,9 @@ def write_table(measurements: list[Path], command: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--ops", default="layernorm,rmsnorm,softmax")
+    parser.add_argument("--ops", default="layernorm,rmsnorm,softmax",
+                        help="generated modules: layernorm, rmsnorm, softmax, cross_entropy, "
+                             "add_layernorm, add_rmsnorm")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--budget-s", type=float, default=500.0)
     parser.add_argument("--looped", action="store_true",

@@ -250,17 +250,21 @@ class ScheduleTable:
     def measured(self, op: str) -> list[tuple[str, int, tuple[int, ...]]]:
         """(kind, block_n, (rows, warps, programs per SM, stages, columns per looped step, one
         sweep, form)) of one op, sorted; an op listed under "borrow" uses the measurements of
-        the op it names. Entries of four numbers (whole rows, from before looped rows were
-        measured) get a 0 step; entries without the sweep form measured (five numbers, or whole
-        rows) get -1: the module's one-sweep rule decides; entries without a kernel form
-        measured (`benchmarks.tune --forms`) get 1: masks dropped where the blocks tile, the
-        row-block loop only where programs step over several row blocks."""
+        the op it names where it has none of its own (per kind and width). Entries of four
+        numbers (whole rows, from before looped rows were measured) get a 0 step; entries
+        without the sweep form measured (five numbers, or whole rows) get -1: the module's
+        one-sweep rule decides; entries without a kernel form measured (`benchmarks.tune
+        --forms`) get 1: masks dropped where the blocks tile, the row-block loop only where
+        programs step over several row blocks."""
         ops = self.measured_table["ops"]
-        source = op if op in ops else self.measured_table["borrow"].get(op)
-        kinds = ops.get(source, {})
+        entries = {}
+        for source in (self.measured_table["borrow"].get(op), op):
+            for kind, by_width in ops.get(source, {}).items():
+                entries.update({(kind, int(block_n)): config
+                                for block_n, config in by_width.items()})
         defaults = (0, 0, 0, 0, 0, -1, 1)
-        return sorted((kind, int(block_n), (*config, *defaults[len(config):]))
-                      for kind, by_width in kinds.items() for block_n, config in by_width.items())
+        return sorted((kind, block_n, (*config, *defaults[len(config):]))
+                      for (kind, block_n), config in entries.items())
 
     def constants(self, op: str) -> dict[str, int]:
         """The module constants of one op: the fields above, with the op's `per_op` values."""

@@ -32,10 +32,32 @@ def test_measured_table_reaches_the_module():
                 for kind, widths in table["ops"]["layernorm"].items()
                 for width, config in widths.items()}
     assert layernorm.MEASURED_SCHEDULES == expected
-    # borrowed: an op without measurements of its own takes its sibling's
+    # borrowed: an op takes its sibling's entries at the kinds and widths it has none of its own
     assert table["borrow"]["add_layernorm"] == "layernorm"
-    assert add_layernorm.MEASURED_SCHEDULES == expected
+    own = {(kind, int(width)): (*config, *defaults[len(config):])
+           for kind, widths in table["ops"].get("add_layernorm", {}).items()
+           for width, config in widths.items()}
+    assert add_layernorm.MEASURED_SCHEDULES == expected | own
     assert DEFAULT.measured("no_such_op") == []
+
+
+def test_an_op_s_own_entries_take_precedence_over_the_ones_it_borrows():
+    from codegen.schedule import ScheduleTable
+
+    measured = {"ops": {"norm": {"fwd": {"1024": [4, 4, 0, 1], "2048": [2, 8, 0, 1]},
+                                 "bwd": {"1024": [8, 8, 1, 3]}},
+                        "add_norm": {"fwd": {"2048": [1, 2, 0, 1, 0]},
+                                     "fwd_fp32": {"2048": [1, 4, 0, 1, 0]}}},
+                "borrow": {"add_norm": "norm"}}
+    table = ScheduleTable(measured_table=measured)
+    assert table.measured("add_norm") == [
+        ("bwd", 1024, (8, 8, 1, 3, 0, -1, 1)),
+        ("fwd", 1024, (4, 4, 0, 1, 0, -1, 1)),
+        ("fwd", 2048, (1, 2, 0, 1, 0, -1, 1)),
+        ("fwd_fp32", 2048, (1, 4, 0, 1, 0, -1, 1)),
+    ]
+    # the sibling keeps its own
+    assert ("fwd", 2048, (2, 8, 0, 1, 0, -1, 1)) in table.measured("norm")
 
 
 def _whole(module):

@@ -275,3 +275,61 @@ def test_tune_measures_with_every_split_rule_off():
     with tune._unsplit(["softmax", "layernorm"]):
         assert splits_at(131072) == 0
     assert splits_at(131072) == 1
+
+
+def test_the_residual_add_norms_are_filed_as_themselves(tmp_path, monkeypatch):
+    # their kernels move 4 activation-sized tensors each way (the norm's 2 and 3, plus the
+    # residual and the sum forward, the sum's gradient backward); their measurements become
+    # entries of their own, and the borrowed entries stay for the rest
+    import json
+
+    import codegen.schedule
+    from benchmarks.tune import write_table
+
+    m, n, size = 64, 1024, 2
+    x, p = m * n * size, n * size
+    assert tune._moved(tune._op("add_layernorm"), "fwd", m, n, size) == 4 * x + 2 * p
+    assert tune._moved(tune._op("add_layernorm"), "bwd", m, n, size) == 4 * x + 3 * p
+    assert tune._moved(tune._op("add_rmsnorm"), "fwd", m, n, size) == 4 * x + p
+    assert tune._moved(tune._op("add_rmsnorm"), "bwd", m, n, size) == 4 * x + 2 * p
+    result = _result(4096, "torch.bfloat16", [_config(2, 2, 2000), _config(4, 4, 1900)], n=1024)
+    result |= {"op": "add_rmsnorm", "mode": "fwd"}
+    report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
+              "results": [result]}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    table = json.loads(codegen.schedule.MEASURED_TABLE.read_text())
+    table["ops"].pop("add_rmsnorm", None)
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
+    written = json.loads(write_table([tmp_path / "tune.json"], "test").read_text())
+    assert written["ops"]["add_rmsnorm"] == {"fwd": {"1024": [2, 2, 0, 1, 0]}}
+    assert written["borrow"]["add_rmsnorm"] == "rmsnorm"
+    entries = {(kind, width): config for kind, width, config in
+               codegen.schedule.ScheduleTable(measured_table=written).measured("add_rmsnorm")}
+    assert entries[("fwd", 1024)][:5] == (2, 2, 0, 1, 0)
+    rmsnorm_bwd = written["ops"]["rmsnorm"]["bwd"]["1024"]
+    assert list(entries[("bwd", 1024)][:len(rmsnorm_bwd)]) == rmsnorm_bwd
+
+
+def test_forms_of_a_borrowed_entry_are_filed_under_the_op_it_came_from(tmp_path, monkeypatch):
+    import json
+
+    import codegen.schedule
+    from benchmarks.tune import write_table
+
+    table = json.loads(codegen.schedule.MEASURED_TABLE.read_text())
+    table["ops"]["add_layernorm"] = {"fwd": {"4096": [1, 8, 0, 1, 0]}}
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", tmp_path / "table.json")
+    borrowed = table["ops"]["layernorm"]["fwd"]["2048"]
+    held = (borrowed + list(tune.ENTRY_DEFAULTS)[len(borrowed):])[:6]
+    records = [_forms(["fwd", 4096], [1, 8, 0, 1, 0, -1], (1000, 1000, 1100, 1000)),
+               _forms(["fwd", 2048], held, (1000, 1000, 1100, 1000))]
+    for record in records:
+        record["op"] = "add_layernorm"
+    report = {"device": "test", "sms": 1, "torch": "t", "triton": "t", "date": "d",
+              "results": [], "forms": records}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    written = json.loads(write_table([tmp_path / "tune.json"], "forms").read_text())["ops"]
+    assert written["add_layernorm"]["fwd"] == {"4096": [1, 8, 0, 1, 0, -1, 2]}
+    assert written["layernorm"]["fwd"]["2048"] == [*held, 2]
