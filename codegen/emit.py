@@ -134,11 +134,18 @@ class KernelContext:
         # forward's row takes to stream (H100, 2026-11-22, a probe forcing split forwards before
         # they were dropped, not kept: bf16 layer-norm forward 4096x32768 1010 GB/s split
         # against 2827 looped, 1024x262144 952 against 1938)
-        self.splittable = (backward and any(p["reductions"] for p in self.passes)
+        # Backwards with column partials and no row reductions (a bias gradient: GELU's) split
+        # too, with no exchange: each program's slab of columns over a group of rows is a
+        # column-slab grid, the partials in registers (a looped row reads, adds to and writes
+        # back its program's partial row every step)
+        self.splittable = (backward and (any(p["reductions"] for p in self.passes)
+                                         or bool(self.column_stores))
                            and not (self.picks or kernel.generated or self.broadcast_inputs
                                     or self.row_stores or self.scalar_stores or self.row_shape))
-        #: partial row sums a program publishes per exchange: the most of any pass
-        self.split_span = max(len(p["reductions"]) for p in self.passes) if self.splittable else 0
+        #: partial row sums a program publishes per exchange: the most of any pass (0: the
+        #: split kernel never exchanges, and needs no cooperative launch)
+        self.split_span = (max((len(p["reductions"]) for p in self.passes), default=0)
+                           if self.splittable else 0)
         self.args = self._args()
         # tensors the kernel takes by address, in argument order: (name, whether it may be None,
         # the first element input then standing in for it)
@@ -644,6 +651,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "fwd_torch": KernelContext(forward, TORCH),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),
+        "split_exchange": any(m["bwd"].split_span for m in modes),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
     }

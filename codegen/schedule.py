@@ -128,6 +128,9 @@ class ScheduleTable:
     split_elements_per_thread: int = 16
     #: rows a program takes a step (each step one exchange per pass)
     split_rows: int = 1
+    #: 1: the three split counts above (slab columns, columns an SM, elements a thread) are of
+    #: 2-byte elements, and wider elements take as many bytes, fewer columns (0: columns)
+    split_by_bytes: int = 0
     #: target elements per program step when N is small (several rows per program)
     row_block_elements: int = 8192
     max_rows: int = 64
@@ -222,7 +225,20 @@ class ScheduleTable:
         # rows up to 32 or 64 KiB), GELU backward fp32 8192x16384 2485 GB/s at 2 rows x 4096
         # columns, 2675 at 1 row x 4096 (16 warps); bf16 (whole rows of 32 KiB) 2260-2263 in
         # every configuration
-        **{op: {"persistent_max_fwd_block_n": 4096, "looped_grid_stride_rows": 1}
+        # ... and from 4096 columns they split rows into column slabs (no row reductions: no
+        # exchange; each program keeps its slab's bias-gradient partials in registers over its
+        # rows, where a looped row reads, adds to and writes back its program's partial row
+        # each step): 4 KiB of a row a program (bf16 2048 columns, fp32 1024), 16 bytes a
+        # thread, 4 programs an SM. H100, 2026-11-22, a probe of the public backward with the
+        # split constants forced (slabs of 256-2048 columns, 2-8 elements a thread, 4-16
+        # programs an SM), GB/s unsplit -> these: GELU bf16 4096x4096 1847 -> 2071, 8192x8192
+        # 2299 -> 2528, 8192x16384 2206 -> 2649, 4096x32768 1626 -> 2642, 4096x11008 1075 ->
+        # 2176; fp32 2453 -> 2529, 2774 -> 2828, 2555 -> 2867, 1905 -> 2881, 2225 -> 2787; tanh
+        # GELU bf16 1827 -> 2102, 2214 -> 2705, 2773 -> 2820, 1873 -> 2820, 1277 -> 2502; fp32
+        # 2463 -> 2496, 2845 -> 2820, 2614 -> 2860, 2034 -> 2872, 2480 -> 2785
+        **{op: {"persistent_max_fwd_block_n": 4096, "looped_grid_stride_rows": 1,
+                "split_min_n": 4096, "split_block_n": 2048, "split_sm_elements": 8192,
+                "split_elements_per_thread": 8, "split_by_bytes": 1}
            for op in ("gelu", "gelu_tanh")},
         # ... and so do the GLU backwards (no reductions either way): H100, bf16, 2026-11-22, a
         # probe forcing the constants (whole rows, or looped at 2048-8192 columns, 1 or 3
@@ -288,6 +304,7 @@ class ScheduleTable:
             "SPLIT_SM_ELEMENTS": self.split_sm_elements,
             "SPLIT_ELEMENTS_PER_THREAD": self.split_elements_per_thread,
             "SPLIT_ROWS": self.split_rows,
+            "SPLIT_BY_BYTES": self.split_by_bytes,
             "LOOPED_STAGES": self.looped_stages,
             "LOOPED_BLOCK_N": self.looped_block_n,
             "ONE_SWEEP_MIN_N": self.one_sweep_min_n,

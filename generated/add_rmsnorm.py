@@ -39,6 +39,7 @@ SPLIT_MAX_MEMBERS = 32
 SPLIT_SM_ELEMENTS = 8192
 SPLIT_ELEMENTS_PER_THREAD = 32
 SPLIT_ROWS = 1
+SPLIT_BY_BYTES = 0
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -178,6 +179,10 @@ MEASURED_SCHEDULES = {
 #: with its extra input given: add_layer_norm's prenorm gradient, say) takes the shared-memory
 #: guard below, as rules do (H100, bf16 add_layer_norm prenorm backward 64x65536 with the
 #: layer-norm entry's 3 stages: 233472 bytes of shared memory asked for, 232448 there)
+#: whether the split kernels exchange partial row sums within a group (row reductions), so that
+#: a group's programs must run at once (a cooperative launch); false where they only keep column
+#: partials (`_split_schedule`)
+SPLIT_EXCHANGE = True
 MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 
@@ -187,7 +192,7 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
                   else 0 < SPLIT_OTHER_MIN_ROW_BYTES <= N * element_size) and (
                       not SPLIT_MAX_ROW_BYTES or N * element_size <= SPLIT_MAX_ROW_BYTES):
         # a kernel with a split form (`_split_schedule`), at rows wide enough for it
-        schedule = _split_schedule(M, N, device)
+        schedule = _split_schedule(M, N, device, element_size)
         if schedule is not None:
             return schedule
     persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
@@ -280,33 +285,41 @@ def _refused(error):
     return "cooperative" in str(error)
 
 
-def _split_schedule(M, N, device):
+def _split_schedule(M, N, device, element_size=2):
     """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
     SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
     SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
     the register budget of the programs an SM runs (so that a cooperative launch fits). Under
     the interpreter, which runs programs one after another, one program takes a whole row.
     None where a row's programs would not all fit on the GPU at once, or where the device
-    refused a cooperative launch before (`_SPLIT_REFUSED`)."""
+    refused a cooperative launch before (`_SPLIT_REFUSED`). Where the split kernels exchange
+    nothing (SPLIT_EXCHANGE false: column partials and no row reductions), the programs need
+    not run at once: no register budget, and the interpreter splits rows into slabs too. With
+    SPLIT_BY_BYTES the three counts are of 2-byte elements, and wider elements take as many bytes
+    (fewer columns)."""
     if device.type == "cuda" and device.index in _SPLIT_REFUSED:
         return None
-    block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
+    scale = max(1, element_size // 2) if SPLIT_BY_BYTES else 1
+    block_n = max(SPLIT_BLOCK_N // scale, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
     rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
-    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
+    per_thread = max(1, SPLIT_ELEMENTS_PER_THREAD // scale)
+    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * per_thread))))
     if device.type == "cuda":
         # no more programs an SM than its threads hold at once (H100: 2048, 64 warps)
         properties = torch.cuda.get_device_properties(device)
         threads = getattr(properties, "max_threads_per_multi_processor", 2048)
-        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, threads // (32 * warps)))
+        per_sm = max(1, min(SPLIT_SM_ELEMENTS // scale // block_n, threads // (32 * warps)))
         slots = properties.multi_processor_count * per_sm
-    else:
+    elif SPLIT_EXCHANGE:
         block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
+    else:
+        slots = INTERPRETER_PROGRAMS * triton.cdiv(N, block_n)
     members = triton.cdiv(N, block_n)
     groups = min(triton.cdiv(M, rows), slots // members)
     if groups < 1:
         return None
     return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
-                     False, False, True, False, device.type == "cuda", None, members)
+                     False, False, True, False, device.type == "cuda" and SPLIT_EXCHANGE, None, members)
 
 
 def _entry(*keys):
@@ -1556,8 +1569,8 @@ def _add_rmsnorm_bwd_default(
         split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 1 * schedule.rows,), dtype=acc, device=device)
         split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
-        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
-        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
+        split_sums_ptr = split_sums.data_ptr() if split_sums is not None else dy_ptr
+        split_count_ptr = split_count.data_ptr() if split_count is not None else dy_ptr
         dx_ptr = dx.data_ptr()
         dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0
@@ -1703,8 +1716,8 @@ def _add_rmsnorm_bwd_invertible(
         split_sums = torch.empty((schedule.programs // schedule.split * 2 * triton.next_power_of_2(schedule.split) * 1 * schedule.rows,), dtype=acc, device=device)
         split_count = torch.zeros((schedule.programs // schedule.split,), dtype=torch.int32, device=device)
     if plan:
-        split_sums_ptr = split_sums.data_ptr() if schedule.split else dy_ptr
-        split_count_ptr = split_count.data_ptr() if schedule.split else dy_ptr
+        split_sums_ptr = split_sums.data_ptr() if split_sums is not None else dy_ptr
+        split_count_ptr = split_count.data_ptr() if split_count is not None else dy_ptr
         dx_ptr = dx.data_ptr()
         dinput_bias_partial_ptr = dinput_bias_partial.data_ptr() if store_dinput_bias else 0
         dweight_partial_ptr = dweight_partial.data_ptr() if store_dweight else 0

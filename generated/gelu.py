@@ -30,15 +30,16 @@ PERSISTENT_MAX_FWD_ROW_BYTES = 0
 PERSISTENT_MAX_FWD_BLOCK_N = 4096
 PERSISTENT_MAX_BWD_BLOCK_N = 16384
 FOLD_BLOCK_N = 0
-SPLIT_MIN_N = 0
+SPLIT_MIN_N = 4096
 SPLIT_MIN_ROW_BYTES = 0
 SPLIT_MAX_ROW_BYTES = 0
 SPLIT_OTHER_MIN_ROW_BYTES = 0
-SPLIT_BLOCK_N = 4096
+SPLIT_BLOCK_N = 2048
 SPLIT_MAX_MEMBERS = 32
 SPLIT_SM_ELEMENTS = 8192
-SPLIT_ELEMENTS_PER_THREAD = 16
+SPLIT_ELEMENTS_PER_THREAD = 8
 SPLIT_ROWS = 1
+SPLIT_BY_BYTES = 1
 LOOPED_STAGES = 3
 LOOPED_BLOCK_N = 8192
 ONE_SWEEP_MIN_N = 65536
@@ -112,6 +113,10 @@ MEASURED_SCHEDULES = {
 #: with its extra input given: add_layer_norm's prenorm gradient, say) takes the shared-memory
 #: guard below, as rules do (H100, bf16 add_layer_norm prenorm backward 64x65536 with the
 #: layer-norm entry's 3 stages: 233472 bytes of shared memory asked for, 232448 there)
+#: whether the split kernels exchange partial row sums within a group (row reductions), so that
+#: a group's programs must run at once (a cooperative launch); false where they only keep column
+#: partials (`_split_schedule`)
+SPLIT_EXCHANGE = False
 MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 
@@ -121,7 +126,7 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
                   else 0 < SPLIT_OTHER_MIN_ROW_BYTES <= N * element_size) and (
                       not SPLIT_MAX_ROW_BYTES or N * element_size <= SPLIT_MAX_ROW_BYTES):
         # a kernel with a split form (`_split_schedule`), at rows wide enough for it
-        schedule = _split_schedule(M, N, device)
+        schedule = _split_schedule(M, N, device, element_size)
         if schedule is not None:
             return schedule
     persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
@@ -214,33 +219,41 @@ def _refused(error):
     return "cooperative" in str(error)
 
 
-def _split_schedule(M, N, device):
+def _split_schedule(M, N, device, element_size=2):
     """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
     SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
     SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
     the register budget of the programs an SM runs (so that a cooperative launch fits). Under
     the interpreter, which runs programs one after another, one program takes a whole row.
     None where a row's programs would not all fit on the GPU at once, or where the device
-    refused a cooperative launch before (`_SPLIT_REFUSED`)."""
+    refused a cooperative launch before (`_SPLIT_REFUSED`). Where the split kernels exchange
+    nothing (SPLIT_EXCHANGE false: column partials and no row reductions), the programs need
+    not run at once: no register budget, and the interpreter splits rows into slabs too. With
+    SPLIT_BY_BYTES the three counts are of 2-byte elements, and wider elements take as many bytes
+    (fewer columns)."""
     if device.type == "cuda" and device.index in _SPLIT_REFUSED:
         return None
-    block_n = max(SPLIT_BLOCK_N, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
+    scale = max(1, element_size // 2) if SPLIT_BY_BYTES else 1
+    block_n = max(SPLIT_BLOCK_N // scale, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
     rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
-    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * SPLIT_ELEMENTS_PER_THREAD))))
+    per_thread = max(1, SPLIT_ELEMENTS_PER_THREAD // scale)
+    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * per_thread))))
     if device.type == "cuda":
         # no more programs an SM than its threads hold at once (H100: 2048, 64 warps)
         properties = torch.cuda.get_device_properties(device)
         threads = getattr(properties, "max_threads_per_multi_processor", 2048)
-        per_sm = max(1, min(SPLIT_SM_ELEMENTS // block_n, threads // (32 * warps)))
+        per_sm = max(1, min(SPLIT_SM_ELEMENTS // scale // block_n, threads // (32 * warps)))
         slots = properties.multi_processor_count * per_sm
-    else:
+    elif SPLIT_EXCHANGE:
         block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
+    else:
+        slots = INTERPRETER_PROGRAMS * triton.cdiv(N, block_n)
     members = triton.cdiv(N, block_n)
     groups = min(triton.cdiv(M, rows), slots // members)
     if groups < 1:
         return None
     return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
-                     False, False, True, False, device.type == "cuda", None, members)
+                     False, False, True, False, device.type == "cuda" and SPLIT_EXCHANGE, None, members)
 
 
 def _entry(*keys):
@@ -623,6 +636,8 @@ def _gelu_bwd_default_per(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_BIAS: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
     ACC: tl.constexpr,
@@ -676,6 +691,8 @@ def _gelu_bwd_default_red(
     dbias_partial_ptr,
     M,
     N,
+    split_sums_ptr,
+    split_count_ptr,
     HAS_BIAS: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
     ACC: tl.constexpr,
@@ -718,6 +735,72 @@ def _gelu_bwd_default_red(
                 dbias_partial = tl.load(dbias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
                 dbias_partial += tl.sum(common_1, axis=0)[None, :]  # dbias = common_1
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
+
+
+@triton.jit
+def _gelu_bwd_default_split(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    bias_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dbias_partial_ptr,
+    M,
+    N,
+    split_sums_ptr,
+    split_count_ptr,
+    HAS_BIAS: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MEMBERS: tl.constexpr,
+):
+    """_gelu_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
+    of a group (no row reductions: nothing exchanged, split_sums unused); each program keeps its
+    slab's column partials in registers over every row of its group."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLIT
+    group = pid // SPLIT
+    member = pid % SPLIT
+    members = tl.arange(0, MEMBERS)[:, None]
+    lanes = tl.arange(0, ROWS)[None, :]
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    else:
+        bias = 0.0
+    dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+    exchanges = 0
+    next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
+    next_offsets = next_rows.to(tl.int64)
+    next_mask = (next_rows < M) & col_mask
+    dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+    x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
+    for row_block in range(group, tl.cdiv(M, ROWS), groups):
+        rows = next_rows
+        row_mask = rows < M
+        offsets = next_offsets
+        mask = next_mask
+        dy = dy_next.to(ACC)
+        x = x_next.to(ACC)
+        next_rows = rows + groups * ROWS
+        next_offsets = next_rows.to(tl.int64)
+        next_mask = (next_rows < M) & col_mask
+        dy_next = tl.load(dy_ptr + next_offsets * dy_row_stride + cols, mask=next_mask, other=0.0)
+        x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
+        z = bias + x  # z = bias + x
+        common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
+        common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * _exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+        if STORE_DBIAS:
+            dbias_acc += common_1  # dbias = common_1
+    if STORE_DBIAS:
+        tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
 
 def _gelu_fwd_torch(
@@ -866,57 +949,75 @@ def _gelu_bwd_default(
             store_dbias,
         )
         plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2, dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
     dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    split_sums = split_count = None
     if plan:
+        split_sums_ptr = split_sums.data_ptr() if split_sums is not None else dy_ptr
+        split_count_ptr = split_count.data_ptr() if split_count is not None else dy_ptr
         dx_ptr = dx.data_ptr()
         dbias_partial_ptr = dbias_partial.data_ptr() if store_dbias else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (dx_ptr | dbias_partial_ptr) & 15:
+        if (dx_ptr | dbias_partial_ptr | split_sums_ptr | split_count_ptr) & 15:
             plan = key = None
-    if plan:
-        plan.launch(
-            plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
-            dy_ptr, dy_stride,
-            x_ptr, x_stride,
-            bias_ptr,
-            dx_ptr, N,
-            dbias_partial_ptr,
-            M, N,
-            *plan.tail,
-        )
-    else:
-        kernel = _gelu_bwd_default_red if schedule.looped else _gelu_bwd_default_per
-        arguments = (
-            dy, dy_stride,
-            x, x_stride,
-            bias if bias is not None else dy,
-            dx, N,
-            dbias_partial if dbias_partial is not None else dy,
-            M, N,
-        )
-        constexprs = dict(
-            HAS_BIAS=bias is not None,
-            STORE_DBIAS=store_dbias,
-            ACC=_TRITON_ACC[acc],
-            ROWS=schedule.rows,
-            BLOCK_N=schedule.block_n,
-        )
-        options = {}
-        constexprs.update(
-            STAGES=schedule.stages,
-            CHUNKS=schedule.chunks,
-            KEEP=schedule.keep,
-            EVEN=schedule.even,
-            STRIDED=schedule.strided,
-            REVERSE=schedule.reverse,
-            LAST_FIRST=schedule.last_first,
-        )
-        grid = (schedule.programs,)
-        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+    try:
+        if plan:
+            plan.launch(
+                plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(key[1]), *plan.head,
+                dy_ptr, dy_stride,
+                x_ptr, x_stride,
+                bias_ptr,
+                dx_ptr, N,
+                dbias_partial_ptr,
+                M, N,
+                split_sums_ptr, split_count_ptr,
+                *plan.tail,
+            )
+        else:
+            kernel = _gelu_bwd_default_red if schedule.looped else _gelu_bwd_default_per
+            arguments = (
+                dy, dy_stride,
+                x, x_stride,
+                bias if bias is not None else dy,
+                dx, N,
+                dbias_partial if dbias_partial is not None else dy,
+                M, N,
+                split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
+            )
+            constexprs = dict(
+                HAS_BIAS=bias is not None,
+                STORE_DBIAS=store_dbias,
+                ACC=_TRITON_ACC[acc],
+                ROWS=schedule.rows,
+                BLOCK_N=schedule.block_n,
+            )
+            options = {}
+            if schedule.split:
+                kernel = _gelu_bwd_default_split
+                constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+            else:
+                constexprs.update(
+                    STAGES=schedule.stages,
+                    CHUNKS=schedule.chunks,
+                    KEEP=schedule.keep,
+                    EVEN=schedule.even,
+                    STRIDED=schedule.strided,
+                    REVERSE=schedule.reverse,
+                    LAST_FIRST=schedule.last_first,
+                )
+            grid = (schedule.programs,)
+            maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+    except RuntimeError as error:
+        if not (schedule.split and _refused(error)):
+            raise
+        # the device would not hold every program of the groups at once: this call and every
+        # later one on it run unsplit
+        _SPLIT_REFUSED.add(device.index)
+        _forget_schedules()
+        return _gelu_bwd_default(dy, x, bias, store_dbias)
     dbias, = _column_sums(
         (dbias_partial, bias),
     )

@@ -14,6 +14,7 @@ from generated import (
     cross_entropy,
     geglu,
     gelu,
+    gelu_tanh,
     layernorm,
     rmsnorm,
     softmax,
@@ -474,6 +475,35 @@ def test_norm_backwards_split_rows_from_the_measured_width(module, min_n, elemen
     assert not any(name.endswith("_fwd_split") for name in vars(module))
 
 
+@pytest.mark.parametrize("module", [gelu, gelu_tanh])
+@pytest.mark.parametrize(("element_size", "block_n"), [(2, 2048), (4, 1024)])
+def test_bias_gradients_split_rows_into_column_slabs_of_4_kib(module, element_size, block_n,
+                                                              monkeypatch):
+    """codegen/schedule.py, per_op: GELU backwards split rows of 4096 columns and more into
+    slabs of 4 KiB, 16 bytes a thread, 4 programs an SM (H100, a probe of the public backward:
+    bf16 8192x16384 2206 -> 2649 GB/s, fp32 2555 -> 2867). Their split kernels exchange nothing
+    (no row reductions), so the programs need no register budget and no cooperative launch."""
+    from collections import namedtuple
+
+    properties = namedtuple("Properties", "multi_processor_count max_threads_per_multi_processor "
+                                          "regs_per_multiprocessor")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda _device: properties(132, 2048, 65536))
+    module._schedule.cache_clear()
+    cuda = torch.device("cuda", 0)
+    for n in (4096, 11008, 16384):
+        schedule = _backward_schedule(module, 8192, n, cuda, element_size)
+        assert (schedule.split, schedule.block_n) == (-(-n // block_n), block_n)
+        assert schedule.warps == 8 and not schedule.regs
+        assert schedule.programs == 132 * 4 // schedule.split * schedule.split
+    assert _backward_schedule(module, 8192, 2048, cuda, element_size).split == 0
+    module._schedule.cache_clear()
+    assert not module.SPLIT_EXCHANGE and layernorm.SPLIT_EXCHANGE and softmax.SPLIT_EXCHANGE
+    source = inspect.getsource(getattr(module, f"_{module.__name__.split('.')[-1]}_bwd_default"))
+    assert "launch_cooperative_grid" not in source
+    assert "launch_cooperative_grid" in inspect.getsource(layernorm._layernorm_bwd_default)
+
+
 @pytest.mark.parametrize(("module", "n", "element_size", "split"), [
     (add_layernorm, 262144, 2, 1), (add_layernorm, 262144, 4, 0), (add_layernorm, 131072, 4, 1),
     (add_rmsnorm, 262144, 2, 1), (add_rmsnorm, 262144, 4, 0), (layernorm, 262144, 4, 1)])
@@ -532,8 +562,8 @@ def test_a_refused_cooperative_launch_runs_unsplit(monkeypatch):
     _, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, True, True)
     original = layernorm._split_schedule
 
-    def every_row_a_group(M, N, dev):
-        schedule = original(M, N, dev)
+    def every_row_a_group(M, N, dev, element_size):
+        schedule = original(M, N, dev, element_size)
         return schedule and schedule._replace(programs=schedule.split * M, regs=False)
 
     monkeypatch.setattr(layernorm, "_split_schedule", every_row_a_group)
