@@ -96,11 +96,14 @@ STAGE_CHOICES = (1, 3)
 #: row block (STRIDED), bit 4 runs every other sweep of a looped row backwards (REVERSE: it
 #: starts on the columns the sweep before ended on, the likeliest still in L2), bit 8 compiles
 #: whole rows to the register budget of the programs an SM runs (REGS: ptxas left to itself may
-#: take far fewer registers and spill); the searches above measure the rule's form (whole rows
-#: with column partials: and the rule's with REGS), `--forms` every form (whole rows: the eight
-#: of bits 1, 2 and 8; looped rows: the eight of bits 1, 2 and 4)
-FORMS = tuple(range(16))
+#: take far fewer registers and spill), bit 16 compiles whole rows for their width (FIXED: the
+#: width and the row strides constants, 32-bit offsets, the approximate rsqrt; `_fixed`); the
+#: searches above measure the rule's form (whole rows with column partials: and the rule's with
+#: REGS), `--forms` every form (whole rows: the sixteen of bits 1, 2, 8 and 16; looped rows: the
+#: eight of bits 1, 2 and 4)
+FORMS = tuple(range(32))
 REGS_FORM = 8
+FIXED_FORM = 16
 RULE_FORM = 1
 #: `--forms` measures each form this many times, interleaved, and keeps its fastest
 FORM_REPEATS = 2
@@ -171,9 +174,11 @@ def _kernel_stats(compiled) -> dict:
 
 
 def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, looped=False,
-                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD):
+                 partial_rows=LOOPED_PARTIAL_ROWS, most_per_thread=MAX_ELEMENTS_PER_THREAD,
+                 fixed=False):
     """Schedules for one launcher at one shape, each measured: whole rows, or (`looped`)
-    looped rows and the table's whole-row entry for this width."""
+    looped rows and the table's whole-row entry for this width; with `fixed`, every whole-row
+    configuration also compiled for its width (form bit 16)."""
     block_n = 1 << (n - 1).bit_length()
     kernels = [key for key in vars(module) if key.startswith(f"_{op.name}_{name}_")
                and key.endswith(("_per", "_red"))]
@@ -287,12 +292,19 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                 for per_sm in per_sm_choices:
                     if per_sm == 0 and stages > 1:
                         continue  # one row block per program: nothing to pipeline
-                    run(rows, warps, sms * per_sm, stages)
+                    forms = [RULE_FORM]
                     if partials and sms * per_sm < -(-m // rows):
                         # the partial rows held next to a whole row: ptxas may spill rather than
                         # take the registers the programs an SM runs leave (`_maxnreg`; only
                         # where programs loop over row blocks, as `_form` sets it)
-                        run(rows, warps, sms * per_sm, stages, form=RULE_FORM | REGS_FORM)
+                        forms.append(RULE_FORM | REGS_FORM)
+                    for form in forms:
+                        run(rows, warps, sms * per_sm, stages, form=form)
+                        if fixed:
+                            # compiled for the width: the configuration that is fastest that
+                            # way need not be the fastest without (H100, bf16 layer-norm
+                            # forward 4096x1024: one row a one-warp program gains most)
+                            run(rows, warps, sms * per_sm, stages, form=form | FIXED_FORM)
     return results
 
 
@@ -389,10 +401,10 @@ def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                 speeds: dict = {}
                 original = module._schedule
                 for _repeat in range(FORM_REPEATS):
-                    for even, strided, reverse, regs in sorted(set(flags.values())):
-                        fixed = used._replace(even=even, strided=strided, reverse=reverse,
-                                              regs=regs)
-                        module._schedule = lambda *_args, fixed=fixed, **_kwargs: fixed
+                    for even, strided, reverse, regs, fixed in sorted(set(flags.values())):
+                        formed = used._replace(even=even, strided=strided, reverse=reverse,
+                                               regs=regs, fixed=fixed)
+                        module._schedule = lambda *_args, formed=formed, **_kwargs: formed
                         module._forget_schedules()
                         try:
                             call()  # compile outside the timed loop
@@ -402,8 +414,8 @@ def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                             module._schedule = original
                             module._forget_schedules()
                         gbps = moved / stats.median_ms / 1e6
-                        speeds[even, strided, reverse, regs] = max(
-                            speeds.get((even, strided, reverse, regs), 0.0), gbps)
+                        flag = (even, strided, reverse, regs, fixed)
+                        speeds[flag] = max(speeds.get(flag, 0.0), gbps)
                 entry = used.entry
                 record = {"op": op_name, "mode": mode, "m": m, "n": n, "dtype": str(dtype),
                           "entry": None if entry is None else list(entry),
@@ -419,13 +431,15 @@ def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
 
 def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
          modes=("fwd", "bwd"), partial_rows=LOOPED_PARTIAL_ROWS,
-         most_per_thread=MAX_ELEMENTS_PER_THREAD) -> None:
+         most_per_thread=MAX_ELEMENTS_PER_THREAD, fixed: bool = False) -> None:
     """Measure the schedules of each op at each shape into out/tune.json (split rows off)."""
     with _unsplit(ops):
-        _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread)
+        _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread,
+              fixed)
 
 
-def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread):
+def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread,
+          fixed=False):
     properties, clock, path, report = _session(out)
     began = time.perf_counter()
     for op_name in ops:
@@ -441,7 +455,7 @@ def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_p
                     continue
                 results = _tune_kernel(module, name, call, m, n, element_size, _op(op_name), mode,
                                        clock, properties.multi_processor_count, looped,
-                                       partial_rows, most_per_thread)
+                                       partial_rows, most_per_thread, fixed)
                 moved = _moved(_op(op_name), mode, m, n, element_size)
                 # the module's own schedule, with its table and with its rules alone, is a
                 # candidate too (rules no search covers: the softmax backward's whole rows
@@ -691,7 +705,8 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "the rule's, that form (bit 1: no masks where the row blocks tile, bit 2: the "
                 "row-block loop kept with one program per row block, bit 4: every other "
                 "sweep of a looped row run backwards, bit 8: whole rows compiled to the "
-                "register budget of the programs an SM runs)]; "
+                "register budget of the programs an SM runs, bit 16: whole rows compiled "
+                "for their width)]; "
                 "'<kind>_looped' holds the fastest looped entry, used where rows may not be "
                 "whole; '<kind>_fp32' entries were measured on fp32 tensors (--dtype fp32, or "
                 "--forms: a 16-bit entry's configuration that fp32 ran faster in another form) "
@@ -728,6 +743,9 @@ def main() -> None:
     parser.add_argument("--max-elements-per-thread", type=int, default=MAX_ELEMENTS_PER_THREAD,
                         help="whole rows: the most elements a thread holds (64 lets a row of "
                              "65536 take 32 warps)")
+    parser.add_argument("--fixed", action="store_true",
+                        help="whole rows: measure every configuration also compiled for its "
+                             "width (form bit 16)")
     parser.add_argument("--forms", action="store_true",
                         help="time each op's own schedule at --shapes in every kernel form "
                              "(masks or none, the row-block loop or none), for --write-table")
@@ -751,7 +769,7 @@ def main() -> None:
         measure_forms(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s)
         return
     tune(args.ops.split(","), DTYPES[args.dtype], shapes, args.out, args.budget_s, args.looped,
-         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread)
+         tuple(args.modes.split(",")), partial_rows, args.max_elements_per_thread, args.fixed)
 
 
 if __name__ == "__main__":

@@ -588,12 +588,13 @@ class KernelContext:
         args += ["split_sums_ptr", "split_count_ptr"] * self.splittable
         args += self.flag_args()
         self.split_args = [*args, "ACC: tl.constexpr", "ROWS: tl.constexpr",
-                           "BLOCK_N: tl.constexpr", "SPLIT: tl.constexpr", "MEMBERS: tl.constexpr"]
+                           "BLOCK_N: tl.constexpr", "SPLIT: tl.constexpr", "MEMBERS: tl.constexpr",
+                           "FIXED_N: tl.constexpr"]
         args += ["ACC: tl.constexpr", "ROWS: tl.constexpr", "BLOCK_N: tl.constexpr"]
         args += ["STAGES: tl.constexpr", "CHUNKS: tl.constexpr"]
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
         return args + ["KEEP: tl.constexpr", "EVEN: tl.constexpr", "STRIDED: tl.constexpr",
-                       "REVERSE: tl.constexpr", "LAST_FIRST: tl.constexpr"]
+                       "REVERSE: tl.constexpr", "LAST_FIRST: tl.constexpr", "FIXED_N: tl.constexpr"]
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],

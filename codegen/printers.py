@@ -37,6 +37,8 @@ class Dialect:
     split_constants: bool
     #: appended to a where(): torch.where of two Python numbers is float32 whatever `acc` is
     where_cast: str = ""
+    #: a reciprocal square root, `{}` its argument (empty: 1.0 / sqrt)
+    rsqrt: str = ""
 
 
 TRITON = Dialect(
@@ -49,6 +51,9 @@ TRITON = Dialect(
     maximum="tl.maximum",
     minimum="tl.minimum",
     split_constants=True,
+    # correctly rounded unless the kernel is compiled for its row width (generated modules:
+    # `_rsqrt`, FIXED_N)
+    rsqrt="_rsqrt({}, FIXED_N)",
 )
 
 TORCH = Dialect(
@@ -203,6 +208,8 @@ class KernelPrinter:
             integer = abs(exponent.p) // 2
             source = " * ".join([self._wrap(base, _UNARY)] * integer + [root])
             if exponent < 0:
+                if not integer and self.dialect.rsqrt:
+                    return self.dialect.rsqrt.format(self._print(base)[0]), _ATOM
                 return (f"1.0 / ({source})" if integer else f"1.0 / {root}"), _MUL
             return source, (_MUL if integer else _ATOM)
         raise PrintError(f"the {self.dialect.name} printer has no rule for the power {expr}: "

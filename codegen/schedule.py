@@ -25,7 +25,7 @@ def load_measured(path: Path = MEASURED_TABLE) -> dict:
     decides), the kernel form measured faster (bit 1: no masks where the row blocks tile, bit
     2: the row-block loop kept with one program per row block, bit 4: every other sweep of a
     looped row run backwards, bit 8: whole rows compiled to the register budget of an SM's
-    programs; absent: 1)],
+    programs, bit 16: whole rows compiled for their width; absent: 1)],
     the fastest measured; under "<kind>_looped" the fastest looped one, for rows that may not be
     whole; "<kind>_fp32" and "<kind>_fp32_looped" as measured on fp32 tensors."""
     return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}

@@ -69,9 +69,10 @@ _FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 #: `regs`: launch with the register budget of the SM's programs (`_maxnreg`), not ptxas's choice
 #: `split`: the programs a row is split over (`_split_schedule`; 0: rows are not split)
 #: `last_first`: the row blocks walked from the last (`_last_first`)
+#: `fixed`: whole rows compiled for their width where the launch allows it (`_fixed`)
 _Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided reverse regs entry split last_first",
-                       defaults=(None, 0, False))
+                       "keep even strided reverse regs fixed entry split last_first",
+                       defaults=(False, None, 0, False))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -101,7 +102,8 @@ def _use_triton(tensor):
 #: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
 #: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
 #: one program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
-#: (REVERSE), bit 8 compiles whole rows to the register budget of an SM's programs (REGS), 1 the
+#: (REVERSE), bit 8 compiles whole rows to the register budget of an SM's programs (REGS), bit 16
+#: compiles whole rows for their width where the launch allows it (FIXED, `_fixed`), 1 the
 #: rule): the fastest measured; "<kind>_looped":
 #: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
 #: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
@@ -253,7 +255,8 @@ def _split_schedule(M, N, device, element_size=2):
     if groups < 1:
         return None
     return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
-                     False, False, True, False, device.type == "cuda" and SPLIT_EXCHANGE, None, members)
+                     False, False, True, False, device.type == "cuda" and SPLIT_EXCHANGE, False, None,
+                     members)
 
 
 def _entry(*keys):
@@ -279,7 +282,7 @@ def _even(M, N, rows, block_n):
 
 
 def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED, REVERSE, REGS) of a schedule: no masks where the row blocks tile exactly and
+    """(EVEN, STRIDED, REVERSE, REGS, FIXED) of a schedule: no masks where the row blocks tile exactly and
     the entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks
     run or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
     the form says so (bit 4), whole rows that programs loop over compiled to the register budget
@@ -289,10 +292,25 @@ def _form(M, N, rows, block_n, programs, form):
     bf16 4096x65536: 2397, and 2719 without masks but with the loop (fp16: 2536, and 2767 masked
     with the loop); backward bf16 1024x262144: 1205, 1438 masked without the loop; softmax
     backward bf16 2048x128256 (a sweep and the epilogue): 2008, 2209 with the epilogue run
-    backwards; layer-norm backward fp32 4096x4096 whole: 2423, 2470 at the register budget."""
+    backwards; layer-norm backward fp32 4096x4096 whole: 2423, 2470 at the register budget.
+    Whole rows compiled for their width where the form says so (bit 16, `_fixed`)."""
     loops = programs < -(-M // rows)
     return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or loops,
-            bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and loops)
+            bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and loops,
+            bool(form & 16) and block_n >= N)
+
+
+def _fixed(schedule, M, N, *strides):
+    """FIXED_N of a launch: N where the schedule's whole rows are compiled for their width (form
+    bit 16) and the launch allows it, every element tensor's rows contiguous (the row strides
+    become N) and fewer than 2^31 elements (offsets in 32 bits), else 0. Such a kernel has the
+    width, the strides and the row offsets' type compiled in and takes the approximate
+    reciprocal square root (`_rsqrt`): together, not one at a time, they are what torch.compile's
+    narrow-row kernels have over ours (H100, bf16 layer-norm forward 4096x1024 at one row a
+    one-warp program, a scratch kernel in the harness: 1631 GB/s with all three, 1496-1509 with
+    any one of them as ours, torch.compile 1628; docs/benchmarks.md, session 19)."""
+    fits = M * N < 2**31 and all(stride == N for stride in strides)
+    return N if schedule.fixed and fits else 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -506,6 +524,20 @@ def _sqrt(v):
 
 
 @triton.jit
+def _rsqrt(v, FIXED_N: tl.constexpr):
+    """1 / sqrt(v): correctly rounded (`_sqrt`, then a division), or in a kernel compiled for its
+    row width (FIXED_N: `_fixed`) at fp32 the approximate reciprocal square root, one MUFU.RSQ,
+    as torch's own CUDA norms and torch.compile's kernels take it (the interpreter's is exact)."""
+    if FIXED_N and v.dtype == tl.float32:
+        if _FAST_EXP:
+            return libdevice.rsqrt(v)
+        else:
+            return tl.rsqrt(v)
+    else:
+        return 1.0 / _sqrt(v)
+
+
+@triton.jit
 def _exp(v):
     """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
     adds three instructions to keep results below 2^-126 from flushing to 0)."""
@@ -557,10 +589,17 @@ def _gelu_fwd_per(
     STRIDED: tl.constexpr,
     REVERSE: tl.constexpr,
     LAST_FIRST: tl.constexpr,
+    FIXED_N: tl.constexpr,
 ):
     """_gelu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    if FIXED_N:
+        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # constants, the row offsets in 32 bits
+        N = FIXED_N
+        x_row_stride = FIXED_N
+        y_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = _below(cols, N, EVEN)
     if HAS_BIAS:
@@ -571,7 +610,7 @@ def _gelu_fwd_per(
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = _below(rows, M, EVEN)
-        offsets = rows.to(tl.int64)
+        offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
@@ -600,6 +639,7 @@ def _gelu_fwd_red(
     STRIDED: tl.constexpr,
     REVERSE: tl.constexpr,
     LAST_FIRST: tl.constexpr,
+    FIXED_N: tl.constexpr,
 ):
     """_gelu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -650,10 +690,18 @@ def _gelu_bwd_default_per(
     STRIDED: tl.constexpr,
     REVERSE: tl.constexpr,
     LAST_FIRST: tl.constexpr,
+    FIXED_N: tl.constexpr,
 ):
     """_gelu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    if FIXED_N:
+        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # constants, the row offsets in 32 bits
+        N = FIXED_N
+        dy_row_stride = FIXED_N
+        x_row_stride = FIXED_N
+        dx_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = _below(cols, N, EVEN)
     if HAS_BIAS:
@@ -665,7 +713,7 @@ def _gelu_bwd_default_per(
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = _below(rows, M, EVEN)
-        offsets = rows.to(tl.int64)
+        offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -705,6 +753,7 @@ def _gelu_bwd_default_red(
     STRIDED: tl.constexpr,
     REVERSE: tl.constexpr,
     LAST_FIRST: tl.constexpr,
+    FIXED_N: tl.constexpr,
 ):
     """_gelu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns."""
@@ -758,6 +807,7 @@ def _gelu_bwd_default_split(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     MEMBERS: tl.constexpr,
+    FIXED_N: tl.constexpr,
 ):
     """_gelu_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group (no row reductions: nothing exchanged, split_sums unused); each program keeps its
@@ -907,6 +957,7 @@ def _gelu_fwd(
             STRIDED=schedule.strided,
             REVERSE=schedule.reverse,
             LAST_FIRST=schedule.last_first,
+            FIXED_N=_fixed(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
         maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -995,7 +1046,8 @@ def _gelu_bwd_default(
             options = {}
             if schedule.split:
                 kernel = _gelu_bwd_default_split
-                constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split))
+                constexprs.update(SPLIT=schedule.split, MEMBERS=triton.next_power_of_2(schedule.split),
+                                  FIXED_N=0)
             else:
                 constexprs.update(
                     STAGES=schedule.stages,
@@ -1005,6 +1057,7 @@ def _gelu_bwd_default(
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
+                    FIXED_N=_fixed(schedule, M, N, dy_stride, x_stride),
                 )
             grid = (schedule.programs,)
             maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None

@@ -29,7 +29,9 @@ def torch_(expr: sympy.Expr) -> str:
     (x**2, "x * x"),
     (x**-2, "1.0 / (x * x)"),
     (sympy.sqrt(x), "_sqrt(x)"),
-    (1 / sympy.sqrt(x + y), "1.0 / _sqrt(x + y)"),
+    # a reciprocal square root: correctly rounded unless the kernel is compiled for its width
+    (1 / sympy.sqrt(x + y), "_rsqrt(x + y, FIXED_N)"),
+    (x ** sympy.Rational(-3, 2), "1.0 / (x * _sqrt(x))"),
     (x ** sympy.Rational(3, 2), "x * _sqrt(x)"),
     (sympy.exp(x - total), "_exp(x - total)"),
     (sympy.Rational(1, 2) * x, "0.5 * x"),

@@ -385,17 +385,20 @@ FORCED = [(8, 64, 2, 64, 4), (8, 64, 2, 64, 2), (7, 60, 2, 64, 4), (7, 60, 2, 64
           (8, 64, 2, 32, 4), (8, 64, 2, 32, 3), (7, 60, 2, 32, 4), (7, 60, 2, 32, 2)]
 
 
-@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs", "reverse", "last_first"),
-                         [(*case, False, False) for case in FORCED]
-                         + [(*case, True, False) for case in FORCED if case[3] < case[1]]
-                         + [(*case, False, True) for case in FORCED])
+@pytest.mark.parametrize(("m", "n", "rows", "block_n", "programs", "reverse", "last_first",
+                          "fixed"),
+                         [(*case, False, False, False) for case in FORCED]
+                         + [(*case, True, False, False) for case in FORCED if case[3] < case[1]]
+                         + [(*case, False, True, False) for case in FORCED]
+                         + [(*case, False, False, True) for case in FORCED if case[3] >= case[1]])
 def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n, programs,
-                                                             reverse, last_first):
+                                                             reverse, last_first, fixed):
     # the generated kernels against the generated torch path, in fp64, for every combination of
     # EVEN (no masks) and STRIDED (grid-stride row-block loop), whole rows and looped rows, and
     # looped rows with every other sweep run backwards (REVERSE); whole rows that programs loop
     # over take the register budget (REGS: maxnreg on a GPU, dropped by the interpreter); the
-    # row blocks walked from the last (LAST_FIRST), a partial row block (7 rows) first
+    # row blocks walked from the last (LAST_FIRST), a partial row block (7 rows) first; whole
+    # rows compiled for their width (FIXED_N)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(m * n + programs)
     x, dy = (torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
@@ -407,8 +410,9 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
     row_blocks = -(-m // rows)
     schedule = layernorm._Schedule(looped, block_n, rows, 1, programs, 1, chunks, False, False,
                                    m % rows == 0 and n % block_n == 0, programs < row_blocks,
-                                   reverse, not looped and programs < row_blocks,
+                                   reverse, not looped and programs < row_blocks, fixed,
                                    last_first=last_first)
+    assert layernorm._fixed(schedule, m, n, n) == (n if fixed else 0)
     assert (schedule.even, schedule.strided) in {(True, True), (True, False), (False, True),
                                                  (False, False)}
     chosen = layernorm._schedule
@@ -423,6 +427,29 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     expected = layernorm._layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, True, True)
     for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_compile_for_their_width_only_where_the_launch_allows_it():
+    """FIXED_N (form bit 16): the width, contiguous rows' strides and 32-bit offsets compiled in;
+    a launch with a row stride other than N, or of 2^31 elements or more, keeps them run-time."""
+    fixed = layernorm._Schedule(False, 1024, 1, 1, 4096, 1, 1, False, False, True, False, False,
+                                False, True)
+    assert layernorm._fixed(fixed, 4096, 1024, 1024, 1024) == 1024
+    assert layernorm._fixed(fixed, 4096, 1024, 1024, 2048) == 0  # a strided input
+    assert layernorm._fixed(fixed, 2**21, 1024, 1024) == 0  # 2^31 elements
+    assert layernorm._fixed(fixed._replace(fixed=False), 4096, 1024, 1024) == 0
+    # strided rows through the public call: the kernels take the run-time strides
+    x = torch.randn(16, 128, dtype=torch.float64)[:, :64]
+    weight = torch.randn(64, dtype=torch.float64)
+    chosen = layernorm._schedule
+    try:
+        _forced(layernorm, fixed._replace(block_n=64, programs=16))
+        y, mean, rstd = layernorm._layernorm_fwd(x, weight, None, 1e-5, True, True)
+    finally:
+        layernorm._schedule = chosen
+    expected = layernorm._layernorm_fwd_torch(x, weight, None, 1e-5, True, True)
+    for got, want in zip((y, mean, rstd), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

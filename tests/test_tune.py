@@ -78,21 +78,25 @@ def test_the_form_bits_set_masks_the_row_block_loop_and_the_sweep_direction():
     from generated import layernorm
 
     # 4096 rows in blocks of 2 tile exactly; 2048 programs, one per row block
-    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, False, False, False)  # the rule
-    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, False, False, False)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True, False, False)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True, False, False)
+    no = False
+    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, no, no, no, no)  # the rule
+    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, no, no, no, no)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True, no, no, no)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True, no, no, no)
     # no form drops masks that a partial row block needs, or the loop over several row blocks
-    for form in range(16):
+    for form in range(32):
         assert layernorm._form(4095, 512, 2, 512, 264, form)[:2] == (False, True)
     # bit 4 runs every other sweep backwards, where the row loops (BLOCK_N < N) and only there
-    assert layernorm._form(4096, 512, 1, 128, 4096, 5) == (True, False, True, False)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 7) == (True, True, False, False)
+    assert layernorm._form(4096, 512, 1, 128, 4096, 5) == (True, no, True, no, no)
+    assert layernorm._form(4096, 512, 2, 512, 2048, 7) == (True, True, no, no, no)
     # bit 8 sets the register budget, for whole rows (BLOCK_N >= N) that programs loop over
     # (fewer programs than row blocks), and only there
-    assert layernorm._form(4096, 500, 2, 512, 264, 9) == (False, True, False, True)
-    assert layernorm._form(4096, 500, 2, 512, 2048, 9) == (False, False, False, False)
-    assert layernorm._form(4096, 512, 1, 128, 264, 13) == (True, True, True, False)
+    assert layernorm._form(4096, 500, 2, 512, 264, 9) == (False, True, no, True, no)
+    assert layernorm._form(4096, 500, 2, 512, 2048, 9) == (False, no, no, no, no)
+    assert layernorm._form(4096, 512, 1, 128, 264, 13) == (True, True, True, no, no)
+    # bit 16 compiles whole rows for their width, and only whole rows
+    assert layernorm._form(4096, 500, 2, 512, 2048, 17) == (False, no, no, no, True)
+    assert layernorm._form(4096, 512, 1, 128, 4096, 17) == (True, no, no, no, no)
 
 
 def test_the_register_budget_splits_the_sms_register_file_over_the_programs_it_runs(monkeypatch):
@@ -198,14 +202,17 @@ def test_an_entrys_form_reaches_the_schedule(monkeypatch):
             (("fwd", 512), False, 2, 9, (True, False, False, False)),
             (("bwd_fp32", 1024), True, 4, 9, (True, True, False, True)),
             (("bwd_fp32", 1024), True, 4, 12, (False, True, False, True)),
-            (("bwd_fp32", 1024), True, 4, 1, (True, True, False, False))):
+            (("bwd_fp32", 1024), True, 4, 1, (True, True, False, False)),
+            (("fwd", 512), False, 2, 17, (True, False, False, False, True)),
+            (("fwd_fp32", 32768), False, 4, 17, (True, False, False, False, False))):
         entry = (*layernorm.MEASURED_SCHEDULES[key][:6], form)
         monkeypatch.setitem(layernorm.MEASURED_SCHEDULES, key, entry)
         layernorm._schedule.cache_clear()
         schedule = layernorm._schedule(4096, key[1], grid_stride, key[0][:3], 1, element_size,
                                        torch.device("cuda"), layernorm.PERSISTENT_MAX_BLOCK_N)
         assert schedule.entry == key
-        assert (schedule.even, schedule.strided, schedule.reverse, schedule.regs) == flags
+        got = (schedule.even, schedule.strided, schedule.reverse, schedule.regs, schedule.fixed)
+        assert got[:len(flags)] == flags
     layernorm._schedule.cache_clear()
 
 
