@@ -303,7 +303,8 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                         if fixed:
                             # compiled for the width: the configuration that is fastest that
                             # way need not be the fastest without (H100, bf16 layer-norm
-                            # forward 4096x1024: one row a one-warp program gains most)
+                            # forward 4096x1024: the table's 4 rows at 4 warps 1540 GB/s, 1552
+                            # compiled for the width; 2 rows at 2 warps so 1634)
                             run(rows, warps, sms * per_sm, stages, form=form | FIXED_FORM)
     return results
 

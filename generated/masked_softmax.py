@@ -186,15 +186,15 @@ MEASURED_SCHEDULES = {
     ("fwd_looped", 128256): (1, 32, 4, 1, 16384, 1, 1),
     ("fwd_looped", 262144): (1, 8, 0, 3, 4096, 1, 1),
 }
+#: whether the split kernels exchange partial row sums within a group (row reductions), so that
+#: a group's programs must run at once (a cooperative launch); false where they only keep column
+#: partials (`_split_schedule`)
+SPLIT_EXCHANGE = False
 #: element tensors the measured kernels read (the forward, the default backward): an entry
 #: holds as measured for calls that read no more; one that reads more (a borrowed table's op
 #: with its extra input given: add_layer_norm's prenorm gradient, say) takes the shared-memory
 #: guard below, as rules do (H100, bf16 add_layer_norm prenorm backward 64x65536 with the
 #: layer-norm entry's 3 stages: 233472 bytes of shared memory asked for, 232448 there)
-#: whether the split kernels exchange partial row sums within a group (row reductions), so that
-#: a group's programs must run at once (a cooperative launch); false where they only keep column
-#: partials (`_split_schedule`)
-SPLIT_EXCHANGE = False
 MEASURED_LOADS = {"fwd": 1, "bwd": 2}
 
 
@@ -358,18 +358,18 @@ def _even(M, N, rows, block_n):
 
 
 def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED, REVERSE, REGS, FIXED) of a schedule: no masks where the row blocks tile exactly and
-    the entry's form allows it (bit 1), the row-block loop where fewer programs than row blocks
-    run or the form keeps it anyway (bit 2), every other sweep of a looped row run backwards where
-    the form says so (bit 4), whole rows that programs loop over compiled to the register budget
-    of the programs an SM runs where the form says so (bit 8, `_maxnreg`). Either way can be the
+    """(EVEN, STRIDED, REVERSE, REGS, FIXED) of a schedule: no masks where the row blocks tile
+    exactly and the entry's form allows it (bit 1), the row-block loop where fewer programs than
+    row blocks run or the form keeps it anyway (bit 2), every other sweep of a looped row run
+    backwards where the form says so (bit 4), whole rows that programs loop over compiled to the
+    register budget of the programs an SM runs where the form says so (bit 8, `_maxnreg`), whole
+    rows compiled for their width where the form says so (bit 16, `_fixed`). Either way can be the
     faster, by entry: `benchmarks.tune --forms` (H100, 2026-11-22), layer-norm forward fp32
     4096x32768 looped: 2462 GB/s with the rule (no masks, no loop), 2858 masked with the loop;
     bf16 4096x65536: 2397, and 2719 without masks but with the loop (fp16: 2536, and 2767 masked
     with the loop); backward bf16 1024x262144: 1205, 1438 masked without the loop; softmax
     backward bf16 2048x128256 (a sweep and the epilogue): 2008, 2209 with the epilogue run
-    backwards; layer-norm backward fp32 4096x4096 whole: 2423, 2470 at the register budget.
-    Whole rows compiled for their width where the form says so (bit 16, `_fixed`)."""
+    backwards; layer-norm backward fp32 4096x4096 whole: 2423, 2470 at the register budget."""
     loops = programs < -(-M // rows)
     return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or loops,
             bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and loops,
