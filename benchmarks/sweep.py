@@ -85,6 +85,8 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
         return _cross_entropy_calls(module, m, n, dtype)
     if op_name in ADD_NORMS:
         return _add_norm_calls(op_name, module, m, n, dtype)
+    if op_name == "masked_softmax":
+        return _masked_softmax_calls(module, m, n, dtype)
     op = OPS[op_name]
     forward = getattr(module, f"_{op_name}_fwd")
     backward = getattr(module, f"_{op_name}_bwd_default")
@@ -147,6 +149,42 @@ def _add_norm_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
                         *backward_scalars, *stores)
 
     return forward_call, backward_call, x.element_size()
+
+
+#: the masked softmax as benchmarks.transformer_ops runs it: scale, dropout, no causal window
+MASKED_SOFTMAX = {"scale": 0.125, "dropout_p": 0.1}
+
+
+def _masked_softmax_calls(module, m: int, n: int, dtype: torch.dtype, device="cuda"):
+    """launcher_calls of generated.masked_softmax as attention runs it: the m rows are
+    (batch, 1 head, n queries) of n keys (one batch of m queries where n does not divide m), an
+    additive (batch, 1, 1, n) mask read through its strides, dropout 0.1 drawn in the kernel; the
+    forward stores p for the backward (3 activation-sized tensors each way)."""
+    generator = torch.Generator(device).manual_seed(0)
+    queries = n if m % n == 0 else m
+    shape = (m // queries, 1, queries, n)
+    x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    mask = torch.zeros((shape[0], 1, 1, n), device=device, dtype=dtype)
+    mask[..., -n // 8:] = float("-inf")
+    row_shape = module._row_shape(shape)
+    attention_mask = module._broadcast_rows(mask, shape, row_shape)
+    seed = module._seed("masked_softmax", 0, x.device)
+    rows = x.reshape(m, n)
+    scale, dropout_p = MASKED_SOFTMAX["scale"], MASKED_SOFTMAX["dropout_p"]
+    window = float("inf")
+
+    def forward_call():
+        return module._masked_softmax_fwd(rows, attention_mask, scale, window, dropout_p, seed,
+                                          row_shape, store_p=True)
+
+    _y, p = forward_call()
+    dy = torch.randn((m, n), generator=generator, device=device, dtype=dtype)
+
+    def backward_call():
+        return module._masked_softmax_bwd_default(dy, p, scale, window, dropout_p, seed,
+                                                  row_shape)
+
+    return forward_call, backward_call, rows.element_size()
 
 
 def _cross_entropy_calls(module, m: int, n: int, dtype: torch.dtype):

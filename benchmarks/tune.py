@@ -18,8 +18,9 @@ thread), programs, 1 or 3 stages, each (for kernels with a joined sweep) in both
 (the table entry records the faster form), against the table's
 whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the
 cross-entropy kernels too (bytes: the logits read, and in the backward their gradient written);
-`--ops add_layernorm,add_rmsnorm` the residual-add norms' (filed as their own entries, which
-take precedence over the norm's they otherwise borrow).
+`--ops add_layernorm,add_rmsnorm` the residual-add norms' and `--ops masked_softmax` the
+masked softmax's (attention's mask, scale and dropout; bytes: 4 and 3 activation-sized tensors
+each way), filed as their own entries, which take precedence over those they otherwise borrow.
 Results go to DIR/tune.json, written after every shape, so a run cut short keeps what it
 measured. `--write-table` then turns DIR/tune.json into codegen/schedule_table.json: the fastest
 measured configuration per op, kernel kind and width (and the fastest looped one), merged into
@@ -121,19 +122,27 @@ ROW_LOSSES = {"cross_entropy": OpSpec("cross_entropy", 0, lambda fn, x, params: 
 ADD_NORM_SPECS = {name: OpSpec(name, OPS[norm].n_params, OPS[norm].call_torch_style)
                   for name, norm in (("add_layernorm", "layernorm"), ("add_rmsnorm", "rmsnorm"))}
 ADD_NORM_EXTRA = {"fwd": 2, "bwd": 1}
+#: ... and the masked softmax (benchmarks.sweep.MASKED_SOFTMAX: attention's mask, scale and
+#: dropout), whose forward also stores p for the backward (its mask is one row a batch, not
+#: counted); the backward reads p where the softmax's reads y
+EXTRA_SPECS = ADD_NORM_SPECS | {
+    "masked_softmax": OpSpec("masked_softmax", 0, OPS["softmax"].call_torch_style)}
+EXTRA = {name: ADD_NORM_EXTRA for name in ADD_NORM_SPECS} | {
+    "masked_softmax": {"fwd": 1, "bwd": 0}}
 
 
 def _op(name: str) -> OpSpec:
-    return ROW_LOSSES.get(name) or ADD_NORM_SPECS.get(name) or OPS[name]
+    return ROW_LOSSES.get(name) or EXTRA_SPECS.get(name) or OPS[name]
 
 
 def _moved(op: OpSpec, mode: str, m: int, n: int, element_size: int) -> int:
     """Bytes a kernel must move: benchmarks.ops.bytes_moved (for a residual-add norm with
-    ADD_NORM_EXTRA activation-sized tensors more: 4 each way, as benchmarks.transformer_ops
-    charges them), or for a row loss the logits read (and, backward, their gradient written)."""
+    ADD_NORM_EXTRA activation-sized tensors more: 4 each way, for the masked softmax 3 each way,
+    as benchmarks.transformer_ops charges them), or for a row loss the logits read (and,
+    backward, their gradient written)."""
     if op.name in ROW_LOSSES:
         return m * n * element_size * (1 if mode == "fwd" else 2)
-    extra = ADD_NORM_EXTRA[mode] * m * n * element_size if op.name in ADD_NORM_SPECS else 0
+    extra = EXTRA[op.name][mode] * m * n * element_size if op.name in EXTRA else 0
     return bytes_moved(op, mode, m, n, element_size) + extra
 
 
@@ -731,7 +740,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ops", default="layernorm,rmsnorm,softmax",
                         help="generated modules: layernorm, rmsnorm, softmax, cross_entropy, "
-                             "add_layernorm, add_rmsnorm")
+                             "add_layernorm, add_rmsnorm, masked_softmax")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--budget-s", type=float, default=500.0)
     parser.add_argument("--looped", action="store_true",

@@ -340,3 +340,32 @@ def test_forms_of_a_borrowed_entry_are_filed_under_the_op_it_came_from(tmp_path,
     written = json.loads(write_table([tmp_path / "tune.json"], "forms").read_text())["ops"]
     assert written["add_layernorm"]["fwd"] == {"4096": [1, 8, 0, 1, 0, -1, 2]}
     assert written["layernorm"]["fwd"]["2048"] == [*held, 2]
+
+
+def test_the_masked_softmax_is_measured_as_attention_runs_it():
+    # tune --ops masked_softmax times its launchers with attention's mask, scale and dropout and
+    # charges 3 activation-sized tensors each way (x, y, p forward; dy, p, dx backward); the
+    # calls are the public op's (same seed: same dropout mask, same gradient)
+    from benchmarks.sweep import MASKED_SOFTMAX, _masked_softmax_calls
+    from generated import masked_softmax
+
+    m, n, size = 64, 1024, 2
+    x = m * n * size
+    assert tune._moved(tune._op("masked_softmax"), "fwd", m, n, size) == 3 * x
+    assert tune._moved(tune._op("masked_softmax"), "bwd", m, n, size) == 3 * x
+    m, n = 48, 16
+    forward, backward, element_size = _masked_softmax_calls(masked_softmax, m, n, torch.float32,
+                                                            device="cpu")
+    y, p = forward()
+    dx, = backward()
+    generator = torch.Generator("cpu").manual_seed(0)
+    inputs = torch.randn((m // n, 1, n, n), generator=generator).requires_grad_()
+    dy = torch.randn((m, n), generator=generator)
+    mask = torch.zeros((m // n, 1, 1, n))
+    mask[..., -n // 8:] = float("-inf")
+    expected = masked_softmax.masked_softmax(inputs, mask, seed=0, **MASKED_SOFTMAX)
+    expected.backward(dy.reshape(inputs.shape))
+    assert element_size == 4
+    torch.testing.assert_close(y, expected.detach().reshape(m, n))
+    torch.testing.assert_close(dx, inputs.grad.reshape(m, n))
+    assert (p[:, -n // 8:] == 0).all() and torch.allclose(p.sum(1), torch.ones(m))
