@@ -579,14 +579,20 @@ def _uniform(seed, rows, col0, N, BLOCK_N: tl.constexpr):
     one per four columns and interleaves them, a quarter of the integer multiplies a word per
     element took (H100, bias-dropout-add 16384x4096 bf16, a scratch probe of the kernels in
     session 14, docs/benchmarks.md: forward 249 -> 138 us, backward 245 -> 134, the forward 138
-    without any random values). Nothing is stored: a backward regenerates the same values."""
+    without any random values). Nothing is stored: a backward regenerates the same values.
+    Rows compiled for their width (FIXED_N) come as 32-bit offsets of fewer than 2^31 elements:
+    their counter fits in the low word and the high word is 0."""
     if BLOCK_N >= 4:
         counter = rows * ((N + 3) // 4) + (col0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
     else:
         cols = col0 + tl.arange(0, BLOCK_N)[None, :]
         counter = rows * ((N + 3) // 4) + cols // 4
-    low = (counter & 0xFFFFFFFF).to(tl.uint32)
-    high = (counter >> 32).to(tl.uint32)
+    if counter.dtype == tl.int32:
+        low = counter.to(tl.uint32)
+        high = low * 0
+    else:
+        low = (counter & 0xFFFFFFFF).to(tl.uint32)
+        high = (counter >> 32).to(tl.uint32)
     zero = low * 0
     w0, w1, w2, w3 = tl.philox(seed, low, high, zero, zero)
     if BLOCK_N >= 4:

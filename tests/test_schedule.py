@@ -16,6 +16,7 @@ from generated import (
     gelu,
     gelu_tanh,
     layernorm,
+    masked_softmax,
     rmsnorm,
     softmax,
     swiglu,
@@ -625,9 +626,43 @@ def test_backwards_walk_their_rows_from_the_last(module, monkeypatch):
 
 def test_the_masked_softmax_backward_walks_its_rows_from_the_first():
     # measured per op (codegen/schedule.py per_op): from the last it ran 7% slower on the H100
-    from generated import masked_softmax
-
     assert masked_softmax.BACKWARD_LAST_FIRST == DEFAULT.per_op["masked_softmax"][
         "backward_last_first"] == 0
     assert masked_softmax._last_first("bwd") is False
     assert softmax._last_first("bwd") is True
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_dropout_draws_the_same_values_in_rows_compiled_for_their_width(fixed):
+    """The random counter of a dropout kernel (`_uniform`: row * ceil(N / 4) + col // 4, split
+    into two 32-bit words) from 32-bit row offsets (FIXED_N) as from 64-bit ones: the masked
+    softmax's forward and backward with dropout against the generated torch path. (The counter
+    was built in the offsets' 32 bits with FIXED_N, whose backward then failed to compile on the
+    H100: its 0xFFFFFFFF mask is out of int32's range.)"""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    m, n, rows = 12, 64, 2
+    generator = torch.Generator().manual_seed(5)
+    x, dy = (torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
+             for _ in range(2))
+    row_shape = [1, 3, 4]
+    seed = masked_softmax._seed("masked_softmax", 1234, device)
+    scale, window, dropout_p = 0.5, float("inf"), 0.25
+    schedule = masked_softmax._Schedule(False, n, rows, 1, m // rows, 1, 1, False, False, True,
+                                        False, False, False, fixed)
+    assert masked_softmax._fixed(schedule, m, n, n, n) == (n if fixed else 0)
+    chosen = masked_softmax._schedule
+    try:
+        _forced(masked_softmax, schedule)
+        y, p = masked_softmax._masked_softmax_fwd(x, None, scale, window, dropout_p, seed,
+                                                  row_shape, store_p=True)
+        dx, = masked_softmax._masked_softmax_bwd_default(dy, p, scale, window, dropout_p, seed,
+                                                         row_shape)
+    finally:
+        masked_softmax._schedule = chosen
+    y_torch, p_torch = masked_softmax._masked_softmax_fwd_torch(
+        x, None, scale, window, dropout_p, seed, row_shape, True)
+    dx_torch, = masked_softmax._masked_softmax_bwd_default_torch(dy, p_torch, scale, window,
+                                                                 dropout_p, seed, row_shape)
+    assert (y == 0).any() and (y != 0).any()  # dropout drew both ways
+    for got, want in ((y, y_torch), (p, p_torch), (dx, dx_torch)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
