@@ -133,6 +133,8 @@ class ScheduleTable:
     split_by_bytes: int = 0
     #: target elements per program step when N is small (several rows per program)
     row_block_elements: int = 8192
+    #: ... and for forward kernels, where it differs (0: row_block_elements; per op in `per_op`)
+    fwd_row_block_elements: int = 0
     max_rows: int = 64
     #: grid-stride kernels (those with column partials) launch this many programs per SM
     programs_per_sm: int = 1
@@ -257,6 +259,15 @@ class ScheduleTable:
         **{op: {"persistent_max_fwd_block_n": 4096, "persistent_max_bwd_block_n": 4096,
                 "fold_block_n": 4096, "row_block_elements": 4096}
            for op in ("swiglu", "geglu")},
+        # the bias-dropout-add forward takes 4096 elements a program (whole rows of up to 4096
+        # columns: 4 rows of 1024, 16 warps), its backward 8192 (the bias-gradient partials
+        # shared by 2 rows of 4096). H100, 2026-11-22, interleaved rounds of the public call
+        # against torch.compile with the constants forced (ROW_BLOCK_ELEMENTS 1024-8192,
+        # ELEMENTS_PER_WARP 128, 256), GB/s at 8192 -> 4096 elements a program: forward fp32
+        # 4096x1024 1706 -> 1898 (torch.compile 1812), bf16 1412 -> 1435, fp32 16384x4096 2935
+        # -> 2950, bf16 2849 -> 2857, 8192x8192 equal; forward+backward at 4096 lost 3% at bf16
+        # 16384x4096 (2473 -> 2396) and 1-2% at 4096x1024 bf16, hence forwards only
+        "bias_dropout_add": {"fwd_row_block_elements": 4096},
     })
 
     #: measured per-op schedules (see load_measured); the constants above are the fallback
@@ -312,6 +323,7 @@ class ScheduleTable:
             "LOOPED_GRID_STRIDE_ROWS": self.looped_grid_stride_rows,
             "BACKWARD_LAST_FIRST": self.backward_last_first,
             "ROW_BLOCK_ELEMENTS": self.row_block_elements,
+            "FWD_ROW_BLOCK_ELEMENTS": self.fwd_row_block_elements,
             "MAX_ROWS": self.max_rows,
             "PROGRAMS_PER_SM": self.programs_per_sm,
             "INTERPRETER_PROGRAMS": self.interpreter_programs,

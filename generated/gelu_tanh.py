@@ -45,6 +45,7 @@ KEEP_MAX_ROW_BYTES = 262144
 LOOPED_GRID_STRIDE_ROWS = 1
 BACKWARD_LAST_FIRST = 1
 ROW_BLOCK_ELEMENTS = 8192
+FWD_ROW_BLOCK_ELEMENTS = 0
 MAX_ROWS = 64
 PROGRAMS_PER_SM = 1
 INTERPRETER_PROGRAMS = 4
@@ -176,7 +177,8 @@ def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_m
         rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
         block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
     else:
-        rows = max(1, min(MAX_ROWS, ROW_BLOCK_ELEMENTS // block_n, triton.next_power_of_2(M)))
+        elements = FWD_ROW_BLOCK_ELEMENTS if kind == "fwd" and FWD_ROW_BLOCK_ELEMENTS else ROW_BLOCK_ELEMENTS
+        rows = max(1, min(MAX_ROWS, elements // block_n, triton.next_power_of_2(M)))
     if measured is None:
         warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
     # the pipeline buffers every element load in shared memory: stages - 1 steps ahead in the

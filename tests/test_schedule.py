@@ -11,6 +11,7 @@ from codegen.schedule import DEFAULT, load_measured
 from generated import (
     add_layernorm,
     add_rmsnorm,
+    bias_dropout_add,
     cross_entropy,
     geglu,
     gelu,
@@ -177,6 +178,28 @@ def test_only_a_looped_row_read_again_loads_evict_last():
                 in epilogue)
     whole = inspect.getsource(softmax._softmax_bwd_default_per.fn)
     assert "eviction_policy" not in whole
+
+
+def test_forwards_take_their_own_elements_a_program_where_an_op_sets_them():
+    # bias-dropout-add: forwards 4096 elements a program, the backward (bias-gradient partials)
+    # the shared 8192; ops that set none take ROW_BLOCK_ELEMENTS both ways
+    assert bias_dropout_add.FWD_ROW_BLOCK_ELEMENTS == 4096
+    assert bias_dropout_add.ROW_BLOCK_ELEMENTS == 8192
+    rows = {}
+    for kind, grid_stride in (("fwd", False), ("bwd", True)):
+        bias_dropout_add._schedule.cache_clear()
+        schedule = bias_dropout_add._schedule(4096, 1024, grid_stride, kind, 2, 4,
+                                              torch.device("cpu"),
+                                              bias_dropout_add.PERSISTENT_MAX_BLOCK_N)
+        rows[kind] = (schedule.rows, schedule.block_n)
+    bias_dropout_add._schedule.cache_clear()
+    assert rows == {"fwd": (4, 1024), "bwd": (8, 1024)}
+    assert gelu.FWD_ROW_BLOCK_ELEMENTS == 0
+    gelu._schedule.cache_clear()
+    schedule = gelu._schedule(4096, 1024, False, "fwd", 1, 4, torch.device("cpu"),
+                              gelu.PERSISTENT_MAX_BLOCK_N)
+    gelu._schedule.cache_clear()
+    assert schedule.rows == gelu.ROW_BLOCK_ELEMENTS // 1024
 
 
 def test_rows_that_must_loop_take_the_measured_looped_entry():
