@@ -238,9 +238,16 @@ class ScheduleTable:
         # 2176; fp32 2453 -> 2529, 2774 -> 2828, 2555 -> 2867, 1905 -> 2881, 2225 -> 2787; tanh
         # GELU bf16 1827 -> 2102, 2214 -> 2705, 2773 -> 2820, 1873 -> 2820, 1277 -> 2502; fp32
         # 2463 -> 2496, 2845 -> 2820, 2614 -> 2860, 2034 -> 2872, 2480 -> 2785
+        # GELU's forward steps run at 8 warps (512 elements a warp): H100, 2026-11-22,
+        # interleaved rounds of the public forward against torch.compile with the constants
+        # forced, GB/s at 16 -> 8 warps a 4096-column step: bf16 8192x16384 2510 -> 2635
+        # (torch.compile 2485), fp32 2927 -> 2928 (2979); 4096x4096 bf16 2129 -> 2126, fp32
+        # 2645 -> 2633 (its 2 rows of 4096 a program). Steps of 2048 at 4 warps: bf16 2661, fp32
+        # 2877 (lost). The split backwards (from 4096 columns) count their own warps
         **{op: {"persistent_max_fwd_block_n": 4096, "looped_grid_stride_rows": 1,
                 "split_min_n": 4096, "split_block_n": 2048, "split_sm_elements": 8192,
-                "split_elements_per_thread": 8, "split_by_bytes": 1}
+                "split_elements_per_thread": 8, "split_by_bytes": 1,
+                **({"elements_per_warp": 512} if op == "gelu" else {})}
            for op in ("gelu", "gelu_tanh")},
         # ... and so do the GLU backwards (no reductions either way): H100, bf16, 2026-11-22, a
         # probe forcing the constants (whole rows, or looped at 2048-8192 columns, 1 or 3

@@ -202,6 +202,18 @@ def test_forwards_take_their_own_elements_a_program_where_an_op_sets_them():
     assert schedule.rows == gelu.ROW_BLOCK_ELEMENTS // 1024
 
 
+def test_gelu_forward_steps_run_at_eight_warps():
+    # GELU's looped forward (4096 columns a step) at 512 elements a warp; tanh GELU keeps 256
+    found = {}
+    for module in (gelu, gelu_tanh):
+        module._schedule.cache_clear()
+        schedule = module._schedule(8192, 16384, False, "fwd", 1, 2, torch.device("cpu"),
+                                    module.PERSISTENT_MAX_BLOCK_N)
+        module._schedule.cache_clear()
+        found[module.__name__] = (schedule.looped, schedule.block_n, schedule.warps)
+    assert found == {"generated.gelu": (True, 4096, 8), "generated.gelu_tanh": (True, 4096, 16)}
+
+
 def test_rows_that_must_loop_take_the_measured_looped_entry():
     # fp32 layer-norm backward rows of 16384 are 64 KiB: too wide to hold whole next to the
     # column partials, so the fastest measured looped entry of the width is used
