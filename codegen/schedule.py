@@ -243,7 +243,8 @@ class ScheduleTable:
         # forced, GB/s at 16 -> 8 warps a 4096-column step: bf16 8192x16384 2510 -> 2635
         # (torch.compile 2485), fp32 2927 -> 2928 (2979); 4096x4096 bf16 2129 -> 2126, fp32
         # 2645 -> 2633 (its 2 rows of 4096 a program). Steps of 2048 at 4 warps: bf16 2661, fp32
-        # 2877 (lost). The split backwards (from 4096 columns) count their own warps
+        # 2877 (lost). Whole-row programs of 8192 elements (2 rows of 4096, 8 of 1024) keep 16
+        # warps (capped at MAX_WARPS); the split backwards (from 4096 columns) count their own
         **{op: {"persistent_max_fwd_block_n": 4096, "looped_grid_stride_rows": 1,
                 "split_min_n": 4096, "split_block_n": 2048, "split_sm_elements": 8192,
                 "split_elements_per_thread": 8, "split_by_bytes": 1,
