@@ -495,7 +495,8 @@ def test_elementwise_rows_loop_where_measured(module, kind):
     """GLU forwards and backwards, and GELU's forward, step over 4096 columns of an LLM's MLP
     row (11008) instead of a padded whole row of 16384 (codegen/schedule.py, per_op: H100,
     GeGLU backward 4096x11008 2069 against 2838 GB/s); GELU's backward, with its bias gradient's
-    column partials, keeps the rule of kernels with partials (whole rows up to 16 KiB)."""
+    column partials, keeps the rule of kernels with partials (whole rows up to 16 KiB). GELU's
+    forward steps run at 8 warps, the GLUs' at 16 (codegen/schedule.py, per_op)."""
     module._schedule.cache_clear()
     grid_stride = module is gelu and kind == "bwd"
     schedule = module._schedule(4096, 11008 if module is not gelu else 4096 + 2048, grid_stride,
@@ -503,7 +504,8 @@ def test_elementwise_rows_loop_where_measured(module, kind):
     loops = not grid_stride
     assert schedule.looped == loops
     if loops:
-        assert (schedule.block_n, schedule.warps, schedule.stages) == (4096, 16, 3)
+        warps = 8 if module is gelu else 16
+        assert (schedule.block_n, schedule.warps, schedule.stages) == (4096, warps, 3)
     # the other ops keep the common limit in both directions
     assert layernorm.PERSISTENT_MAX_FWD_BLOCK_N == layernorm.PERSISTENT_MAX_BLOCK_N
     assert layernorm.PERSISTENT_MAX_BWD_BLOCK_N == layernorm.PERSISTENT_MAX_BLOCK_N
