@@ -247,9 +247,8 @@ class ScheduleTable:
         # warps (capped at MAX_WARPS); the split backwards (from 4096 columns) count their own
         **{op: {"persistent_max_fwd_block_n": 4096, "looped_grid_stride_rows": 1,
                 "split_min_n": 4096, "split_block_n": 2048, "split_sm_elements": 8192,
-                "split_elements_per_thread": 8, "split_by_bytes": 1,
-                **({"elements_per_warp": 512} if op == "gelu" else {})}
-           for op in ("gelu", "gelu_tanh")},
+                "split_elements_per_thread": 8, "split_by_bytes": 1, **own}
+           for op, own in (("gelu", {"elements_per_warp": 512}), ("gelu_tanh", {}))},
         # ... and so do the GLU backwards (no reductions either way): H100, bf16, 2026-11-22, a
         # probe forcing the constants (whole rows, or looped at 2048-8192 columns, 1 or 3
         # stages, 4-16 warps), backward whole rows (16 warps) against looped at 4096 columns,
