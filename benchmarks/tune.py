@@ -677,8 +677,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
         # both sweep forms are candidates: the entry records the one measured fastest
         measured = [r for r in result["configs"] if "gbps" in r]
         # a width that is not a power of two is an entry of its own, used only at that width
-        # (generated modules: _schedule); before session 9 it was filed under its block's power
-        # of two (cross_entropy's 32768, 131072 and 262144 were measured at 32000, 128256, 256000)
+        # (codegen/runtime/schedules.py: Schedules.rule)
         width = str(result["n"])
         kinds = ops.setdefault(result["op"], {})
         looped = [r for r in measured if r.get("step")]
@@ -722,7 +721,10 @@ def write_table(measurements: list[Path], command: str) -> Path:
                 "--forms: a 16-bit entry's configuration that fp32 ran faster in another form) "
                 "and serve them, 16-bit dtypes share the others. Ops under 'borrow' "
                 "use the named op's entries at the kinds and widths they have none of their "
-                "own for.",
+                "own for. 'constants' holds, per op, the schedule rules' constants "
+                "(codegen/runtime/schedules.py Constants) that differ from their defaults, each "
+                "measured on the GPU.",
+        "constants": previous.get("constants", {}),
         "ops": {op: {kind: dict(sorted(widths.items(), key=lambda item: int(item[0])))
                      for kind, widths in sorted(kinds.items())}
                 for op, kinds in sorted(ops.items())},

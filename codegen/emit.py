@@ -5,6 +5,7 @@ Templates hold structure only; every math string comes from a printer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,6 @@ from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
-from derive.algebra import GuardedReciprocal
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -213,7 +213,7 @@ class KernelContext:
                 lines.append(f"{e} = cols")
                 continue
             if kind == "random":
-                lines.append(f"{e} = _uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)")
+                lines.append(f"{e} = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)")
                 continue
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
             hint = "evict_last" if again is not None and e in again else "evict_first"
@@ -389,9 +389,10 @@ class KernelContext:
     def columns_lines(self, backwards: str) -> list[str]:
         """`cols` of a sweep's step `chunk`: its column block, counted from the last one where
         the sweep runs backwards; in a kernel that draws random values, `col0`, the block's first
-        column, too (`_uniform` draws from it a Philox call per four columns)."""
+        column, too (`helpers.uniform` draws from it a Philox call per four columns)."""
         block = "chunk" if backwards == "0" else (
-            f"_column_block(chunk, CHUNKS, REVERSE{'' if backwards == '1' else ' * ' + backwards})")
+            "helpers.column_block(chunk, CHUNKS, REVERSE"
+            f"{'' if backwards == '1' else ' * ' + backwards})")
         if not self.seeded:
             return [f"cols = {block} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
         return [f"col0 = {block} * BLOCK_N", "cols = col0 + tl.arange(0, BLOCK_N)[None, :]"]
@@ -403,7 +404,7 @@ class KernelContext:
         return (p["init"]
                 + ["for chunk in tl.range(0, CHUNKS, num_stages=STAGES):"]
                 + ["    " + line for line in self.columns_lines(backwards)]
-                + ["    col_mask = _below(cols, N, EVEN)",
+                + ["    col_mask = helpers.below(cols, N, EVEN)",
                    "    mask = row_mask & col_mask"]
                 + ["    " + line for line in body]
                 + p["merge"] + self.assign_lines(p["after"]))
@@ -543,7 +544,7 @@ class KernelContext:
 
     def split_pass_lines(self, p: dict[str, Any]) -> list[str]:
         """One pass of the split kernel: each reduction over this program's slab, published in
-        the group's exchange slot; the group's programs meet (`_split_exchange`); each
+        the group's exchange slot; the group's programs meet (`helpers.split_exchange`); each
         reduction then the sum (or max) of its members' partials, in member order."""
         lines = self.assign_lines(p["assigns"])
         if not p["reductions"]:
@@ -556,7 +557,8 @@ class KernelContext:
         for i, r in enumerate(p["reductions"]):
             lines.append(f"tl.store(split_slot + (member * {span} + {i}) * ROWS + "
                          f"tl.arange(0, ROWS), tl.{r['op']}({r['masked']}, axis=1))")
-        lines += ["exchanges += 1", "_split_exchange(split_count_ptr + group, exchanges * SPLIT)"]
+        lines += ["exchanges += 1",
+                  "helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)"]
         for i, r in enumerate(p["reductions"]):
             partials = (f"tl.load(split_slot + (members * {span} + {i}) * ROWS + lanes, "
                         f"mask=members < SPLIT, other={r['identity']}, cache_modifier=\".cg\")")
@@ -636,7 +638,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         })
     context = {
         "module": module,
-        "inversion_guard": float(GuardedReciprocal.guard),
         "fwd": fwd,
         "modes": modes,
         "upstream": module.upstream,
@@ -656,7 +657,21 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
     }
-    return env.get_template("module.py.j2").render(**context)
+    return _without_unused_imports(env.get_template("module.py.j2").render(**context))
+
+
+#: imports the module template makes that only some ops' modules use, and how a use reads
+_OPTIONAL_IMPORTS = {"import math": r"(?<![\w.])math\.", "import numbers": r"(?<![\w.])numbers\.",
+                     "from typing import Optional": r"\bOptional\["}
+
+
+def _without_unused_imports(source: str) -> str:
+    """The module without the optional imports it does not use."""
+    lines = source.split("\n")
+    for line, use in _OPTIONAL_IMPORTS.items():
+        if line in lines and not re.search(use, source):
+            lines.remove(line)
+    return "\n".join(lines)
 
 
 def render_patch(apis: list[tuple[str, Any]]) -> str:

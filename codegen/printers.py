@@ -43,24 +43,24 @@ class Dialect:
 
 TRITON = Dialect(
     name="triton",
-    functions={sympy.exp: "_exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
-               sympy.tanh: "_tanh", sympy.Abs: "tl.abs",
-               GuardedReciprocal: "_guarded_reciprocal"},
-    sqrt="_sqrt",
+    functions={sympy.exp: "helpers.exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
+               sympy.tanh: "helpers.tanh", sympy.Abs: "tl.abs",
+               GuardedReciprocal: "helpers.guarded_reciprocal"},
+    sqrt="helpers.sqrt",
     where="tl.where",
     maximum="tl.maximum",
     minimum="tl.minimum",
     split_constants=True,
     # correctly rounded unless the kernel is compiled for its row width (generated modules:
     # `_rsqrt`, FIXED_N)
-    rsqrt="_rsqrt({}, FIXED_N)",
+    rsqrt="helpers.rsqrt({}, FIXED_N)",
 )
 
 TORCH = Dialect(
     name="torch",
     functions={sympy.exp: "torch.exp", sympy.log: "torch.log", sympy.erf: "torch.erf",
                sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs",
-               GuardedReciprocal: "_guarded_reciprocal_torch"},
+               GuardedReciprocal: "helpers.guarded_reciprocal_torch"},
     sqrt="torch.sqrt",
     where="torch.where",
     maximum="torch.maximum",

@@ -10,636 +10,16 @@ kernel (the engine sees s as a second output with its own upstream gradient).
 The backward is derived symbolically; see docs/ops/add_layernorm.md for every step.
 """
 
-import functools
-import math
 import numbers
-import os
-import struct
-from collections import namedtuple
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-PERSISTENT_MAX_BLOCK_N = 16384
-PERSISTENT_MAX_PARTIAL_ROW_BYTES = 32768
-PADDED_PARTIAL_LOOPED_BLOCK_N = 16384
-PERSISTENT_MAX_BWD_ROW_BYTES = 0
-PERSISTENT_MAX_FWD_ROW_BYTES = 0
-PERSISTENT_MAX_FWD_BLOCK_N = 16384
-PERSISTENT_MAX_BWD_BLOCK_N = 16384
-FOLD_BLOCK_N = 0
-SPLIT_MIN_N = 12288
-SPLIT_MIN_ROW_BYTES = 0
-SPLIT_MAX_ROW_BYTES = 524288
-SPLIT_OTHER_MIN_ROW_BYTES = 0
-SPLIT_BLOCK_N = 4096
-SPLIT_MAX_MEMBERS = 32
-SPLIT_SM_ELEMENTS = 8192
-SPLIT_ELEMENTS_PER_THREAD = 16
-SPLIT_ROWS = 1
-SPLIT_BY_BYTES = 0
-LOOPED_STAGES = 3
-LOOPED_BLOCK_N = 8192
-ONE_SWEEP_MIN_N = 65536
-KEEP_MAX_ROW_BYTES = 262144
-LOOPED_GRID_STRIDE_ROWS = 2
-BACKWARD_LAST_FIRST = 1
-ROW_BLOCK_ELEMENTS = 8192
-FWD_ROW_BLOCK_ELEMENTS = 0
-MAX_ROWS = 64
-PROGRAMS_PER_SM = 1
-INTERPRETER_PROGRAMS = 4
-MIN_WARPS = 4
-MAX_WARPS = 16
-ELEMENTS_PER_WARP = 256
-PIPELINE_SHARED_BYTES = 163840
-COLUMN_SUM_BLOCK_P = 256
-COLUMN_SUM_BLOCK_C = 32
-INTERPRETER_COLUMN_SUM_BLOCK_C = 4096
-
-#: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
-#: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
-INVERSION_GUARD = 1e-06
-_INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)  # the same, readable inside kernels
-#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
-_FAST_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
-
-#: `entry`: the MEASURED_SCHEDULES key the schedule came from (None: the rules' constants)
-#: `regs`: launch with the register budget of the SM's programs (`_maxnreg`), not ptxas's choice
-#: `split`: the programs a row is split over (`_split_schedule`; 0: rows are not split)
-#: `last_first`: the row blocks walked from the last (`_last_first`)
-#: `fixed`: whole rows compiled for their width where the launch allows it (`_fixed`)
-_Schedule = namedtuple("_Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                       "keep even strided reverse regs fixed entry split last_first",
-                       defaults=(False, None, 0, False))
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
-
-
-def _accumulator(dtype):
-    """Accumulate in fp32, or in fp64 for fp64 tensors."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@functools.lru_cache(maxsize=256)
-def _fp32_pair(value):
-    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
-    kernels add the two at the accumulator's precision."""
-    value = float(value)
-    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
-    return (high, value - high) if math.isfinite(high) else (value, 0.0)
-
-
-def _use_triton(tensor):
-    """CUDA tensors run the Triton kernels; CPU tensors run them only under TRITON_INTERPRET=1."""
-    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-#: measured schedules (codegen/schedule_table.json): (kind, row width: a power of two, or a padded width measured as itself) ->
-#: (rows per step, warps, programs per SM or 0 for one program per row block, pipeline stages,
-#: columns per step of a looped row or 0 for whole rows, one sweep for a joined looped row: 1 or
-#: 0 as measured, -1 where the rule ONE_SWEEP_MIN_N decides, the kernel form as measured: bit 1
-#: drops the masks where the row blocks tile exactly (EVEN), bit 2 keeps the row-block loop with
-#: one program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
-#: (REVERSE), bit 8 compiles whole rows to the register budget of an SM's programs (REGS), bit 16
-#: compiles whole rows for their width where the launch allows it (FIXED, `_fixed`), 1 the
-#: rule): the fastest measured; "<kind>_looped":
-#: the fastest looped one, for rows the rules below keep from being whole; "<kind>_fp32": measured
-#: on fp32 tensors (or a 16-bit entry fp32 ran faster in another form), taken by 4-byte elements
-#: where the table has them (else the 16-bit ones)
-MEASURED_SCHEDULES = {
-    ("bwd", 256): (4, 1, 4, 3, 0, -1, 9),
-    ("bwd", 512): (4, 2, 2, 3, 0, -1, 1),
-    ("bwd", 1024): (4, 4, 1, 3, 0, -1, 1),
-    ("bwd", 2048): (2, 4, 1, 3, 0, -1, 1),
-    ("bwd", 4096): (2, 8, 1, 3, 0, -1, 9),
-    ("bwd", 5120): (1, 16, 1, 3, 0, -1, 1),
-    ("bwd", 8192): (1, 8, 1, 3, 0, -1, 1),
-    ("bwd", 12288): (2, 16, 1, 1, 8192, -1, 1),
-    ("bwd", 16384): (1, 8, 1, 1, 0, -1, 9),
-    ("bwd", 32768): (16, 8, 1, 3, 1024, -1, 1),
-    ("bwd", 65536): (16, 8, 1, 3, 1024, -1, 1),
-    ("bwd", 262144): (8, 8, 1, 1, 2048, -1, 3),
-    ("bwd_fp32", 256): (8, 2, 2, 3, 0, -1, 17),
-    ("bwd_fp32", 512): (8, 4, 1, 3, 0, -1, 1),
-    ("bwd_fp32", 1024): (4, 4, 1, 3, 0, -1, 9),
-    ("bwd_fp32", 2048): (2, 4, 1, 3, 0, -1, 1),
-    ("bwd_fp32", 4096): (1, 4, 1, 3, 0, -1, 9),
-    ("bwd_fp32", 8192): (1, 8, 1, 1, 0, -1, 1),
-    ("bwd_fp32", 16384): (8, 8, 1, 1, 2048, -1, 5),
-    ("bwd_fp32", 32768): (8, 8, 1, 3, 1024, -1, 1),
-    ("bwd_fp32", 65536): (8, 8, 1, 3, 1024, -1, 1),
-    ("bwd_fp32", 262144): (8, 16, 1, 1, 1024, -1, 1),
-    ("bwd_fp32_looped", 32768): (8, 8, 1, 3, 1024, -1, 1),
-    ("bwd_fp32_looped", 65536): (8, 8, 1, 3, 1024, -1, 1),
-    ("bwd_fp32_looped", 262144): (8, 16, 1, 1, 1024, -1, 1),
-    ("bwd_looped", 4096): (2, 8, 2, 1, 2048, -1, 1),
-    ("bwd_looped", 5120): (4, 16, 1, 1, 4096, -1, 1),
-    ("bwd_looped", 8192): (2, 16, 2, 1, 4096, -1, 1),
-    ("bwd_looped", 12288): (2, 16, 1, 1, 8192, -1, 1),
-    ("bwd_looped", 16384): (8, 8, 1, 3, 2048, -1, 1),
-    ("bwd_looped", 32768): (16, 8, 1, 3, 1024, -1, 1),
-    ("bwd_looped", 65536): (16, 8, 1, 3, 1024, -1, 1),
-    ("bwd_looped", 262144): (8, 8, 1, 1, 2048, -1, 1),
-    ("fwd", 256): (16, 16, 0, 1, 0, -1, 17),
-    ("fwd", 512): (4, 2, 0, 1, 0, -1, 17),
-    ("fwd", 1024): (2, 2, 8, 3, 0, -1, 1),
-    ("fwd", 2048): (1, 4, 0, 1, 0, -1, 1),
-    ("fwd", 4096): (1, 8, 0, 1, 0, -1, 1),
-    ("fwd", 5120): (1, 8, 0, 1, 2048, 1, 1),
-    ("fwd", 8192): (2, 16, 0, 1, 0, -1, 1),
-    ("fwd", 12288): (1, 16, 0, 1, 4096, 0, 1),
-    ("fwd", 16384): (1, 16, 2, 3, 0, -1, 1),
-    ("fwd", 32768): (1, 16, 0, 1, 4096, 0, 7),
-    ("fwd", 65536): (1, 32, 0, 1, 8192, 1, 2),
-    ("fwd", 262144): (1, 8, 0, 3, 2048, 1, 7),
-    ("fwd_fp32", 256): (8, 2, 0, 1, 0, -1, 17),
-    ("fwd_fp32", 512): (2, 2, 0, 1, 0, -1, 1),
-    ("fwd_fp32", 1024): (2, 2, 0, 1, 0, -1, 1),
-    ("fwd_fp32", 2048): (2, 8, 0, 1, 0, -1, 1),
-    ("fwd_fp32", 4096): (2, 16, 0, 1, 0, -1, 1),
-    ("fwd_fp32", 5120): (1, 16, 0, 1, 2048, 1, 1),
-    ("fwd_fp32", 8192): (1, 16, 0, 1, 0, -1, 1),
-    ("fwd_fp32", 16384): (1, 32, 0, 1, 8192, 1, 1),
-    ("fwd_fp32", 32768): (1, 16, 0, 1, 8192, 0, 6),
-    ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1, 1),
-    ("fwd_fp32", 262144): (1, 8, 0, 3, 2048, 1, 6),
-    ("fwd_fp32_looped", 5120): (1, 16, 0, 1, 2048, 1, 1),
-    ("fwd_fp32_looped", 8192): (1, 8, 0, 1, 2048, 0, 6),
-    ("fwd_fp32_looped", 16384): (1, 32, 0, 1, 8192, 1, 1),
-    ("fwd_fp32_looped", 32768): (1, 16, 0, 1, 8192, 0, 1),
-    ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 16384, 1, 1),
-    ("fwd_fp32_looped", 262144): (1, 8, 0, 3, 2048, 1, 1),
-    ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1, 1),
-    ("fwd_looped", 5120): (1, 8, 0, 1, 2048, 1, 1),
-    ("fwd_looped", 8192): (1, 8, 0, 1, 2048, 0, 3),
-    ("fwd_looped", 12288): (1, 16, 0, 1, 4096, 0, 1),
-    ("fwd_looped", 16384): (1, 16, 0, 1, 8192, 0, 1),
-    ("fwd_looped", 32768): (1, 16, 0, 1, 4096, 0, 1),
-    ("fwd_looped", 65536): (1, 32, 0, 1, 8192, 1, 1),
-    ("fwd_looped", 262144): (1, 8, 0, 3, 2048, 1, 1),
-}
-#: whether the split kernels exchange partial row sums within a group (row reductions), so that
-#: a group's programs must run at once (a cooperative launch); false where they only keep column
-#: partials (`_split_schedule`)
-SPLIT_EXCHANGE = True
-#: element tensors the measured kernels read (the forward, the default backward): an entry
-#: holds as measured for calls that read no more; one that reads more (a borrowed table's op
-#: with its extra input given: add_layer_norm's prenorm gradient, say) takes the shared-memory
-#: guard below, as rules do (H100, bf16 add_layer_norm prenorm backward 64x65536 with the
-#: layer-norm entry's 3 stages: 233472 bytes of shared memory asked for, 232448 there)
-MEASURED_LOADS = {"fwd": 1, "bwd": 2}
-
-
-@functools.lru_cache(maxsize=4096)
-def _schedule(M, N, grid_stride, kind, loads, element_size, device, persistent_max_block_n, split=False):
-    if split and (0 < SPLIT_MIN_N <= N and N * element_size >= SPLIT_MIN_ROW_BYTES if grid_stride
-                  else 0 < SPLIT_OTHER_MIN_ROW_BYTES <= N * element_size) and (
-                      not SPLIT_MAX_ROW_BYTES or N * element_size <= SPLIT_MAX_ROW_BYTES):
-        # a kernel with a split form (`_split_schedule`), at rows wide enough for it
-        schedule = _split_schedule(M, N, device, element_size)
-        if schedule is not None:
-            return schedule
-    persistent_max_block_n = min(persistent_max_block_n, PERSISTENT_MAX_FWD_BLOCK_N if kind == "fwd"
-                                 else PERSISTENT_MAX_BWD_BLOCK_N)
-    block_n = triton.next_power_of_2(N)
-    row_bytes = block_n * element_size
-    if grid_stride:
-        # column partials held in registers next to a whole row spill past this many row bytes,
-        # and a padded row (N not a power of two) of PADDED_PARTIAL_LOOPED_BLOCK_N+ is faster looped
-        must_loop = (block_n > persistent_max_block_n or row_bytes > PERSISTENT_MAX_PARTIAL_ROW_BYTES
-                     or (N < block_n and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N))
-    elif kind == "bwd":
-        # a backward without column partials may keep wider rows whole (measured per op)
-        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_BWD_ROW_BYTES
-    else:
-        must_loop = block_n > persistent_max_block_n and row_bytes > PERSISTENT_MAX_FWD_ROW_BYTES
-    # fp32 rows take the entries measured on fp32 where there are some (H100, softmax forward
-    # fp32 4096x32768 at the bf16 entry's 32 warps: 1878 GB/s, 2456 at 16)
-    wide = "_fp32" if element_size == 4 else ""
-    # a padded row (N not a power of two) measured at its own width takes that width's entries
-    # (H100, bf16 layer-norm forward 4096x12288: 2596 GB/s whole in a 16384 block, 2763 looped at
-    # 4096 columns a step, without masks); other padded rows take their power-of-two width's
-    width = N if (kind + wide, N) in MEASURED_SCHEDULES or (kind, N) in MEASURED_SCHEDULES else block_n
-    entry = _entry((kind + wide, width), (kind, width))
-    exact = (kind + wide, width) in MEASURED_SCHEDULES or element_size == 2
-    if must_loop and (entry is None or not MEASURED_SCHEDULES[entry][4]):
-        # the looped entries were measured at N == width; a padded row that must loop keeps
-        # the constants (H100, bf16 layer-norm backward 4096x12288: 1209 GB/s with the entry
-        # measured at 16384, 1415 with the constants)
-        entry = _entry((kind + wide + "_looped", width), (kind + "_looped", width))
-        exact = (kind + wide + "_looped", width) in MEASURED_SCHEDULES or element_size == 2
-        entry = entry if N == width else None
-    if grid_stride and N < width and block_n >= PADDED_PARTIAL_LOOPED_BLOCK_N:
-        # a padded row with column partials takes the constants whatever kind of entry its
-        # width has (the measurement above); before session 7 a width whose fastest entry
-        # looped (32768) lent it to padded rows (24576) too, unmeasured either way
-        entry = None
-    measured = None if entry is None else MEASURED_SCHEDULES[entry]
-    looped = must_loop or (measured is not None and measured[4] > 0)
-    stages, per_sm = (LOOPED_STAGES if looped else 1), 0
-    sweep, form = -1, 1
-    if measured is not None:
-        rows, warps, per_sm, stages, step, sweep, form = measured
-        rows = max(1, min(rows, triton.next_power_of_2(M)))
-        block_n = step or block_n
-    elif looped:
-        rows = LOOPED_GRID_STRIDE_ROWS if grid_stride else 1
-        block_n = min(LOOPED_BLOCK_N // rows, persistent_max_block_n)
-    else:
-        elements = FWD_ROW_BLOCK_ELEMENTS if kind == "fwd" and FWD_ROW_BLOCK_ELEMENTS else ROW_BLOCK_ELEMENTS
-        rows = max(1, min(MAX_ROWS, elements // block_n, triton.next_power_of_2(M)))
-    if measured is None:
-        warps = max(MIN_WARPS, min(MAX_WARPS, rows * block_n // ELEMENTS_PER_WARP))
-    # the pipeline buffers every element load in shared memory: stages - 1 steps ahead in the
-    # row-block loop, about stages steps in each column sweep of a looped row. An entry measured
-    # at this element size compiled and ran as it is; one measured on 16-bit tensors falls back
-    # to no pipeline for wider elements where it would not fit (and so do the constants). The
-    # estimate is loose: a bf16 layer-norm backward at 16 x 1024 columns a step, 3 stages, uses
-    # 156 KiB (tune, H100: 1477 GB/s against 1247 with one stage), estimated 192 KiB
-    buffered = stages if looped else stages - 1
-    exact = exact and loads <= MEASURED_LOADS.get(kind, loads)
-    if not (measured is not None and exact) and (
-            buffered * rows * block_n * element_size * loads > PIPELINE_SHARED_BYTES):
-        stages = 1
-    if grid_stride and not per_sm:
-        per_sm = PROGRAMS_PER_SM  # the column partials have a row per program: never one per row block
-    row_blocks = triton.cdiv(M, rows)
-    programs = row_blocks
-    if per_sm:
-        if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            programs = min(row_blocks, sms * per_sm)
-        else:
-            programs = min(row_blocks, INTERPRETER_PROGRAMS)
-    # the sweep form measured with the entry (tune measures both), else the rule
-    one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= ONE_SWEEP_MIN_N)
-    return _Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                     triton.cdiv(N, block_n), one_sweep, _keeps(looped, N, element_size),
-                     *_form(M, N, rows, block_n, programs, form), entry, 0, _last_first(kind))
-
-
-#: CUDA devices that refused a cooperative launch of split rows (more programs than they hold at
-#: once: another process's work, a partitioned GPU, an occupancy other than `_split_schedule`
-#: counts on): their rows no longer split, and the refused call ran unsplit
-_SPLIT_REFUSED = set()
-
-
-def _refused(error):
-    """Whether a launch error is a refused cooperative launch (nothing ran; CUDA's error is not
-    sticky)."""
-    return "cooperative" in str(error)
-
-
-def _split_schedule(M, N, device, element_size=2):
-    """Split rows: slabs of SPLIT_BLOCK_N columns (wider where a row would take more than
-    SPLIT_MAX_MEMBERS programs), a program per slab, the programs of a row's slabs a group;
-    SPLIT_SM_ELEMENTS slab columns an SM, SPLIT_ELEMENTS_PER_THREAD a thread, each program at
-    the register budget of the programs an SM runs (so that a cooperative launch fits). Under
-    the interpreter, which runs programs one after another, one program takes a whole row.
-    None where a row's programs would not all fit on the GPU at once, or where the device
-    refused a cooperative launch before (`_SPLIT_REFUSED`). Where the split kernels exchange
-    nothing (SPLIT_EXCHANGE false: column partials and no row reductions), the programs need
-    not run at once: no register budget, and the interpreter splits rows into slabs too. With
-    SPLIT_BY_BYTES the three counts are of 2-byte elements, and wider elements take as many bytes
-    (fewer columns)."""
-    if device.type == "cuda" and device.index in _SPLIT_REFUSED:
-        return None
-    scale = max(1, element_size // 2) if SPLIT_BY_BYTES else 1
-    block_n = max(SPLIT_BLOCK_N // scale, triton.next_power_of_2(triton.cdiv(N, SPLIT_MAX_MEMBERS)))
-    rows = max(1, min(SPLIT_ROWS, triton.next_power_of_2(M)))
-    per_thread = max(1, SPLIT_ELEMENTS_PER_THREAD // scale)
-    warps = triton.next_power_of_2(max(MIN_WARPS, min(MAX_WARPS, rows * block_n // (32 * per_thread))))
-    if device.type == "cuda":
-        # no more programs an SM than its threads hold at once (H100: 2048, 64 warps)
-        properties = torch.cuda.get_device_properties(device)
-        threads = getattr(properties, "max_threads_per_multi_processor", 2048)
-        per_sm = max(1, min(SPLIT_SM_ELEMENTS // scale // block_n, threads // (32 * warps)))
-        slots = properties.multi_processor_count * per_sm
-    elif SPLIT_EXCHANGE:
-        block_n, slots = triton.next_power_of_2(N), INTERPRETER_PROGRAMS
-    else:
-        slots = INTERPRETER_PROGRAMS * triton.cdiv(N, block_n)
-    members = triton.cdiv(N, block_n)
-    groups = min(triton.cdiv(M, rows), slots // members)
-    if groups < 1:
-        return None
-    return _Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
-                     False, False, True, False, device.type == "cuda" and SPLIT_EXCHANGE, False, None,
-                     members)
-
-
-def _entry(*keys):
-    """The first of `keys` that MEASURED_SCHEDULES has, or None."""
-    return next((key for key in keys if key in MEASURED_SCHEDULES), None)
-
-
-def _last_first(kind):
-    """Whether a kernel of this kind walks its row blocks from the last (BACKWARD_LAST_FIRST:
-    backwards). What a backward reads was last touched in row order, the first rows first: the
-    forward just before it, or whatever wrote the output gradient (the next op's backward, a
-    matmul's tiles), so the last rows are the likeliest still in L2 (H100, bf16, a probe of
-    softmax forward then backward, one program a row: 4096x4096 2566 GB/s walking the backward's
-    rows from the first, 2694 from the last; 8192x4096 2781, 2918)."""
-    return bool(BACKWARD_LAST_FIRST) and kind != "fwd"
-
-
-def _even(M, N, rows, block_n):
-    """Whether row blocks of rows x block_n tile the (M, N) tensor exactly: the kernels then
-    may take no masks (EVEN), which the compiler drops from every load, store and select (H100,
-    fp16 layer-norm forward 4096x512, a scratch probe: 1066 GB/s masked, 1092 without)."""
-    return M % rows == 0 and N % block_n == 0
-
-
-def _form(M, N, rows, block_n, programs, form):
-    """(EVEN, STRIDED, REVERSE, REGS, FIXED) of a schedule: no masks where the row blocks tile
-    exactly and the entry's form allows it (bit 1), the row-block loop where fewer programs than
-    row blocks run or the form keeps it anyway (bit 2), every other sweep of a looped row run
-    backwards where the form says so (bit 4), whole rows that programs loop over compiled to the
-    register budget of the programs an SM runs where the form says so (bit 8, `_maxnreg`), whole
-    rows compiled for their width where the form says so (bit 16, `_fixed`). Either way can be the
-    faster, by entry: `benchmarks.tune --forms` (H100, 2026-11-22), layer-norm forward fp32
-    4096x32768 looped: 2462 GB/s with the rule (no masks, no loop), 2858 masked with the loop;
-    bf16 4096x65536: 2397, and 2719 without masks but with the loop (fp16: 2536, and 2767 masked
-    with the loop); backward bf16 1024x262144: 1205, 1438 masked without the loop; softmax
-    backward bf16 2048x128256 (a sweep and the epilogue): 2008, 2209 with the epilogue run
-    backwards; layer-norm backward fp32 4096x4096 whole: 2423, 2470 at the register budget."""
-    loops = programs < -(-M // rows)
-    return (bool(form & 1) and _even(M, N, rows, block_n), bool(form & 2) or loops,
-            bool(form & 4) and block_n < N, bool(form & 8) and block_n >= N and loops,
-            bool(form & 16) and block_n >= N)
-
-
-def _fixed(schedule, M, N, *strides):
-    """FIXED_N of a launch: N where the schedule's whole rows are compiled for their width (form
-    bit 16) and the launch allows it, every element tensor's rows contiguous (the row strides
-    become N) and fewer than 2^31 elements (offsets in 32 bits), else 0. Such a kernel has the
-    width, the strides and the row offsets' type compiled in and takes the approximate
-    reciprocal square root (`_rsqrt`): together, not one at a time, they are what torch.compile's
-    narrow-row kernels have over ours (H100, bf16 layer-norm forward 4096x1024 at one row a
-    one-warp program, a scratch kernel in the harness: 1631 GB/s with all three, 1496-1509 with
-    any one of them as ours, torch.compile 1628; docs/benchmarks.md, session 19)."""
-    fits = M * N < 2**31 and all(stride == N for stride in strides)
-    return N if schedule.fixed and fits else 0
-
-
-@functools.lru_cache(maxsize=256)
-def _maxnreg(warps, programs, device):
-    """The registers a thread may take where a persistent schedule's programs share the SMs
-    evenly: the SM's register file over the threads of the programs it runs (at most 255; None
-    off CUDA). Left to itself ptxas may take far fewer and spill (H100, triton 3.6, bf16
-    layer-norm backward 4096x16384 whole rows, 8 warps, 132 programs: 32 registers and 584
-    spilled, 150 GB/s; capped at 255: 255 registers, 160 spilled, 1528 GB/s)."""
-    if device.type != "cuda":
-        return None
-    properties = torch.cuda.get_device_properties(device)
-    per_sm = -(-programs // properties.multi_processor_count)
-    registers = getattr(properties, "regs_per_multiprocessor", 65536)
-    return min(255, registers // (32 * warps * per_sm))
-
-
-#: a launch plan: the schedule, and how to launch the kernel Triton compiled for the call that
-#: made it (`launch(grid, 1, 1, stream, *head, *arguments, *tail)`, tail: the constexprs' values)
-_Plan = namedtuple("_Plan", "schedule launch grid head tail")
-#: (launcher, CUDA device, what its schedule and Triton's compile depend on) -> _Plan; `_launch`
-#: keys by kernel instead
-_PLANS = {}
-#: most plans `_PLANS` holds before it starts over (each distinct shape adds some)
-LAUNCH_CACHE_SIZE = 4096
-
-
-def _forget_schedules():
-    """Drop the schedules and launch plans made so far: the next call of each launcher chooses
-    its schedule and kernel again. Whoever changes this module's constants, MEASURED_SCHEDULES,
-    `_schedule`, `_form` or a kernel (benchmarks.sweep, benchmarks.tune, benchmarks.counters,
-    the tests) calls it after the change and after undoing it: a plan keeps launching what its
-    first call compiled, past `_schedule` and the kernel objects."""
-    _PLANS.clear()
-    clear = getattr(_schedule, "cache_clear", None)  # None where `_schedule` is replaced
-    if clear is not None:
-        clear()
-
-
-_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
-_VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
-#: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,
-#: stream, function, packed metadata, launch metadata and hooks, then every argument)
-_DIRECT = _RUNTIME is not None and (3, 6) <= _VERSION <= (3, 9)
-#: triton 3.6, whose launcher object only allocates scratch memory in Python before its C
-#: function: a kernel that takes none is launched through the C function itself
-_C_LAUNCH = _VERSION == (3, 6)
-
-
-def _specializations(args):
-    """Kernel arguments as a launch key at least as fine as what Triton's JIT compiles a kernel
-    apart for (`native_specialize_impl`, triton 3.6-3.9: an int's being 1, a multiple of 16 or
-    within int32; a tensor's dtype and 16-byte alignment; floats all fp32): ints, bools and None
-    as themselves, any float as float, a tensor as its dtype and address modulo 16."""
-    return [a if (kind := a.__class__) is int or kind is bool or a is None
-            else float if kind is float else (a.dtype, a.data_ptr() & 15) for a in args]
-
-
-def _hooked(hook):
-    """Whether a Triton launch hook is set: a callable, or a chain (triton 3.6+: never None) that
-    holds some."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _direct():
-    """Whether a CUDA call may launch through a plan: a Triton version whose launcher plans call,
-    and no launch hooks (profilers), which only the JIT's path calls."""
-    return _DIRECT and not (_hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook))
-
-
-def _plan(key, schedule, kernel, compiled, grid, positional, constexprs):
-    """Keep what launches `compiled` again under `key` (None: keep nothing). Only where the call
-    gave every constexpr by name, in signature order after its `positional` arguments: the plan
-    then passes their values in that order. Triton's options (debug, ...) are those of this call."""
-    if key is None or not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(constexprs):
-        return
-    run = compiled.run
-    if _C_LAUNCH and not run.global_scratch_size and not run.profile_scratch_size:
-        launch, head = run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                                    compiled.packed_metadata, None, None, None)
-    else:
-        launch, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
-    if len(_PLANS) >= LAUNCH_CACHE_SIZE:
-        _PLANS.clear()
-    _PLANS[key] = _Plan(schedule, launch, grid, head, tuple(constexprs.values()))
-
-
-def _launch(kernel, grid, warps, maxnreg, *args, **constexprs):
-    """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg), keyed by
-    `_specializations` where launchers key by their inputs: a CUDA call keyed as an earlier one
-    launches the kernel Triton compiled then without the JIT's per-call binding and checks."""
-    if not (args[0].is_cuda and _direct()):
-        return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
-    device = torch._C._cuda_getDevice()
-    key = (id(kernel), device, warps, maxnreg, *constexprs.values(), *_specializations(args))
-    plan = _PLANS.get(key)
-    if plan is None:
-        compiled = kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
-        _plan(key, None, kernel, compiled, grid, len(args), constexprs)
-        return compiled
-    plan.launch(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device), *plan.head,
-                *args, *plan.tail)
-
-
-@triton.jit
-def _column_block(chunk, CHUNKS: tl.constexpr, BACKWARDS: tl.constexpr):
-    """The column block step `chunk` of a sweep over CHUNKS blocks reads: the chunk-th, or
-    counted from the last one where the sweep runs BACKWARDS."""
-    if BACKWARDS:
-        block = CHUNKS - 1 - chunk
-    else:
-        block = chunk
-    return block
-
-
-@triton.jit
-def _below(index, bound, EVEN: tl.constexpr):
-    """index < bound, or all true at compile time where the shape tiles exactly (EVEN)."""
-    if EVEN:
-        below = tl.full(index.shape, 1, tl.int1)
-    else:
-        below = index < bound
-    return below
-
-
-@triton.jit
-def _split_exchange(count_ptr, arrivals):
-    """The split kernels' meeting point: this program's stores so far are released to its group
-    (every thread's stores issued first), then it waits until the group's counter holds
-    `arrivals` (each program adds one an exchange) and acquires what the others stored. Programs
-    of a group must run at once: a cooperative launch, and one program under the interpreter,
-    which runs programs one after another."""
-    tl.debug_barrier()
-    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < arrivals:
-        pass
-
-
-def _keeps(looped, N, element_size):
-    """Whether a looped row's earlier sweeps keep what a later one reads again in L2."""
-    return looped and N * element_size <= KEEP_MAX_ROW_BYTES
-
-
-def _partials(needed, schedule, N, acc, device):
-    """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
-
-    A persistent kernel writes every row of them; a looped one accumulates into them; the
-    programs of a split kernel's group write one row, each its slab of it.
-    """
-    if not needed:
-        return None
-    rows = schedule.programs // schedule.split if schedule.split else schedule.programs
-    return torch.empty((rows, N), dtype=acc, device=device)
-
-
-@triton.jit
-def _column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[c] = sum_p partial[p, c] over this program's BLOCK_C columns, in a fixed order."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    col_mask = cols < N
-    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=partial_ptr.dtype.element_ty)
-    for start in range(0, P, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)[:, None]
-        acc += tl.load(partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, COUNT: tl.constexpr, BLOCK_P: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair; the
-    pairs past COUNT are None."""
-    store = tl.program_id(1)
-    if store == 0:
-        _column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
-    if COUNT > 1:
-        if store == 1:
-            _column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
-    if COUNT > 2:
-        if store == 2:
-            _column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
-
-
-def _column_sums(*stores):
-    """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
-    rows and cast: one launch for up to three of them instead of a sum and a cast each."""
-    needed = [(partial, like) for partial, like in stores if partial is not None]
-    sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device) for partial, like in needed]
-    for first in range(0, len(needed), 3):
-        pairs = []
-        for (partial, _), total in zip(needed[first:first + 3], sums[first:first + 3]):
-            pairs += (partial, total)
-        count = len(pairs) // 2
-        P, N = pairs[0].shape
-        # plain integer arithmetic: triton.cdiv and next_power_of_2 are host calls of a few µs
-        # each in newer Triton (constexpr functions)
-        block_p = min(COLUMN_SUM_BLOCK_P, 1 << (P - 1).bit_length())
-        block_c = COLUMN_SUM_BLOCK_C if pairs[0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
-        _launch(_column_sums_kernel, (-(-N // block_c), count), 4, None, *pairs, *(None, None) * (3 - count), P, N,
-                COUNT=count, BLOCK_P=block_p, BLOCK_C=block_c)
-    found = iter(sums)
-    return tuple(next(found) if partial is not None else None for partial, _ in stores)
-
-
-@triton.jit
-def _sqrt(v):
-    if v.dtype == tl.float64:
-        return tl.sqrt(v)
-    else:
-        return tl.sqrt_rn(v)
-
-
-@triton.jit
-def _rsqrt(v, FIXED_N: tl.constexpr):
-    """1 / sqrt(v): correctly rounded (`_sqrt`, then a division), or in a kernel compiled for its
-    row width (FIXED_N: `_fixed`) at fp32 the approximate reciprocal square root, one MUFU.RSQ,
-    as torch's own CUDA norms and torch.compile's kernels take it (the interpreter's is exact)."""
-    if FIXED_N and v.dtype == tl.float32:
-        if _FAST_EXP:
-            return libdevice.rsqrt(v)
-        else:
-            return tl.rsqrt(v)
-    else:
-        return 1.0 / _sqrt(v)
-
-
-@triton.jit
-def _exp(v):
-    """exp(v); fp32 through ex2.approx.ftz (sm_90 SASS: a multiply and MUFU.EX2, where tl.exp
-    adds three instructions to keep results below 2^-126 from flushing to 0)."""
-    if _FAST_EXP:
-        if v.dtype == tl.float32:
-            return libdevice.fast_expf(v)
-        else:
-            return tl.exp(v)
-    else:
-        return tl.exp(v)
-
-
-@triton.jit
-def _tanh(v):
-    return 2.0 / (1.0 + _exp(-2.0 * v)) - 1.0
-
-
-@triton.jit
-def _guarded_reciprocal(v):
-    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
-    (tl.maximum would drop it)."""
-    magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
-    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
-
-
-def _guarded_reciprocal_torch(v):
-    v = torch.as_tensor(v)
-    magnitude = v.abs().clamp_min(INVERSION_GUARD)
-    return torch.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+from codegen.runtime import checks, launch
+from codegen.runtime import triton_helpers as helpers
+from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
@@ -693,7 +73,7 @@ def _add_layernorm_fwd_per(
         y_row_stride = FIXED_N
         residual_out_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = _below(cols, N, EVEN)
+    col_mask = helpers.below(cols, N, EVEN)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -710,7 +90,7 @@ def _add_layernorm_fwd_per(
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
@@ -721,7 +101,7 @@ def _add_layernorm_fwd_per(
         residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
         mean = tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
         var = tl.sum(tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
-        rstd = _rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
+        rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         y = bias + weight * x_hat  # y = bias + weight*x_hat
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
@@ -779,14 +159,14 @@ def _add_layernorm_fwd_red(
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         if ONE_SWEEP:
             mean_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             var_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = _below(cols, N, EVEN)
+                col_mask = helpers.below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_INPUT_BIAS:
                     input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -804,12 +184,12 @@ def _add_layernorm_fwd_red(
             mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1).to(ACC)
             mean = tl.sum(mean_acc * mean_count, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out), from the lane means
             var = tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
-            rstd = _rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
+            rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         else:
             mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = _below(cols, N, EVEN)
+                col_mask = helpers.below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_INPUT_BIAS:
                     input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -825,8 +205,8 @@ def _add_layernorm_fwd_red(
             mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-                cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                col_mask = _below(cols, N, EVEN)
+                cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                col_mask = helpers.below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 if HAS_INPUT_BIAS:
                     input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -840,10 +220,10 @@ def _add_layernorm_fwd_red(
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
             var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
-            rstd = _rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
+            rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = _column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            cols = helpers.column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -927,7 +307,7 @@ def _add_layernorm_bwd_default_per(
         residual_out_row_stride = FIXED_N
         dx_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = _below(cols, N, EVEN)
+    col_mask = helpers.below(cols, N, EVEN)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -938,7 +318,7 @@ def _add_layernorm_bwd_default_per(
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
@@ -1015,7 +395,7 @@ def _add_layernorm_bwd_default_red(
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
@@ -1023,7 +403,7 @@ def _add_layernorm_bwd_default_red(
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1037,8 +417,8 @@ def _add_layernorm_bwd_default_red(
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1164,7 +544,7 @@ def _add_layernorm_bwd_default_split(
         tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
         tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight * x_hat, axis=1))
         exchanges += 1
-        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
@@ -1235,7 +615,7 @@ def _add_layernorm_bwd_recompute_mean_per(
         residual_out_row_stride = FIXED_N
         dx_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = _below(cols, N, EVEN)
+    col_mask = helpers.below(cols, N, EVEN)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -1246,7 +626,7 @@ def _add_layernorm_bwd_recompute_mean_per(
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
@@ -1322,14 +702,14 @@ def _add_layernorm_bwd_recompute_mean_red(
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         sum_dy_weight_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1343,8 +723,8 @@ def _add_layernorm_bwd_recompute_mean_red(
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1357,7 +737,7 @@ def _add_layernorm_bwd_recompute_mean_red(
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1480,14 +860,14 @@ def _add_layernorm_bwd_recompute_mean_split(
         tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(residual_out, axis=1))
         tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
         exchanges += 1
-        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         mean = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None] / N  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
         tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight * x_hat, axis=1))
         exchanges += 1
-        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -1557,7 +937,7 @@ def _add_layernorm_bwd_invertible_per(
         y_row_stride = FIXED_N
         dx_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
-    col_mask = _below(cols, N, EVEN)
+    col_mask = helpers.below(cols, N, EVEN)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -1572,7 +952,7 @@ def _add_layernorm_bwd_invertible_per(
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
@@ -1582,7 +962,7 @@ def _add_layernorm_bwd_invertible_per(
         else:
             dresidual_out = 0.0
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+        x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
@@ -1647,14 +1027,14 @@ def _add_layernorm_bwd_invertible_red(
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
-        row_mask = _below(rows, M, EVEN)
+        row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         sum_dy_weight_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1666,14 +1046,14 @@ def _add_layernorm_bwd_invertible_red(
                 weight = 1.0
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
-            x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+            x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
             sum_dy_weight_acc += dy * weight
             sum_dy_weight_x_hat_acc += dy * weight * x_hat
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(sum_dy_weight_x_hat_acc, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
-            cols = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            col_mask = _below(cols, N, EVEN)
+            cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -1689,7 +1069,7 @@ def _add_layernorm_bwd_invertible_red(
                 dresidual_out = 0.0
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+            x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
             common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
@@ -1800,12 +1180,12 @@ def _add_layernorm_bwd_invertible_split(
             dresidual_out_next = tl.load(dresidual_out_ptr + next_offsets * dresidual_out_row_stride + cols, mask=next_mask, other=0.0)
         y_next = tl.load(y_ptr + next_offsets * y_row_stride + cols, mask=next_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        x_hat = (y - bias) * _guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+        x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
         tl.store(split_slot + (member * 2 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
         tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight * x_hat, axis=1))
         exchanges += 1
-        _split_exchange(split_count_ptr + group, exchanges * SPLIT)
+        helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
         common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
@@ -1838,7 +1218,7 @@ def _add_layernorm_fwd_torch(
 ):
     """_add_layernorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
-    acc = _accumulator(dtype)
+    acc = launch.accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
     residual = residual.to(acc) if residual is not None else 0.0
@@ -1874,7 +1254,7 @@ def _add_layernorm_bwd_default_torch(
 ):
     """_add_layernorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
-    acc = _accumulator(dtype)
+    acc = launch.accumulator(dtype)
     M, N = dy.shape
     dy = dy.to(acc)
     dresidual_out = dresidual_out.to(acc) if dresidual_out is not None else 0.0
@@ -1909,7 +1289,7 @@ def _add_layernorm_bwd_recompute_mean_torch(
 ):
     """_add_layernorm_bwd_recompute_mean in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
-    acc = _accumulator(dtype)
+    acc = launch.accumulator(dtype)
     M, N = dy.shape
     dy = dy.to(acc)
     dresidual_out = dresidual_out.to(acc) if dresidual_out is not None else 0.0
@@ -1944,7 +1324,7 @@ def _add_layernorm_bwd_invertible_torch(
 ):
     """_add_layernorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
-    acc = _accumulator(dtype)
+    acc = launch.accumulator(dtype)
     M, N = dy.shape
     dy = dy.to(acc)
     dresidual_out = dresidual_out.to(acc) if dresidual_out is not None else 0.0
@@ -1953,7 +1333,7 @@ def _add_layernorm_bwd_invertible_torch(
     weight = weight.to(acc) if weight is not None else 1.0
     bias = bias.to(acc) if bias is not None else 0.0
     rstd = rstd.to(acc)[:, None]
-    x_hat = (y - bias) * _guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
+    x_hat = (y - bias) * helpers.guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
     common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
@@ -1977,9 +1357,9 @@ def _add_layernorm_fwd(
     residual_out_dtype=None,
 ):
     M, N = x.shape
-    if M == 0 or N == 0 or not _use_triton(x):
+    if M == 0 or N == 0 or not launch.use_triton(x):
         return _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean, store_rstd, residual_out_dtype)
-    acc = _accumulator(x.dtype)
+    acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
@@ -1989,7 +1369,7 @@ def _add_layernorm_fwd(
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
-    if x.is_cuda and _direct():
+    if x.is_cuda and launch.direct():
         x_ptr = x.data_ptr()
         residual_ptr = residual.data_ptr() if residual is not None else x_ptr
         input_bias_ptr = input_bias.data_ptr() if input_bias is not None else x_ptr
@@ -2010,8 +1390,8 @@ def _add_layernorm_fwd(
             store_rstd,
             residual_out_dtype,
         )
-        plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device, PERSISTENT_MAX_BLOCK_N)
+        plan = SCHEDULES.plans.get(key)
+    schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
     y = torch.empty((M, N), dtype=x.dtype, device=device)
     residual_out = torch.empty((M, N), dtype=residual_out_dtype or x.dtype, device=device) if store_residual_out else None
     mean = torch.empty((M,), dtype=acc, device=device) if store_mean else None
@@ -2036,7 +1416,7 @@ def _add_layernorm_fwd(
             residual_out_ptr, N if store_residual_out else 0,
             mean_ptr,
             rstd_ptr,
-            *_fp32_pair(eps),
+            *launch.fp32_pair(eps),
             M, N,
             *plan.tail,
         )
@@ -2052,7 +1432,7 @@ def _add_layernorm_fwd(
             residual_out if residual_out is not None else x, N if store_residual_out else 0,
             mean if mean is not None else x,
             rstd if rstd is not None else x,
-            *_fp32_pair(eps),
+            *launch.fp32_pair(eps),
             M, N,
         )
         constexprs = dict(
@@ -2063,7 +1443,7 @@ def _add_layernorm_fwd(
             STORE_RESIDUAL_OUT=store_residual_out,
             STORE_MEAN=store_mean,
             STORE_RSTD=store_rstd,
-            ACC=_TRITON_ACC[acc],
+            ACC=launch.TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
         )
@@ -2077,12 +1457,12 @@ def _add_layernorm_fwd(
             STRIDED=schedule.strided,
             REVERSE=schedule.reverse,
             LAST_FIRST=schedule.last_first,
-            FIXED_N=_fixed(schedule, M, N, x_stride, residual_stride or N),
+            FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
         )
         grid = (schedule.programs,)
-        maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
         compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-        _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+        SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, residual_out, mean, rstd,
 
 
@@ -2100,9 +1480,9 @@ def _add_layernorm_bwd_default(
     store_dbias,
 ):
     M, N = dy.shape
-    if M == 0 or N == 0 or not _use_triton(dy):
+    if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
-    acc = _accumulator(dy.dtype)
+    acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
@@ -2113,7 +1493,7 @@ def _add_layernorm_bwd_default(
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
     plan = key = None
-    if dy.is_cuda and _direct():
+    if dy.is_cuda and launch.direct():
         dy_ptr = dy.data_ptr()
         dresidual_out_ptr = dresidual_out.data_ptr() if dresidual_out is not None else dy_ptr
         residual_out_ptr = residual_out.data_ptr()
@@ -2140,12 +1520,12 @@ def _add_layernorm_bwd_default(
             store_dweight,
             store_dbias,
         )
-        plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
+        plan = SCHEDULES.plans.get(key)
+    schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
-    dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
-    dweight_partial = _partials(store_dweight, schedule, N, acc, device)
-    dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
+    dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
+    dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
         # a group's exchange slots (two, each a partial per row, reduction and member) and its
@@ -2208,7 +1588,7 @@ def _add_layernorm_bwd_default(
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 STORE_DBIAS=store_dbias,
-                ACC=_TRITON_ACC[acc],
+                ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
                 BLOCK_N=schedule.block_n,
             )
@@ -2229,21 +1609,20 @@ def _add_layernorm_bwd_default(
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=_fixed(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
             compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-            _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+            SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
-        if not (schedule.split and _refused(error)):
+        if not (schedule.split and launch.refused(error)):
             raise
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
-        _SPLIT_REFUSED.add(device.index)
-        _forget_schedules()
+        SCHEDULES.refuse_split(device.index)
         return _add_layernorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
-    dinput_bias, dweight, dbias, = _column_sums(
+    dinput_bias, dweight, dbias, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
         (dbias_partial, bias),
@@ -2264,9 +1643,9 @@ def _add_layernorm_bwd_recompute_mean(
     store_dbias,
 ):
     M, N = dy.shape
-    if M == 0 or N == 0 or not _use_triton(dy):
+    if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
-    acc = _accumulator(dy.dtype)
+    acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
@@ -2277,7 +1656,7 @@ def _add_layernorm_bwd_recompute_mean(
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
     plan = key = None
-    if dy.is_cuda and _direct():
+    if dy.is_cuda and launch.direct():
         dy_ptr = dy.data_ptr()
         dresidual_out_ptr = dresidual_out.data_ptr() if dresidual_out is not None else dy_ptr
         residual_out_ptr = residual_out.data_ptr()
@@ -2302,12 +1681,12 @@ def _add_layernorm_bwd_recompute_mean(
             store_dweight,
             store_dbias,
         )
-        plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
+        plan = SCHEDULES.plans.get(key)
+    schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
-    dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
-    dweight_partial = _partials(store_dweight, schedule, N, acc, device)
-    dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
+    dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
+    dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
         # a group's exchange slots (two, each a partial per row, reduction and member) and its
@@ -2368,7 +1747,7 @@ def _add_layernorm_bwd_recompute_mean(
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 STORE_DBIAS=store_dbias,
-                ACC=_TRITON_ACC[acc],
+                ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
                 BLOCK_N=schedule.block_n,
             )
@@ -2389,21 +1768,20 @@ def _add_layernorm_bwd_recompute_mean(
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=_fixed(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
             compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-            _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+            SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
-        if not (schedule.split and _refused(error)):
+        if not (schedule.split and launch.refused(error)):
             raise
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
-        _SPLIT_REFUSED.add(device.index)
-        _forget_schedules()
+        SCHEDULES.refuse_split(device.index)
         return _add_layernorm_bwd_recompute_mean(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
-    dinput_bias, dweight, dbias, = _column_sums(
+    dinput_bias, dweight, dbias, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
         (dbias_partial, bias),
@@ -2424,9 +1802,9 @@ def _add_layernorm_bwd_invertible(
     store_dbias,
 ):
     M, N = dy.shape
-    if M == 0 or N == 0 or not _use_triton(dy):
+    if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
-    acc = _accumulator(dy.dtype)
+    acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
@@ -2437,7 +1815,7 @@ def _add_layernorm_bwd_invertible(
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
     plan = key = None
-    if dy.is_cuda and _direct():
+    if dy.is_cuda and launch.direct():
         dy_ptr = dy.data_ptr()
         dresidual_out_ptr = dresidual_out.data_ptr() if dresidual_out is not None else dy_ptr
         y_ptr = y.data_ptr()
@@ -2462,12 +1840,12 @@ def _add_layernorm_bwd_invertible(
             store_dweight,
             store_dbias,
         )
-        plan = _PLANS.get(key)
-    schedule = plan.schedule if plan else _schedule(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, PERSISTENT_MAX_BLOCK_N, True)
+        plan = SCHEDULES.plans.get(key)
+    schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
     dx = torch.empty((M, N), dtype=dy.dtype, device=device)
-    dinput_bias_partial = _partials(store_dinput_bias, schedule, N, acc, device)
-    dweight_partial = _partials(store_dweight, schedule, N, acc, device)
-    dbias_partial = _partials(store_dbias, schedule, N, acc, device)
+    dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
+    dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
+    dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
         # a group's exchange slots (two, each a partial per row, reduction and member) and its
@@ -2528,7 +1906,7 @@ def _add_layernorm_bwd_invertible(
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 STORE_DBIAS=store_dbias,
-                ACC=_TRITON_ACC[acc],
+                ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
                 BLOCK_N=schedule.block_n,
             )
@@ -2549,21 +1927,20 @@ def _add_layernorm_bwd_invertible(
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=_fixed(schedule, M, N, dy_stride, dresidual_out_stride or N, y_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, y_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = _maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
             compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
-            _plan(key, schedule, kernel, compiled, grid, len(arguments), constexprs)
+            SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
-        if not (schedule.split and _refused(error)):
+        if not (schedule.split and launch.refused(error)):
             raise
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
-        _SPLIT_REFUSED.add(device.index)
-        _forget_schedules()
+        SCHEDULES.refuse_split(device.index)
         return _add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
-    dinput_bias, dweight, dbias, = _column_sums(
+    dinput_bias, dweight, dbias, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
         (dbias_partial, bias),
@@ -2595,8 +1972,8 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         residual_out, mean, rstd, input_bias, weight, bias, = ctx.saved_tensors
-        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = _rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
         dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default(
             dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
@@ -2631,8 +2008,8 @@ class _RecomputeMeanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         residual_out, rstd, input_bias, weight, bias, = ctx.saved_tensors
-        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = _rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
         dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_recompute_mean(
             dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
@@ -2667,8 +2044,8 @@ class _InvertibleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         y, rstd, input_bias, weight, bias, = ctx.saved_tensors
-        dy = _rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = _rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
         dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_invertible(
             dy, dresidual_out, y, input_bias, weight, bias, rstd,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
@@ -2734,7 +2111,7 @@ def _(
 ):
     stores = _add_layernorm_stores(memory, want_residual_out)
     M, N = x.shape
-    acc = _accumulator(x.dtype)
+    acc = launch.accumulator(x.dtype)
     empty = x.new_empty(0)
     return [
         x.new_empty((M, N)),
@@ -2878,8 +2255,8 @@ def _add_layernorm_setup_context(ctx, inputs, output):
 
 def _add_layernorm_backward(ctx, grads):
     dy, dresidual_out, = grads[:2]
-    dy = _rows(dy.shape, dy)
-    dresidual_out = _rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
+    dy = launch.rows(dy.shape, dy)
+    dresidual_out = launch.rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         residual_out, mean, rstd, input_bias, weight, bias, = ctx.saved_tensors
@@ -2919,149 +2296,6 @@ torch.library.register_autograd(
     "vjpforge::add_layernorm", _add_layernorm_backward, setup_context=_add_layernorm_setup_context
 )
 
-
-def _rows(shape, tensor):
-    """An (M, N) view whose last dim has stride 1, copying only when it must."""
-    if tensor.dim() == 2 and tensor.shape[1] == shape[1] and tensor.stride(1) == 1:
-        return tensor  # already rows (same number of elements): no reshape, no host time
-    rows = tensor.reshape(shape)
-    return rows if rows.stride(-1) == 1 or rows.numel() == 0 else rows.contiguous()
-
-
-def _shaped(tensor, shape):
-    """tensor.reshape(shape), skipped when it has that shape already (host time)."""
-    return tensor if tensor.shape == shape else tensor.reshape(shape)
-
-
-def _check_input(function, input, name="input"):
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}")
-    if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
-        )
-
-
-def _check_param(function, name, param, shape, input):
-    if param is None:
-        return None
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(param).__name__}")
-    if param.shape != shape:
-        raise ValueError(
-            f"{function}(): argument '{name}' must have shape {shape} (normalized_shape), got {tuple(param.shape)}"
-        )
-    if param.device != input.device:
-        raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
-        )
-    dtype = param.dtype
-    if dtype != input.dtype and not (dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)):
-        raise TypeError(
-            f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or float32 for a "
-            f"float16/bfloat16 input, got {dtype}"
-        )
-    if param.dim() != 1:
-        param = param.reshape(-1)
-    # the kernels read a parameter's columns one element apart: a strided one (w[::2]) is copied
-    return param if param.is_contiguous() else param.contiguous()
-
-
-def _check_like_input(function, name, tensor, input, reference="input"):
-    if tensor is None:
-        return None
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
-    if tensor.shape != input.shape:
-        raise ValueError(
-            f"{function}(): argument '{name}' must have the shape of '{reference}' {list(input.shape)}, got {list(tensor.shape)}"
-        )
-    if tensor.device != input.device:
-        raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of '{reference}' ({input.device}), got {tensor.device}"
-        )
-    if tensor.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {tensor.dtype}"
-        )
-    return tensor
-
-
-def _check_scalar_param(function, name, param, input):
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}")
-    if param.numel() != 1:
-        raise ValueError(f"{function}(): argument '{name}' must hold one value (shape () or (1,)), got shape {tuple(param.shape)}")
-    if param.device != input.device:
-        raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
-        )
-    if param.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}")
-    return param.reshape(())
-
-
-def _check_normalized_shape(function, normalized_shape, input):
-    # the common cases first: checks are host time on every call (one trailing dim, as an int or
-    # a 1-tuple, that matches)
-    kind = type(normalized_shape)
-    if kind is int or (kind is tuple or kind is torch.Size) and len(normalized_shape) == 1:
-        n = normalized_shape if kind is int else normalized_shape[0]
-        if type(n) is int and input.dim() and input.shape[-1] == n:
-            return (n,), n
-    if type(normalized_shape) is int:
-        shape = (normalized_shape,)
-    elif type(normalized_shape) in (tuple, torch.Size) and all(type(d) is int for d in normalized_shape):
-        shape = tuple(normalized_shape)
-    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
-        shape = (int(normalized_shape),)
-    elif isinstance(normalized_shape, (tuple, list, torch.Size)) and all(
-        isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape
-    ):
-        shape = tuple(int(d) for d in normalized_shape)
-    else:
-        raise TypeError(
-            f"{function}(): argument 'normalized_shape' must be an int or a sequence of ints, got {normalized_shape!r}"
-        )
-    if not shape:
-        raise ValueError(f"{function}(): argument 'normalized_shape' must have at least one dimension, got ()")
-    if input.dim() < len(shape) or input.shape[-len(shape):] != shape:
-        raise ValueError(
-            f"{function}(): argument 'normalized_shape' {list(shape)} must match the trailing dimensions of "
-            f"'input', got input of shape {list(input.shape)}"
-        )
-    return shape, math.prod(shape)
-
-
-def _check_eps(function, eps, dtype):
-    if eps is None:
-        return torch.finfo(dtype).eps
-    if type(eps) is float and 0.0 <= eps < float("inf"):
-        return eps
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{function}(): argument 'eps' must be a real number or None, got {type(eps).__name__}")
-    eps = float(eps)
-    if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
-    return eps
-
-
-def _check_real(function, name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{function}(): argument '{name}' must be finite, got {value}")
-    return value
-
-
-def _needs_grad(*tensors):
-    if not torch.is_grad_enabled():
-        return False
-    for tensor in tensors:  # a loop: any() over a generator takes twice the host time
-        if tensor is not None and tensor.requires_grad:
-            return True
-    return False
 
 
 def _check_memory(function, memory):
@@ -3104,26 +2338,26 @@ def add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
-    _check_input("add_layer_norm", input)
-    shape, columns = _check_normalized_shape("add_layer_norm", normalized_shape, input)
-    residual = _check_like_input("add_layer_norm", "residual", residual, input)
-    input_bias = _check_param("add_layer_norm", "input_bias", input_bias, shape, input)
-    weight = _check_param("add_layer_norm", "weight", weight, shape, input)
-    bias = _check_param("add_layer_norm", "bias", bias, shape, input)
-    eps = _check_eps("add_layer_norm", eps, input.dtype)
+    checks.check_input("add_layer_norm", input)
+    shape, columns = checks.check_normalized_shape("add_layer_norm", normalized_shape, input)
+    residual = checks.check_like_input("add_layer_norm", "residual", residual, input)
+    input_bias = checks.check_param("add_layer_norm", "input_bias", input_bias, shape, input)
+    weight = checks.check_param("add_layer_norm", "weight", weight, shape, input)
+    bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
+    eps = checks.check_eps("add_layer_norm", eps, input.dtype)
     function = _check_memory("add_layer_norm", memory)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
         return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
-    x = _rows((-1, columns), input)
-    residual = _rows((-1, columns), residual) if residual is not None else None
+    x = launch.rows((-1, columns), input)
+    residual = launch.rows((-1, columns), residual) if residual is not None else None
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.add_layernorm(
             x, residual, input_bias, weight, bias, eps, memory, prenorm, residual_in_fp32
         )
-    elif _needs_grad(x, residual, input_bias, weight, bias):
+    elif checks.needs_grad(x, residual, input_bias, weight, bias):
         outputs = function.apply(x, residual, input_bias, weight, bias, eps, prenorm, residual_out_dtype)
     else:
         outputs = _add_layernorm_fwd(
@@ -3134,8 +2368,8 @@ def add_layer_norm(
             residual_out_dtype=residual_out_dtype,
         )
     if prenorm:
-        return _shaped(outputs[0], input.shape), _shaped(outputs[1], input.shape)
-    return _shaped(outputs[0], input.shape)
+        return launch.shaped(outputs[0], input.shape), launch.shaped(outputs[1], input.shape)
+    return launch.shaped(outputs[0], input.shape)
 
 
 # newer torch shows `bias=` in the repr of torch.nn.LayerNorm: match the installed one.
@@ -3200,3 +2434,86 @@ class AddLayerNorm(torch.nn.Module):
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 
+
+
+#: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants
+#: this op sets, and the measured table (codegen/schedule_table.json), (kind, row width) ->
+#: (rows a step, warps, programs an SM, stages, columns a looped step, one sweep, form)
+SCHEDULES = Schedules(
+    "add_layernorm",
+    Constants(split_max_row_bytes=524288, split_min_n=12288),
+    measured={
+        ("bwd", 256): (4, 1, 4, 3, 0, -1, 9),
+        ("bwd", 512): (4, 2, 2, 3, 0, -1, 1),
+        ("bwd", 1024): (4, 4, 1, 3, 0, -1, 1),
+        ("bwd", 2048): (2, 4, 1, 3, 0, -1, 1),
+        ("bwd", 4096): (2, 8, 1, 3, 0, -1, 9),
+        ("bwd", 5120): (1, 16, 1, 3, 0, -1, 1),
+        ("bwd", 8192): (1, 8, 1, 3, 0, -1, 1),
+        ("bwd", 12288): (2, 16, 1, 1, 8192, -1, 1),
+        ("bwd", 16384): (1, 8, 1, 1, 0, -1, 9),
+        ("bwd", 32768): (16, 8, 1, 3, 1024, -1, 1),
+        ("bwd", 65536): (16, 8, 1, 3, 1024, -1, 1),
+        ("bwd", 262144): (8, 8, 1, 1, 2048, -1, 3),
+        ("bwd_fp32", 256): (8, 2, 2, 3, 0, -1, 17),
+        ("bwd_fp32", 512): (8, 4, 1, 3, 0, -1, 1),
+        ("bwd_fp32", 1024): (4, 4, 1, 3, 0, -1, 9),
+        ("bwd_fp32", 2048): (2, 4, 1, 3, 0, -1, 1),
+        ("bwd_fp32", 4096): (1, 4, 1, 3, 0, -1, 9),
+        ("bwd_fp32", 8192): (1, 8, 1, 1, 0, -1, 1),
+        ("bwd_fp32", 16384): (8, 8, 1, 1, 2048, -1, 5),
+        ("bwd_fp32", 32768): (8, 8, 1, 3, 1024, -1, 1),
+        ("bwd_fp32", 65536): (8, 8, 1, 3, 1024, -1, 1),
+        ("bwd_fp32", 262144): (8, 16, 1, 1, 1024, -1, 1),
+        ("bwd_fp32_looped", 32768): (8, 8, 1, 3, 1024, -1, 1),
+        ("bwd_fp32_looped", 65536): (8, 8, 1, 3, 1024, -1, 1),
+        ("bwd_fp32_looped", 262144): (8, 16, 1, 1, 1024, -1, 1),
+        ("bwd_looped", 4096): (2, 8, 2, 1, 2048, -1, 1),
+        ("bwd_looped", 5120): (4, 16, 1, 1, 4096, -1, 1),
+        ("bwd_looped", 8192): (2, 16, 2, 1, 4096, -1, 1),
+        ("bwd_looped", 12288): (2, 16, 1, 1, 8192, -1, 1),
+        ("bwd_looped", 16384): (8, 8, 1, 3, 2048, -1, 1),
+        ("bwd_looped", 32768): (16, 8, 1, 3, 1024, -1, 1),
+        ("bwd_looped", 65536): (16, 8, 1, 3, 1024, -1, 1),
+        ("bwd_looped", 262144): (8, 8, 1, 1, 2048, -1, 1),
+        ("fwd", 256): (16, 16, 0, 1, 0, -1, 17),
+        ("fwd", 512): (4, 2, 0, 1, 0, -1, 17),
+        ("fwd", 1024): (2, 2, 8, 3, 0, -1, 1),
+        ("fwd", 2048): (1, 4, 0, 1, 0, -1, 1),
+        ("fwd", 4096): (1, 8, 0, 1, 0, -1, 1),
+        ("fwd", 5120): (1, 8, 0, 1, 2048, 1, 1),
+        ("fwd", 8192): (2, 16, 0, 1, 0, -1, 1),
+        ("fwd", 12288): (1, 16, 0, 1, 4096, 0, 1),
+        ("fwd", 16384): (1, 16, 2, 3, 0, -1, 1),
+        ("fwd", 32768): (1, 16, 0, 1, 4096, 0, 7),
+        ("fwd", 65536): (1, 32, 0, 1, 8192, 1, 2),
+        ("fwd", 262144): (1, 8, 0, 3, 2048, 1, 7),
+        ("fwd_fp32", 256): (8, 2, 0, 1, 0, -1, 17),
+        ("fwd_fp32", 512): (2, 2, 0, 1, 0, -1, 1),
+        ("fwd_fp32", 1024): (2, 2, 0, 1, 0, -1, 1),
+        ("fwd_fp32", 2048): (2, 8, 0, 1, 0, -1, 1),
+        ("fwd_fp32", 4096): (2, 16, 0, 1, 0, -1, 1),
+        ("fwd_fp32", 5120): (1, 16, 0, 1, 2048, 1, 1),
+        ("fwd_fp32", 8192): (1, 16, 0, 1, 0, -1, 1),
+        ("fwd_fp32", 16384): (1, 32, 0, 1, 8192, 1, 1),
+        ("fwd_fp32", 32768): (1, 16, 0, 1, 8192, 0, 6),
+        ("fwd_fp32", 65536): (1, 32, 0, 1, 16384, 1, 1),
+        ("fwd_fp32", 262144): (1, 8, 0, 3, 2048, 1, 6),
+        ("fwd_fp32_looped", 5120): (1, 16, 0, 1, 2048, 1, 1),
+        ("fwd_fp32_looped", 8192): (1, 8, 0, 1, 2048, 0, 6),
+        ("fwd_fp32_looped", 16384): (1, 32, 0, 1, 8192, 1, 1),
+        ("fwd_fp32_looped", 32768): (1, 16, 0, 1, 8192, 0, 1),
+        ("fwd_fp32_looped", 65536): (1, 32, 0, 1, 16384, 1, 1),
+        ("fwd_fp32_looped", 262144): (1, 8, 0, 3, 2048, 1, 1),
+        ("fwd_looped", 4096): (1, 8, 0, 1, 2048, -1, 1),
+        ("fwd_looped", 5120): (1, 8, 0, 1, 2048, 1, 1),
+        ("fwd_looped", 8192): (1, 8, 0, 1, 2048, 0, 3),
+        ("fwd_looped", 12288): (1, 16, 0, 1, 4096, 0, 1),
+        ("fwd_looped", 16384): (1, 16, 0, 1, 8192, 0, 1),
+        ("fwd_looped", 32768): (1, 16, 0, 1, 4096, 0, 1),
+        ("fwd_looped", 65536): (1, 32, 0, 1, 8192, 1, 1),
+        ("fwd_looped", 262144): (1, 8, 0, 3, 2048, 1, 1),
+    },
+    split_exchange=True,
+    measured_loads={"fwd": 1, "bwd": 2},
+)

@@ -1,15 +1,26 @@
-{#- Argument checks shared by every API kind: each error names the argument, what was
-    expected and what was got. -#}
-def _check_input(function, input, name="input"):
+"""Argument checks shared by every generated API: each error names the argument, what was
+expected and what was got."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}")
-    if input.dtype not in _FLOAT_DTYPES:
+    if input.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
         )
 
 
-def _check_param(function, name, param, shape, input):
+def check_param(function, name, param, shape, input):
     if param is None:
         return None
     if not isinstance(param, torch.Tensor):
@@ -34,7 +45,7 @@ def _check_param(function, name, param, shape, input):
     return param if param.is_contiguous() else param.contiguous()
 
 
-def _check_like_input(function, name, tensor, input, reference="input"):
+def check_like_input(function, name, tensor, input, reference="input"):
     if tensor is None:
         return None
     if not isinstance(tensor, torch.Tensor):
@@ -47,14 +58,14 @@ def _check_like_input(function, name, tensor, input, reference="input"):
         raise ValueError(
             f"{function}(): argument '{name}' must be on the device of '{reference}' ({input.device}), got {tensor.device}"
         )
-    if tensor.dtype not in _FLOAT_DTYPES:
+    if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {tensor.dtype}"
         )
     return tensor
 
 
-def _check_scalar_param(function, name, param, input):
+def check_scalar_param(function, name, param, input):
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}")
     if param.numel() != 1:
@@ -63,12 +74,12 @@ def _check_scalar_param(function, name, param, input):
         raise ValueError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
         )
-    if param.dtype not in _FLOAT_DTYPES:
+    if param.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}")
     return param.reshape(())
 
 
-def _check_normalized_shape(function, normalized_shape, input):
+def check_normalized_shape(function, normalized_shape, input):
     # the common cases first: checks are host time on every call (one trailing dim, as an int or
     # a 1-tuple, that matches)
     kind = type(normalized_shape)
@@ -100,7 +111,7 @@ def _check_normalized_shape(function, normalized_shape, input):
     return shape, math.prod(shape)
 
 
-def _check_eps(function, eps, dtype):
+def check_eps(function, eps, dtype):
     if eps is None:
         return torch.finfo(dtype).eps
     if type(eps) is float and 0.0 <= eps < float("inf"):
@@ -113,7 +124,7 @@ def _check_eps(function, eps, dtype):
     return eps
 
 
-def _check_real(function, name, value):
+def check_real(function, name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -122,17 +133,16 @@ def _check_real(function, name, value):
     return value
 
 
-def _needs_grad(*tensors):
+def needs_grad(*tensors):
     if not torch.is_grad_enabled():
         return False
     for tensor in tensors:  # a loop: any() over a generator takes twice the host time
         if tensor is not None and tensor.requires_grad:
             return True
     return False
-{% if module.api.options is defined and module.api.options %}
 
 
-def _check_option(function, name, value, check):
+def check_option(function, name, value, check):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -143,11 +153,9 @@ def _check_option(function, name, value, check):
     if check == "integer" and not value.is_integer():
         raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
     return value
-{% endif %}
-{% if module.seeded %}
 
 
-def _seed(function, seed, device):
+def seed(function, seed, device):
     """The call's seed as a 0-d int64 tensor on the input's device (drawn from torch's generator
     of that device when None, so torch.manual_seed and activation checkpointing replay it)."""
     if seed is None:
@@ -161,11 +169,9 @@ def _seed(function, seed, device):
     if not 0 <= seed < 2**63:
         raise ValueError(f"{function}(): argument 'seed' must be in [0, 2**63), got {seed}")
     return torch.tensor(seed, dtype=torch.int64, device=device)
-{% endif %}
-{% if module.row_shape %}
 
 
-def _row_shape(shape):
+def row_shape(shape):
     """The rows of an (..., D1, D2, N) tensor as [D0, D1, D2]: leading dims beyond three merge."""
     leading = [1, 1, 1] + list(shape[:-1])
     d0 = 1
@@ -174,18 +180,16 @@ def _row_shape(shape):
     return [d0, leading[-2], leading[-1]]
 
 
-def _broadcast_rows(tensor, shape, row_shape):
+def broadcast_rows(tensor, shape, row_shape):
     """A (D0, D1, D2, N) view of a tensor broadcastable to `shape`: broadcast dims keep stride 0
     (read in place); only a broadcast last dim is made real, so rows have stride 1."""
     tensor = tensor.reshape((1,) * (len(shape) - tensor.dim()) + tuple(tensor.shape))
     if tensor.shape[-1] != shape[-1] or tensor.stride(-1) != 1:
         tensor = tensor.expand(*tensor.shape[:-1], shape[-1]).contiguous()
     return tensor.expand(shape).reshape(*row_shape, shape[-1])
-{% endif %}
-{% if fwd.broadcast_inputs %}
 
 
-def _check_broadcast(function, name, tensor, input, additive):
+def check_broadcast(function, name, tensor, input, additive):
     """A tensor broadcastable to `input` (a bool one, for an additive mask, becomes 0 / -inf)."""
     if tensor is None:
         return None
@@ -202,127 +206,8 @@ def _check_broadcast(function, name, tensor, input, additive):
         raise ValueError(f"{function}(): argument '{name}' is not differentiated here and must not require grad; pass {name}.detach()")
     if additive and tensor.dtype == torch.bool:
         return torch.zeros(tensor.shape, dtype=input.dtype, device=input.device).masked_fill(~tensor, float("-inf"))
-    if tensor.dtype not in _FLOAT_DTYPES:
+    if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64{' or bool' if additive else ''}, got {tensor.dtype}"
         )
     return tensor
-{% endif %}
-{% if module.api.kind == "row_loss" %}
-
-
-#: targets a step of `_target_stats`' one program reads
-TARGET_STATS_BLOCK = 4096
-
-
-@triton.jit
-def _target_stats(target_ptr, M, classes, ignore_index, counted_ptr, valid_ptr,
-                  BLOCK: tl.constexpr):
-    """One program over the M targets: counted = the targets other than ignore_index, valid =
-    whether each of them is a class in [0, classes). One launch where torch takes eight small
-    kernels for the check and two for the count (each a few microseconds of GPU time: H100,
-    bf16 cross-entropy 4096x32000, the forward kernel 105 us of a 157 us call)."""
-    counted = tl.zeros([BLOCK], tl.int64)
-    invalid = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, M, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        target = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index)
-        kept = target != ignore_index
-        counted += kept.to(tl.int64)
-        invalid += (kept & ((target < 0) | (target >= classes))).to(tl.int32)
-    tl.store(counted_ptr, tl.sum(counted, axis=0))
-    tl.store(valid_ptr, tl.sum(invalid, axis=0) == 0)
-
-
-#: losses a step of `_counted_mean`'s one program reads
-COUNTED_MEAN_BLOCK = 4096
-
-
-@triton.jit
-def _counted_mean(loss_ptr, counted_ptr, M, mean_ptr, scale_ptr, BLOCK: tl.constexpr):
-    """One program: mean = the sum of the M losses over counted (NaN where counted is 0, as
-    torch), stored in mean's dtype, and scale = 1 / max(counted, 1), the backward's factor."""
-    total = tl.zeros([BLOCK], loss_ptr.dtype.element_ty)
-    for start in range(0, M, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        total += tl.load(loss_ptr + rows, mask=rows < M, other=0.0)
-    counted = tl.load(counted_ptr)
-    denominator = tl.maximum(counted, 1).to(loss_ptr.dtype.element_ty)
-    mean = tl.where(counted > 0, tl.sum(total, axis=0) / denominator, float("nan"))
-    tl.store(mean_ptr, mean.to(mean_ptr.dtype.element_ty))
-    tl.store(scale_ptr, 1.0 / denominator)
-
-
-class _CountedMean(torch.autograd.Function):
-    """The mean of per-row losses (fp32, or fp64) over the counted rows, in `dtype`: NaN where
-    no row is counted, as torch, with a finite gradient (the ignored rows' gradients are 0).
-    One small kernel forward where torch takes six (the sum, the count's guard, the division,
-    the NaN select, the cast), one backward (the product with the saved scale)."""
-
-    @staticmethod
-    def forward(ctx, loss, counted, dtype):
-        if _use_triton(loss):
-            mean = torch.empty((), dtype=dtype, device=loss.device)
-            scale = torch.empty((), dtype=loss.dtype, device=loss.device)
-            _launch(_counted_mean, (1,), 4, None, loss, counted, loss.numel(), mean, scale,
-                    BLOCK=COUNTED_MEAN_BLOCK)
-        else:
-            denominator = counted.clamp_min(1).to(loss.dtype)
-            mean = torch.where(counted > 0, loss.sum() / denominator, float("nan")).to(dtype)
-            scale = 1.0 / denominator
-        ctx.save_for_backward(scale)
-        ctx.rows = loss.shape
-        return mean
-
-    @staticmethod
-    def backward(ctx, grad):
-        scale, = ctx.saved_tensors
-        return torch.mul(grad, scale).expand(ctx.rows), None, None
-
-
-def _check_target(function, name, target, input, ignore_index):
-    """Integer class indices, one per row of `input`, each in [0, N) or ignore_index: returns
-    them as int64, and the count of those other than ignore_index (a 0-d int64 tensor on their
-    device; None for no rows or under torch.compile, where the caller counts)."""
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(target).__name__}")
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(f"{function}(): argument '{name}' must hold integer class indices (int64), got {target.dtype}")
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"{function}(): argument '{name}' must have shape input.shape[:-1] = {list(input.shape[:-1])}, got {list(target.shape)}"
-        )
-    if target.device != input.device:
-        raise ValueError(f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {target.device}")
-    target = target.to(torch.int64)
-    if torch.compiler.is_compiling() or not target.numel():
-        return target, None
-    if target.is_cuda and target.device.index != torch._C._cuda_getDevice():
-        with torch.cuda.device(target.device):  # Triton launches on the current device
-            return _check_target(function, name, target, input, ignore_index)
-    # an out-of-range class would silently read no logit
-    classes = input.shape[-1]
-    if _use_triton(target):
-        flat = target.reshape(-1).contiguous()
-        counted = torch.empty((), dtype=torch.int64, device=target.device)
-        valid = torch.empty((), dtype=torch.bool, device=target.device)
-        _launch(_target_stats, (1,), 4, None, flat, flat.numel(), classes, int(ignore_index),
-                counted, valid, BLOCK=TARGET_STATS_BLOCK)
-    else:
-        kept = target != int(ignore_index)
-        counted = kept.sum()
-        valid = ~(kept & ((target < 0) | (target >= classes))).any()
-    if target.is_cuda:
-        # no host sync, which would stall the launch queue behind the GPU (docs/benchmarks.md,
-        # session 7: the API forward at 4096x32000 bf16, scratch probe): a device-side
-        # assert, as torch's own CUDA losses raise, fails the next synchronising call
-        torch._assert_async(valid, f"{function}(): argument '{name}' must hold class "
-                            f"indices in [0, {classes}) or ignore_index ({int(ignore_index)})")
-    elif not bool(valid):
-        bad = ((target < 0) | (target >= classes)) & (target != int(ignore_index))
-        raise ValueError(
-            f"{function}(): argument '{name}' must hold class indices in [0, {classes}) or ignore_index "
-            f"({int(ignore_index)}), got {int(target[bad][0])}"
-        )
-    return target, counted
-{% endif %}

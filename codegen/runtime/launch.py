@@ -1,0 +1,176 @@
+"""The host path that generated launchers share: dtypes, row views, launch plans, column sums.
+
+A launch plan keeps what launches the kernel Triton compiled for an earlier call with the same
+key, so that later calls skip the JIT's per-call argument binding, specialization and cache
+look-up: a launcher computes its key from the shapes, dtypes, strides and alignment of its
+arguments (everything its schedule and Triton's compile depend on) and calls the plan's launch
+function directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import struct
+from collections import namedtuple
+
+import torch
+import triton
+import triton.language as tl
+
+from codegen.runtime import triton_helpers
+from codegen.runtime.schedules import CACHE_SIZE, Schedule
+
+#: the accumulator's Triton dtype per torch accumulator dtype
+TRITON_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in fp32, or in fp64 for fp64 tensors."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=256)
+def fp32_pair(value: float) -> tuple[float, float]:
+    """A Python float as (its fp32 rounding, the rest): Triton passes floats as fp32, and the
+    kernels add the two at the accumulator's precision."""
+    value = float(value)
+    high = struct.unpack("f", struct.pack("f", value))[0] if abs(value) < 3.0e38 else value
+    return (high, value - high) if math.isfinite(high) else (value, 0.0)
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors run them only under TRITON_INTERPRET=1."""
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rows(shape, tensor: torch.Tensor) -> torch.Tensor:
+    """An (M, N) view whose last dim has stride 1, copying only when it must."""
+    if tensor.dim() == 2 and tensor.shape[1] == shape[1] and tensor.stride(1) == 1:
+        return tensor  # already rows (same number of elements): no reshape, no host time
+    viewed = tensor.reshape(shape)
+    return viewed if viewed.stride(-1) == 1 or viewed.numel() == 0 else viewed.contiguous()
+
+
+def shaped(tensor: torch.Tensor, shape) -> torch.Tensor:
+    """tensor.reshape(shape), skipped when it has that shape already (host time)."""
+    return tensor if tensor.shape == shape else tensor.reshape(shape)
+
+
+def partials(needed: bool, schedule: Schedule, N: int, acc: torch.dtype,
+             device: torch.device) -> torch.Tensor | None:
+    """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
+    A persistent kernel writes every row of them; a looped one accumulates into them; the
+    programs of a split kernel's group write one row, each its slab of it."""
+    if not needed:
+        return None
+    count = schedule.programs // schedule.split if schedule.split else schedule.programs
+    return torch.empty((count, N), dtype=acc, device=device)
+
+
+def refused(error: BaseException) -> bool:
+    """Whether a launch error is a refused cooperative launch (nothing ran; CUDA's error is not
+    sticky)."""
+    return "cooperative" in str(error)
+
+
+#: a launch plan: the schedule, and how to launch the kernel Triton compiled for the call that
+#: made it (`launch(grid, 1, 1, stream, *head, *arguments, *tail)`, tail: the constexprs' values)
+Plan = namedtuple("Plan", "schedule launch grid head tail")
+
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
+_VERSION = tuple(map(int, triton.__version__.split(".")[:2]))
+#: Triton versions whose compiled kernels launch as plans call them (the JIT's own call: grid,
+#: stream, function, packed metadata, launch metadata and hooks, then every argument)
+_DIRECT = _RUNTIME is not None and (3, 6) <= _VERSION <= (3, 9)
+#: triton 3.6, whose launcher object only allocates scratch memory in Python before its C
+#: function: a kernel that takes none is launched through the C function itself
+_C_LAUNCH = _VERSION == (3, 6)
+
+
+def specializations(args) -> list:
+    """Kernel arguments as a launch key at least as fine as what Triton's JIT compiles a kernel
+    apart for (an int's being 1, a multiple of 16 or within int32; a tensor's dtype and 16-byte
+    alignment; floats all fp32): ints, bools and None as themselves, any float as float, a
+    tensor as its dtype and address modulo 16."""
+    return [a if (kind := a.__class__) is int or kind is bool or a is None
+            else float if kind is float else (a.dtype, a.data_ptr() & 15) for a in args]
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a callable, or a chain that holds some."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def direct() -> bool:
+    """Whether a CUDA call may launch through a plan: a Triton version whose launcher plans
+    call, and no launch hooks (profilers), which only the JIT's path calls."""
+    return _DIRECT and not (_hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook))
+
+
+def make_plan(schedule: Schedule | None, kernel, compiled, grid, positional: int,
+              constexprs: dict) -> Plan | None:
+    """What launches `compiled` again, or None where it cannot: only where the call gave every
+    constexpr by name, in signature order after its `positional` arguments (the plan then
+    passes their values in that order). Triton's options (debug, ...) are those of this call."""
+    if not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(constexprs):
+        return None
+    run = compiled.run
+    if _C_LAUNCH and not run.global_scratch_size and not run.profile_scratch_size:
+        launch_function, head = run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                                             None, None, compiled.packed_metadata, None, None, None)
+    else:
+        launch_function, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
+    return Plan(schedule, launch_function, grid, head, tuple(constexprs.values()))
+
+
+#: plans of `launch`, keyed by kernel
+PLANS: dict = {}
+
+
+def launch(kernel, grid, warps, maxnreg, *args, **constexprs):
+    """kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg), keyed by
+    `specializations`: a CUDA call keyed as an earlier one launches the kernel Triton compiled
+    then without the JIT's per-call binding and checks."""
+    if not (args[0].is_cuda and direct()):
+        return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
+    device = torch._C._cuda_getDevice()
+    key = (id(kernel), device, warps, maxnreg, *constexprs.values(), *specializations(args))
+    plan = PLANS.get(key)
+    if plan is None:
+        compiled = kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
+        made = make_plan(None, kernel, compiled, grid, len(args), constexprs)
+        if made is not None:
+            if len(PLANS) >= CACHE_SIZE:
+                PLANS.clear()
+            PLANS[key] = made
+        return compiled
+    plan.launch(grid[0], grid[1] if len(grid) > 1 else 1, 1,
+                torch._C._cuda_getCurrentRawStream(device), *plan.head, *args, *plan.tail)
+
+
+#: the column sums of the partials: a program sums BLOCK_C columns over BLOCK_P partial rows
+#: at a time (wider under the interpreter, which runs its programs one after another)
+COLUMN_SUM_BLOCK_P, COLUMN_SUM_BLOCK_C, INTERPRETER_COLUMN_SUM_BLOCK_C = 256, 32, 4096
+
+
+def column_sums(*stores):
+    """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
+    rows and cast: one launch for up to three of them instead of a sum and a cast each."""
+    needed = [(partial, like) for partial, like in stores if partial is not None]
+    sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device)
+            for partial, like in needed]
+    for first in range(0, len(needed), 3):
+        pairs = []
+        for (partial, _), total in zip(needed[first:first + 3], sums[first:first + 3]):
+            pairs += (partial, total)
+        count = len(pairs) // 2
+        P, N = pairs[0].shape
+        # plain integer arithmetic: triton.cdiv and next_power_of_2 cost µs of host time each
+        block_p = min(COLUMN_SUM_BLOCK_P, 1 << (P - 1).bit_length())
+        block_c = COLUMN_SUM_BLOCK_C if pairs[0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
+        launch(triton_helpers.column_sums_kernel, (-(-N // block_c), count), 4, None, *pairs,
+               *(None, None) * (3 - count), P, N, COUNT=count, BLOCK_P=block_p, BLOCK_C=block_c)
+    found = iter(sums)
+    return tuple(next(found) if partial is not None else None for partial, _ in stores)

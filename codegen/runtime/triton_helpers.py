@@ -1,0 +1,207 @@
+"""`@triton.jit` helpers that generated kernels call, and the plain-torch twins of those whose
+values the torch path must reproduce.
+
+Generated kernels call these as `helpers.exp(v)`, `helpers.below(cols, N, EVEN)`: Triton
+compiles a helper into each kernel that calls it, so a helper costs nothing at run time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+#: values recovered by dividing by a parameter (memory modes that keep the output) clamp the
+#: parameter's magnitude below at this, so a zero weight gives finite gradients, never NaN
+#: (the engine's `GuardedReciprocal.guard`)
+INVERSION_GUARD = 1e-06
+_INVERSION_GUARD = tl.constexpr(INVERSION_GUARD)
+#: compiled kernels take the flush-to-zero exponential (the interpreter has no libdevice)
+_FAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def column_block(chunk, CHUNKS: tl.constexpr, BACKWARDS: tl.constexpr):
+    """The column block step `chunk` of a sweep over CHUNKS blocks reads: the chunk-th, or
+    counted from the last one where the sweep runs BACKWARDS."""
+    if BACKWARDS:
+        block = CHUNKS - 1 - chunk
+    else:
+        block = chunk
+    return block
+
+
+@triton.jit
+def below(index, bound, EVEN: tl.constexpr):
+    """index < bound, or all true at compile time where the shape tiles exactly (EVEN)."""
+    if EVEN:
+        result = tl.full(index.shape, 1, tl.int1)
+    else:
+        result = index < bound
+    return result
+
+
+@triton.jit
+def split_exchange(count_ptr, arrivals):
+    """The split kernels' meeting point: this program's stores so far are released to its group
+    (every thread's stores issued first), then it waits until the group's counter holds
+    `arrivals` (each program adds one an exchange) and acquires what the others stored. Programs
+    of a group must run at once: a cooperative launch, and one program under the interpreter,
+    which runs programs one after another."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < arrivals:
+        pass
+
+
+@triton.jit
+def column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[c] = sum_p partial[p, c] over this program's BLOCK_C columns, in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=partial_ptr.dtype.element_ty)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, COUNT: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair; the
+    pairs past COUNT are None."""
+    store = tl.program_id(1)
+    if store == 0:
+        column_sum(p0, o0, P, N, BLOCK_P, BLOCK_C)
+    if COUNT > 1:
+        if store == 1:
+            column_sum(p1, o1, P, N, BLOCK_P, BLOCK_C)
+    if COUNT > 2:
+        if store == 2:
+            column_sum(p2, o2, P, N, BLOCK_P, BLOCK_C)
+
+
+@triton.jit
+def sqrt(v):
+    """sqrt(v), correctly rounded."""
+    if v.dtype == tl.float64:
+        return tl.sqrt(v)
+    else:
+        return tl.sqrt_rn(v)
+
+
+@triton.jit
+def rsqrt(v, FIXED_N: tl.constexpr):
+    """1 / sqrt(v): correctly rounded (`sqrt`, then a division), or in a kernel compiled for its
+    row width (FIXED_N) at fp32 the approximate reciprocal square root, one MUFU.RSQ, as torch's
+    own CUDA norms and torch.compile's kernels take it (the interpreter's is exact)."""
+    if FIXED_N and v.dtype == tl.float32:
+        if _FAST:
+            return libdevice.rsqrt(v)
+        else:
+            return tl.rsqrt(v)
+    else:
+        return 1.0 / sqrt(v)
+
+
+@triton.jit
+def exp(v):
+    """exp(v); fp32 through ex2.approx.ftz (a multiply and MUFU.EX2, where tl.exp adds three
+    instructions to keep results below 2^-126 from flushing to 0)."""
+    if _FAST:
+        if v.dtype == tl.float32:
+            return libdevice.fast_expf(v)
+        else:
+            return tl.exp(v)
+    else:
+        return tl.exp(v)
+
+
+@triton.jit
+def tanh(v):
+    """tanh(v) = 2 / (1 + exp(-2v)) - 1: saturates to ±1 for large |v|, never NaN."""
+    return 2.0 / (1.0 + exp(-2.0 * v)) - 1.0
+
+
+@triton.jit
+def guarded_reciprocal(v):
+    """1 / v with |v| clamped below at INVERSION_GUARD (Apex's clamp_by_magnitude); NaN stays NaN
+    (tl.maximum would drop it)."""
+    magnitude = tl.maximum(tl.abs(v), _INVERSION_GUARD)
+    return tl.where(v == v, tl.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude), v)
+
+
+def guarded_reciprocal_torch(v):
+    """`guarded_reciprocal` in plain torch."""
+    v = torch.as_tensor(v)
+    magnitude = v.abs().clamp_min(INVERSION_GUARD)
+    return torch.where(v < 0.0, -1.0 / magnitude, 1.0 / magnitude)
+
+
+@triton.jit
+def uniform(seed, rows, col0, N, BLOCK_N: tl.constexpr):
+    """U[0, 1) for each element (row, col) of the tile of rows x BLOCK_N columns from col0: word
+    col % 4 of Philox4x32-10 of the counter (c low word, c high word, 0, 0), c = row * ceil(N / 4)
+    + col // 4, under the key (seed low word, seed high word), mapped to a float as tl.rand does.
+    A Philox call gives four words: a tile of BLOCK_N >= 4 columns (col0 a multiple of 4) draws
+    one per four columns and interleaves them, a quarter of the integer multiplies a word per
+    element would take. Nothing is stored: a backward regenerates the same values. Rows
+    compiled for their width (FIXED_N) come as 32-bit offsets of fewer than 2^31 elements:
+    their counter fits in the low word and the high word is 0."""
+    if BLOCK_N >= 4:
+        counter = rows * ((N + 3) // 4) + (col0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    else:
+        cols = col0 + tl.arange(0, BLOCK_N)[None, :]
+        counter = rows * ((N + 3) // 4) + cols // 4
+    if counter.dtype == tl.int32:
+        low = counter.to(tl.uint32)
+        high = low * 0
+    else:
+        low = (counter & 0xFFFFFFFF).to(tl.uint32)
+        high = (counter >> 32).to(tl.uint32)
+    zero = low * 0
+    w0, w1, w2, w3 = tl.philox(seed, low, high, zero, zero)
+    if BLOCK_N >= 4:
+        bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
+    else:
+        word = cols % 4
+        bits = tl.where(word == 0, w0, tl.where(word == 1, w1, tl.where(word == 2, w2, w3)))
+    return tl.uint_to_uniform_float(bits)
+
+
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_WORD = 0xFFFFFFFF
+
+
+def _multiply_words(a, b):
+    """(a * b) >> 32 and (a * b) & 0xFFFFFFFF for 32-bit words a (int64 tensor) and b, in
+    16-bit halves so every product fits in int64."""
+    low, high = a & 0xFFFF, a >> 16
+    low_product, high_product = low * b, high * b
+    return ((high_product + (low_product >> 16)) >> 16,
+            (low_product + ((high_product & 0xFFFF) << 16)) & _WORD)
+
+
+def uniform_torch(seed, M, N, first_row=0):
+    """`uniform` in plain torch, bit for bit: the same values on the torch path, for rows
+    first_row .. first_row + M - 1 of a width-N tensor."""
+    seed = int(seed)
+    quads = -(-N // 4)
+    c0 = torch.arange(first_row * quads, (first_row + M) * quads, dtype=torch.int64, device="cpu")
+    c0, c1 = c0 & _WORD, c0 >> 32
+    c2 = c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _WORD, (seed >> 32) & _WORD
+    for _ in range(10):
+        high_b, low_b = _multiply_words(c2, _PHILOX_ROUND_B)
+        high_a, low_a = _multiply_words(c0, _PHILOX_ROUND_A)
+        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _WORD, (k1 + _PHILOX_KEY_B) & _WORD
+    words = torch.stack((c0, c1, c2, c3), dim=1).reshape(M, quads * 4)[:, :N]
+    signed = torch.where(words >= 2**31, words - 2**32, words)  # each word as an int32
+    magnitude = torch.where(signed < 0, -signed - 1, signed).to(torch.int32)
+    return magnitude.to(torch.float32) * torch.tensor(4.6566127342e-10)
