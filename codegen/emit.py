@@ -24,13 +24,27 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    env.filters["signature"] = signature
+    return env
+
+
+def signature(name: str, args: Collection[str], width: int = 100) -> str:
+    """`def name(args):` with the arguments filled into lines of at most `width` columns."""
+    lines, line = [], f"def {name}("
+    for index, arg in enumerate(args):
+        piece = arg + ("," if index < len(args) - 1 else "):")
+        if len(line) + len(piece) + 1 > width and not line.endswith("("):
+            lines.append(line.rstrip())
+            line = " " * 8
+        line += piece + " "
+    return "\n".join([*lines, line.rstrip()]) if args else f"def {name}():"
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ class KernelContext:
     """A Kernel with every expression printed in one dialect, as the templates read it."""
 
     def __init__(self, kernel: Kernel, dialect: Dialect, backward: bool = True):
+        #: the derived formulas, as the kernels' docstrings state them
+        self.formulas = kernel.formulas()
         # Triton kernels read one-hot sums as one gathered element a row (codegen/fuse.py)
         kernel, self.picks = picks(kernel) if dialect is TRITON else (kernel, ())
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
@@ -131,9 +147,8 @@ class KernelContext:
         # once and exchange their slabs' partial row sums; for backward kernels with row
         # reductions, nothing kept per row or per program, no values drawn per element or read
         # at a row's column. Not forwards: an exchange per pass and row costs more than a
-        # forward's row takes to stream (H100, 2026-11-22, a probe forcing split forwards before
-        # they were dropped, not kept: bf16 layer-norm forward 4096x32768 1010 GB/s split
-        # against 2827 looped, 1024x262144 952 against 1938)
+        # forward's row takes to stream (measured: a split layer-norm forward ran at a third
+        # of the looped one's speed)
         # Backwards with column partials and no row reductions (a bias gradient: GELU's) split
         # too, with no exchange: each program's slab of columns over a group of rows is a
         # column-slab grid, the partials in registers (a looped row reads, adds to and writes

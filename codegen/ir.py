@@ -93,23 +93,23 @@ class Kernel:
         lines.append("  outputs: " + ", ".join(f"{t.name}[{t.level}]" for t in self.outputs))
         if self.scalars:
             lines.append("  scalars: " + ", ".join(self.scalars))
-        for name, kind in self.generated:
-            lines.append(f"  {name} = {kind.replace('_', ' ')}")
-        for a in self.prologue:
-            lines.append(f"  {a.name} = {a.expr}")
+        return "\n".join(lines + ["  " + line for line in self.formulas()])
+
+    def formulas(self) -> list[str]:
+        """What the kernel computes, pass by pass, as derived: its generated kernels carry
+        these lines as their docstring."""
+        lines = [f"{name} = {kind.replace('_', ' ')}" for name, kind in self.generated]
+        lines += [f"{a.name} = {a.expr}" for a in self.prologue]
         for index, step in enumerate((*self.passes, self.epilogue), start=1):
             title = "epilogue" if step is self.epilogue else f"pass {index}"
-            lines.append(f"  {title}: load {', '.join(step.loads) or '-'}")
-            for a in step.assigns:
-                lines.append(f"    {a.name} = {a.expr}")
-            for r in step.reductions:
-                lines.append(f"    {r.name} = {r.scale} * {r.op}_j({r.body})")
-            for a in step.after:
-                lines.append(f"    {a.name} = {a.expr}")
+            lines.append(f"{title}: load {', '.join(step.loads) or '-'}")
+            lines += [f"  {a.name} = {a.expr}" for a in step.assigns]
+            lines += [f"  {r.name} = {r.scale} * {r.op}_j({r.body})" for r in step.reductions]
+            lines += [f"  {a.name} = {a.expr}" for a in step.after]
         for alias, target in self.aliases:
-            lines.append(f"  output {alias} is {target} (same values, stored once)")
+            lines.append(f"output {alias} is {target} (same values, stored once)")
         for s in self.stores:
             note = " (Σ over rows)" if s.level in ("column", "scalar") else ""
             note += f" (if {s.flag})" if s.flag else ""
-            lines.append(f"  store {s.name} = {s.expr}{note}")
-        return "\n".join(lines)
+            lines.append(f"store {s.name} = {s.expr}{note}")
+        return lines

@@ -52,7 +52,7 @@ TRITON = Dialect(
     minimum="tl.minimum",
     split_constants=True,
     # correctly rounded unless the kernel is compiled for its row width (generated modules:
-    # `_rsqrt`, FIXED_N)
+    # `helpers.rsqrt`, FIXED_N)
     rsqrt="helpers.rsqrt({}, FIXED_N)",
 )
 

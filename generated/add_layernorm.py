@@ -23,49 +23,37 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _add_layernorm_fwd_per(
-    x_ptr,
-    x_row_stride,
-    residual_ptr,
-    residual_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    y_ptr,
-    y_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    mean_ptr,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    M,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_RESIDUAL_OUT: tl.constexpr,
-    STORE_MEAN: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_layernorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride,
+        mean_ptr, rstd_ptr, eps_high, eps_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_RESIDUAL_OUT: tl.constexpr, STORE_MEAN: tl.constexpr, STORE_RSTD: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_add_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load input_bias, residual, x
+      residual_out = input_bias + residual + x
+      mean = 1/N * sum_j(residual_out)
+    pass 2: load input_bias, residual, x
+      residual_out = input_bias + residual + x
+      var = 1/N * sum_j((-mean + residual_out)**2)
+      rstd = 1/sqrt(eps + var)
+    epilogue: load bias, input_bias, residual, weight, x
+      residual_out = input_bias + residual + x
+      x_hat = rstd*(-mean + residual_out)
+      y = bias + weight*x_hat
+    store y = y
+    store residual_out = residual_out (if STORE_RESIDUAL_OUT)
+    store mean = mean (if STORE_MEAN)
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -114,46 +102,34 @@ def _add_layernorm_fwd_per(
 
 
 @triton.jit
-def _add_layernorm_fwd_red(
-    x_ptr,
-    x_row_stride,
-    residual_ptr,
-    residual_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    y_ptr,
-    y_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    mean_ptr,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    M,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_RESIDUAL_OUT: tl.constexpr,
-    STORE_MEAN: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride,
+        mean_ptr, rstd_ptr, eps_high, eps_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_RESIDUAL_OUT: tl.constexpr, STORE_MEAN: tl.constexpr, STORE_RSTD: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_add_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load input_bias, residual, x
+      residual_out = input_bias + residual + x
+      mean = 1/N * sum_j(residual_out)
+    pass 2: load input_bias, residual, x
+      residual_out = input_bias + residual + x
+      var = 1/N * sum_j((-mean + residual_out)**2)
+      rstd = 1/sqrt(eps + var)
+    epilogue: load bias, input_bias, residual, weight, x
+      residual_out = input_bias + residual + x
+      x_hat = rstd*(-mean + residual_out)
+      y = bias + weight*x_hat
+    store y = y
+    store residual_out = residual_out (if STORE_RESIDUAL_OUT)
+    store mean = mean (if STORE_MEAN)
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
@@ -255,51 +231,35 @@ def _add_layernorm_fwd_red(
 
 
 @triton.jit
-def _add_layernorm_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_layernorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr,
+        dweight_partial_ptr, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_add_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -349,48 +309,32 @@ def _add_layernorm_bwd_default_per(
 
 
 @triton.jit
-def _add_layernorm_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr,
+        dweight_partial_ptr, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_add_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -457,45 +401,32 @@ def _add_layernorm_bwd_default_red(
 
 
 @triton.jit
-def _add_layernorm_bwd_default_split(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr,
+        dweight_partial_ptr, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_add_layernorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -564,50 +495,37 @@ def _add_layernorm_bwd_default_split(
 
 
 @triton.jit
-def _add_layernorm_bwd_recompute_mean_per(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr,
+        dweight_partial_ptr, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_add_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, residual_out, weight
+      mean = 1/N * sum_j(residual_out)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+    pass 2: load dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -657,47 +575,34 @@ def _add_layernorm_bwd_recompute_mean_per(
 
 
 @triton.jit
-def _add_layernorm_bwd_recompute_mean_red(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr,
+        dweight_partial_ptr, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_add_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, residual_out, weight
+      mean = 1/N * sum_j(residual_out)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+    pass 2: load dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -776,44 +681,34 @@ def _add_layernorm_bwd_recompute_mean_red(
 
 
 @triton.jit
-def _add_layernorm_bwd_recompute_mean_split(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr,
+        dweight_partial_ptr, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_add_layernorm_bwd_recompute_mean, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, residual_out, weight
+      mean = 1/N * sum_j(residual_out)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+    pass 2: load dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = rstd*(-mean + residual_out)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -886,50 +781,34 @@ def _add_layernorm_bwd_recompute_mean_split(
 
 
 @triton.jit
-def _add_layernorm_bwd_invertible_per(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    y_ptr,
-    y_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, bias_ptr,
+        rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
+        dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_add_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load bias, dresidual_out, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -982,47 +861,31 @@ def _add_layernorm_bwd_invertible_per(
 
 
 @triton.jit
-def _add_layernorm_bwd_invertible_red(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    y_ptr,
-    y_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, bias_ptr,
+        rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
+        dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_add_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load bias, dresidual_out, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -1096,44 +959,32 @@ def _add_layernorm_bwd_invertible_red(
 
 
 @triton.jit
-def _add_layernorm_bwd_invertible_split(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    y_ptr,
-    y_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, bias_ptr,
+        rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
+        dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_add_layernorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load bias, dresidual_out, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -1204,18 +1055,8 @@ def _add_layernorm_bwd_invertible_split(
         tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _add_layernorm_fwd_torch(
-    x,
-    residual,
-    input_bias,
-    weight,
-    bias,
-    eps,
-    store_residual_out,
-    store_mean,
-    store_rstd,
-    residual_out_dtype=None,
-):
+def _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_residual_out,
+        store_mean, store_rstd, residual_out_dtype=None):
     """_add_layernorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -1239,19 +1080,8 @@ def _add_layernorm_fwd_torch(
     return y, residual_out, mean, rstd,
 
 
-def _add_layernorm_bwd_default_torch(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    bias,
-    mean,
-    rstd,
-    store_dinput_bias,
-    store_dweight,
-    store_dbias,
-):
+def _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, bias,
+        mean, rstd, store_dinput_bias, store_dweight, store_dbias):
     """_add_layernorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -1275,18 +1105,8 @@ def _add_layernorm_bwd_default_torch(
     return dx, dx, dinput_bias, dweight, dbias,
 
 
-def _add_layernorm_bwd_recompute_mean_torch(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    bias,
-    rstd,
-    store_dinput_bias,
-    store_dweight,
-    store_dbias,
-):
+def _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, input_bias, weight,
+        bias, rstd, store_dinput_bias, store_dweight, store_dbias):
     """_add_layernorm_bwd_recompute_mean in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -1310,18 +1130,8 @@ def _add_layernorm_bwd_recompute_mean_torch(
     return dx, dx, dinput_bias, dweight, dbias,
 
 
-def _add_layernorm_bwd_invertible_torch(
-    dy,
-    dresidual_out,
-    y,
-    input_bias,
-    weight,
-    bias,
-    rstd,
-    store_dinput_bias,
-    store_dweight,
-    store_dbias,
-):
+def _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, bias, rstd,
+        store_dinput_bias, store_dweight, store_dbias):
     """_add_layernorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -1344,18 +1154,8 @@ def _add_layernorm_bwd_invertible_torch(
     return dx, dx, dinput_bias, dweight, dbias,
 
 
-def _add_layernorm_fwd(
-    x,
-    residual,
-    input_bias,
-    weight,
-    bias,
-    eps,
-    store_residual_out,
-    store_mean,
-    store_rstd,
-    residual_out_dtype=None,
-):
+def _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean,
+        store_rstd, residual_out_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean, store_rstd, residual_out_dtype)
@@ -1375,7 +1175,7 @@ def _add_layernorm_fwd(
         input_bias_ptr = input_bias.data_ptr() if input_bias is not None else x_ptr
         weight_ptr = weight.data_ptr() if weight is not None else x_ptr
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_layernorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -1460,25 +1260,14 @@ def _add_layernorm_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, residual_out, mean, rstd,
 
 
-def _add_layernorm_bwd_default(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    bias,
-    mean,
-    rstd,
-    store_dinput_bias,
-    store_dweight,
-    store_dbias,
-):
+def _add_layernorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, bias, mean,
+        rstd, store_dinput_bias, store_dweight, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd, store_dinput_bias, store_dweight, store_dbias)
@@ -1502,7 +1291,7 @@ def _add_layernorm_bwd_default(
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         mean_ptr = mean.data_ptr()
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_layernorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1612,8 +1401,8 @@ def _add_layernorm_bwd_default(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1630,18 +1419,8 @@ def _add_layernorm_bwd_default(
     return dx, dx, dinput_bias, dweight, dbias,
 
 
-def _add_layernorm_bwd_recompute_mean(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    bias,
-    rstd,
-    store_dinput_bias,
-    store_dweight,
-    store_dbias,
-):
+def _add_layernorm_bwd_recompute_mean(dy, dresidual_out, residual_out, input_bias, weight, bias,
+        rstd, store_dinput_bias, store_dweight, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
@@ -1664,7 +1443,7 @@ def _add_layernorm_bwd_recompute_mean(
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_layernorm_bwd_recompute_mean", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1771,8 +1550,8 @@ def _add_layernorm_bwd_recompute_mean(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1789,18 +1568,8 @@ def _add_layernorm_bwd_recompute_mean(
     return dx, dx, dinput_bias, dweight, dbias,
 
 
-def _add_layernorm_bwd_invertible(
-    dy,
-    dresidual_out,
-    y,
-    input_bias,
-    weight,
-    bias,
-    rstd,
-    store_dinput_bias,
-    store_dweight,
-    store_dbias,
-):
+def _add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, bias, rstd,
+        store_dinput_bias, store_dweight, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, bias, rstd, store_dinput_bias, store_dweight, store_dbias)
@@ -1823,7 +1592,7 @@ def _add_layernorm_bwd_invertible(
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_layernorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1930,8 +1699,8 @@ def _add_layernorm_bwd_invertible(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, y_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

@@ -22,46 +22,32 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _add_rmsnorm_fwd_per(
-    x_ptr,
-    x_row_stride,
-    residual_ptr,
-    residual_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    y_ptr,
-    y_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_RESIDUAL_OUT: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
+        weight_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride, rstd_ptr,
+        eps_high, eps_low, weight_offset_high, weight_offset_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+        STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_add_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load input_bias, residual, x
+      residual_out = input_bias + residual + x
+      mean_square = 1/N * sum_j(residual_out**2)
+      rstd = 1/sqrt(eps + mean_square)
+    epilogue: load input_bias, residual, weight, x
+      residual_out = input_bias + residual + x
+      x_hat = residual_out*rstd
+      y = x_hat*(weight + weight_offset)
+    store y = y
+    store residual_out = residual_out (if STORE_RESIDUAL_OUT)
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -104,43 +90,29 @@ def _add_rmsnorm_fwd_per(
 
 
 @triton.jit
-def _add_rmsnorm_fwd_red(
-    x_ptr,
-    x_row_stride,
-    residual_ptr,
-    residual_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    y_ptr,
-    y_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_RESIDUAL_OUT: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
+        weight_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride, rstd_ptr,
+        eps_high, eps_low, weight_offset_high, weight_offset_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+        STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_add_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load input_bias, residual, x
+      residual_out = input_bias + residual + x
+      mean_square = 1/N * sum_j(residual_out**2)
+      rstd = 1/sqrt(eps + mean_square)
+    epilogue: load input_bias, residual, weight, x
+      residual_out = input_bias + residual + x
+      x_hat = residual_out*rstd
+      y = x_hat*(weight + weight_offset)
+    store y = y
+    store residual_out = residual_out (if STORE_RESIDUAL_OUT)
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
@@ -195,48 +167,33 @@ def _add_rmsnorm_fwd_red(
 
 
 @triton.jit
-def _add_rmsnorm_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
+        weight_offset_high, weight_offset_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_add_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, residual_out, weight
+      x_hat = residual_out*rstd
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = residual_out*rstd
+      common_0 = dy*rstd
+      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -281,45 +238,30 @@ def _add_rmsnorm_bwd_default_per(
 
 
 @triton.jit
-def _add_rmsnorm_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
+        weight_offset_high, weight_offset_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_add_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, residual_out, weight
+      x_hat = residual_out*rstd
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = residual_out*rstd
+      common_0 = dy*rstd
+      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -377,42 +319,31 @@ def _add_rmsnorm_bwd_default_red(
 
 
 @triton.jit
-def _add_rmsnorm_bwd_default_split(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    residual_out_ptr,
-    residual_out_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
+        weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
+        weight_offset_high, weight_offset_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_add_rmsnorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, residual_out, weight
+      x_hat = residual_out*rstd
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dresidual_out, dy, residual_out, weight
+      x_hat = residual_out*rstd
+      common_0 = dy*rstd
+      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -475,48 +406,33 @@ def _add_rmsnorm_bwd_default_split(
 
 
 @triton.jit
-def _add_rmsnorm_bwd_invertible_per(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    y_ptr,
-    y_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_add_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
+        weight_offset_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_add_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dresidual_out, dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      common_0 = dy*rstd
+      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -561,45 +477,30 @@ def _add_rmsnorm_bwd_invertible_per(
 
 
 @triton.jit
-def _add_rmsnorm_bwd_invertible_red(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    y_ptr,
-    y_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
+        weight_offset_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_add_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dresidual_out, dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      common_0 = dy*rstd
+      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -657,42 +558,30 @@ def _add_rmsnorm_bwd_invertible_red(
 
 
 @triton.jit
-def _add_rmsnorm_bwd_invertible_split(
-    dy_ptr,
-    dy_row_stride,
-    dresidual_out_ptr,
-    dresidual_out_row_stride,
-    y_ptr,
-    y_row_stride,
-    input_bias_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dinput_bias_partial_ptr,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_INPUT_BIAS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DINPUT_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
+        dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
+        weight_offset_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_add_rmsnorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dresidual_out, dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      common_0 = dy*rstd
+      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    output dresidual is dx (same values, stored once)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -754,17 +643,8 @@ def _add_rmsnorm_bwd_invertible_split(
         tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _add_rmsnorm_fwd_torch(
-    x,
-    residual,
-    input_bias,
-    weight,
-    eps,
-    weight_offset,
-    store_residual_out,
-    store_rstd,
-    residual_out_dtype=None,
-):
+def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, store_residual_out,
+        store_rstd, residual_out_dtype=None):
     """_add_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -786,17 +666,8 @@ def _add_rmsnorm_fwd_torch(
     return y, residual_out, rstd,
 
 
-def _add_rmsnorm_bwd_default_torch(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    rstd,
-    weight_offset,
-    store_dinput_bias,
-    store_dweight,
-):
+def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd,
+        weight_offset, store_dinput_bias, store_dweight):
     """_add_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -818,17 +689,8 @@ def _add_rmsnorm_bwd_default_torch(
     return dx, dx, dinput_bias, dweight,
 
 
-def _add_rmsnorm_bwd_invertible_torch(
-    dy,
-    dresidual_out,
-    y,
-    input_bias,
-    weight,
-    rstd,
-    weight_offset,
-    store_dinput_bias,
-    store_dweight,
-):
+def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd,
+        weight_offset, store_dinput_bias, store_dweight):
     """_add_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -850,17 +712,8 @@ def _add_rmsnorm_bwd_invertible_torch(
     return dx, dx, dinput_bias, dweight,
 
 
-def _add_rmsnorm_fwd(
-    x,
-    residual,
-    input_bias,
-    weight,
-    eps,
-    weight_offset,
-    store_residual_out,
-    store_rstd,
-    residual_out_dtype=None,
-):
+def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_residual_out,
+        store_rstd, residual_out_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, store_residual_out, store_rstd, residual_out_dtype)
@@ -879,7 +732,7 @@ def _add_rmsnorm_fwd(
         residual_ptr = residual.data_ptr() if residual is not None else x_ptr
         input_bias_ptr = input_bias.data_ptr() if input_bias is not None else x_ptr
         weight_ptr = weight.data_ptr() if weight is not None else x_ptr
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_rmsnorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -955,23 +808,14 @@ def _add_rmsnorm_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, residual_out, rstd,
 
 
-def _add_rmsnorm_bwd_default(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    rstd,
-    weight_offset,
-    store_dinput_bias,
-    store_dweight,
-):
+def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd,
+        weight_offset, store_dinput_bias, store_dweight):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
@@ -993,7 +837,7 @@ def _add_rmsnorm_bwd_default(
         input_bias_ptr = input_bias.data_ptr() if input_bias is not None else dy_ptr
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_rmsnorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1092,8 +936,8 @@ def _add_rmsnorm_bwd_default(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1109,17 +953,8 @@ def _add_rmsnorm_bwd_default(
     return dx, dx, dinput_bias, dweight,
 
 
-def _add_rmsnorm_bwd_invertible(
-    dy,
-    dresidual_out,
-    y,
-    input_bias,
-    weight,
-    rstd,
-    weight_offset,
-    store_dinput_bias,
-    store_dweight,
-):
+def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset,
+        store_dinput_bias, store_dweight):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
@@ -1141,7 +976,7 @@ def _add_rmsnorm_bwd_invertible(
         input_bias_ptr = input_bias.data_ptr() if input_bias is not None else dy_ptr
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_add_rmsnorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1240,8 +1075,8 @@ def _add_rmsnorm_bwd_invertible(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, y_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

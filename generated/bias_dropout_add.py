@@ -22,38 +22,26 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _bias_dropout_add_fwd_per(
-    x_ptr,
-    x_row_stride,
-    residual_ptr,
-    residual_row_stride,
-    bias_ptr,
-    seed_ptr,
-    y_ptr,
-    y_row_stride,
-    p_high,
-    p_low,
-    M,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_bias_dropout_add_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _bias_dropout_add_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride, bias_ptr,
+        seed_ptr, y_ptr, y_row_stride, p_high, p_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_bias_dropout_add_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    u = random
+    epilogue: load bias, residual, u, x
+      z = bias + x
+      keep = Piecewise((1, p <= u), (0, True))
+      kept = keep*z/(1 - p)
+      y = kept + residual
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -88,35 +76,23 @@ def _bias_dropout_add_fwd_per(
 
 
 @triton.jit
-def _bias_dropout_add_fwd_red(
-    x_ptr,
-    x_row_stride,
-    residual_ptr,
-    residual_row_stride,
-    bias_ptr,
-    seed_ptr,
-    y_ptr,
-    y_row_stride,
-    p_high,
-    p_low,
-    M,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _bias_dropout_add_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride, bias_ptr,
+        seed_ptr, y_ptr, y_row_stride, p_high, p_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_bias_dropout_add_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    u = random
+    epilogue: load bias, residual, u, x
+      z = bias + x
+      keep = Piecewise((1, p <= u), (0, True))
+      kept = keep*z/(1 - p)
+      y = kept + residual
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
@@ -148,37 +124,26 @@ def _bias_dropout_add_fwd_red(
 
 
 @triton.jit
-def _bias_dropout_add_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    bias_ptr,
-    seed_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dbias_partial_ptr,
-    p_high,
-    p_low,
-    M,
-    N,
-    HAS_BIAS: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_bias_dropout_add_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _bias_dropout_add_bwd_default_per(dy_ptr, dy_row_stride, bias_ptr, seed_ptr, dx_ptr,
+        dx_row_stride, dbias_partial_ptr, p_high, p_low, M, N, HAS_BIAS: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_bias_dropout_add_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    u = random
+    epilogue: load dy, u
+      keep = Piecewise((1, p <= u), (0, True))
+      common_0 = dy*keep/(1 - p)
+    output dresidual is dy (same values, stored once)
+    store dx = common_0
+    store dbias = common_0 (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -207,34 +172,23 @@ def _bias_dropout_add_bwd_default_per(
 
 
 @triton.jit
-def _bias_dropout_add_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    bias_ptr,
-    seed_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dbias_partial_ptr,
-    p_high,
-    p_low,
-    M,
-    N,
-    HAS_BIAS: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _bias_dropout_add_bwd_default_red(dy_ptr, dy_row_stride, bias_ptr, seed_ptr, dx_ptr,
+        dx_row_stride, dbias_partial_ptr, p_high, p_low, M, N, HAS_BIAS: tl.constexpr,
+        STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_bias_dropout_add_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    u = random
+    epilogue: load dy, u
+      keep = Piecewise((1, p <= u), (0, True))
+      common_0 = dy*keep/(1 - p)
+    output dresidual is dy (same values, stored once)
+    store dx = common_0
+    store dbias = common_0 (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
@@ -262,13 +216,7 @@ def _bias_dropout_add_bwd_default_red(
                 tl.store(dbias_partial_ptr + pid * N + cols, dbias_partial, mask=col_mask)
 
 
-def _bias_dropout_add_fwd_torch(
-    x,
-    residual,
-    bias,
-    p,
-    seed,
-):
+def _bias_dropout_add_fwd_torch(x, residual, bias, p, seed):
     """_bias_dropout_add_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -286,13 +234,7 @@ def _bias_dropout_add_fwd_torch(
     return y,
 
 
-def _bias_dropout_add_bwd_default_torch(
-    dy,
-    bias,
-    p,
-    seed,
-    store_dbias,
-):
+def _bias_dropout_add_bwd_default_torch(dy, bias, p, seed, store_dbias):
     """_bias_dropout_add_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -308,13 +250,7 @@ def _bias_dropout_add_bwd_default_torch(
     return dx, dy, dbias,
 
 
-def _bias_dropout_add_fwd(
-    x,
-    residual,
-    bias,
-    p,
-    seed,
-):
+def _bias_dropout_add_fwd(x, residual, bias, p, seed):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _bias_dropout_add_fwd_torch(x, residual, bias, p, seed)
@@ -333,7 +269,7 @@ def _bias_dropout_add_fwd(
         residual_ptr = residual.data_ptr() if residual is not None else x_ptr
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
         seed_ptr = seed.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_bias_dropout_add_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -393,19 +329,13 @@ def _bias_dropout_add_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y,
 
 
-def _bias_dropout_add_bwd_default(
-    dy,
-    bias,
-    p,
-    seed,
-    store_dbias,
-):
+def _bias_dropout_add_bwd_default(dy, bias, p, seed, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _bias_dropout_add_bwd_default_torch(dy, bias, p, seed, store_dbias)
@@ -422,7 +352,7 @@ def _bias_dropout_add_bwd_default(
         dy_ptr = dy.data_ptr()
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         seed_ptr = seed.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_bias_dropout_add_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -483,8 +413,8 @@ def _bias_dropout_add_bwd_default(
             FIXED_N=fixed_n(schedule, M, N, dy_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     dbias, = launch.column_sums(
         (dbias_partial, bias),

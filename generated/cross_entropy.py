@@ -25,39 +25,33 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _cross_entropy_fwd_per(
-    x_ptr,
-    x_row_stride,
-    target_ptr,
-    loss_ptr,
-    row_max_ptr,
-    denominator_ptr,
-    ignore_index_high,
-    ignore_index_low,
-    label_smoothing_high,
-    label_smoothing_low,
-    M,
-    N,
-    STORE_ROW_MAX: tl.constexpr,
-    STORE_DENOMINATOR: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_cross_entropy_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _cross_entropy_fwd_per(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_ptr, denominator_ptr,
+        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low, M, N,
+        STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_cross_entropy_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    key = column index
+    pass 1: load key, x
+      row_max = 1 * max_j(x)
+      target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+      logit_mean = 1/N * sum_j(x)
+      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+    pass 2: load x
+      e = exp(-row_max + x)
+      denominator = 1 * sum_j(e)
+      loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(1 - label_smoothing) + log(denominator), True))
+    epilogue: load -
+    store loss = loss
+    store row_max = row_max (if STORE_ROW_MAX)
+    store denominator = denominator (if STORE_DENOMINATOR)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -92,36 +86,30 @@ def _cross_entropy_fwd_per(
 
 
 @triton.jit
-def _cross_entropy_fwd_red(
-    x_ptr,
-    x_row_stride,
-    target_ptr,
-    loss_ptr,
-    row_max_ptr,
-    denominator_ptr,
-    ignore_index_high,
-    ignore_index_low,
-    label_smoothing_high,
-    label_smoothing_low,
-    M,
-    N,
-    STORE_ROW_MAX: tl.constexpr,
-    STORE_DENOMINATOR: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_ptr, denominator_ptr,
+        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low, M, N,
+        STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    key = column index
+    pass 1: load key, x
+      row_max = 1 * max_j(x)
+      target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+      logit_mean = 1/N * sum_j(x)
+      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+    pass 2: load x
+      e = exp(-row_max + x)
+      denominator = 1 * sum_j(e)
+      loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(1 - label_smoothing) + log(denominator), True))
+    epilogue: load -
+    store loss = loss
+    store row_max = row_max (if STORE_ROW_MAX)
+    store denominator = denominator (if STORE_DENOMINATOR)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
@@ -188,38 +176,24 @@ def _cross_entropy_fwd_red(
 
 
 @triton.jit
-def _cross_entropy_bwd_default_per(
-    x_ptr,
-    x_row_stride,
-    dloss_ptr,
-    target_ptr,
-    row_max_ptr,
-    denominator_ptr,
-    dx_ptr,
-    dx_row_stride,
-    ignore_index_high,
-    ignore_index_low,
-    label_smoothing_high,
-    label_smoothing_low,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_cross_entropy_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, dloss_ptr, target_ptr, row_max_ptr,
+        denominator_ptr, dx_ptr, dx_row_stride, ignore_index_high, ignore_index_low,
+        label_smoothing_high, label_smoothing_low, M, N, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_cross_entropy_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    key = column index
+    epilogue: load key, x
+      e = exp(-row_max + x)
+      common_0 = Piecewise((1, Eq(key, target)), (0, True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(common_0*label_smoothing - common_0 + e/denominator - Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))/N), True))
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -246,35 +220,21 @@ def _cross_entropy_bwd_default_per(
 
 
 @triton.jit
-def _cross_entropy_bwd_default_red(
-    x_ptr,
-    x_row_stride,
-    dloss_ptr,
-    target_ptr,
-    row_max_ptr,
-    denominator_ptr,
-    dx_ptr,
-    dx_row_stride,
-    ignore_index_high,
-    ignore_index_low,
-    label_smoothing_high,
-    label_smoothing_low,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, dloss_ptr, target_ptr, row_max_ptr,
+        denominator_ptr, dx_ptr, dx_row_stride, ignore_index_high, ignore_index_low,
+        label_smoothing_high, label_smoothing_low, M, N, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    key = column index
+    epilogue: load key, x
+      e = exp(-row_max + x)
+      common_0 = Piecewise((1, Eq(key, target)), (0, True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(common_0*label_smoothing - common_0 + e/denominator - Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))/N), True))
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
@@ -298,14 +258,8 @@ def _cross_entropy_bwd_default_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _cross_entropy_fwd_torch(
-    x,
-    target,
-    ignore_index,
-    label_smoothing,
-    store_row_max,
-    store_denominator,
-):
+def _cross_entropy_fwd_torch(x, target, ignore_index, label_smoothing, store_row_max,
+        store_denominator):
     """_cross_entropy_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -329,15 +283,8 @@ def _cross_entropy_fwd_torch(
     return loss, row_max, denominator,
 
 
-def _cross_entropy_bwd_default_torch(
-    x,
-    dloss,
-    target,
-    row_max,
-    denominator,
-    ignore_index,
-    label_smoothing,
-):
+def _cross_entropy_bwd_default_torch(x, dloss, target, row_max, denominator, ignore_index,
+        label_smoothing):
     """_cross_entropy_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -356,14 +303,7 @@ def _cross_entropy_bwd_default_torch(
     return dx,
 
 
-def _cross_entropy_fwd(
-    x,
-    target,
-    ignore_index,
-    label_smoothing,
-    store_row_max,
-    store_denominator,
-):
+def _cross_entropy_fwd(x, target, ignore_index, label_smoothing, store_row_max, store_denominator):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _cross_entropy_fwd_torch(x, target, ignore_index, label_smoothing, store_row_max, store_denominator)
@@ -379,7 +319,7 @@ def _cross_entropy_fwd(
     if x.is_cuda and launch.direct():
         x_ptr = x.data_ptr()
         target_ptr = target.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_cross_entropy_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -445,21 +385,14 @@ def _cross_entropy_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return loss, row_max, denominator,
 
 
-def _cross_entropy_bwd_default(
-    x,
-    dloss,
-    target,
-    row_max,
-    denominator,
-    ignore_index,
-    label_smoothing,
-):
+def _cross_entropy_bwd_default(x, dloss, target, row_max, denominator, ignore_index,
+        label_smoothing):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _cross_entropy_bwd_default_torch(x, dloss, target, row_max, denominator, ignore_index, label_smoothing)
@@ -478,7 +411,7 @@ def _cross_entropy_bwd_default(
         target_ptr = target.data_ptr()
         row_max_ptr = row_max.data_ptr()
         denominator_ptr = denominator.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_cross_entropy_bwd_default", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -540,8 +473,8 @@ def _cross_entropy_bwd_default(
             FIXED_N=fixed_n(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return dx,
 

@@ -18,32 +18,22 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _geglu_fwd_per(
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    y_ptr,
-    y_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_geglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _geglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride, M, N,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_geglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    epilogue: load gate, up
+      common_0 = gate/2
+      activation = common_0*(erf(sqrt(2)*common_0) + 1)
+      y = activation*up
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         gate_row_stride = FIXED_N
@@ -66,29 +56,19 @@ def _geglu_fwd_per(
 
 
 @triton.jit
-def _geglu_fwd_red(
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    y_ptr,
-    y_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _geglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride, M, N,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_geglu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    epilogue: load gate, up
+      common_0 = gate/2
+      activation = common_0*(erf(sqrt(2)*common_0) + 1)
+      y = activation*up
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -108,36 +88,24 @@ def _geglu_fwd_red(
 
 
 @triton.jit
-def _geglu_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    dgate_ptr,
-    dgate_row_stride,
-    dup_ptr,
-    dup_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_geglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _geglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr, up_row_stride,
+        dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, M, N, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_geglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    epilogue: load dy, gate, up
+      common_1 = gate/2
+      common_2 = erf(sqrt(2)*common_1) + 1
+      activation = common_1*common_2
+    store dgate = dy*up*(common_2 + sqrt(2)*gate*exp(-gate**2/2)/sqrt(pi))/2
+    store dup = activation*dy
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -164,33 +132,21 @@ def _geglu_bwd_default_per(
 
 
 @triton.jit
-def _geglu_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    dgate_ptr,
-    dgate_row_stride,
-    dup_ptr,
-    dup_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _geglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr, up_row_stride,
+        dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, M, N, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_geglu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    epilogue: load dy, gate, up
+      common_1 = gate/2
+      common_2 = erf(sqrt(2)*common_1) + 1
+      activation = common_1*common_2
+    store dgate = dy*up*(common_2 + sqrt(2)*gate*exp(-gate**2/2)/sqrt(pi))/2
+    store dup = activation*dy
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -211,10 +167,7 @@ def _geglu_bwd_default_red(
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def _geglu_fwd_torch(
-    gate,
-    up,
-):
+def _geglu_fwd_torch(gate, up):
     """_geglu_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = gate.dtype
     acc = launch.accumulator(dtype)
@@ -228,11 +181,7 @@ def _geglu_fwd_torch(
     return y,
 
 
-def _geglu_bwd_default_torch(
-    dy,
-    gate,
-    up,
-):
+def _geglu_bwd_default_torch(dy, gate, up):
     """_geglu_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -248,10 +197,7 @@ def _geglu_bwd_default_torch(
     return dgate, dup,
 
 
-def _geglu_fwd(
-    gate,
-    up,
-):
+def _geglu_fwd(gate, up):
     M, N = gate.shape
     if M == 0 or N == 0 or not launch.use_triton(gate):
         return _geglu_fwd_torch(gate, up)
@@ -275,7 +221,7 @@ def _geglu_fwd(
     if gate.is_cuda and launch.direct():
         gate_ptr = gate.data_ptr()
         up_ptr = up.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_geglu_fwd", device.index, M, N,
             gate.dtype, gate_ptr & 15,
@@ -325,17 +271,13 @@ def _geglu_fwd(
             FIXED_N=fixed_n(schedule, M, N, gate_stride, up_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y,
 
 
-def _geglu_bwd_default(
-    dy,
-    gate,
-    up,
-):
+def _geglu_bwd_default(dy, gate, up):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _geglu_bwd_default_torch(dy, gate, up)
@@ -361,7 +303,7 @@ def _geglu_bwd_default(
         dy_ptr = dy.data_ptr()
         gate_ptr = gate.data_ptr()
         up_ptr = up.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_geglu_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -419,8 +361,8 @@ def _geglu_bwd_default(
             FIXED_N=fixed_n(schedule, M, N, dy_stride, gate_stride, up_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return dgate, dup,
 

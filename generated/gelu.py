@@ -21,32 +21,22 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _gelu_fwd_per(
-    x_ptr,
-    x_row_stride,
-    bias_ptr,
-    y_ptr,
-    y_row_stride,
-    M,
-    N,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_gelu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _gelu_fwd_per(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N, HAS_BIAS: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_gelu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    epilogue: load bias, x
+      z = bias + x
+      common_0 = z/2
+      y = common_0*(erf(sqrt(2)*common_0) + 1)
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -71,29 +61,19 @@ def _gelu_fwd_per(
 
 
 @triton.jit
-def _gelu_fwd_red(
-    x_ptr,
-    x_row_stride,
-    bias_ptr,
-    y_ptr,
-    y_row_stride,
-    M,
-    N,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _gelu_fwd_red(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N, HAS_BIAS: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_gelu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    epilogue: load bias, x
+      z = bias + x
+      common_0 = z/2
+      y = common_0*(erf(sqrt(2)*common_0) + 1)
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -116,38 +96,25 @@ def _gelu_fwd_red(
 
 
 @triton.jit
-def _gelu_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    bias_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_gelu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, dx_ptr,
+        dx_row_stride, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_gelu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    epilogue: load bias, dy, x
+      z = bias + x
+      common_0 = sqrt(2)*z
+      common_1 = dy*(common_0*exp(-z**2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+    store dx = common_1
+    store dbias = common_1 (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -179,35 +146,22 @@ def _gelu_bwd_default_per(
 
 
 @triton.jit
-def _gelu_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    bias_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _gelu_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, dx_ptr,
+        dx_row_stride, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_gelu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    epilogue: load bias, dy, x
+      z = bias + x
+      common_0 = sqrt(2)*z
+      common_1 = dy*(common_0*exp(-z**2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+    store dx = common_1
+    store dbias = common_1 (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -238,31 +192,21 @@ def _gelu_bwd_default_red(
 
 
 @triton.jit
-def _gelu_bwd_default_split(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    bias_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, dx_ptr,
+        dx_row_stride, dbias_partial_ptr, M, N, split_sums_ptr, split_count_ptr,
+        HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_gelu_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group (no row reductions: nothing exchanged, split_sums unused); each program keeps its
-    slab's column partials in registers over every row of its group."""
+    slab's column partials in registers over every row of its group.
+
+    epilogue: load bias, dy, x
+      z = bias + x
+      common_0 = sqrt(2)*z
+      common_1 = dy*(common_0*exp(-z**2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+    store dx = common_1
+    store dbias = common_1 (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -304,10 +248,7 @@ def _gelu_bwd_default_split(
         tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _gelu_fwd_torch(
-    x,
-    bias,
-):
+def _gelu_fwd_torch(x, bias):
     """_gelu_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -321,12 +262,7 @@ def _gelu_fwd_torch(
     return y,
 
 
-def _gelu_bwd_default_torch(
-    dy,
-    x,
-    bias,
-    store_dbias,
-):
+def _gelu_bwd_default_torch(dy, x, bias, store_dbias):
     """_gelu_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -342,10 +278,7 @@ def _gelu_bwd_default_torch(
     return dx, dbias,
 
 
-def _gelu_fwd(
-    x,
-    bias,
-):
+def _gelu_fwd(x, bias):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _gelu_fwd_torch(x, bias)
@@ -361,7 +294,7 @@ def _gelu_fwd(
     if x.is_cuda and launch.direct():
         x_ptr = x.data_ptr()
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_gelu_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -411,18 +344,13 @@ def _gelu_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y,
 
 
-def _gelu_bwd_default(
-    dy,
-    x,
-    bias,
-    store_dbias,
-):
+def _gelu_bwd_default(dy, x, bias, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _gelu_bwd_default_torch(dy, x, bias, store_dbias)
@@ -440,7 +368,7 @@ def _gelu_bwd_default(
         dy_ptr = dy.data_ptr()
         x_ptr = x.data_ptr()
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_gelu_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -511,8 +439,8 @@ def _gelu_bwd_default(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, x_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

@@ -19,41 +19,30 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _layernorm_fwd_per(
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    y_ptr,
-    y_row_stride,
-    mean_ptr,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    M,
-    N,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_MEAN: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _layernorm_fwd_per(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_stride, mean_ptr,
+        rstd_ptr, eps_high, eps_low, M, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_MEAN: tl.constexpr, STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_layernorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load x
+      mean = 1/N * sum_j(x)
+    pass 2: load x
+      var = 1/N * sum_j((-mean + x)**2)
+      rstd = 1/sqrt(eps + var)
+    epilogue: load bias, weight, x
+      x_hat = rstd*(-mean + x)
+      y = bias + weight*x_hat
+    store y = y
+    store mean = mean (if STORE_MEAN)
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -89,38 +78,27 @@ def _layernorm_fwd_per(
 
 
 @triton.jit
-def _layernorm_fwd_red(
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    y_ptr,
-    y_row_stride,
-    mean_ptr,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    M,
-    N,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_MEAN: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_fwd_red(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_stride, mean_ptr,
+        rstd_ptr, eps_high, eps_low, M, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_MEAN: tl.constexpr, STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_layernorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load x
+      mean = 1/N * sum_j(x)
+    pass 2: load x
+      var = 1/N * sum_j((-mean + x)**2)
+      rstd = 1/sqrt(eps + var)
+    epilogue: load bias, weight, x
+      x_hat = rstd*(-mean + x)
+      y = bias + weight*x_hat
+    store y = y
+    store mean = mean (if STORE_MEAN)
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
@@ -184,44 +162,29 @@ def _layernorm_fwd_red(
 
 
 @triton.jit
-def _layernorm_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _layernorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, bias_ptr,
+        mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_layernorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -260,41 +223,26 @@ def _layernorm_bwd_default_per(
 
 
 @triton.jit
-def _layernorm_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, bias_ptr,
+        mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_layernorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -349,38 +297,27 @@ def _layernorm_bwd_default_red(
 
 
 @triton.jit
-def _layernorm_bwd_default_split(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, bias_ptr,
+        mean_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_layernorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -435,43 +372,31 @@ def _layernorm_bwd_default_split(
 
 
 @triton.jit
-def _layernorm_bwd_recompute_mean_per(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr,
+        bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_layernorm_bwd_recompute_mean, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, weight, x
+      mean = 1/N * sum_j(x)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+    pass 2: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -510,40 +435,28 @@ def _layernorm_bwd_recompute_mean_per(
 
 
 @triton.jit
-def _layernorm_bwd_recompute_mean_red(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr,
+        bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_layernorm_bwd_recompute_mean, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, weight, x
+      mean = 1/N * sum_j(x)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+    pass 2: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -610,37 +523,29 @@ def _layernorm_bwd_recompute_mean_red(
 
 
 @triton.jit
-def _layernorm_bwd_recompute_mean_split(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr,
+        bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_layernorm_bwd_recompute_mean, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, weight, x
+      mean = 1/N * sum_j(x)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+    pass 2: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load dy, weight, x
+      x_hat = rstd*(-mean + x)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -699,43 +604,29 @@ def _layernorm_bwd_recompute_mean_split(
 
 
 @triton.jit
-def _layernorm_bwd_invertible_per(
-    dy_ptr,
-    dy_row_stride,
-    y_ptr,
-    y_row_stride,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, bias_ptr,
+        rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_layernorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -777,40 +668,26 @@ def _layernorm_bwd_invertible_per(
 
 
 @triton.jit
-def _layernorm_bwd_invertible_red(
-    dy_ptr,
-    dy_row_stride,
-    y_ptr,
-    y_row_stride,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, bias_ptr,
+        rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_layernorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -872,37 +749,27 @@ def _layernorm_bwd_invertible_red(
 
 
 @triton.jit
-def _layernorm_bwd_invertible_split(
-    dy_ptr,
-    dy_row_stride,
-    y_ptr,
-    y_row_stride,
-    weight_ptr,
-    bias_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    STORE_DBIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr,
+        bias_ptr, rstd_ptr, dx_ptr, dx_row_stride, dweight_partial_ptr, dbias_partial_ptr, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STORE_DWEIGHT: tl.constexpr, STORE_DBIAS: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_layernorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+      sum_dy_weight = 1 * sum_j(dy*weight)
+      sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    epilogue: load bias, dy, weight, y
+      x_hat = (-bias + y)*GuardedReciprocal(weight)
+    store dx = rstd*(dy*weight - sum_dy_weight/N - sum_dy_weight_x_hat*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    store dbias = dy (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -959,14 +826,7 @@ def _layernorm_bwd_invertible_split(
         tl.store(dbias_partial_ptr + group * N + cols, tl.sum(dbias_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _layernorm_fwd_torch(
-    x,
-    weight,
-    bias,
-    eps,
-    store_mean,
-    store_rstd,
-):
+def _layernorm_fwd_torch(x, weight, bias, eps, store_mean, store_rstd):
     """_layernorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -986,16 +846,7 @@ def _layernorm_fwd_torch(
     return y, mean, rstd,
 
 
-def _layernorm_bwd_default_torch(
-    dy,
-    x,
-    weight,
-    bias,
-    mean,
-    rstd,
-    store_dweight,
-    store_dbias,
-):
+def _layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias):
     """_layernorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -1015,15 +866,7 @@ def _layernorm_bwd_default_torch(
     return dx, dweight, dbias,
 
 
-def _layernorm_bwd_recompute_mean_torch(
-    dy,
-    x,
-    weight,
-    bias,
-    rstd,
-    store_dweight,
-    store_dbias,
-):
+def _layernorm_bwd_recompute_mean_torch(dy, x, weight, bias, rstd, store_dweight, store_dbias):
     """_layernorm_bwd_recompute_mean in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -1043,15 +886,7 @@ def _layernorm_bwd_recompute_mean_torch(
     return dx, dweight, dbias,
 
 
-def _layernorm_bwd_invertible_torch(
-    dy,
-    y,
-    weight,
-    bias,
-    rstd,
-    store_dweight,
-    store_dbias,
-):
+def _layernorm_bwd_invertible_torch(dy, y, weight, bias, rstd, store_dweight, store_dbias):
     """_layernorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -1070,14 +905,7 @@ def _layernorm_bwd_invertible_torch(
     return dx, dweight, dbias,
 
 
-def _layernorm_fwd(
-    x,
-    weight,
-    bias,
-    eps,
-    store_mean,
-    store_rstd,
-):
+def _layernorm_fwd(x, weight, bias, eps, store_mean, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _layernorm_fwd_torch(x, weight, bias, eps, store_mean, store_rstd)
@@ -1094,7 +922,7 @@ def _layernorm_fwd(
         x_ptr = x.data_ptr()
         weight_ptr = weight.data_ptr() if weight is not None else x_ptr
         bias_ptr = bias.data_ptr() if bias is not None else x_ptr
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_layernorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -1163,22 +991,13 @@ def _layernorm_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, mean, rstd,
 
 
-def _layernorm_bwd_default(
-    dy,
-    x,
-    weight,
-    bias,
-    mean,
-    rstd,
-    store_dweight,
-    store_dbias,
-):
+def _layernorm_bwd_default(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, store_dweight, store_dbias)
@@ -1199,7 +1018,7 @@ def _layernorm_bwd_default(
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         mean_ptr = mean.data_ptr()
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_layernorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1294,8 +1113,8 @@ def _layernorm_bwd_default(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, x_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1311,15 +1130,7 @@ def _layernorm_bwd_default(
     return dx, dweight, dbias,
 
 
-def _layernorm_bwd_recompute_mean(
-    dy,
-    x,
-    weight,
-    bias,
-    rstd,
-    store_dweight,
-    store_dbias,
-):
+def _layernorm_bwd_recompute_mean(dy, x, weight, bias, rstd, store_dweight, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _layernorm_bwd_recompute_mean_torch(dy, x, weight, bias, rstd, store_dweight, store_dbias)
@@ -1339,7 +1150,7 @@ def _layernorm_bwd_recompute_mean(
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_layernorm_bwd_recompute_mean", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1431,8 +1242,8 @@ def _layernorm_bwd_recompute_mean(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, x_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1448,15 +1259,7 @@ def _layernorm_bwd_recompute_mean(
     return dx, dweight, dbias,
 
 
-def _layernorm_bwd_invertible(
-    dy,
-    y,
-    weight,
-    bias,
-    rstd,
-    store_dweight,
-    store_dbias,
-):
+def _layernorm_bwd_invertible(dy, y, weight, bias, rstd, store_dweight, store_dbias):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _layernorm_bwd_invertible_torch(dy, y, weight, bias, rstd, store_dweight, store_dbias)
@@ -1476,7 +1279,7 @@ def _layernorm_bwd_invertible(
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         bias_ptr = bias.data_ptr() if bias is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_layernorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -1568,8 +1371,8 @@ def _layernorm_bwd_invertible(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, y_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

@@ -26,44 +26,35 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _masked_softmax_fwd_per(
-    x_ptr,
-    x_row_stride,
-    attention_mask_ptr,
-    attention_mask_stride0,
-    attention_mask_stride1,
-    attention_mask_stride2,
-    seed_ptr,
-    y_ptr,
-    y_row_stride,
-    p_ptr,
-    p_row_stride,
-    scale_high,
-    scale_low,
-    window_high,
-    window_low,
-    dropout_p_high,
-    dropout_p_low,
-    M,
-    N,
-    D1,
-    D2,
-    HAS_ATTENTION_MASK: tl.constexpr,
-    STORE_P: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_masked_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_mask_stride0,
+        attention_mask_stride1, attention_mask_stride2, seed_ptr, y_ptr, y_row_stride, p_ptr,
+        p_row_stride, scale_high, scale_low, window_high, window_low, dropout_p_high,
+        dropout_p_low, M, N, D1, D2, HAS_ATTENTION_MASK: tl.constexpr, STORE_P: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_masked_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    key = column index
+    query = row index
+    u = random
+    pass 1: load attention_mask, key, x
+      z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+      row_max = 1 * max_j(z)
+    pass 2: load attention_mask, key, x
+      z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+      e = exp(-row_max + z)
+      denominator = 1 * sum_j(e)
+    epilogue: load attention_mask, key, u, x
+      z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+      e = exp(-row_max + z)
+      p = e*GuardedReciprocal(denominator)
+      keep = Piecewise((1, dropout_p <= u), (0, True))
+      y = keep*p/(1 - dropout_p)
+    store y = y
+    store p = p (if STORE_P)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     col0 = 0
@@ -102,45 +93,36 @@ def _masked_softmax_fwd_per(
 
 
 @triton.jit
-def _masked_softmax_fwd_red(
-    x_ptr,
-    x_row_stride,
-    attention_mask_ptr,
-    attention_mask_stride0,
-    attention_mask_stride1,
-    attention_mask_stride2,
-    seed_ptr,
-    y_ptr,
-    y_row_stride,
-    p_ptr,
-    p_row_stride,
-    scale_high,
-    scale_low,
-    window_high,
-    window_low,
-    dropout_p_high,
-    dropout_p_low,
-    M,
-    N,
-    D1,
-    D2,
-    HAS_ATTENTION_MASK: tl.constexpr,
-    STORE_P: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_mask_stride0,
+        attention_mask_stride1, attention_mask_stride2, seed_ptr, y_ptr, y_row_stride, p_ptr,
+        p_row_stride, scale_high, scale_low, window_high, window_low, dropout_p_high,
+        dropout_p_low, M, N, D1, D2, HAS_ATTENTION_MASK: tl.constexpr, STORE_P: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_masked_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    key = column index
+    query = row index
+    u = random
+    pass 1: load attention_mask, key, x
+      z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+      row_max = 1 * max_j(z)
+    pass 2: load attention_mask, key, x
+      z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+      e = exp(-row_max + z)
+      denominator = 1 * sum_j(e)
+    epilogue: load attention_mask, key, u, x
+      z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+      e = exp(-row_max + z)
+      p = e*GuardedReciprocal(denominator)
+      keep = Piecewise((1, dropout_p <= u), (0, True))
+      y = keep*p/(1 - dropout_p)
+    store y = y
+    store p = p (if STORE_P)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
@@ -231,41 +213,28 @@ def _masked_softmax_fwd_red(
 
 
 @triton.jit
-def _masked_softmax_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    p_ptr,
-    p_row_stride,
-    seed_ptr,
-    dx_ptr,
-    dx_row_stride,
-    scale_high,
-    scale_low,
-    window_high,
-    window_low,
-    dropout_p_high,
-    dropout_p_low,
-    M,
-    N,
-    D1,
-    D2,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_masked_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _masked_softmax_bwd_default_per(dy_ptr, dy_row_stride, p_ptr, p_row_stride, seed_ptr, dx_ptr,
+        dx_row_stride, scale_high, scale_low, window_high, window_low, dropout_p_high,
+        dropout_p_low, M, N, D1, D2, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_masked_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    key = column index
+    query = row index
+    u = random
+    pass 1: load dy, p, u
+      keep = Piecewise((1, dropout_p <= u), (0, True))
+      sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(1 - dropout_p))
+    epilogue: load dy, key, p, u
+      keep = Piecewise((1, dropout_p <= u), (0, True))
+    store dx = p*(dy*keep/(1 - dropout_p) - sum_dy_keep_p_term)*Piecewise((scale, key <= query + window), (0, True))
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -295,38 +264,25 @@ def _masked_softmax_bwd_default_per(
 
 
 @triton.jit
-def _masked_softmax_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    p_ptr,
-    p_row_stride,
-    seed_ptr,
-    dx_ptr,
-    dx_row_stride,
-    scale_high,
-    scale_low,
-    window_high,
-    window_low,
-    dropout_p_high,
-    dropout_p_low,
-    M,
-    N,
-    D1,
-    D2,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, seed_ptr, dx_ptr,
+        dx_row_stride, scale_high, scale_low, window_high, window_low, dropout_p_high,
+        dropout_p_low, M, N, D1, D2, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_masked_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    key = column index
+    query = row index
+    u = random
+    pass 1: load dy, p, u
+      keep = Piecewise((1, dropout_p <= u), (0, True))
+      sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(1 - dropout_p))
+    epilogue: load dy, key, p, u
+      keep = Piecewise((1, dropout_p <= u), (0, True))
+    store dx = p*(dy*keep/(1 - dropout_p) - sum_dy_keep_p_term)*Piecewise((scale, key <= query + window), (0, True))
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
@@ -363,17 +319,8 @@ def _masked_softmax_bwd_default_red(
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _masked_softmax_fwd_torch(
-    x,
-    attention_mask,
-    scale,
-    window,
-    dropout_p,
-    seed,
-    row_shape,
-    store_p,
-    p_dtype=None,
-):
+def _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed, row_shape,
+        store_p, p_dtype=None):
     """_masked_softmax_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -399,15 +346,7 @@ def _masked_softmax_fwd_torch(
     return y, p,
 
 
-def _masked_softmax_bwd_default_torch(
-    dy,
-    p,
-    scale,
-    window,
-    dropout_p,
-    seed,
-    row_shape,
-):
+def _masked_softmax_bwd_default_torch(dy, p, scale, window, dropout_p, seed, row_shape):
     """_masked_softmax_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -426,17 +365,8 @@ def _masked_softmax_bwd_default_torch(
     return dx,
 
 
-def _masked_softmax_fwd(
-    x,
-    attention_mask,
-    scale,
-    window,
-    dropout_p,
-    seed,
-    row_shape,
-    store_p,
-    p_dtype=None,
-):
+def _masked_softmax_fwd(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p,
+        p_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p, p_dtype)
@@ -454,7 +384,7 @@ def _masked_softmax_fwd(
         x_ptr = x.data_ptr()
         attention_mask_ptr = attention_mask.data_ptr() if attention_mask is not None else x_ptr
         seed_ptr = seed.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_masked_softmax_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -527,21 +457,13 @@ def _masked_softmax_fwd(
             FIXED_N=0,
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, p,
 
 
-def _masked_softmax_bwd_default(
-    dy,
-    p,
-    scale,
-    window,
-    dropout_p,
-    seed,
-    row_shape,
-):
+def _masked_softmax_bwd_default(dy, p, scale, window, dropout_p, seed, row_shape):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _masked_softmax_bwd_default_torch(dy, p, scale, window, dropout_p, seed, row_shape)
@@ -559,7 +481,7 @@ def _masked_softmax_bwd_default(
         dy_ptr = dy.data_ptr()
         p_ptr = p.data_ptr()
         seed_ptr = seed.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_masked_softmax_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -621,8 +543,8 @@ def _masked_softmax_bwd_default(
             FIXED_N=fixed_n(schedule, M, N, dy_stride, p_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return dx,
 

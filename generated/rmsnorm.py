@@ -21,38 +21,27 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _rmsnorm_fwd_per(
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    y_ptr,
-    y_row_stride,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_ptr, eps_high,
+        eps_low, weight_offset_high, weight_offset_low, M, N, HAS_WEIGHT: tl.constexpr,
+        STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load x
+      mean_square = 1/N * sum_j(x**2)
+      rstd = 1/sqrt(eps + mean_square)
+    epilogue: load weight, x
+      x_hat = rstd*x
+      y = x_hat*(weight + weight_offset)
+    store y = y
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -82,35 +71,24 @@ def _rmsnorm_fwd_per(
 
 
 @triton.jit
-def _rmsnorm_fwd_red(
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    y_ptr,
-    y_row_stride,
-    rstd_ptr,
-    eps_high,
-    eps_low,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_ptr, eps_high,
+        eps_low, weight_offset_high, weight_offset_low, M, N, HAS_WEIGHT: tl.constexpr,
+        STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load x
+      mean_square = 1/N * sum_j(x**2)
+      rstd = 1/sqrt(eps + mean_square)
+    epilogue: load weight, x
+      x_hat = rstd*x
+      y = x_hat*(weight + weight_offset)
+    store y = y
+    store rstd = rstd (if STORE_RSTD)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
@@ -145,41 +123,26 @@ def _rmsnorm_fwd_red(
 
 
 @triton.jit
-def _rmsnorm_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_rmsnorm_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, weight, x
+      x_hat = rstd*x
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dy, weight, x
+      x_hat = rstd*x
+    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -212,38 +175,23 @@ def _rmsnorm_bwd_default_per(
 
 
 @triton.jit
-def _rmsnorm_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, weight, x
+      x_hat = rstd*x
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dy, weight, x
+      x_hat = rstd*x
+    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -288,35 +236,24 @@ def _rmsnorm_bwd_default_red(
 
 
 @triton.jit
-def _rmsnorm_bwd_default_split(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, weight, x
+      x_hat = rstd*x
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dy, weight, x
+      x_hat = rstd*x
+    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -364,41 +301,26 @@ def _rmsnorm_bwd_default_split(
 
 
 @triton.jit
-def _rmsnorm_bwd_invertible_per(
-    dy_ptr,
-    dy_row_stride,
-    y_ptr,
-    y_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_rmsnorm_bwd_invertible, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -431,38 +353,23 @@ def _rmsnorm_bwd_invertible_per(
 
 
 @triton.jit
-def _rmsnorm_bwd_invertible_red(
-    dy_ptr,
-    dy_row_stride,
-    y_ptr,
-    y_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_invertible, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -507,35 +414,24 @@ def _rmsnorm_bwd_invertible_red(
 
 
 @triton.jit
-def _rmsnorm_bwd_invertible_split(
-    dy_ptr,
-    dy_row_stride,
-    y_ptr,
-    y_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dweight_partial_ptr,
-    weight_offset_high,
-    weight_offset_low,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    HAS_WEIGHT: tl.constexpr,
-    STORE_DWEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    epilogue: load dy, weight, y
+      x_hat = y*GuardedReciprocal(weight + weight_offset)
+    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dweight = dy*x_hat (Σ over rows)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -582,13 +478,7 @@ def _rmsnorm_bwd_invertible_split(
         tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _rmsnorm_fwd_torch(
-    x,
-    weight,
-    eps,
-    weight_offset,
-    store_rstd,
-):
+def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd):
     """_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -606,14 +496,7 @@ def _rmsnorm_fwd_torch(
     return y, rstd,
 
 
-def _rmsnorm_bwd_default_torch(
-    dy,
-    x,
-    weight,
-    rstd,
-    weight_offset,
-    store_dweight,
-):
+def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight):
     """_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -630,14 +513,7 @@ def _rmsnorm_bwd_default_torch(
     return dx, dweight,
 
 
-def _rmsnorm_bwd_invertible_torch(
-    dy,
-    y,
-    weight,
-    rstd,
-    weight_offset,
-    store_dweight,
-):
+def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight):
     """_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -654,13 +530,7 @@ def _rmsnorm_bwd_invertible_torch(
     return dx, dweight,
 
 
-def _rmsnorm_fwd(
-    x,
-    weight,
-    eps,
-    weight_offset,
-    store_rstd,
-):
+def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd)
@@ -676,7 +546,7 @@ def _rmsnorm_fwd(
     if x.is_cuda and launch.direct():
         x_ptr = x.data_ptr()
         weight_ptr = weight.data_ptr() if weight is not None else x_ptr
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_rmsnorm_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -736,20 +606,13 @@ def _rmsnorm_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, rstd,
 
 
-def _rmsnorm_bwd_default(
-    dy,
-    x,
-    weight,
-    rstd,
-    weight_offset,
-    store_dweight,
-):
+def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight)
@@ -768,7 +631,7 @@ def _rmsnorm_bwd_default(
         x_ptr = x.data_ptr()
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_rmsnorm_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -852,8 +715,8 @@ def _rmsnorm_bwd_default(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, x_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -868,14 +731,7 @@ def _rmsnorm_bwd_default(
     return dx, dweight,
 
 
-def _rmsnorm_bwd_invertible(
-    dy,
-    y,
-    weight,
-    rstd,
-    weight_offset,
-    store_dweight,
-):
+def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight)
@@ -894,7 +750,7 @@ def _rmsnorm_bwd_invertible(
         y_ptr = y.data_ptr()
         weight_ptr = weight.data_ptr() if weight is not None else dy_ptr
         rstd_ptr = rstd.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_rmsnorm_bwd_invertible", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -978,8 +834,8 @@ def _rmsnorm_bwd_invertible(
                     FIXED_N=fixed_n(schedule, M, N, dy_stride, y_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

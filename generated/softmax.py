@@ -18,31 +18,26 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _softmax_fwd_per(
-    x_ptr,
-    x_row_stride,
-    p_ptr,
-    p_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _softmax_fwd_per(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_softmax_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load x
+      row_max = 1 * max_j(x)
+    pass 2: load x
+      e = exp(-row_max + x)
+      denominator = 1 * sum_j(e)
+    epilogue: load x
+      e = exp(-row_max + x)
+      p = e/denominator
+    store p = p
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         x_row_stride = FIXED_N
@@ -65,28 +60,23 @@ def _softmax_fwd_per(
 
 
 @triton.jit
-def _softmax_fwd_red(
-    x_ptr,
-    x_row_stride,
-    p_ptr,
-    p_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    ONE_SWEEP: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_softmax_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load x
+      row_max = 1 * max_j(x)
+    pass 2: load x
+      e = exp(-row_max + x)
+      denominator = 1 * sum_j(e)
+    epilogue: load x
+      e = exp(-row_max + x)
+      p = e/denominator
+    store p = p
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -138,34 +128,22 @@ def _softmax_fwd_red(
 
 
 @triton.jit
-def _softmax_bwd_default_per(
-    dp_ptr,
-    dp_row_stride,
-    p_ptr,
-    p_row_stride,
-    dx_ptr,
-    dx_row_stride,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _softmax_bwd_default_per(dp_ptr, dp_row_stride, p_ptr, p_row_stride, dx_ptr, dx_row_stride, M,
+        N, split_sums_ptr, split_count_ptr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
+    """_softmax_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    pass 1: load dp, p
+      sum_dp_p = 1 * sum_j(dp*p)
+    epilogue: load dp, p
+    store dx = p*(dp - sum_dp_p)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dp_row_stride = FIXED_N
@@ -186,31 +164,19 @@ def _softmax_bwd_default_per(
 
 
 @triton.jit
-def _softmax_bwd_default_red(
-    dp_ptr,
-    dp_row_stride,
-    p_ptr,
-    p_row_stride,
-    dx_ptr,
-    dx_row_stride,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _softmax_bwd_default_red(dp_ptr, dp_row_stride, p_ptr, p_row_stride, dx_ptr, dx_row_stride, M,
+        N, split_sums_ptr, split_count_ptr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_softmax_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    pass 1: load dp, p
+      sum_dp_p = 1 * sum_j(dp*p)
+    epilogue: load dp, p
+    store dx = p*(dp - sum_dp_p)
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -236,28 +202,19 @@ def _softmax_bwd_default_red(
 
 
 @triton.jit
-def _softmax_bwd_default_split(
-    dp_ptr,
-    dp_row_stride,
-    p_ptr,
-    p_row_stride,
-    dx_ptr,
-    dx_row_stride,
-    M,
-    N,
-    split_sums_ptr,
-    split_count_ptr,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MEMBERS: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _softmax_bwd_default_split(dp_ptr, dp_row_stride, p_ptr, p_row_stride, dx_ptr, dx_row_stride,
+        M, N, split_sums_ptr, split_count_ptr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_softmax_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
     of a group, which run at once (a cooperative launch) and exchange their slabs' partial row
     sums through split_sums; each program keeps its slab's column partials in registers over
-    every row of its group, so a row too wide for one program is read once."""
+    every row of its group, so a row too wide for one program is read once.
+
+    pass 1: load dp, p
+      sum_dp_p = 1 * sum_j(dp*p)
+    epilogue: load dp, p
+    store dx = p*(dp - sum_dp_p)
+    """
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
@@ -292,9 +249,7 @@ def _softmax_bwd_default_split(
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (dp - sum_dp_p)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _softmax_fwd_torch(
-    x,
-):
+def _softmax_fwd_torch(x):
     """_softmax_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -309,10 +264,7 @@ def _softmax_fwd_torch(
     return p,
 
 
-def _softmax_bwd_default_torch(
-    dp,
-    p,
-):
+def _softmax_bwd_default_torch(dp, p):
     """_softmax_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dp.dtype
     acc = launch.accumulator(dtype)
@@ -324,9 +276,7 @@ def _softmax_bwd_default_torch(
     return dx,
 
 
-def _softmax_fwd(
-    x,
-):
+def _softmax_fwd(x):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _softmax_fwd_torch(x)
@@ -341,7 +291,7 @@ def _softmax_fwd(
     plan = key = None
     if x.is_cuda and launch.direct():
         x_ptr = x.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_softmax_fwd", device.index, M, N,
             x.dtype, x_ptr & 15,
@@ -388,16 +338,13 @@ def _softmax_fwd(
             FIXED_N=fixed_n(schedule, M, N, x_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return p,
 
 
-def _softmax_bwd_default(
-    dp,
-    p,
-):
+def _softmax_bwd_default(dp, p):
     M, N = dp.shape
     if M == 0 or N == 0 or not launch.use_triton(dp):
         return _softmax_bwd_default_torch(dp, p)
@@ -414,7 +361,7 @@ def _softmax_bwd_default(
     if dp.is_cuda and launch.direct():
         dp_ptr = dp.data_ptr()
         p_ptr = p.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_softmax_bwd_default", device.index, M, N,
             dp.dtype, dp_ptr & 15,
@@ -483,8 +430,8 @@ def _softmax_bwd_default(
                     FIXED_N=fixed_n(schedule, M, N, dp_stride, p_stride),
                 )
             grid = (schedule.programs,)
-            maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+            registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

@@ -21,32 +21,22 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _swiglu_fwd_per(
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    y_ptr,
-    y_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_swiglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride, M, N,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_swiglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    epilogue: load gate, up
+      e = exp(-gate)
+      s = 1/(e + 1)
+      y = gate*s*up
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         gate_row_stride = FIXED_N
@@ -69,29 +59,19 @@ def _swiglu_fwd_per(
 
 
 @triton.jit
-def _swiglu_fwd_red(
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    y_ptr,
-    y_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride, M, N,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_swiglu_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    epilogue: load gate, up
+      e = exp(-gate)
+      s = 1/(e + 1)
+      y = gate*s*up
+    store y = y
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -111,36 +91,24 @@ def _swiglu_fwd_red(
 
 
 @triton.jit
-def _swiglu_bwd_default_per(
-    dy_ptr,
-    dy_row_stride,
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    dgate_ptr,
-    dgate_row_stride,
-    dup_ptr,
-    dup_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
-    """_swiglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step."""
+def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr,
+        up_row_stride, dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, M, N,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+    """_swiglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
+
+    epilogue: load dy, gate, up
+      e = exp(-gate)
+      s = 1/(e + 1)
+      common_0 = gate*s
+    store dgate = dy*s*up*(-common_0 + gate + 1)
+    store dup = common_0*dy
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if FIXED_N:
-        # compiled for its row width (`_fixed`): the width and the contiguous rows' strides
+        # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
         # constants, the row offsets in 32 bits
         N = FIXED_N
         dy_row_stride = FIXED_N
@@ -167,33 +135,21 @@ def _swiglu_bwd_default_per(
 
 
 @triton.jit
-def _swiglu_bwd_default_red(
-    dy_ptr,
-    dy_row_stride,
-    gate_ptr,
-    gate_row_stride,
-    up_ptr,
-    up_row_stride,
-    dgate_ptr,
-    dgate_row_stride,
-    dup_ptr,
-    dup_row_stride,
-    M,
-    N,
-    ACC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    KEEP: tl.constexpr,
-    EVEN: tl.constexpr,
-    STRIDED: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
-    FIXED_N: tl.constexpr,
-):
+def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr,
+        up_row_stride, dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, M, N,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_swiglu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
-    BLOCK_N columns."""
+    BLOCK_N columns.
+
+    epilogue: load dy, gate, up
+      e = exp(-gate)
+      s = 1/(e + 1)
+      common_0 = gate*s
+    store dgate = dy*s*up*(-common_0 + gate + 1)
+    store dup = common_0*dy
+    """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -214,10 +170,7 @@ def _swiglu_bwd_default_red(
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def _swiglu_fwd_torch(
-    gate,
-    up,
-):
+def _swiglu_fwd_torch(gate, up):
     """_swiglu_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = gate.dtype
     acc = launch.accumulator(dtype)
@@ -231,11 +184,7 @@ def _swiglu_fwd_torch(
     return y,
 
 
-def _swiglu_bwd_default_torch(
-    dy,
-    gate,
-    up,
-):
+def _swiglu_bwd_default_torch(dy, gate, up):
     """_swiglu_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -251,10 +200,7 @@ def _swiglu_bwd_default_torch(
     return dgate, dup,
 
 
-def _swiglu_fwd(
-    gate,
-    up,
-):
+def _swiglu_fwd(gate, up):
     M, N = gate.shape
     if M == 0 or N == 0 or not launch.use_triton(gate):
         return _swiglu_fwd_torch(gate, up)
@@ -278,7 +224,7 @@ def _swiglu_fwd(
     if gate.is_cuda and launch.direct():
         gate_ptr = gate.data_ptr()
         up_ptr = up.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_swiglu_fwd", device.index, M, N,
             gate.dtype, gate_ptr & 15,
@@ -328,17 +274,13 @@ def _swiglu_fwd(
             FIXED_N=fixed_n(schedule, M, N, gate_stride, up_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y,
 
 
-def _swiglu_bwd_default(
-    dy,
-    gate,
-    up,
-):
+def _swiglu_bwd_default(dy, gate, up):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _swiglu_bwd_default_torch(dy, gate, up)
@@ -364,7 +306,7 @@ def _swiglu_bwd_default(
         dy_ptr = dy.data_ptr()
         gate_ptr = gate.data_ptr()
         up_ptr = up.data_ptr()
-        # what the schedule, the buffers and Triton's compile depend on (`_specializations`)
+        # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
             "_swiglu_bwd_default", device.index, M, N,
             dy.dtype, dy_ptr & 15,
@@ -422,8 +364,8 @@ def _swiglu_bwd_default(
             FIXED_N=fixed_n(schedule, M, N, dy_stride, gate_stride, up_stride),
         )
         grid = (schedule.programs,)
-        maxnreg = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=maxnreg, **options)
+        registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
+        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return dgate, dup,
 

@@ -13,10 +13,13 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}"
+        )
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {input.dtype}"
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
+            f"float64, got {input.dtype}"
         )
 
 
@@ -24,19 +27,27 @@ def check_param(function, name, param, shape, input):
     if param is None:
         return None
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(param).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
+            f"{type(param).__name__}"
+        )
     if param.shape != shape:
         raise ValueError(
-            f"{function}(): argument '{name}' must have shape {shape} (normalized_shape), got {tuple(param.shape)}"
+            f"{function}(): argument '{name}' must have shape {shape} (normalized_shape), got "
+            f"{tuple(param.shape)}"
         )
     if param.device != input.device:
         raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
+            f"got {param.device}"
         )
     dtype = param.dtype
-    if dtype != input.dtype and not (dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)):
+    if dtype != input.dtype and not (
+        dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
+    ):
         raise TypeError(
-            f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or float32 for a "
+            f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or "
+            "float32 for a "
             f"float16/bfloat16 input, got {dtype}"
         )
     if param.dim() != 1:
@@ -49,33 +60,47 @@ def check_like_input(function, name, tensor, input, reference="input"):
     if tensor is None:
         return None
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
+            f"{type(tensor).__name__}"
+        )
     if tensor.shape != input.shape:
         raise ValueError(
-            f"{function}(): argument '{name}' must have the shape of '{reference}' {list(input.shape)}, got {list(tensor.shape)}"
+            f"{function}(): argument '{name}' must have the shape of '{reference}' "
+            f"{list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
         raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of '{reference}' ({input.device}), got {tensor.device}"
+            f"{function}(): argument '{name}' must be on the device of '{reference}' "
+            f"({input.device}), got {tensor.device}"
         )
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64, got {tensor.dtype}"
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
+            f"float64, got {tensor.dtype}"
         )
     return tensor
 
 
 def check_scalar_param(function, name, param, input):
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}"
+        )
     if param.numel() != 1:
-        raise ValueError(f"{function}(): argument '{name}' must hold one value (shape () or (1,)), got shape {tuple(param.shape)}")
+        raise ValueError(
+            f"{function}(): argument '{name}' must hold one value (shape () or (1,)), got shape "
+            f"{tuple(param.shape)}"
+        )
     if param.device != input.device:
         raise ValueError(
-            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {param.device}"
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
+            f"got {param.device}"
         )
     if param.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}"
+        )
     return param.reshape(())
 
 
@@ -89,7 +114,9 @@ def check_normalized_shape(function, normalized_shape, input):
             return (n,), n
     if type(normalized_shape) is int:
         shape = (normalized_shape,)
-    elif type(normalized_shape) in (tuple, torch.Size) and all(type(d) is int for d in normalized_shape):
+    elif type(normalized_shape) in (tuple, torch.Size) and all(
+        type(d) is int for d in normalized_shape
+    ):
         shape = tuple(normalized_shape)
     elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
@@ -99,13 +126,17 @@ def check_normalized_shape(function, normalized_shape, input):
         shape = tuple(int(d) for d in normalized_shape)
     else:
         raise TypeError(
-            f"{function}(): argument 'normalized_shape' must be an int or a sequence of ints, got {normalized_shape!r}"
+            f"{function}(): argument 'normalized_shape' must be an int or a sequence of ints, got "
+            f"{normalized_shape!r}"
         )
     if not shape:
-        raise ValueError(f"{function}(): argument 'normalized_shape' must have at least one dimension, got ()")
-    if input.dim() < len(shape) or input.shape[-len(shape):] != shape:
         raise ValueError(
-            f"{function}(): argument 'normalized_shape' {list(shape)} must match the trailing dimensions of "
+            f"{function}(): argument 'normalized_shape' must have at least one dimension, got ()"
+        )
+    if input.dim() < len(shape) or input.shape[-len(shape) :] != shape:
+        raise ValueError(
+            f"{function}(): argument 'normalized_shape' {list(shape)} must match the trailing "
+            "dimensions of "
             f"'input', got input of shape {list(input.shape)}"
         )
     return shape, math.prod(shape)
@@ -117,7 +148,9 @@ def check_eps(function, eps, dtype):
     if type(eps) is float and 0.0 <= eps < float("inf"):
         return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{function}(): argument 'eps' must be a real number or None, got {type(eps).__name__}")
+        raise TypeError(
+            f"{function}(): argument 'eps' must be a real number or None, got {type(eps).__name__}"
+        )
     eps = float(eps)
     if not eps >= 0.0 or eps == float("inf"):
         raise ValueError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
@@ -126,7 +159,9 @@ def check_eps(function, eps, dtype):
 
 def check_real(function, name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}"
+        )
     value = float(value)
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{function}(): argument '{name}' must be finite, got {value}")
@@ -144,10 +179,14 @@ def needs_grad(*tensors):
 
 def check_option(function, name, value, check):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}"
+        )
     value = float(value)
     if check == "probability" and not 0.0 <= value < 1.0:
-        raise ValueError(f"{function}(): argument '{name}' must be a probability in [0, 1), got {value}")
+        raise ValueError(
+            f"{function}(): argument '{name}' must be a probability in [0, 1), got {value}"
+        )
     if check == "unit" and not 0.0 <= value <= 1.0:
         raise ValueError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
     if check == "integer" and not value.is_integer():
@@ -161,10 +200,15 @@ def seed(function, seed, device):
     if seed is None:
         return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
     if isinstance(seed, bool) or not isinstance(seed, (numbers.Integral, torch.Tensor)):
-        raise TypeError(f"{function}(): argument 'seed' must be an int or None, got {type(seed).__name__}")
+        raise TypeError(
+            f"{function}(): argument 'seed' must be an int or None, got {type(seed).__name__}"
+        )
     if isinstance(seed, torch.Tensor):
         if seed.numel() != 1 or seed.dtype != torch.int64:
-            raise ValueError(f"{function}(): argument 'seed' as a tensor must hold one int64, got {seed.numel()} of {seed.dtype}")
+            raise ValueError(
+                f"{function}(): argument 'seed' as a tensor must hold one int64, got "
+                f"{seed.numel()} of {seed.dtype}"
+            )
         return seed.reshape(()).to(device)
     if not 0 <= seed < 2**63:
         raise ValueError(f"{function}(): argument 'seed' must be in [0, 2**63), got {seed}")
@@ -194,20 +238,35 @@ def check_broadcast(function, name, tensor, input, additive):
     if tensor is None:
         return None
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(tensor).__name__}")
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
+            f"{type(tensor).__name__}"
+        )
     if tensor.dim() > input.dim() or any(
-            size not in (1, full) for size, full in zip(reversed(tensor.shape), reversed(input.shape))):
+        size not in (1, full)
+        for size, full in zip(reversed(tensor.shape), reversed(input.shape), strict=False)
+    ):
         raise ValueError(
-            f"{function}(): argument '{name}' must be broadcastable to the shape of 'input' {list(input.shape)}, got {list(tensor.shape)}"
+            f"{function}(): argument '{name}' must be broadcastable to the shape of 'input' "
+            f"{list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
-        raise ValueError(f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), got {tensor.device}")
+        raise ValueError(
+            f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
+            f"got {tensor.device}"
+        )
     if tensor.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{function}(): argument '{name}' is not differentiated here and must not require grad; pass {name}.detach()")
+        raise ValueError(
+            f"{function}(): argument '{name}' is not differentiated here and must not require "
+            f"grad; pass {name}.detach()"
+        )
     if additive and tensor.dtype == torch.bool:
-        return torch.zeros(tensor.shape, dtype=input.dtype, device=input.device).masked_fill(~tensor, float("-inf"))
+        return torch.zeros(tensor.shape, dtype=input.dtype, device=input.device).masked_fill(
+            ~tensor, float("-inf")
+        )
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or float64{' or bool' if additive else ''}, got {tensor.dtype}"
+            f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
+            f"float64{' or bool' if additive else ''}, got {tensor.dtype}"
         )
     return tensor

@@ -58,8 +58,9 @@ def shaped(tensor: torch.Tensor, shape) -> torch.Tensor:
     return tensor if tensor.shape == shape else tensor.reshape(shape)
 
 
-def partials(needed: bool, schedule: Schedule, N: int, acc: torch.dtype,
-             device: torch.device) -> torch.Tensor | None:
+def partials(
+    needed: bool, schedule: Schedule, N: int, acc: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     """Per-program fp32 column partials, summed once at the end: deterministic, no atomics.
     A persistent kernel writes every row of them; a looped one accumulates into them; the
     programs of a split kernel's group write one row, each its slab of it."""
@@ -94,8 +95,14 @@ def specializations(args) -> list:
     apart for (an int's being 1, a multiple of 16 or within int32; a tensor's dtype and 16-byte
     alignment; floats all fp32): ints, bools and None as themselves, any float as float, a
     tensor as its dtype and address modulo 16."""
-    return [a if (kind := a.__class__) is int or kind is bool or a is None
-            else float if kind is float else (a.dtype, a.data_ptr() & 15) for a in args]
+    return [
+        a
+        if (kind := a.__class__) is int or kind is bool or a is None
+        else float
+        if kind is float
+        else (a.dtype, a.data_ptr() & 15)
+        for a in args
+    ]
 
 
 def _hooked(hook) -> bool:
@@ -106,20 +113,37 @@ def _hooked(hook) -> bool:
 def direct() -> bool:
     """Whether a CUDA call may launch through a plan: a Triton version whose launcher plans
     call, and no launch hooks (profilers), which only the JIT's path calls."""
-    return _DIRECT and not (_hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook))
+    return _DIRECT and not (
+        _hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook)
+    )
 
 
-def make_plan(schedule: Schedule | None, kernel, compiled, grid, positional: int,
-              constexprs: dict) -> Plan | None:
+def make_plan(
+    schedule: Schedule | None, kernel, compiled, grid, positional: int, constexprs: dict
+) -> Plan | None:
     """What launches `compiled` again, or None where it cannot: only where the call gave every
     constexpr by name, in signature order after its `positional` arguments (the plan then
     passes their values in that order). Triton's options (debug, ...) are those of this call."""
-    if not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(constexprs):
+    if not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(
+        constexprs
+    ):
         return None
     run = compiled.run
     if _C_LAUNCH and not run.global_scratch_size and not run.profile_scratch_size:
-        launch_function, head = run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                                             None, None, compiled.packed_metadata, None, None, None)
+        launch_function, head = (
+            run.launch,
+            (
+                compiled.function,
+                run.launch_cooperative_grid,
+                run.launch_pdl,
+                None,
+                None,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+            ),
+        )
     else:
         launch_function, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
     return Plan(schedule, launch_function, grid, head, tuple(constexprs.values()))
@@ -146,8 +170,15 @@ def launch(kernel, grid, warps, maxnreg, *args, **constexprs):
                 PLANS.clear()
             PLANS[key] = made
         return compiled
-    plan.launch(grid[0], grid[1] if len(grid) > 1 else 1, 1,
-                torch._C._cuda_getCurrentRawStream(device), *plan.head, *args, *plan.tail)
+    plan.launch(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        1,
+        torch._C._cuda_getCurrentRawStream(device),
+        *plan.head,
+        *args,
+        *plan.tail,
+    )
 
 
 #: the column sums of the partials: a program sums BLOCK_C columns over BLOCK_P partial rows
@@ -159,18 +190,33 @@ def column_sums(*stores):
     """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
     rows and cast: one launch for up to three of them instead of a sum and a cast each."""
     needed = [(partial, like) for partial, like in stores if partial is not None]
-    sums = [torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device)
-            for partial, like in needed]
+    sums = [
+        torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device)
+        for partial, like in needed
+    ]
     for first in range(0, len(needed), 3):
         pairs = []
-        for (partial, _), total in zip(needed[first:first + 3], sums[first:first + 3]):
+        for (partial, _), total in zip(
+            needed[first : first + 3], sums[first : first + 3], strict=False
+        ):
             pairs += (partial, total)
         count = len(pairs) // 2
         P, N = pairs[0].shape
         # plain integer arithmetic: triton.cdiv and next_power_of_2 cost µs of host time each
         block_p = min(COLUMN_SUM_BLOCK_P, 1 << (P - 1).bit_length())
         block_c = COLUMN_SUM_BLOCK_C if pairs[0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
-        launch(triton_helpers.column_sums_kernel, (-(-N // block_c), count), 4, None, *pairs,
-               *(None, None) * (3 - count), P, N, COUNT=count, BLOCK_P=block_p, BLOCK_C=block_c)
+        launch(
+            triton_helpers.column_sums_kernel,
+            (-(-N // block_c), count),
+            4,
+            None,
+            *pairs,
+            *(None, None) * (3 - count),
+            P,
+            N,
+            COUNT=count,
+            BLOCK_P=block_p,
+            BLOCK_C=block_c,
+        )
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)

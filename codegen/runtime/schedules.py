@@ -29,9 +29,12 @@ import triton
 #: `entry`: the measured-table key the schedule came from (None: the constants)
 #: `split`: the programs a row is split over (0: rows are not split)
 #: `last_first`: the row blocks walked from the last
-Schedule = namedtuple("Schedule", "looped block_n rows warps programs stages chunks one_sweep "
-                      "keep even strided reverse regs fixed entry split last_first",
-                      defaults=(False, None, 0, False))
+Schedule = namedtuple(
+    "Schedule",
+    "looped block_n rows warps programs stages chunks one_sweep "
+    "keep even strided reverse regs fixed entry split last_first",
+    defaults=(False, None, 0, False),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +137,14 @@ class Schedules:
     every schedule and plan on entry and exit: it is the one way to change a schedule.
     """
 
-    def __init__(self, op: str, constants: Constants = Constants(),
-                 measured: dict[tuple[str, int], Measured] | None = None,
-                 split_exchange: bool = False,
-                 measured_loads: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        op: str,
+        constants: Constants = Constants(),
+        measured: dict[tuple[str, int], Measured] | None = None,
+        split_exchange: bool = False,
+        measured_loads: dict[str, int] | None = None,
+    ) -> None:
         self.op = op
         self.constants = constants
         #: (kind, row width) -> `Measured`; kinds "fwd", "bwd", with "_fp32" for entries
@@ -159,8 +166,17 @@ class Schedules:
     def __repr__(self) -> str:
         return f"Schedules({self.op!r}, {len(self.measured)} measured entries)"
 
-    def choose(self, M: int, N: int, grid_stride: bool, kind: str, loads: int,
-               element_size: int, device: torch.device, split: bool = False) -> Schedule:
+    def choose(
+        self,
+        M: int,
+        N: int,
+        grid_stride: bool,
+        kind: str,
+        loads: int,
+        element_size: int,
+        device: torch.device,
+        split: bool = False,
+    ) -> Schedule:
         """The schedule of a kernel of `kind` ("fwd"/"bwd") over M rows of N elements of
         `element_size` bytes, reading `loads` element tensors; `grid_stride`: it keeps column
         partials (programs scale with the SMs); `split`: it has a split form."""
@@ -193,9 +209,14 @@ class Schedules:
         forget_all()
 
     @contextlib.contextmanager
-    def override(self, *, measured: dict | None = None, form_bits: int = 0,
-                 choose: Callable[..., Schedule] | None = None,
-                 **constants: int) -> Iterator[Schedules]:
+    def override(
+        self,
+        *,
+        measured: dict | None = None,
+        form_bits: int = 0,
+        choose: Callable[..., Schedule] | None = None,
+        **constants: int,
+    ) -> Iterator[Schedules]:
         """Within the block: `constants` (Constants' field names) replace the op's, `measured`
         replaces its table, `form_bits` are OR'd into every form, and `choose` (called with
         `choose`'s arguments) replaces the rule. Schedules and plans are forgotten on entry and
@@ -205,8 +226,10 @@ class Schedules:
             self.constants = dataclasses.replace(self.constants, **constants)
         except TypeError as error:
             known = ", ".join(field.name for field in dataclasses.fields(Constants))
-            raise TypeError(f"Schedules.override: unknown constant in {sorted(constants)}; "
-                            f"expected some of: {known}") from error
+            raise TypeError(
+                f"Schedules.override: unknown constant in {sorted(constants)}; "
+                f"expected some of: {known}"
+            ) from error
         if measured is not None:
             self.measured = dict(measured)
         self.form_bits |= form_bits
@@ -225,26 +248,40 @@ class Schedules:
     def rule(self, M, N, grid_stride, kind, loads, element_size, device, split=False) -> Schedule:
         """The schedule `choose` returns where nothing overrides it."""
         c = self.constants
-        if split and (0 < c.split_min_n <= N and N * element_size >= c.split_min_row_bytes
-                      if grid_stride else 0 < c.split_other_min_row_bytes <= N * element_size) and (
-                          not c.split_max_row_bytes or N * element_size <= c.split_max_row_bytes):
+        if (
+            split
+            and (
+                0 < c.split_min_n <= N and N * element_size >= c.split_min_row_bytes
+                if grid_stride
+                else 0 < c.split_other_min_row_bytes <= N * element_size
+            )
+            and (not c.split_max_row_bytes or N * element_size <= c.split_max_row_bytes)
+        ):
             schedule = self.split_rows(M, N, device, element_size)
             if schedule is not None:
                 return schedule
-        persistent_max_block_n = min(c.persistent_max_block_n, c.persistent_max_fwd_block_n
-                                     if kind == "fwd" else c.persistent_max_bwd_block_n)
+        persistent_max_block_n = min(
+            c.persistent_max_block_n,
+            c.persistent_max_fwd_block_n if kind == "fwd" else c.persistent_max_bwd_block_n,
+        )
         block_n = triton.next_power_of_2(N)
         row_bytes = block_n * element_size
         if grid_stride:
             # column partials held in registers next to a whole row spill past this many row
             # bytes, and a padded row from a wide enough block is faster looped
-            must_loop = (block_n > persistent_max_block_n
-                         or row_bytes > c.persistent_max_partial_row_bytes
-                         or (N < block_n and block_n >= c.padded_partial_looped_block_n))
+            must_loop = (
+                block_n > persistent_max_block_n
+                or row_bytes > c.persistent_max_partial_row_bytes
+                or (N < block_n and block_n >= c.padded_partial_looped_block_n)
+            )
         elif kind == "bwd":
-            must_loop = block_n > persistent_max_block_n and row_bytes > c.persistent_max_bwd_row_bytes
+            must_loop = (
+                block_n > persistent_max_block_n and row_bytes > c.persistent_max_bwd_row_bytes
+            )
         else:
-            must_loop = block_n > persistent_max_block_n and row_bytes > c.persistent_max_fwd_row_bytes
+            must_loop = (
+                block_n > persistent_max_block_n and row_bytes > c.persistent_max_fwd_row_bytes
+            )
         # 4-byte rows take the entries measured on them where there are some
         wide = "_fp32" if element_size == 4 else ""
         # a padded row measured at its own width takes that width's entries; other padded rows
@@ -273,8 +310,11 @@ class Schedules:
             rows = c.looped_grid_stride_rows if grid_stride else 1
             block_n = min(c.looped_block_n // rows, persistent_max_block_n)
         else:
-            elements = (c.fwd_row_block_elements if kind == "fwd" and c.fwd_row_block_elements
-                        else c.row_block_elements)
+            elements = (
+                c.fwd_row_block_elements
+                if kind == "fwd" and c.fwd_row_block_elements
+                else c.row_block_elements
+            )
             rows = max(1, min(c.max_rows, elements // block_n, triton.next_power_of_2(M)))
         if measured is None:
             warps = max(c.min_warps, min(c.max_warps, rows * block_n // c.elements_per_warp))
@@ -285,10 +325,13 @@ class Schedules:
         buffered = stages if looped else stages - 1
         exact = exact and loads <= self.measured_loads.get(kind, loads)
         if not (measured is not None and exact) and (
-                buffered * rows * block_n * element_size * loads > c.pipeline_shared_bytes):
+            buffered * rows * block_n * element_size * loads > c.pipeline_shared_bytes
+        ):
             stages = 1
         if grid_stride and not per_sm:
-            per_sm = c.programs_per_sm  # column partials have a row a program: never one per row block
+            per_sm = (
+                c.programs_per_sm
+            )  # column partials have a row a program: never one per row block
         row_blocks = triton.cdiv(M, rows)
         programs = row_blocks
         if per_sm:
@@ -301,10 +344,21 @@ class Schedules:
         one_sweep = looped and (sweep == 1 if sweep >= 0 else N >= c.one_sweep_min_n)
         keep = looped and N * element_size <= c.keep_max_row_bytes
         last_first = bool(c.backward_last_first) and kind != "fwd"
-        return Schedule(looped, block_n, rows, triton.next_power_of_2(warps), programs, stages,
-                        triton.cdiv(N, block_n), one_sweep, keep,
-                        *form_of(M, N, rows, block_n, programs, form | self.form_bits),
-                        entry, 0, last_first)
+        return Schedule(
+            looped,
+            block_n,
+            rows,
+            triton.next_power_of_2(warps),
+            programs,
+            stages,
+            triton.cdiv(N, block_n),
+            one_sweep,
+            keep,
+            *form_of(M, N, rows, block_n, programs, form | self.form_bits),
+            entry,
+            0,
+            last_first,
+        )
 
     def split_rows(self, M, N, device, element_size=2) -> Schedule | None:
         """Split rows: slabs of split_block_n columns (wider where a row would take more than
@@ -320,12 +374,14 @@ class Schedules:
         if device.type == "cuda" and device.index in SPLIT_REFUSED:
             return None
         scale = max(1, element_size // 2) if c.split_by_bytes else 1
-        block_n = max(c.split_block_n // scale,
-                      triton.next_power_of_2(triton.cdiv(N, c.split_max_members)))
+        block_n = max(
+            c.split_block_n // scale, triton.next_power_of_2(triton.cdiv(N, c.split_max_members))
+        )
         rows = max(1, min(c.split_rows, triton.next_power_of_2(M)))
         per_thread = max(1, c.split_elements_per_thread // scale)
-        warps = triton.next_power_of_2(max(c.min_warps, min(c.max_warps,
-                                                            rows * block_n // (32 * per_thread))))
+        warps = triton.next_power_of_2(
+            max(c.min_warps, min(c.max_warps, rows * block_n // (32 * per_thread)))
+        )
         if device.type == "cuda":
             # no more programs an SM than its threads hold at once
             properties = torch.cuda.get_device_properties(device)
@@ -340,9 +396,24 @@ class Schedules:
         groups = min(triton.cdiv(M, rows), slots // members)
         if groups < 1:
             return None
-        return Schedule(False, block_n, rows, warps, groups * members, 1, 1, False,
-                        False, False, True, False, device.type == "cuda" and self.split_exchange,
-                        False, None, members)
+        return Schedule(
+            False,
+            block_n,
+            rows,
+            warps,
+            groups * members,
+            1,
+            1,
+            False,
+            False,
+            False,
+            True,
+            False,
+            device.type == "cuda" and self.split_exchange,
+            False,
+            None,
+            members,
+        )
 
 
 def forget_all() -> None:
@@ -351,8 +422,9 @@ def forget_all() -> None:
         schedules.forget()
 
 
-def form_of(M: int, N: int, rows: int, block_n: int, programs: int,
-            form: int) -> tuple[bool, bool, bool, bool, bool]:
+def form_of(
+    M: int, N: int, rows: int, block_n: int, programs: int, form: int
+) -> tuple[bool, bool, bool, bool, bool]:
     """(EVEN, STRIDED, REVERSE, REGS, FIXED) of a schedule from its form's bits: no masks where
     the row blocks tile the tensor exactly (bit 1), the row-block loop where fewer programs than
     row blocks run or the form keeps it anyway (bit 2), every other sweep of a looped row run
@@ -361,8 +433,13 @@ def form_of(M: int, N: int, rows: int, block_n: int, programs: int,
     `fixed_n`). Which is faster depends on the entry: `benchmarks.tune --forms` measures them."""
     loops = programs < -(-M // rows)
     even = M % rows == 0 and N % block_n == 0
-    return (bool(form & 1) and even, bool(form & 2) or loops, bool(form & 4) and block_n < N,
-            bool(form & 8) and block_n >= N and loops, bool(form & 16) and block_n >= N)
+    return (
+        bool(form & 1) and even,
+        bool(form & 2) or loops,
+        bool(form & 4) and block_n < N,
+        bool(form & 8) and block_n >= N and loops,
+        bool(form & 16) and block_n >= N,
+    )
 
 
 def fixed_n(schedule: Schedule, M: int, N: int, *strides: int) -> int:

@@ -65,13 +65,18 @@ def column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.co
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=partial_ptr.dtype.element_ty)
     for start in range(0, P, BLOCK_P):
         rows = start + tl.arange(0, BLOCK_P)[:, None]
-        acc += tl.load(partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask)
+        acc += tl.load(
+            partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0
+        )
+    tl.store(
+        out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask
+    )
 
 
 @triton.jit
-def column_sums_kernel(p0, o0, p1, o1, p2, o2, P, N, COUNT: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+def column_sums_kernel(
+    p0, o0, p1, o1, p2, o2, P, N, COUNT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
+):
     """Up to three column sums in one launch: grid axis 1 picks the (partial, out) pair; the
     pairs past COUNT are None."""
     store = tl.program_id(1)
@@ -183,8 +188,10 @@ def _multiply_words(a, b):
     16-bit halves so every product fits in int64."""
     low, high = a & 0xFFFF, a >> 16
     low_product, high_product = low * b, high * b
-    return ((high_product + (low_product >> 16)) >> 16,
-            (low_product + ((high_product & 0xFFFF) << 16)) & _WORD)
+    return (
+        (high_product + (low_product >> 16)) >> 16,
+        (low_product + ((high_product & 0xFFFF) << 16)) & _WORD,
+    )
 
 
 def uniform_torch(seed, M, N, first_row=0):
