@@ -3,8 +3,8 @@
 `pymdownx.arithmatex` (generic mode) wraps `$...$` in `<span class="arithmatex">\\(...\\)</span>`
 and `$$...$$` in `<div class="arithmatex">\\[...\\]</div>`. This hook replaces each of them with
 the MathML that latex2mathml makes of the LaTeX, so browsers draw the math themselves: no
-script, no network. A formula latex2mathml cannot convert fails the build with the page and
-the formula.
+script, no network. A formula latex2mathml cannot convert, or one with a command it does not
+know, fails the build with the page and the formula.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def to_mathml(latex: str, display: str, where: str = "") -> str:
         mathml = convert(source, display=display)
     except Exception as error:  # latex2mathml raises its own exception classes and others
         raise MathError(f"{where}: cannot convert to MathML: {source!r}: {error}") from error
+    if "\\" in mathml:  # latex2mathml passes a command it does not know through as text
+        raise MathError(f"{where}: a LaTeX command has no MathML form: {source!r}: {mathml}")
     # a multi-letter <mi> is upright by default (MathML Core), so the name needs no mathvariant
     return _UPRIGHT_LETTERS.sub(
         lambda m: "<mi>" + "".join(_UPRIGHT_LETTER.findall(m.group(1))) + "</mi>", mathml)
