@@ -23,6 +23,11 @@ class _NamePrinter(LatexPrinter):
     def _print_Symbol(self, expr: sympy.Symbol, style: str = "plain") -> str:
         return name_latex(expr.name)
 
+    def _print_ExpBase(self, expr: sympy.Expr, exp: str | None = None) -> str:
+        """exp(u) as \\exp, not e^u: specs name values e (softmax's exponentials)."""
+        base = r"\exp\left(" + self._print(expr.args[0]) + r"\right)"
+        return base if exp is None else rf"{base}^{{{exp}}}"
+
 
 def name_latex(name: str) -> str:
     """One spec name as LaTeX: a single letter (x, y, N) or a Greek letter's name stays an
