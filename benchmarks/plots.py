@@ -1,5 +1,12 @@
-"""PNG plots: one per op (modes × dtypes subplots) and one summary; matplotlib is needed
-only here, imported lazily by run.py."""
+"""PNG plots, one message each, drawn to be read at the docs page's width (about 700 px):
+
+- `<op>.png`: a training step (forward+backward) of each op, GB/s by shape, vjpforge against
+  each peer, the copy bandwidth dashed (in the first 16-bit dtype the run measured);
+- `summary.png`: vjpforge's speed-up over the fastest peer, one bar per op, mode and dtype;
+- `host.png`: host time per call of a tiny forward, vjpforge and each peer.
+
+matplotlib is needed only here, imported lazily by run.py.
+"""
 
 from __future__ import annotations
 
@@ -10,113 +17,126 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from matplotlib.axes import Axes
 
 from benchmarks.analysis import ResultIndex, gbps, summarize
 from benchmarks.ops import MODE_TITLES
 from benchmarks.providers import PROJECT_PROVIDER
 from benchmarks.records import OK, HostOverhead, RunRecord
 
-DPI = 110
+DPI = 150
+#: inches: 1,200 px at DPI, shown at about 700 px, so 13-point text reads as 15 px or more
+WIDTH = 8.0
+STYLE = {
+    "font.size": 13,
+    "axes.titlesize": 15,
+    "axes.labelsize": 13,
+    "xtick.labelsize": 12,
+    "ytick.labelsize": 12,
+    "legend.fontsize": 12,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
+#: one color per provider, vjpforge the only saturated one
+COLORS = {PROJECT_PROVIDER: "#1f5fbf", "torch": "#9a9a9a", "compile": "#e08a2c",
+          "liger": "#3a9a5b"}
+#: the mode and dtypes each op's plot shows (the first present)
+OP_MODE = "fwd+bwd"
+OP_DTYPES = ("bf16", "fp16", "fp32")
 
 
-def _plot_group(
-    axes: Axes, index: ResultIndex, group: tuple[str, str, str], copy_gbps: float | None
-) -> None:
-    rows = index.rows.get(group, {})
+def _color(provider: str) -> str:
+    return COLORS.get(provider, "#555555")
+
+
+def _plot_op(index: ResultIndex, op: str, copy_gbps: float | None, path: Path) -> Path | None:
+    groups = {(group[1], group[2]): group for group in index.groups() if group[0] == op}
+    mode = OP_MODE if any(key[0] == OP_MODE for key in groups) else next(iter(groups))[0]
+    dtype = next((d for d in OP_DTYPES if (mode, d) in groups),
+                 next(key[1] for key in groups if key[0] == mode))
+    rows = index.rows[groups[(mode, dtype)]]
     shapes = list(rows)
-    positions = range(len(shapes))
-    for provider in index.shown_providers:
-        values = [gbps(rows[shape], provider) or math.nan for shape in shapes]
-        emphasis = (
-            {"linewidth": 2.4, "zorder": 3} if provider == PROJECT_PROVIDER else {"linewidth": 1.2}
-        )
-        axes.plot(positions, values, marker="o", markersize=3.5, label=provider, **emphasis)
-    if copy_gbps:
-        axes.axhline(copy_gbps, color="grey", linestyle="--", linewidth=1, label="copy")
-    axes.set_xticks(list(positions), shapes, rotation=60, ha="right", fontsize=7)
-    axes.set_title(f"{MODE_TITLES[group[1]]} · {group[2]}", fontsize=9)
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-
-
-def _plot_op(index: ResultIndex, op: str, copy_gbps: float | None, path: Path) -> Path:
-    groups = [group for group in index.groups() if group[0] == op]
-    modes = list(dict.fromkeys(group[1] for group in groups))
-    dtypes = list(dict.fromkeys(group[2] for group in groups))
-    figure, grid = plt.subplots(
-        len(modes),
-        len(dtypes),
-        figsize=(5.5 * len(dtypes), 3.6 * len(modes)),
-        squeeze=False,
-        sharey="row",
-    )
-    for row, mode in enumerate(modes):
-        for column, dtype in enumerate(dtypes):
-            _plot_group(grid[row][column], index, (op, mode, dtype), copy_gbps)
-        grid[row][0].set_ylabel("GB/s")
-    grid[0][0].legend(fontsize=7, loc="best")
-    figure.suptitle(f"{op}: effective bandwidth by shape (M×N)", fontsize=11)
-    figure.tight_layout()
-    figure.savefig(path, dpi=DPI)
-    plt.close(figure)
+    with plt.rc_context(STYLE):
+        figure, axes = plt.subplots(figsize=(WIDTH, 6.4))
+        positions = range(len(shapes))
+        for provider in index.shown_providers:
+            values = [gbps(rows[shape], provider) or math.nan for shape in shapes]
+            ours = provider == PROJECT_PROVIDER
+            axes.plot(positions, values, marker="o", markersize=7 if ours else 5,
+                      linewidth=3.2 if ours else 1.6, color=_color(provider), label=provider,
+                      zorder=3 if ours else 2)
+        if copy_gbps:
+            axes.axhline(copy_gbps, color="black", linestyle="--", linewidth=1.2,
+                         label="copy (100%)")
+        axes.set_xticks(list(positions), [shape.split(" ")[0] for shape in shapes],
+                        rotation=50, ha="right")
+        axes.set_ylabel("GB/s (higher is faster)")
+        axes.set_ylim(bottom=0)
+        axes.set_title(f"{op}, {MODE_TITLES[mode]}, {dtype}: GB/s by shape (M×N)")
+        axes.grid(axis="y", alpha=0.35)
+        axes.legend(ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+        figure.tight_layout()
+        figure.savefig(path, dpi=DPI, bbox_inches="tight")
+        plt.close(figure)
     return path
 
 
-def _plot_ratios(axes: Axes, index: ResultIndex) -> None:
+def _plot_summary(index: ResultIndex, path: Path) -> Path:
     groups = index.groups()
-    values = [summarize(index.rows[group], index.peers).versus_best or math.nan for group in groups]
-    colors = ["tab:green" if value >= 1 else "tab:red" for value in values]
-    axes.bar(range(len(groups)), values, color=colors)
-    axes.axhline(1.0, color="black", linewidth=1)
+    values = [summarize(index.rows[group], index.peers).versus_best or math.nan
+              for group in groups]
     labels = [f"{op} {MODE_TITLES[mode]} {dtype}" for op, mode, dtype in groups]
-    axes.set_xticks(range(len(groups)), labels, rotation=70, ha="right", fontsize=7)
-    axes.set_ylabel(f"{PROJECT_PROVIDER} / best peer (geomean)")
-    axes.set_title("Speed-up over the fastest peer", fontsize=10)
-    axes.grid(axis="y", alpha=0.3)
+    with plt.rc_context(STYLE):
+        figure, axes = plt.subplots(figsize=(WIDTH, 1.4 + 0.3 * len(groups)))
+        positions = list(range(len(groups)))[::-1]  # the first group on top
+        colors = [_color(PROJECT_PROVIDER) if value >= 1 else "#c0392b" for value in values]
+        axes.barh(positions, values, color=colors, height=0.72)
+        for position, value in zip(positions, values, strict=True):
+            if not math.isnan(value):
+                axes.text(value + 0.01, position, f"{value:.2f}×", va="center", fontsize=11)
+        axes.axvline(1.0, color="black", linewidth=1.2)
+        axes.set_yticks(positions, labels, fontsize=11)
+        axes.set_xlim(0, max([v for v in values if not math.isnan(v)], default=1.0) * 1.15)
+        axes.set_xlabel(f"{PROJECT_PROVIDER} ÷ fastest peer (geomean over shapes)")
+        axes.set_title("Speed-up over the fastest peer (> 1: faster)")
+        axes.grid(axis="x", alpha=0.35)
+        figure.tight_layout()
+        figure.savefig(path, dpi=DPI, bbox_inches="tight")
+        plt.close(figure)
+    return path
 
 
-def _plot_host_overhead(axes: Axes, rows: list[HostOverhead]) -> None:
+def _plot_host(rows: list[HostOverhead], path: Path) -> Path | None:
     forward = [row for row in rows if row.mode == "fwd" and row.status == OK and row.us_per_call]
+    if not forward:
+        return None
     cases = list(dict.fromkeys((row.op, row.shape) for row in forward))
     providers = list(dict.fromkeys(row.provider for row in forward))
-    width = 0.8 / max(1, len(providers))
-    for offset, provider in enumerate(providers):
-        by_case = {
-            (row.op, row.shape): row.us_per_call for row in forward if row.provider == provider
-        }
-        values = [by_case.get(case) or math.nan for case in cases]
-        axes.bar(
-            [i + offset * width for i in range(len(cases))],
-            values,
-            width=width,
-            label=provider,
-        )
-    axes.set_xticks(
-        [i + 0.4 - width / 2 for i in range(len(cases))],
-        [f"{op}\n{shape}" for op, shape in cases],
-        fontsize=7,
-    )
-    axes.set_ylabel("µs per call (forward)")
-    axes.set_title("Host overhead, tiny shapes", fontsize=10)
-    axes.legend(fontsize=7)
-    axes.grid(axis="y", alpha=0.3)
-
-
-def _plot_summary(index: ResultIndex, record: RunRecord, path: Path) -> Path:
-    figure, (left, right) = plt.subplots(
-        1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [2, 1]}
-    )
-    _plot_ratios(left, index)
-    _plot_host_overhead(right, record.host_overhead)
-    figure.tight_layout()
-    figure.savefig(path, dpi=DPI)
-    plt.close(figure)
+    width = 0.8 / len(providers)
+    with plt.rc_context(STYLE):
+        figure, axes = plt.subplots(figsize=(WIDTH, 5.2))
+        for offset, provider in enumerate(providers):
+            by_case = {(row.op, row.shape): row.us_per_call for row in forward
+                       if row.provider == provider}
+            values = [by_case.get(case) or math.nan for case in cases]
+            axes.bar([i + offset * width for i in range(len(cases))], values, width=width,
+                     label=provider, color=_color(provider))
+        axes.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))],
+                        [f"{op}\n{shape}" for op, shape in cases])
+        axes.set_ylabel("µs per call (lower is better)")
+        axes.set_title("Host time of a tiny forward call")
+        axes.legend(ncols=len(providers), loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                    frameon=False)
+        axes.grid(axis="y", alpha=0.35)
+        figure.tight_layout()
+        figure.savefig(path, dpi=DPI, bbox_inches="tight")
+        plt.close(figure)
     return path
 
 
 def write_plots(record: RunRecord, out: Path) -> list[Path]:
-    """At most len(ops) + 1 PNG files (4 for the full grid)."""
+    """At most len(ops) + 2 PNG files (5 for the full grid)."""
     index = ResultIndex(record.measurements)
     paths = [_plot_op(index, op, record.copy_gbps, out / f"{op}.png") for op in index.ops()]
-    return [*paths, _plot_summary(index, record, out / "summary.png")]
+    paths += [_plot_summary(index, out / "summary.png"),
+              _plot_host(record.host_overhead, out / "host.png")]
+    return [path for path in paths if path is not None]

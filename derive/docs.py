@@ -1,18 +1,66 @@
-"""The derivation page of one op: every stage, from spec to kernel IR, in Markdown + LaTeX."""
+"""The derivation page of one op: every stage, from spec to kernel IR, in Markdown + LaTeX.
+
+The LaTeX is written for the docs site, which converts it to MathML when it builds
+(`docs/hooks/mathml.py`): a name of several letters is one upright name (`\\mathrm{rstd}`),
+not a product of italic letters, and a product puts a thin space between its factors.
+"""
 
 from __future__ import annotations
 
 import sympy
+from sympy.printing.latex import LatexPrinter
 
 from codegen.emit import environment
 from codegen.ir import Kernel
 from derive.algebra import RowSum
 from derive.engine import Derivation
-from derive.spec import Kind
+from derive.spec import Kind, Node
+
+
+class _NamePrinter(LatexPrinter):
+    """SymPy's LaTeX with the spec's names kept whole."""
+
+    def _print_Symbol(self, expr: sympy.Symbol, style: str = "plain") -> str:
+        return name_latex(expr.name)
+
+    def _print_ExpBase(self, expr: sympy.Expr, exp: str | None = None) -> str:
+        """exp(u) as \\exp, not e^u: specs name values e (softmax's exponentials)."""
+        base = r"\exp\left(" + self._print(expr.args[0]) + r"\right)"
+        return base if exp is None else rf"{base}^{{{exp}}}"
+
+
+def name_latex(name: str) -> str:
+    """One spec name as LaTeX: a single letter (x, y, N) or a Greek letter's name stays an
+    italic symbol, a name already in LaTeX (\\bar{x}) is kept, any other name is upright and
+    whole (\\mathrm{x\\_hat})."""
+    if len(name) == 1 or name.startswith("\\"):
+        return name
+    if name.lower() in _GREEK:
+        return "\\" + name
+    return r"\mathrm{" + name.replace("_", r"\_") + "}"
+
+
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+          "lambda", "mu", "nu", "xi", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi",
+          "omega"}
 
 
 def latex(expr: sympy.Expr) -> str:
-    return sympy.latex(expr, order="lex")
+    return _NamePrinter({"order": "lex", "mul_symbol": r"\,"}).doprint(expr)
+
+
+def reduction_latex(node: Node) -> str:
+    """A forward reduction's definition: mean = 1/N Σ_j body, var, max_j ..."""
+    scale = r"\frac{1}{N}" if node.reduction == "mean" else ""
+    operator = r"\max_j" if node.reduction == "max" else r"\sum_j"
+    return f"{latex(node.symbol)} = {scale}{operator} {latex(node.expr)}"
+
+
+def gradient_latex(name: str, expr: sympy.Expr) -> str:
+    """The adjoint of an input or parameter: a bar over its name."""
+    symbol = name_latex(name)
+    bar = r"\bar" if len(name) == 1 else r"\overline"
+    return f"{bar}{{{symbol}}} = {latex(expr)}"
 
 
 def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Kernel]) -> str:
@@ -21,9 +69,7 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
     for node in spec.nodes:
         symbol = latex(node.symbol)
         if node.kind is Kind.REDUCE:
-            scale = r"\frac{1}{N}" if node.reduction == "mean" else ""
-            operator = r"\max_j" if node.reduction == "max" else r"\sum_j"
-            math = f"{symbol} = {scale}{operator} {latex(node.expr)}"
+            math = reduction_latex(node)
         elif node.expr is not None:
             math = f"{symbol} = {latex(node.expr)}"
         else:
@@ -41,6 +87,13 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
                 note += f", {latex(node.absent)} when not given"
             math = rf"{symbol} \;:\; \text{{{note}}}"
         definitions.append({"name": node.name, "kind": node.kind.value, "math": math})
+    reductions = {n.name: n for n in spec.nodes if n.kind is Kind.REDUCE}
+
+    def resolution_latex(r) -> str:
+        if r.how == "recomputed" and r.name in reductions:
+            return reduction_latex(reductions[r.name])
+        return latex(sympy.Eq(sympy.Symbol(r.name), r.expr))
+
     modes = []
     for mode, result in derivation.backwards.items():
         modes.append({
@@ -49,12 +102,11 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
             "saved": spec.modes[mode],
             "pivots": [latex(sympy.Eq(u, g)) for u, g in result.pivots],
             "resolutions": [{"name": r.name, "how": r.how,
-                             "math": latex(sympy.Eq(sympy.Symbol(r.name), r.expr))}
+                             "math": resolution_latex(r)}
                             for r in result.resolutions],
             "reductions": [latex(sympy.Eq(sympy.Symbol(name), RowSum(body), evaluate=False))
                            for name, body in result.reductions],
-            "gradients": [{"name": name,
-                           "math": latex(sympy.Eq(sympy.Symbol(r"\bar{" + name + "}"), expr))}
+            "gradients": [{"name": name, "math": gradient_latex(name, expr)}
                           for name, expr in result.gradients],
             "ir": backwards[mode].listing(),
         })
