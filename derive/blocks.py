@@ -190,17 +190,17 @@ LINEAR = Function("linear", "torch.nn.functional", "F")
 MATMUL = Function("matmul", "torch", "torch")
 TRANSPOSE = Function("transpose", "torch", "torch")
 #: (batch, seq, parts * heads * head_dim) -> `parts` tensors of (batch, heads, seq, head_dim)
-SPLIT_HEADS = Function("_split_heads")
+SPLIT_HEADS = Function("blocks.split_heads")
 #: (batch, heads, seq, head_dim) -> (batch, seq, heads * head_dim)
-MERGE_HEADS = Function("_merge_heads")
+MERGE_HEADS = Function("blocks.merge_heads")
 #: torch's scaled_dot_product_attention(q, k, v, mask, *, scale, causal, dropout_p); a causal
 #: layer given a mask too gets both in attn_mask (torch takes is_causal only without one)
-ATTENTION = Function("_attention")
+ATTENTION = Function("blocks.attention")
 #: (label, name, tensor, hidden_size): a (batch, seq, hidden_size) floating tensor
-CHECK_HIDDEN = Function("_check_hidden_states")
+CHECK_HIDDEN = Function("blocks.check_hidden_states")
 #: (label, name, mask, hidden_states, num_heads): None, or bool or of hidden_states' dtype,
 #: broadcastable to (batch, num_heads, seq, seq)
-CHECK_MASK = Function("_check_attention_mask")
+CHECK_MASK = Function("blocks.check_attention_mask")
 #: every helper the layer template defines
 HELPERS = (SPLIT_HEADS, MERGE_HEADS, ATTENTION, CHECK_HIDDEN, CHECK_MASK)
 

@@ -2067,14 +2067,6 @@ torch.library.register_autograd(
 
 
 
-def _check_memory(function, memory):
-    if memory not in _FUNCTIONS:
-        raise ValueError(
-            f"{function}(): argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}"
-        )
-    return _FUNCTIONS[memory]
-
-
 def add_layer_norm(
     input,
     residual,
@@ -2114,7 +2106,7 @@ def add_layer_norm(
     weight = checks.check_param("add_layer_norm", "weight", weight, shape, input)
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
-    function = _check_memory("add_layer_norm", memory)
+    function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
@@ -2172,7 +2164,7 @@ class AddLayerNorm(torch.nn.Module):
         self.elementwise_affine = elementwise_affine
         self.prenorm = prenorm
         self.residual_in_fp32 = residual_in_fp32
-        _check_memory("AddLayerNorm", memory)
+        checks.check_choice("AddLayerNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))

@@ -1343,14 +1343,6 @@ torch.library.register_autograd(
 
 
 
-def _check_memory(function, memory):
-    if memory not in _FUNCTIONS:
-        raise ValueError(
-            f"{function}(): argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}"
-        )
-    return _FUNCTIONS[memory]
-
-
 def add_rms_norm(
     input,
     residual,
@@ -1389,7 +1381,7 @@ def add_rms_norm(
     weight = checks.check_param("add_rms_norm", "weight", weight, shape, input)
     eps = checks.check_eps("add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("add_rms_norm", "weight_offset", weight_offset)
-    function = _check_memory("add_rms_norm", memory)
+    function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
@@ -1445,7 +1437,7 @@ class AddRMSNorm(torch.nn.Module):
         self.prenorm = prenorm
         self.residual_in_fp32 = residual_in_fp32
         self.weight_offset = checks.check_real("AddRMSNorm", "weight_offset", weight_offset)
-        _check_memory("AddRMSNorm", memory)
+        checks.check_choice("AddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))

@@ -11,116 +11,13 @@ The forward calls generated ops (whose backwards are derived), torch GEMMs and a
 does the rest. See docs/layers/gpt_layer.md for the dataflow and every option.
 """
 
-import numbers
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from codegen.runtime import blocks
+
 from generated import add_layernorm, bias_dropout_add, gelu_tanh, layernorm, masked_softmax
-
-
-def _split_heads(packed, parts, num_heads):
-    """(batch, seq, parts * num_heads * head_dim) -> `parts` views (batch, num_heads, seq, head_dim)."""
-    batch, seq, width = packed.shape
-    head_dim = width // (parts * num_heads)
-    return packed.view(batch, seq, parts, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-
-
-def _merge_heads(context):
-    """(batch, num_heads, seq, head_dim) -> (batch, seq, num_heads * head_dim)."""
-    batch, num_heads, seq, head_dim = context.shape
-    return context.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
-
-
-def _attention(query, key, value, mask, *, scale, causal, dropout_p):
-    """torch's scaled_dot_product_attention. torch takes is_causal only without an attn_mask, so
-    a causal call given a mask folds the causal mask into it."""
-    if causal and mask is not None:
-        seq_q, seq_k = query.shape[-2], key.shape[-2]
-        keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).tril(seq_k - seq_q)
-        mask = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
-        causal = False
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
-    )
-
-
-def _check_hidden_states(function, name, tensor, hidden_size):
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_floating_point():
-        raise TypeError(f"{function}(): argument '{name}' must have a floating dtype, got {tensor.dtype}")
-    if tensor.dim() != 3 or tensor.shape[-1] != hidden_size:
-        raise ValueError(
-            f"{function}(): argument '{name}' must have shape (batch, seq, hidden_size={hidden_size}), "
-            f"got {list(tensor.shape)}"
-        )
-
-
-def _check_attention_mask(function, name, mask, hidden_states, num_heads):
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{function}(): argument '{name}' must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and mask.dtype != hidden_states.dtype:
-        raise TypeError(
-            f"{function}(): argument '{name}' must be bool (True = attend) or have the dtype of "
-            f"'hidden_states' ({hidden_states.dtype}; added to the scores), got {mask.dtype}"
-        )
-    batch, seq = hidden_states.shape[:2]
-    scores = torch.Size((batch, num_heads, seq, seq))
-    try:
-        fits = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, scores) == scores
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"{function}(): argument '{name}' must broadcast to the attention scores (batch, num_heads, "
-            f"seq, seq) = {list(scores)}, got shape {list(mask.shape)}"
-        )
-
-
-def _check_size(function, name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{function}(): argument '{name}' must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{function}(): argument '{name}' must be > 0, got {value}")
-    return int(value)
-
-
-def _check_real(function, name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}")
-    return float(value)
-
-
-def _check_probability(function, name, value):
-    value = _check_real(function, name, value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{function}(): argument '{name}' must be in [0, 1), got {value}")
-    return value
-
-
-def _check_positive(function, name, value):
-    value = _check_real(function, name, value)
-    if not 0.0 < value < float("inf"):
-        raise ValueError(f"{function}(): argument '{name}' must be finite and > 0, got {value}")
-    return value
-
-
-def _check_flag(function, name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{function}(): argument '{name}' must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_choice(function, name, value, choices):
-    if value not in choices:
-        raise ValueError(
-            f"{function}(): argument '{name}' must be one of {', '.join(map(repr, choices))}, got {value!r}"
-        )
-    return value
 
 
 class GPTLayer(torch.nn.Module):
@@ -175,17 +72,17 @@ class GPTLayer(torch.nn.Module):
         dtype=None,
     ):
         super().__init__()
-        self.hidden_size = _check_size("GPTLayer", "hidden_size", hidden_size)
-        self.num_heads = _check_size("GPTLayer", "num_heads", num_heads)
-        self.intermediate_size = _check_size("GPTLayer", "intermediate_size", intermediate_size)
-        self.attn_dropout_ratio = _check_probability("GPTLayer", "attn_dropout_ratio", attn_dropout_ratio)
-        self.hidden_dropout_ratio = _check_probability("GPTLayer", "hidden_dropout_ratio", hidden_dropout_ratio)
-        self.layer_norm_eps = _check_positive("GPTLayer", "layer_norm_eps", layer_norm_eps)
-        self.initializer_range = _check_positive("GPTLayer", "initializer_range", initializer_range)
-        self.attention = _check_choice("GPTLayer", "attention", attention, ("materialized", "sdpa"))
-        self.gelu_checkpoint = _check_flag("GPTLayer", "gelu_checkpoint", gelu_checkpoint)
-        self.attn_dropout_checkpoint = _check_flag("GPTLayer", "attn_dropout_checkpoint", attn_dropout_checkpoint)
-        self.normalize_invertible = _check_flag("GPTLayer", "normalize_invertible", normalize_invertible)
+        self.hidden_size = blocks.check_size("GPTLayer", "hidden_size", hidden_size)
+        self.num_heads = blocks.check_size("GPTLayer", "num_heads", num_heads)
+        self.intermediate_size = blocks.check_size("GPTLayer", "intermediate_size", intermediate_size)
+        self.attn_dropout_ratio = blocks.check_probability("GPTLayer", "attn_dropout_ratio", attn_dropout_ratio)
+        self.hidden_dropout_ratio = blocks.check_probability("GPTLayer", "hidden_dropout_ratio", hidden_dropout_ratio)
+        self.layer_norm_eps = blocks.check_positive("GPTLayer", "layer_norm_eps", layer_norm_eps)
+        self.initializer_range = blocks.check_positive("GPTLayer", "initializer_range", initializer_range)
+        self.attention = blocks.check_choice("GPTLayer", "attention", attention, ("materialized", "sdpa"))
+        self.gelu_checkpoint = blocks.check_flag("GPTLayer", "gelu_checkpoint", gelu_checkpoint)
+        self.attn_dropout_checkpoint = blocks.check_flag("GPTLayer", "attn_dropout_checkpoint", attn_dropout_checkpoint)
+        self.normalize_invertible = blocks.check_flag("GPTLayer", "normalize_invertible", normalize_invertible)
         if self.hidden_size % self.num_heads > 0:
             raise ValueError(f"GPTLayer(): num_heads must divide hidden_size, got hidden_size={self.hidden_size!r}, num_heads={self.num_heads!r}")
         if self.attn_dropout_checkpoint and self.attention == "sdpa":
@@ -257,8 +154,10 @@ class GPTLayer(torch.nn.Module):
         Returns:
             output (torch.Tensor): (batch, seq, hidden_size)
         """
-        _check_hidden_states("GPTLayer.forward", "hidden_states", hidden_states, self.hidden_size)
-        _check_attention_mask(
+        blocks.check_hidden_states(
+            "GPTLayer.forward", "hidden_states", hidden_states, self.hidden_size,
+        )
+        blocks.check_attention_mask(
             "GPTLayer.forward", "attention_mask", attention_mask, hidden_states, self.num_heads,
         )
         attn_input = layernorm.layer_norm(
@@ -266,9 +165,9 @@ class GPTLayer(torch.nn.Module):
             self.layer_norm_eps, memory=self.norm_memory,
         )
         qkv = F.linear(attn_input, self.attn_qkv_weight, self.attn_qkv_bias)
-        query, key, value = _split_heads(qkv, 3, self.num_heads)
+        query, key, value = blocks.split_heads(qkv, 3, self.num_heads)
         if self.attention == "sdpa":
-            context = _attention(
+            context = blocks.attention(
                 query, key, value, attention_mask, scale=self.scale, causal=True,
                 dropout_p=self.attn_dropout_ratio if self.training else 0.0,
             )
@@ -281,7 +180,7 @@ class GPTLayer(torch.nn.Module):
                 )
             else:
                 context = self._attention_probs(scores, attention_mask, value)
-        merged = _merge_heads(context)
+        merged = blocks.merge_heads(context)
         attn_out = F.linear(merged, self.attn_proj_weight)
         if self.training and self.hidden_dropout_ratio > 0:
             attn_residual = bias_dropout_add.bias_dropout_add(

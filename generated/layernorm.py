@@ -1687,14 +1687,6 @@ torch.library.register_autograd(
 
 
 
-def _check_memory(function, memory):
-    if memory not in _FUNCTIONS:
-        raise ValueError(
-            f"{function}(): argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}"
-        )
-    return _FUNCTIONS[memory]
-
-
 def layer_norm(
     input,
     normalized_shape,
@@ -1722,7 +1714,7 @@ def layer_norm(
     weight = checks.check_param("layer_norm", "weight", weight, shape, input)
     bias = checks.check_param("layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("layer_norm", eps, input.dtype)
-    function = _check_memory("layer_norm", memory)
+    function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
     x = launch.rows((-1, columns), input)
@@ -1769,7 +1761,7 @@ class LayerNorm(torch.nn.Module):
         self.normalized_shape = tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        _check_memory("LayerNorm", memory)
+        checks.check_choice("LayerNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))

@@ -1063,14 +1063,6 @@ torch.library.register_autograd(
 
 
 
-def _check_memory(function, memory):
-    if memory not in _FUNCTIONS:
-        raise ValueError(
-            f"{function}(): argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}"
-        )
-    return _FUNCTIONS[memory]
-
-
 def rms_norm(
     input,
     normalized_shape,
@@ -1097,7 +1089,7 @@ def rms_norm(
     weight = checks.check_param("rms_norm", "weight", weight, shape, input)
     eps = checks.check_eps("rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("rms_norm", "weight_offset", weight_offset)
-    function = _check_memory("rms_norm", memory)
+    function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
     x = launch.rows((-1, columns), input)
@@ -1142,7 +1134,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = checks.check_real("RMSNorm", "weight_offset", weight_offset)
-        _check_memory("RMSNorm", memory)
+        checks.check_choice("RMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))

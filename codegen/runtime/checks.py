@@ -270,3 +270,13 @@ def check_broadcast(function, name, tensor, input, additive):
             f"float64{' or bool' if additive else ''}, got {tensor.dtype}"
         )
     return tensor
+
+
+def check_choice(function, name, value, choices):
+    """choices[value], where `value` is one of the keys of the dict `choices`."""
+    if value not in choices:
+        raise ValueError(
+            f"{function}(): argument '{name}' must be one of {', '.join(map(repr, choices))}, "
+            f"got {value!r}"
+        )
+    return choices[value]
