@@ -176,19 +176,11 @@ def run(case_list, dtype_name: str, out: Path) -> dict:
         name = "fwd" if mode == "fwd" else "bwd_default"
         keys = [k for k in vars(module) if k.startswith(f"_{op}_{name}_")
                 and k.endswith(("_per", "_red", "_split"))]
-        recorders = {k: _Recorder(getattr(module, k)) for k in keys}
-        originals = {k: getattr(module, k) for k in keys}
-        for k, recorder in recorders.items():
-            setattr(module, k, recorder)
-        try:
+        with _Recorder(keys) as recorder:
             schedule = _used_schedule(module, call)  # forgets the launch plans before and after
-        finally:
-            for k, kernel in originals.items():
-                setattr(module, k, kernel)
         stats = {}
-        for recorder in recorders.values():
-            if recorder.compiled is not None:
-                stats = _kernel_stats(recorder.compiled)
+        for compiled in recorder.compiled.values():
+            stats = _kernel_stats(compiled)
         timing = measure(env.clock, Workload(lambda _state, call=call: call()), REP_MS)
         model = _moved(op, mode, m, n, element_size)
         gbps = model / timing.median_ms / 1e6

@@ -13,6 +13,9 @@ import time
 
 import torch
 
+from codegen.runtime import checks, launch
+from codegen.runtime.schedules import fixed_n
+
 
 def host_micros(fn, calls: int) -> float:
     for _ in range(10):
@@ -64,8 +67,7 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     M, N = x.shape
     weight = torch.ones(N, device=x.device, dtype=x.dtype)
     bias = torch.zeros_like(weight)
-    schedule = module._schedule(M, N, False, "fwd", 1, x.element_size(), x.device,
-                                module.PERSISTENT_MAX_BLOCK_N)
+    schedule = module.SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), x.device)
     y = torch.empty_like(x)
     mean = torch.empty(M, device=x.device)
     rstd = torch.empty(M, device=x.device)
@@ -76,7 +78,8 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
                       STAGES=schedule.stages, CHUNKS=schedule.chunks,
                       ONE_SWEEP=schedule.one_sweep, KEEP=schedule.keep, EVEN=schedule.even,
                       STRIDED=schedule.strided, REVERSE=schedule.reverse,
-                      LAST_FIRST=schedule.last_first)
+                      LAST_FIRST=schedule.last_first,
+                      FIXED_N=fixed_n(schedule, M, N, x.stride(0), y.stride(0)))
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     grid = (schedule.programs,)
 
@@ -85,12 +88,12 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     launch_args = (schedule.programs, 1, 1, stream, compiled.function, compiled.packed_metadata,
                    None, None, None, *args, *[constexprs[n] for n in kernel.arg_names[len(args):]])
 
-    def checks():
-        module._check_input("layer_norm", x)
-        shape, _ = module._check_normalized_shape("layer_norm", (N,), x)
-        module._check_param("layer_norm", "weight", weight, shape, x)
-        module._check_param("layer_norm", "bias", bias, shape, x)
-        module._check_eps("layer_norm", 1e-5, x.dtype)
+    def argument_checks():
+        checks.check_input("layer_norm", x)
+        shape, _ = checks.check_normalized_shape("layer_norm", (N,), x)
+        checks.check_param("layer_norm", "weight", weight, shape, x)
+        checks.check_param("layer_norm", "bias", bias, shape, x)
+        checks.check_eps("layer_norm", 1e-5, x.dtype)
 
     leaf = x.clone().requires_grad_()
     pieces = {
@@ -100,16 +103,16 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
         "torch layer_norm, no grad": lambda: torch.nn.functional.layer_norm(x, (N,), weight, bias),
         "_layernorm_fwd (launcher)": lambda: module._layernorm_fwd(
             x, weight, bias, 1e-5, store_mean=False, store_rstd=False),
-        "argument checks": checks,
-        "_schedule (cached)": lambda: module._schedule(
-            M, N, False, "fwd", 1, x.element_size(), x.device, module.PERSISTENT_MAX_BLOCK_N),
+        "argument checks": argument_checks,
+        "SCHEDULES.choose (cached)": lambda: module.SCHEDULES.choose(
+            M, N, False, "fwd", 1, x.element_size(), x.device),
         "torch.empty((M, N))": lambda: torch.empty((M, N), dtype=x.dtype, device=x.device),
         "kernel[grid](...): Triton JIT dispatch + launch": lambda: kernel[grid](
             *args, **constexprs, num_warps=schedule.warps),
         "compiled.run(...): Triton's C launcher alone (the floor)": lambda: compiled.run(
             *launch_args),
-        "_launch(...): the module's direct launch (key, then the C launcher)": lambda: (
-            module._launch(kernel, grid, schedule.warps, None, *args, **constexprs)),
+        "launch.launch(...): the runtime's direct launch (key, then the C launcher)": lambda: (
+            launch.launch(kernel, grid, schedule.warps, None, *args, **constexprs)),
     }
     print_pieces(pieces, calls)
 

@@ -1,16 +1,18 @@
 """Split rows against the module's other schedules: each backward launcher timed with its rows
-split over groups of programs (`_split_schedule`) and without (whole or looped rows), per shape.
+split over groups of programs (`Schedules.split_rows`) and without (whole or looped rows), per
+shape.
 
     python -m benchmarks.split --shapes 4096x12288,4096x32768 [--ops layernorm,rmsnorm,softmax,
                                add_layernorm,add_rmsnorm]
                                [--dtypes bf16,fp32] [--out DIR]
 
-The split rule's constants (SPLIT_MIN_N and SPLIT_MIN_ROW_BYTES for kernels with column
-partials, SPLIT_OTHER_MIN_ROW_BYTES for the others, SPLIT_MAX_ROW_BYTES for both) are forced to
-split every row, then to split none; the launchers are timed with the harness's clock (L2
-emptied before each call) and GB/s counts the backward's activation-sized tensors: 3 (4 for
-the residual-add norms, whose backward also reads the residual stream's gradient:
-`benchmarks.sweep.launcher_calls`). codegen/schedule.py's per-op rules cite these numbers.
+The split rule's constants (split_min_n and split_min_row_bytes for kernels with column
+partials, split_other_min_row_bytes for the others, split_max_row_bytes for both) are forced to
+split every row, then to split none (`SCHEDULES.override`); the launchers are timed with the
+harness's clock (L2 emptied before each call) and GB/s counts the backward's activation-sized
+tensors: 3 (4 for the residual-add norms, whose backward also reads the residual stream's
+gradient: `benchmarks.sweep.launcher_calls`). The tests of codegen/schedule_table.json's per-op
+constants cite these numbers.
 CUDA only.
 """
 
@@ -23,21 +25,22 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.sweep import ADD_NORMS, DTYPES, launcher_calls, module_constants
+from benchmarks.sweep import ADD_NORMS, DTYPES, launcher_calls
 from benchmarks.timing import CudaClock, Workload, measure
 from benchmarks.tune import SPLIT_NOWHERE, _used_schedule
 
-#: the module constants that decide where rows split, and the values that split every row
-SPLIT_EVERYWHERE = {"SPLIT_MIN_N": 1, "SPLIT_MIN_ROW_BYTES": 0, "SPLIT_MAX_ROW_BYTES": 0,
-                    "SPLIT_OTHER_MIN_ROW_BYTES": 1}
+#: the schedule constants that decide where rows split, and the values that split every row
+SPLIT_EVERYWHERE = {"split_min_n": 1, "split_min_row_bytes": 0, "split_max_row_bytes": 0,
+                    "split_other_min_row_bytes": 1}
 REP_MS = 25.0
 #: the ops whose backward kernels have a split form
 SPLIT_OPS = ("layernorm", "rmsnorm", "softmax", *ADD_NORMS)
 
 
 def _forced(module, constants: dict, call, clock: CudaClock) -> float:
-    """Median ms of `call` with the module's constants set to `constants` (then restored)."""
-    with module_constants([module], constants):
+    """Median ms of `call` with the module's schedule constants set to `constants` (then
+    restored)."""
+    with module.SCHEDULES.override(**constants):
         call()  # compile outside the timed loop
         return measure(clock, Workload(lambda _state: call()), REP_MS).median_ms
 

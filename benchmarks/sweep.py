@@ -3,10 +3,10 @@
     python -m benchmarks.sweep [--ops layernorm,rmsnorm,softmax] [--dtype bf16]
 
 For each op and shape, every combination of the constants below is set on the generated
-module (the schedule heuristic reads them at call time), the forward and backward launchers
-are timed with triton.testing.do_bench (median, cold-ish L2 via its cache flush), and the
-result is printed as GB/s with the same bytes model as benchmarks.run. The schedule table in
-codegen/schedule.py is chosen from these measurements.
+module's schedules (`SCHEDULES.override`: the rules read them at call time), the forward and
+backward launchers are timed with triton.testing.do_bench (median, cold-ish L2 via its cache
+flush), and the result is printed as GB/s with the same bytes model as benchmarks.run. The
+per-op constants in codegen/schedule_table.json are chosen from these measurements.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import triton.testing
 
 from benchmarks.ops import OPS, bytes_moved, make_inputs
+from codegen.runtime import checks
 
 SHAPES = (
     (4096, 512),
@@ -34,22 +35,23 @@ SHAPES = (
 LARGE_SHAPES = ((4096, 32768), (1024, 262144), (4096, 16384))
 #: `--large`: the looped-row schedule of wide rows
 LARGE_CHOICES = {
-    "LOOPED_STAGES": (1, 2, 3),
-    "LOOPED_GRID_STRIDE_ROWS": (1, 2),
-    "LOOPED_BLOCK_N": (4096, 8192),
+    "looped_stages": (1, 2, 3),
+    "looped_grid_stride_rows": (1, 2),
+    "looped_block_n": (4096, 8192),
 }
 #: `--wide`: rows between two powers of two, whole in registers (padded to the next power of
 #: two, measured table kept) or looped
 WIDE_SHAPES = ((4096, 12288), (4096, 16384), (2048, 24576), (4096, 32768), (2048, 65536))
 WIDE_CHOICES = {
-    "PERSISTENT_MAX_BLOCK_N": (16384, 32768, 65536),
-    "PERSISTENT_MAX_PARTIAL_ROW_BYTES": (16384, 32768),
+    "persistent_max_block_n": (16384, 32768, 65536),
+    "persistent_max_partial_row_bytes": (16384, 32768),
 }
+#: the schedule constants swept (`codegen.runtime.schedules.Constants` fields) and their values
 CHOICES = {
-    "ROW_BLOCK_ELEMENTS": (2048, 8192),
-    "PROGRAMS_PER_SM": (1, 4),
-    "ELEMENTS_PER_WARP": (256, 1024),
-    "PERSISTENT_MAX_BLOCK_N": (16384, 65536),
+    "row_block_elements": (2048, 8192),
+    "programs_per_sm": (1, 4),
+    "elements_per_warp": (256, 1024),
+    "persistent_max_block_n": (16384, 65536),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -60,21 +62,13 @@ def time_ms(fn) -> float:
 
 @contextlib.contextmanager
 def module_constants(modules, constants: dict):
-    """Each generated module's `constants` (name -> value) set until the block ends, then its
-    own values back; its schedules and launch plans forgotten both times (a plan would launch
-    past the constants)."""
-    saved = [{name: getattr(module, name) for name in constants} for module in modules]
-    for module in modules:
-        for name, value in constants.items():
-            setattr(module, name, value)
-        module._forget_schedules()
-    try:
+    """Each generated module's schedule `constants` (`Constants` field name -> value) in force
+    until the block ends, then its own values back: `SCHEDULES.override` of each module, which
+    forgets its schedules and launch plans both times (a plan would launch past the constants)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(module.SCHEDULES.override(**constants))
         yield
-    finally:
-        for module, values in zip(modules, saved, strict=True):
-            for name, value in values.items():
-                setattr(module, name, value)
-            module._forget_schedules()
 
 
 def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
@@ -166,9 +160,9 @@ def _masked_softmax_calls(module, m: int, n: int, dtype: torch.dtype, device="cu
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     mask = torch.zeros((shape[0], 1, 1, n), device=device, dtype=dtype)
     mask[..., -n // 8:] = float("-inf")
-    row_shape = module._row_shape(shape)
-    attention_mask = module._broadcast_rows(mask, shape, row_shape)
-    seed = module._seed("masked_softmax", 0, x.device)
+    row_shape = checks.row_shape(shape)
+    attention_mask = checks.broadcast_rows(mask, shape, row_shape)
+    seed = checks.seed("masked_softmax", 0, x.device)
     rows = x.reshape(m, n)
     scale, dropout_p = MASKED_SOFTMAX["scale"], MASKED_SOFTMAX["dropout_p"]
     window = float("inf")
@@ -210,35 +204,30 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
           keep_table: bool = False, show_each: bool = False) -> None:
     module = importlib.import_module(f"generated.{op_name}")
     op = OPS[op_name]
-    defaults = {name: getattr(module, name) for name in choices}
+    schedules = module.SCHEDULES
     # the constants are the fallback of the measured table (benchmarks/tune.py): set it aside so
-    # the widths it covers run on the constants under test
-    measured = module.MEASURED_SCHEDULES
-    module.MEASURED_SCHEDULES = measured if keep_table else {}
+    # the widths it covers run on the constants under test (None: the table kept)
+    table = None if keep_table else {}
     for m, n in shapes:
         forward_call, backward_call, element_size = launcher_calls(op_name, module, m, n, dtype)
         best = {}
         for values in itertools.product(*choices.values()):
-            for name, value in zip(choices, values, strict=True):
-                setattr(module, name, value)
-            module._forget_schedules()
-            try:
-                fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
-            except Exception as error:  # noqa: BLE001 - report and go on
-                print(f"{op_name} {m}x{n} {values}: error {type(error).__name__}: {error}")
-                continue
+            chosen = dict(zip(choices, values, strict=True))
+            with schedules.override(measured=table, **chosen):
+                try:
+                    fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
+                except Exception as error:  # noqa: BLE001 - report and go on
+                    print(f"{op_name} {m}x{n} {values}: error {type(error).__name__}: {error}")
+                    continue
             fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
             bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
             if show_each:
-                chosen = dict(zip(choices, values, strict=True))
                 print(f"  {op_name} {m}x{n} {chosen}: fwd {fwd:.0f} bwd {bwd:.0f} GB/s")
             for mode, gbps in (("fwd", fwd), ("bwd", bwd)):
                 if gbps > best.get(mode, (0, None))[0]:
                     best[mode] = (gbps, values)
-        for name, value in defaults.items():
-            setattr(module, name, value)
-        module._forget_schedules()
-        fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
+        with schedules.override(measured=table):  # the module's own constants
+            fwd_ms, bwd_ms = time_ms(forward_call), time_ms(backward_call)
         default_fwd = bytes_moved(op, "fwd", m, n, element_size) / fwd_ms / 1e6
         default_bwd = bytes_moved(op, "bwd", m, n, element_size) / bwd_ms / 1e6
         names = ",".join(choices)
@@ -248,8 +237,6 @@ def sweep(op_name: str, dtype: torch.dtype, shapes=SHAPES, choices=CHOICES,
             f"best bwd {best['bwd'][0]:.0f} at {best['bwd'][1]} ({names})",
             flush=True,
         )
-    module.MEASURED_SCHEDULES = measured
-    module._forget_schedules()
 
 
 def main() -> None:

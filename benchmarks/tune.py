@@ -4,20 +4,21 @@
                               [--dtype bf16] [--budget-s 500] [--looped]
 
 Unlike `benchmarks.sweep` (which varies the heuristic's constants), this fixes the schedule
-itself: the generated module's `_schedule` is replaced by one that returns the configuration
-under test, the forward and backward launchers are timed with the harness's clock (a GPU sleep
-queues the launch, a 256 MiB write empties L2, CUDA events time only the kernels), and the
-compiled kernel's registers, spills and shared memory are recorded. The search is a grid: rows
-per step (1, or 512 to 16384 elements a step), warps (8 to 32 elements a thread), 1 or 3
-software-pipeline stages, and one program per row block or 1, 2, 4 or 8 programs per SM looping
-over row blocks; kernels with column partials (a backward's parameter gradients) are measured
-again at the register budget of the programs an SM runs (form bit 8), and every kernel against
-the table's entry for the width where that entry loops. `--looped` measures looped rows instead
-(LOOPED_SHAPES): columns per step (1024 to 16384), rows per step, warps (4 to 16 elements a
-thread), programs, 1 or 3 stages, each (for kernels with a joined sweep) in both forms of it
-(the table entry records the faster form), against the table's
-whole-row entry for the width measured in the same run. `--ops cross_entropy` measures the
-cross-entropy kernels too (bytes: the logits read, and in the backward their gradient written);
+itself: the generated module's schedule choice is replaced (`SCHEDULES.override(choose=...)`)
+by one that returns the configuration under test, the forward and backward launchers are timed
+with the harness's clock (a GPU sleep queues the launch, a 256 MiB write empties L2, CUDA
+events time only the kernels), and the compiled kernel's registers, spills and shared memory
+are recorded. The search is a grid: rows per step (1, or 512 to 16384 elements a step), warps
+(8 to 32 elements a thread), 1 or 3 software-pipeline stages, and one program per row block or
+1, 2, 4 or 8 programs per SM looping over row blocks; kernels with column partials (a
+backward's parameter gradients) are measured again at the register budget of the programs an SM
+runs (form bit 8), and every kernel against the table's entry for the width where that entry
+loops. `--looped` measures looped rows instead (LOOPED_SHAPES): columns per step (1024 to
+16384), rows per step, warps (4 to 16 elements a thread), programs, 1 or 3 stages, each (for
+kernels with a joined sweep) in both forms of it (the table entry records the faster form),
+against the table's whole-row entry for the width measured in the same run. `--ops
+cross_entropy` measures the cross-entropy kernels too (bytes: the logits read, and in the
+backward their gradient written);
 `--ops add_layernorm,add_rmsnorm` the residual-add norms' and `--ops masked_softmax` the
 masked softmax's (attention's mask, scale and dropout; bytes: 4 and 3 activation-sized tensors
 each way), filed as their own entries, which take precedence over those they otherwise borrow.
@@ -50,10 +51,12 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from benchmarks.ops import OPS, OpSpec, bytes_moved
 from benchmarks.sweep import DTYPES, launcher_calls, module_constants
 from benchmarks.timing import CudaClock, Workload, measure
+from codegen.runtime.schedules import Schedule, form_of
 
 SHAPES = (
     (32768, 256),
@@ -92,16 +95,16 @@ MIN_ELEMENTS_PER_THREAD = 8
 #: 1 warp; 4096x1024: 1 row, 1 warp)
 STEP_ELEMENTS = (512, 1024, 2048, 4096, 8192, 16384)
 STAGE_CHOICES = (1, 3)
-#: kernel forms of a table entry (generated modules: `_form`): bit 1 drops the masks where the
-#: row blocks tile the tensor exactly (EVEN), bit 2 keeps the row-block loop with one program per
-#: row block (STRIDED), bit 4 runs every other sweep of a looped row backwards (REVERSE: it
-#: starts on the columns the sweep before ended on, the likeliest still in L2), bit 8 compiles
-#: whole rows to the register budget of the programs an SM runs (REGS: ptxas left to itself may
-#: take far fewer registers and spill), bit 16 compiles whole rows for their width (FIXED: the
-#: width and the row strides constants, 32-bit offsets, the approximate rsqrt; `_fixed`); the
-#: searches above measure the rule's form (whole rows with column partials: and the rule's with
-#: REGS), `--forms` every form (whole rows: the sixteen of bits 1, 2, 8 and 16; looped rows: the
-#: eight of bits 1, 2 and 4)
+#: kernel forms of a table entry (`codegen.runtime.schedules.form_of`): bit 1 drops the masks
+#: where the row blocks tile the tensor exactly (EVEN), bit 2 keeps the row-block loop with one
+#: program per row block (STRIDED), bit 4 runs every other sweep of a looped row backwards
+#: (REVERSE: it starts on the columns the sweep before ended on, the likeliest still in L2), bit
+#: 8 compiles whole rows to the register budget of the programs an SM runs (REGS: ptxas left to
+#: itself may take far fewer registers and spill), bit 16 compiles whole rows for their width
+#: (FIXED: the width and the row strides constants, 32-bit offsets, the approximate rsqrt;
+#: `fixed_n`); the searches above measure the rule's form (whole rows with column partials: and
+#: the rule's with REGS), `--forms` every form (whole rows: the sixteen of bits 1, 2, 8 and 16;
+#: looped rows: the eight of bits 1, 2 and 4)
 FORMS = tuple(range(32))
 REGS_FORM = 8
 FIXED_FORM = 16
@@ -155,20 +158,32 @@ def _pow2s(low: int, high: int) -> list[int]:
 
 
 class _Recorder:
-    """Stands in for a @triton.jit kernel in the module: launches it, keeps what it compiled."""
+    """Within the block, keeps what Triton's JIT compiled for each launch of the named kernels
+    (`compiled`: kernel name -> the last compiled kernel launched): `triton.runtime.JITFunction.run`
+    wrapped until the block ends, the generated module left as it is. A launch plan launches
+    past the JIT, so the block's calls must not have plans (`SCHEDULES.override` forgets them)."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.compiled = None
+    def __init__(self, names):
+        self.names = frozenset(names)
+        self.compiled: dict = {}
+        self._run = None
 
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
+    def __enter__(self):
+        self._run = run = triton.runtime.JITFunction.run
+        names, compiled = self.names, self.compiled
 
-        def run(*args, **kwargs):
-            self.compiled = launch(*args, **kwargs)
-            return self.compiled
+        def recorded(kernel, *args, **kwargs):
+            result = run(kernel, *args, **kwargs)
+            if kernel.__name__ in names:
+                compiled[kernel.__name__] = result
+            return result
 
-        return run
+        triton.runtime.JITFunction.run = recorded
+        return self
+
+    def __exit__(self, *_exc):
+        triton.runtime.JITFunction.run = self._run
+        return False
 
 
 def _kernel_stats(compiled) -> dict:
@@ -191,16 +206,14 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     block_n = 1 << (n - 1).bit_length()
     kernels = [key for key in vars(module) if key.startswith(f"_{op.name}_{name}_")
                and key.endswith(("_per", "_red"))]
-    recorders = {key: _Recorder(getattr(module, key)) for key in kernels}
-    originals = {key: getattr(module, key) for key in kernels}
-    original_schedule = module._schedule
+    seam, constants = module.SCHEDULES, module.SCHEDULES.constants
     persistent = [key for key in kernels if key.endswith("_per")]
     partials = any(key.endswith("_partial_ptr") for key in
                    getattr(module, persistent[0]).arg_names) if persistent else False
     results = []
 
     # looped kernels with a joined sweep (codegen/fuse.py) run it where the module's rule
-    # says (rows of ONE_SWEEP_MIN_N columns and more); the other form is measured next to each
+    # says (rows of one_sweep_min_n columns and more); the other form is measured next to each
     # configuration (marked against_rule) and competes for the table entry, which records the
     # form that won
     rule_one_sweep = rule_one(module, n, element_size)
@@ -213,15 +226,13 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
         width = step or block_n
         chunks = -(-n // width)
         one_sweep = bool(step) and (rule_one_sweep if one_sweep is None else one_sweep)
-        schedule = module._Schedule(bool(step), width, rows, warps, programs, stages, chunks,
-                                    one_sweep, module._keeps(bool(step), n, element_size),
-                                    *module._form(m, n, rows, width, programs, form),
-                                    last_first=module._last_first(mode))
-        module._schedule = lambda *_args, **_kwargs: schedule
-        for key, recorder in recorders.items():
-            recorder.compiled = None
-            setattr(module, key, recorder)
-        module._forget_schedules()  # launch plans would launch past both
+        # looped rows keep their earlier sweeps' reads in L2 and backwards walk their row
+        # blocks from the last as the rule has them (`Schedules.rule`)
+        keep = bool(step) and n * element_size <= constants.keep_max_row_bytes
+        last_first = bool(constants.backward_last_first) and mode != "fwd"
+        schedule = Schedule(bool(step), width, rows, warps, programs, stages, chunks, one_sweep,
+                            keep, *form_of(m, n, rows, width, programs, form),
+                            last_first=last_first)
         config = {"rows": rows, "warps": warps, "programs": programs, "per_sm": per_sm,
                   "stages": stages, "step": step}
         if form != RULE_FORM:
@@ -230,30 +241,27 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
             config["one_sweep"] = one_sweep
             if one_sweep != rule_one_sweep:
                 config["against_rule"] = True
+        # the schedule fixed for the launchers (plans forgotten on entry and exit: a plan would
+        # launch past both the schedule and the recorder)
         try:
-            call()  # compile outside the timed loop
-            stats = measure(clock, Workload(lambda _state: call()), REP_MS)
+            with seam.override(choose=lambda *_args: schedule), _Recorder(kernels) as recorder:
+                call()  # compile outside the timed loop
+                stats = measure(clock, Workload(lambda _state: call()), REP_MS)
         except Exception as error:  # noqa: BLE001 - a config that does not compile is data
             record = config | {"error": f"{type(error).__name__}: {str(error)[:200]}"}
         else:
             gbps = _moved(op, mode, m, n, element_size) / stats.median_ms / 1e6
             record = config | {"ms": stats.median_ms, "gbps": gbps}
-            for recorder in recorders.values():
-                if recorder.compiled is not None:
-                    record.update(_kernel_stats(recorder.compiled))
-        finally:
-            module._schedule = original_schedule
-            for key, kernel in originals.items():
-                setattr(module, key, kernel)
-            module._forget_schedules()
+            for compiled in recorder.compiled.values():
+                record.update(_kernel_stats(compiled))
         results.append(record)
         return record.get("gbps", 0.0)
 
     # kernels with column partials loop over row blocks (a partial row per program); the
     # others may also take one program per row block (0)
     if looped:
-        whole = module.MEASURED_SCHEDULES.get((mode, block_n))
-        if whole is not None and not whole[4] and block_n <= module.PERSISTENT_MAX_BLOCK_N:
+        whole = seam.measured.get((mode, block_n))
+        if whole is not None and not whole[4] and block_n <= constants.persistent_max_block_n:
             rows, warps, per_sm, stages = whole[:4]
             run(min(rows, m), warps, sms * per_sm, stages)
         most = (LOOPED_PARTIAL_MAX_ELEMENTS_PER_THREAD if partials
@@ -286,8 +294,8 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
     # the table's entry for this width where it loops competes in the same run (as --looped
     # measures the whole-row entry), so --write-table keeps it where whole rows are slower
     wide = "_fp32" if element_size == 4 else ""
-    entry = next((module.MEASURED_SCHEDULES[key] for key in ((mode + wide, n), (mode, n))
-                  if key in module.MEASURED_SCHEDULES), None)
+    entry = next((seam.measured[key] for key in ((mode + wide, n), (mode, n))
+                  if key in seam.measured), None)
     if entry is not None and entry[4]:
         rows, warps, per_sm, stages, step = entry[:5]
         run(min(rows, m), warps, sms * per_sm if per_sm else 0, stages, step,
@@ -304,8 +312,8 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
                     forms = [RULE_FORM]
                     if partials and sms * per_sm < -(-m // rows):
                         # the partial rows held next to a whole row: ptxas may spill rather than
-                        # take the registers the programs an SM runs leave (`_maxnreg`; only
-                        # where programs loop over row blocks, as `_form` sets it)
+                        # take the registers the programs an SM runs leave (`maxnreg`; only
+                        # where programs loop over row blocks, as `form_of` sets it)
                         forms.append(RULE_FORM | REGS_FORM)
                     for form in forms:
                         run(rows, warps, sms * per_sm, stages, form=form)
@@ -320,24 +328,20 @@ def _tune_kernel(module, name, call, m, n, element_size, op, mode, clock, sms, l
 
 def rule_one(module, n: int, element_size: int) -> bool:
     """Whether the module's rule joins the sweeps of a looped row this wide."""
-    return n >= module.ONE_SWEEP_MIN_N
+    return n >= module.SCHEDULES.constants.one_sweep_min_n
 
 
 def _used_schedule(module, call):
-    """The schedule the module's own heuristic picks for `call`."""
-    original, used = module._schedule, []
+    """The schedule the module's own rule picks for `call` (its first launch's), with the
+    constants and the measured table in force."""
+    seam, used = module.SCHEDULES, []
 
-    def spy(*args, **kwargs):
-        used.append(original(*args, **kwargs))
+    def spy(*args):
+        used.append(seam.rule(*args))
         return used[-1]
 
-    module._schedule = spy
-    module._forget_schedules()  # a launch plan would not ask `_schedule`
-    try:
+    with seam.override(choose=spy):  # forgets the plans, which would not ask for a schedule
         call()
-    finally:
-        module._schedule = original
-        module._forget_schedules()
     return used[0]
 
 
@@ -352,7 +356,7 @@ def _as_config(schedule, m: int, sms: int, form: int = RULE_FORM) -> dict:
             "form": form}
 
 
-def _session(out: Path):
+def _open_report(out: Path):
     """The GPU's properties, a clock, and DIR/tune.json: as an earlier run left it, or new."""
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
@@ -366,15 +370,15 @@ def _session(out: Path):
     return properties, clock, path, report
 
 
-#: the module constants that turn split rows off (benchmarks.split forces them too)
-SPLIT_NOWHERE = {"SPLIT_MIN_N": 0, "SPLIT_OTHER_MIN_ROW_BYTES": 0}
+#: the schedule constants that turn split rows off (benchmarks.split forces them too)
+SPLIT_NOWHERE = {"split_min_n": 0, "split_other_min_row_bytes": 0}
 
 
 def _unsplit(ops):
     """The ops' modules with split rows off (SPLIT_NOWHERE) until the block ends: the table
     holds whole and looped rows, which split rows replace at the widths the split rules give
     them, before the table is read; measured here, a split schedule would be filed as whole or
-    looped rows (a softmax backward's too: its rule is SPLIT_OTHER_MIN_ROW_BYTES)."""
+    looped rows (a softmax backward's too: its rule is split_other_min_row_bytes)."""
     return module_constants([importlib.import_module(f"generated.{op}") for op in ops],
                             SPLIT_NOWHERE)
 
@@ -392,7 +396,7 @@ def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
     interleaved; each
     record names the table entry the schedule came from, so `--write-table` can file the
     fastest form under it."""
-    properties, clock, path, report = _session(out)
+    properties, clock, path, report = _open_report(out)
     report.setdefault("forms", [])
     began = time.perf_counter()
     for op_name in ops:
@@ -405,24 +409,18 @@ def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
             forward, backward, element_size = launcher_calls(op_name, module, m, n, dtype)
             for mode, call in (("fwd", forward), ("bwd", backward)):
                 used = _used_schedule(module, call)
-                flags = {form: module._form(m, n, used.rows, used.block_n, used.programs, form)
+                flags = {form: form_of(m, n, used.rows, used.block_n, used.programs, form)
                          for form in FORMS}
                 moved = _moved(_op(op_name), mode, m, n, element_size)
                 speeds: dict = {}
-                original = module._schedule
                 for _repeat in range(FORM_REPEATS):
                     for even, strided, reverse, regs, fixed in sorted(set(flags.values())):
                         formed = used._replace(even=even, strided=strided, reverse=reverse,
                                                regs=regs, fixed=fixed)
-                        module._schedule = lambda *_args, formed=formed, **_kwargs: formed
-                        module._forget_schedules()
-                        try:
+                        with module.SCHEDULES.override(choose=lambda *_args, formed=formed: formed):
                             call()  # compile outside the timed loop
                             work = Workload(lambda _state, call=call: call())
                             stats = measure(clock, work, REP_MS)
-                        finally:
-                            module._schedule = original
-                            module._forget_schedules()
                         gbps = moved / stats.median_ms / 1e6
                         flag = (even, strided, reverse, regs, fixed)
                         speeds[flag] = max(speeds.get(flag, 0.0), gbps)
@@ -430,7 +428,7 @@ def _measure_forms(ops, dtype, shapes, out: Path, budget_s: float) -> None:
                 record = {"op": op_name, "mode": mode, "m": m, "n": n, "dtype": str(dtype),
                           "entry": None if entry is None else list(entry),
                           "config": (None if entry is None
-                                     else list(module.MEASURED_SCHEDULES[entry][:6])),
+                                     else list(module.SCHEDULES.measured[entry][:6])),
                           "stages": used.stages,
                           "gbps": {str(form): speeds[flags[form]] for form in FORMS}}
                 report["forms"].append(record)
@@ -450,7 +448,7 @@ def tune(ops, dtype, shapes, out: Path, budget_s: float, looped: bool = False,
 
 def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_per_thread,
           fixed=False):
-    properties, clock, path, report = _session(out)
+    properties, clock, path, report = _open_report(out)
     began = time.perf_counter()
     for op_name in ops:
         module = importlib.import_module(f"generated.{op_name}")
@@ -470,17 +468,12 @@ def _tune(ops, dtype, shapes, out, budget_s, looped, modes, partial_rows, most_p
                 # the module's own schedule, with its table and with its rules alone, is a
                 # candidate too (rules no search covers: the softmax backward's whole rows
                 # past 16384, say)
-                table = module.MEASURED_SCHEDULES
+                table = module.SCHEDULES.measured
                 for source, schedules in (("rules", {}), ("default", table)):
-                    module.MEASURED_SCHEDULES = schedules
-                    module._forget_schedules()
-                    try:
+                    with module.SCHEDULES.override(measured=schedules):
                         used = _used_schedule(module, call)
                         form = RULE_FORM if used.entry is None else schedules[used.entry][6]
                         stats = measure(clock, Workload(lambda _state, call=call: call()), REP_MS)
-                    finally:
-                        module.MEASURED_SCHEDULES = table
-                        module._forget_schedules()
                     gbps = moved / stats.median_ms / 1e6
                     results.append(_as_config(used, m, properties.multi_processor_count, form)
                                    | {"ms": stats.median_ms, "gbps": gbps, source: True})

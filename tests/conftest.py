@@ -6,6 +6,7 @@ interpreted.  The test modules import the generated modules at collection,
 after this file.
 """
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ if not HAS_CUDA:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from codegen.runtime.schedules import forget_all  # noqa: E402 - after TRITON_INTERPRET
 
 
 @pytest.fixture(params=PATHS)
@@ -44,23 +47,31 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def overrides() -> contextlib.ExitStack:
+    """An ExitStack whose context managers (force_looped, force_split, any
+    `SCHEDULES.override`) a test enters with `overrides.enter_context(...)`; they exit, last
+    first, when the test ends, restoring each module's constants and forgetting its plans."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture
+def schedule(request: pytest.FixtureRequest, overrides: contextlib.ExitStack) -> str:
     """Kernel schedule of the test module's generated module `OP`; runs once per schedule
     (pytest_generate_tests)."""
     for module in _ops(request.module) if request.param != "persistent" else ():
         if request.param == "split":
-            force_split(monkeypatch, module)
+            overrides.enter_context(force_split(module))
         else:
-            force_looped(monkeypatch, module, reverse=request.param == "looped-reverse")
+            overrides.enter_context(force_looped(module, reverse=request.param == "looped-reverse"))
     return request.param
 
 
 @pytest.fixture(autouse=True)
 def forget_schedules():
-    """After each test, every loaded generated module forgets its schedules and launch plans: a
-    test that forced a schedule (force_looped, test_schedule's `_forced`) leaves none behind
-    for the next test's calls of the same shape, which a launch plan would otherwise launch."""
+    """After each test, every op forgets its schedules and launch plans (`forget_all`): a test
+    that changed what a schedule depends on outside `SCHEDULES.override` (a device's refused
+    split, a GPU's properties faked) leaves none behind for the next test's calls of the same
+    shape, which a launch plan would otherwise launch."""
     yield
-    for name, module in list(sys.modules.items()):
-        if name.startswith("generated.") and hasattr(module, "_forget_schedules"):
-            module._forget_schedules()
+    forget_all()

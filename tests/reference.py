@@ -49,26 +49,25 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     return torch.device("cuda" if HAS_CUDA and path == "triton" else "cpu")
 
 
-def force_looped(monkeypatch: pytest.MonkeyPatch, module: object, one_sweep: bool = True,
-                 reverse: bool = False) -> None:
-    """Make rows wider than LOOPED_BLOCK_N take the looped-row schedule, with two dependent
-    reductions in one sweep (codegen/fuse.py) or, `one_sweep=False`, in a pass each; `reverse`:
-    with every other sweep run backwards (the form's bit 4, REVERSE)."""
-    if reverse:
-        form = module._form
-        monkeypatch.setattr(module, "_form", lambda *args: form(*args[:-1], args[-1] | 4))
-    monkeypatch.setattr(module, "PERSISTENT_MAX_BLOCK_N", LOOPED_BLOCK_N)
-    monkeypatch.setattr(module, "PERSISTENT_MAX_BWD_ROW_BYTES", 0)  # backwards too
-    monkeypatch.setattr(module, "PERSISTENT_MAX_FWD_ROW_BYTES", 0)
-    monkeypatch.setattr(module, "ONE_SWEEP_MIN_N", 0 if one_sweep else 1 << 62)
-    monkeypatch.setattr(module, "SPLIT_MIN_N", 0)  # rows wide enough to split loop instead
-    monkeypatch.setattr(module, "SPLIT_OTHER_MIN_ROW_BYTES", 0)
-    # the row-bytes limit is read inside the cached heuristic, and launch plans keep schedules
-    module._forget_schedules()
+def force_looped(module: object, one_sweep: bool = True, reverse: bool = False):
+    """A context manager (the module's `SCHEDULES.override`) within which rows wider than
+    LOOPED_BLOCK_N take the looped-row schedule, with two dependent reductions in one sweep
+    (codegen/fuse.py) or, `one_sweep=False`, in a pass each; `reverse`: with every other sweep
+    run backwards (the form's bit 4, REVERSE). Tests enter it with `with` or through the
+    `overrides` fixture (tests/conftest.py)."""
+    return module.SCHEDULES.override(
+        persistent_max_block_n=LOOPED_BLOCK_N,
+        persistent_max_bwd_row_bytes=0,  # backwards too
+        persistent_max_fwd_row_bytes=0,
+        one_sweep_min_n=0 if one_sweep else 1 << 62,
+        split_min_n=0,  # rows wide enough to split loop instead
+        split_other_min_row_bytes=0,
+        form_bits=4 if reverse else 0,
+    )
 
 
 #: columns of a slab where tests split rows: on a GPU most test rows then span several
-#: programs (the interpreter runs one program a row: `_split_schedule`)
+#: programs (the interpreter runs one program a row: `Schedules.split_rows`)
 SPLIT_BLOCK_N = 64
 
 
@@ -77,15 +76,11 @@ def splits(module: object) -> bool:
     return any(name.endswith("_split") for name in vars(module))
 
 
-def force_split(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
-    """Make every kernel with a split form split its rows, over slabs of SPLIT_BLOCK_N
-    columns."""
-    monkeypatch.setattr(module, "SPLIT_MIN_N", 1)
-    monkeypatch.setattr(module, "SPLIT_MIN_ROW_BYTES", 0)
-    monkeypatch.setattr(module, "SPLIT_MAX_ROW_BYTES", 0)
-    monkeypatch.setattr(module, "SPLIT_OTHER_MIN_ROW_BYTES", 1)
-    monkeypatch.setattr(module, "SPLIT_BLOCK_N", SPLIT_BLOCK_N)
-    module._forget_schedules()
+def force_split(module: object):
+    """A context manager (the module's `SCHEDULES.override`) within which every kernel with a
+    split form splits its rows, over slabs of SPLIT_BLOCK_N columns."""
+    return module.SCHEDULES.override(split_min_n=1, split_min_row_bytes=0, split_max_row_bytes=0,
+                                     split_other_min_row_bytes=1, split_block_n=SPLIT_BLOCK_N)
 
 
 # Inputs

@@ -220,9 +220,9 @@ def test_unseeded_backward_uses_its_forward_mask(device):
     assert torch.equal(x.grad, out.detach())
 
 
-def test_mask_does_not_depend_on_schedule(device, monkeypatch):
+def test_mask_does_not_depend_on_schedule(device, overrides):
     persistent = keep_mask((3, 40), 0.5, SEED, device)
-    force_looped(monkeypatch, bda_module)
+    overrides.enter_context(force_looped(bda_module))
     assert torch.equal(keep_mask((3, 40), 0.5, SEED, device), persistent)
 
 

@@ -19,6 +19,7 @@ from reference import (
     randn,
 )
 
+from codegen.runtime import losses
 from generated import cross_entropy as cross_entropy_module
 from generated.cross_entropy import CrossEntropyLoss, cross_entropy
 
@@ -93,8 +94,7 @@ def test_non_contiguous_input(device, schedule, view):
 
 def test_large_vocab_takes_the_looped_kernel(device):
     rows, classes = 3, 40000
-    schedule = cross_entropy_module._schedule(
-        rows, classes, False, "fwd", 1, 4, device, cross_entropy_module.PERSISTENT_MAX_BLOCK_N)
+    schedule = cross_entropy_module.SCHEDULES.choose(rows, classes, False, "fwd", 1, 4, device)
     assert schedule.looped, "the vocabulary no longer forces the looped kernel"
     x = randn((rows, classes), seed=1, device=device) * 3
     target = torch.tensor([0, classes - 1, 12345], device=device)
@@ -286,8 +286,9 @@ def test_class_out_of_range_is_rejected_on_cpu(monkeypatch, case, interpret):
 def test_targets_are_counted_and_checked_over_several_steps(device, monkeypatch):
     # the target statistics and the mean kernels step over 4 rows at a time here: a mean over
     # rows in three steps (and its gradient), and a class out of range in the last one only
-    monkeypatch.setattr(cross_entropy_module, "TARGET_STATS_BLOCK", 4)
-    monkeypatch.setattr(cross_entropy_module, "COUNTED_MEAN_BLOCK", 4)
+    # (the runtime's public step sizes: `check_target` and `CountedMean` take no other)
+    monkeypatch.setattr(losses, "TARGET_STATS_BLOCK", 4)
+    monkeypatch.setattr(losses, "COUNTED_MEAN_BLOCK", 4)
     x = randn((11, V), device=device).requires_grad_()
     target = targets((11,), V, device, ignored=[0, 5, 10])
     loss = cross_entropy(x, target)

@@ -133,8 +133,8 @@ def test_one_sweep_equals_a_pass_each(monkeypatch, module):
         for reverse in (False, True):
             monkeypatch.undo()
             device = select_path(monkeypatch, "triton")
-            force_looped(monkeypatch, module, one_sweep, reverse)
-            out = _calls(device)[module]()
+            with force_looped(module, one_sweep, reverse):
+                out = _calls(device)[module]()
             results.append([t for t in (out if isinstance(out, tuple) else (out,))])
     for other in results[1:]:
         for first, got in zip(results[0], other, strict=True):
@@ -200,12 +200,12 @@ def test_every_other_sweep_runs_backwards_under_reverse():
     # column block) or the mean's and the variance's passes (the second backwards); the
     # epilogue backwards after the one sweep, forwards after the two
     sweeps, epilogue = directions(KernelContext(kernels("layernorm")["fwd"], TRITON))
-    assert sweeps == ["chunk", "chunk", "_column_block(chunk, CHUNKS, REVERSE)"]
-    assert epilogue.startswith("cols = _column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) ")
+    assert sweeps == ["chunk", "chunk", "helpers.column_block(chunk, CHUNKS, REVERSE)"]
+    assert epilogue.startswith("cols = helpers.column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) ")
     # the layer-norm backward: one sweep for both sums, then the epilogue backwards
     sweeps, epilogue = directions(KernelContext(kernels("layernorm")["default"], TRITON))
     assert sweeps == ["chunk"]
-    assert epilogue.startswith("cols = _column_block(chunk, CHUNKS, REVERSE) ")
+    assert epilogue.startswith("cols = helpers.column_block(chunk, CHUNKS, REVERSE) ")
 
 
 def test_a_sweep_s_direction_follows_the_parity_of_the_sweeps_before_it():
@@ -222,10 +222,10 @@ def test_a_sweep_s_direction_follows_the_parity_of_the_sweeps_before_it():
     assert context.columns_lines("0") == [
         "cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
     assert context.columns_lines("(1 - ONE_SWEEP)") == [
-        "cols = _column_block(chunk, CHUNKS, REVERSE * (1 - ONE_SWEEP)) * BLOCK_N"
+        "cols = helpers.column_block(chunk, CHUNKS, REVERSE * (1 - ONE_SWEEP)) * BLOCK_N"
         " + tl.arange(0, BLOCK_N)[None, :]"]
-    # a kernel that draws random values names the block's first column for `_uniform`
+    # a kernel that draws random values names the block's first column for `helpers.uniform`
     seeded = KernelContext(kernels("bias_dropout_add")["fwd"], TRITON)
     assert seeded.columns_lines("1") == [
-        "col0 = _column_block(chunk, CHUNKS, REVERSE) * BLOCK_N",
+        "col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N",
         "cols = col0 + tl.arange(0, BLOCK_N)[None, :]"]

@@ -27,13 +27,27 @@ def test_output_is_identical_under_different_hash_seeds(tmp_path: Path) -> None:
     assert len(digests) == 1
 
 
-def test_generated_modules_import_only_torch_and_triton() -> None:
-    # the standard library, torch and triton (patch.py imports the sibling modules)
+def _imports(path: Path) -> list[tuple[str, str]]:
+    """(module imported, the line) of each top-level import statement of a file."""
+    return [(line.split()[1], line) for line in path.read_text().splitlines()
+            if line.startswith(("import ", "from "))]
+
+
+def test_generated_modules_import_only_torch_triton_and_the_runtime() -> None:
+    # the standard library, torch and triton (patch.py imports the sibling modules), and the
+    # hand-written runtime `codegen.runtime`, never the rest of codegen (sympy, jinja)
     allowed = {"collections", "fnmatch", "functools", "math", "numbers", "os", "struct",
                "typing", "torch", "triton"}
     for path in sorted((ROOT / "generated").glob("*.py")):
-        for line in path.read_text().splitlines():
-            if line.startswith(("import ", "from ")):
-                module = line.split()[1].split(".")[0]
-                assert module in allowed | {"generated"}, f"{path.name}: {line}"
+        for module, line in _imports(path):
+            top = module.split(".")[0]
+            runtime = module == "codegen.runtime" or module.startswith("codegen.runtime.")
+            assert top in allowed | {"generated"} or runtime, f"{path.name}: {line}"
+    # ... and the runtime imports only the standard library, torch, triton and itself
+    standard = allowed | {"__future__", "contextlib", "dataclasses", "weakref"}
+    for path in sorted((ROOT / "codegen" / "runtime").glob("*.py")):
+        for module, line in _imports(path):
+            top = module.split(".")[0]
+            runtime = module == "codegen.runtime" or module.startswith("codegen.runtime.")
+            assert top in standard or runtime, f"codegen/runtime/{path.name}: {line}"
     assert hashlib  # the digest test above uses it through the subprocess script

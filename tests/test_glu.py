@@ -14,6 +14,7 @@ from reference import (
 
 import generated.geglu as geglu
 import generated.swiglu as swiglu
+from codegen.runtime import launch
 
 N = 37
 OP = (swiglu, geglu)  # the conftest's schedule fixture forces these looped
@@ -69,9 +70,9 @@ def test_inputs_must_match(device):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_rows_fold_into_rows_of_the_fold_width(device, monkeypatch, variant):
+def test_rows_fold_into_rows_of_the_fold_width(device, variant):
     """Elementwise-only launchers read contiguous rows whose width is not a multiple of
-    FOLD_BLOCK_N as rows of FOLD_BLOCK_N (where the tensor tiles into them): the same values
+    fold_block_n as rows of fold_block_n (where the tensor tiles into them): the same values
     bit for bit, forward and backward; rows with a stride of their own are not folded."""
     module = swiglu if variant == "swiglu" else geglu
     forward = getattr(module, f"_{variant}_fwd")
@@ -80,20 +81,26 @@ def test_rows_fold_into_rows_of_the_fold_width(device, monkeypatch, variant):
     wide = randn((6, 128), seed=4, device=device)
     strided = wide[:, :96]  # rows 128 apart: no fold
     widths = []
-    schedule = module._schedule
-    monkeypatch.setattr(module, "_schedule", lambda M, N, *args: widths.append(N)
-                        or schedule(M, N, *args))
+    seam = module.SCHEDULES
+
+    def recorded(M, N, *args):
+        # the rule's schedule, with the row width each launch asked for kept
+        widths.append(N)
+        return seam.rule(M, N, *args)
 
     def run(fold):
-        monkeypatch.setattr(module, "FOLD_BLOCK_N", fold)
-        module._forget_schedules()
         widths.clear()
-        results = (*forward(gate, up), *backward(dy, gate, up), *forward(strided, up))
+        results = []
+        with seam.override(fold_block_n=fold, choose=recorded):
+            for launcher, args in ((forward, (gate, up)), (backward, (dy, gate, up)),
+                                   (forward, (strided, up))):
+                seam.forget()  # each launch chooses: none takes an earlier one's schedule
+                results += launcher(*args)
         return results, list(widths)
 
     unfolded, unfolded_widths = run(0)
     folded, folded_widths = run(64)  # 6 x 96 = 9 rows of 64
-    if device.type == "cpu" and not module._use_triton(gate):
+    if device.type == "cpu" and not launch.use_triton(gate):
         assert unfolded_widths == folded_widths == []  # the torch path: no kernels
     else:
         assert unfolded_widths == [96, 96, 96]

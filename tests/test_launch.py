@@ -1,6 +1,7 @@
 """The direct launch (launch plans in every generated module): a CUDA call keyed as Triton would
 specialize it launches the kernel compiled for an earlier such call without the JIT's binding.
-Launchers key by their inputs, `_launch` (the column sums) by its kernel's arguments. A key must
+Launchers key by their inputs, `codegen.runtime.launch.launch` (the column sums) by its kernel's
+arguments. A key must
 tell apart every call Triton compiles apart, or a kernel compiled for aligned addresses or for
 M == 1 would run where they do not hold."""
 
@@ -14,6 +15,8 @@ from test_cuda_graphs import NAMES, _cases, _step
 
 import generated.layernorm as layernorm
 import generated.rmsnorm as rmsnorm
+from codegen.runtime import launch
+from codegen.runtime.schedules import forget_all
 
 
 def test_key_tells_apart_what_triton_compiles_apart():
@@ -21,7 +24,7 @@ def test_key_tells_apart_what_triton_compiles_apart():
     dtypes or not 16-byte aligned; None, bools. The key must be at least as fine (floats, all
     passed as fp32, may share one)."""
     def key(*args):
-        return tuple(layernorm._specializations(args))
+        return tuple(launch.specializations(args))
 
     for a, b in ((1, 2), (2, 16), (2**31 - 16, 2**31), (-(2**31), -(2**31) - 16), (None, 0),
                  (True, False)):
@@ -37,7 +40,7 @@ def test_key_tells_apart_what_triton_compiles_apart():
 def test_launch_hooks_keep_the_jit_path():
     """Profilers hook launches: a set hook, or a chain holding one (triton 3.6+ keeps chains,
     never None, so an empty chain must not count as a hook)."""
-    hooked = layernorm._hooked
+    hooked = launch._hooked
     assert not hooked(None) and hooked(print)
     chain = getattr(getattr(triton, "knobs", None), "runtime", None)
     if chain is not None and hasattr(chain.launch_enter_hook, "calls"):
@@ -74,16 +77,19 @@ def test_repeated_calls_launch_directly(monkeypatch):
         y = layernorm.layer_norm(x, (1024,), w, b)
         return (y, *torch.autograd.grad(y, (x, w, b), dy))
 
-    monkeypatch.setattr(layernorm, "_PLANS", {})
+    layernorm.SCHEDULES.forget()
+    launch.PLANS.clear()
     first = step()  # through the JIT (compiling or not), which keys the launches
     calls = _jit_calls(monkeypatch)
     again = step()
     assert calls == [], f"launched through the JIT again: {calls}"
     for got, want in zip(again, first, strict=True):
         assert torch.equal(got, want), "the direct launch computed other values than the JIT's"
-    plans = list(layernorm._PLANS.values())
-    assert len(plans) == 3, plans  # forward, backward, column sums
-    if layernorm._C_LAUNCH:  # triton 3.6: the C launcher itself, not its Python wrapper
+    # the op's forward and backward plans, and the column sums' in the runtime's generic launch
+    assert len(layernorm.SCHEDULES.plans) == 2, layernorm.SCHEDULES.plans
+    assert len(launch.PLANS) == 1, launch.PLANS
+    plans = [*layernorm.SCHEDULES.plans.values(), *launch.PLANS.values()]
+    if launch._C_LAUNCH:  # triton 3.6: the C launcher itself, not its Python wrapper
         assert all(plan.launch.__class__.__name__ == "builtin_function_or_method" for plan in plans)
 
 
@@ -98,14 +104,14 @@ def test_misaligned_and_one_row_calls_compile_their_own(monkeypatch, rows):
     aligned = base[:rows * N].view(rows, N)
     shifted = base[1:rows * N + 1].view(rows, N)  # 2 bytes past a 16-byte boundary
     assert shifted.data_ptr() % 16 != 0
-    monkeypatch.setattr(layernorm, "_PLANS", {})
+    layernorm.SCHEDULES.forget()
     for x in (aligned, shifted, aligned, shifted):
         for call in (lambda x: layernorm.layer_norm(x, (N,), w),
                      lambda x: rmsnorm.rms_norm(x, (N,), w, 1e-6)):
             # a kernel compiled for aligned rows would misread the shifted ones: the same
             # values from an aligned copy must come out exactly the same
             assert torch.equal(call(x), call(x.clone()))
-    keys = [key for key in layernorm._PLANS if key[0] == "_layernorm_fwd"]
+    keys = [key for key in layernorm.SCHEDULES.plans if key[0] == "_layernorm_fwd"]
     assert len(keys) == 2, keys  # the aligned and the shifted input keyed apart
 
 
@@ -127,18 +133,40 @@ def test_every_op_launches_directly(monkeypatch, name):
     assert calls == [], f"{name}: launched through the JIT again: {calls}"
 
 
-def test_forgetting_schedules_drops_plans_and_cached_schedules(monkeypatch):
-    """`_forget_schedules` empties the plans and `_schedule`'s cache, and does not fail where
-    `_schedule` was replaced (benchmarks.tune replaces it with a fixed schedule)."""
-    monkeypatch.setattr(layernorm, "_PLANS", {"key": "plan"})
-    layernorm._schedule(64, 1024, False, "fwd", 1, 2, torch.device("cpu"), 16384)
-    assert layernorm._schedule.cache_info().currsize > 0
-    layernorm._forget_schedules()
-    assert layernorm._PLANS == {} and layernorm._schedule.cache_info().currsize == 0
-    monkeypatch.setattr(layernorm, "_schedule", lambda *_args: None)
-    layernorm._PLANS["key"] = "plan"
-    layernorm._forget_schedules()
-    assert layernorm._PLANS == {}
+def test_forgetting_drops_plans_and_chosen_schedules():
+    """`SCHEDULES.forget` empties the op's launch plans and the schedules it chose; `override`
+    forgets both on entry and on exit, so that nothing chosen or planned within the block (where
+    benchmarks.tune fixes the schedule with `choose`) is launched after it; `forget_all`
+    reaches every op."""
+    seam = layernorm.SCHEDULES
+    cpu = torch.device("cpu")
+    ruled = []
+
+    def counted(*args):
+        ruled.append(args)
+        return seam.rule(*args)
+
+    seam.keep(("before",), "plan")
+    with seam.override(choose=counted):
+        assert seam.plans == {}  # forgotten on entry
+        for _ in range(2):
+            seam.choose(64, 1024, False, "fwd", 1, 2, cpu)
+        assert len(ruled) == 1  # chosen once, then kept
+        seam.keep(("key",), "plan")
+        seam.keep(None, "plan")  # a launch that cannot be planned keeps nothing
+        assert seam.plans == {("key",): "plan"}
+        seam.forget()
+        assert seam.plans == {}
+        seam.choose(64, 1024, False, "fwd", 1, 2, cpu)
+        assert len(ruled) == 2  # chosen again after forget
+        seam.keep(("key",), "plan")
+    assert seam.plans == {}  # forgotten on exit
+    seam.choose(64, 1024, False, "fwd", 1, 2, cpu)
+    assert len(ruled) == 2  # the replaced rule is gone with the block
+    seam.keep(("key",), "plan")
+    rmsnorm.SCHEDULES.keep(("key",), "plan")
+    forget_all()
+    assert seam.plans == {} and rmsnorm.SCHEDULES.plans == {}
 
 
 def test_a_forced_schedule_is_launched_after_a_plan(monkeypatch):
@@ -152,16 +180,16 @@ def test_a_forced_schedule_is_launched_after_a_plan(monkeypatch):
     whole = layernorm.layer_norm(x, (x.shape[1],))
     layernorm.layer_norm(x, (x.shape[1],))  # from here on a CUDA call of this shape has a plan
     launched = []
-    looped = layernorm._layernorm_fwd_red
+    kernel = type(layernorm._layernorm_fwd_red)  # Triton's JIT or interpreter kernel class
+    run = kernel.run
 
-    class Recorder:
-        def __getitem__(self, grid):
-            launched.append("_layernorm_fwd_red")
-            return looped[grid]
+    def recorded(self, *args, **kwargs):
+        launched.append(self.__name__)
+        return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(layernorm, "_layernorm_fwd_red", Recorder())
-    force_looped(monkeypatch, layernorm)
-    forced = layernorm.layer_norm(x, (x.shape[1],))
+    monkeypatch.setattr(kernel, "run", recorded)
+    with force_looped(layernorm):
+        forced = layernorm.layer_norm(x, (x.shape[1],))
     assert launched == ["_layernorm_fwd_red"], "the plan of the whole-row call was launched"
     torch.testing.assert_close(forced, whole)
 

@@ -58,16 +58,16 @@ def test_matches_torch(device, n, affine):
 
 @pytest.mark.parametrize("affine", AFFINE)
 @pytest.mark.parametrize("n", [16, 17, 32, 37, 100])
-def test_looped_schedule_matches_torch(device, monkeypatch, n, affine):
-    force_looped(monkeypatch, layernorm)
+def test_looped_schedule_matches_torch(device, overrides, n, affine):
+    overrides.enter_context(force_looped(layernorm))
     assert_matches_torch(*pair((n,)), inputs((3, n), device, affine=affine))
 
 
 @pytest.mark.parametrize("offset", [1e3, -3e3])
-def test_looped_rows_far_from_zero_in_fp32(device, monkeypatch, offset):
+def test_looped_rows_far_from_zero_in_fp32(device, overrides, offset):
     # The looped forward carries the variance with the mean in one sweep (codegen/fuse.py):
     # a sum of squares would cancel here (mean^2 / var ~ 1e6..1e7 against fp32's 1e-7)
-    force_looped(monkeypatch, layernorm)
+    overrides.enter_context(force_looped(layernorm))
     x, w, b = inputs((6, 100), device)
     assert_low_precision_ok(*pair((100,)), [x + offset, w, b], torch.float32)
 

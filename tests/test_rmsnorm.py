@@ -50,8 +50,8 @@ def test_matches_torch(device, n, weight):
 
 @pytest.mark.parametrize("weight", [False, True], ids=["plain", "weight"])
 @pytest.mark.parametrize("n", [16, 17, 32, 37, 100])
-def test_looped_schedule_matches_torch(device, monkeypatch, n, weight):
-    force_looped(monkeypatch, rmsnorm)
+def test_looped_schedule_matches_torch(device, overrides, n, weight):
+    overrides.enter_context(force_looped(rmsnorm))
     assert_matches_torch(*pair((n,)), inputs((3, n), device, weight=weight))
 
 

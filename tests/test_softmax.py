@@ -43,8 +43,8 @@ def test_matches_torch(device, n):
 
 
 @pytest.mark.parametrize("n", [16, 17, 32, 37, 100])
-def test_looped_schedule_matches_torch(device, monkeypatch, n):
-    force_looped(monkeypatch, softmax)
+def test_looped_schedule_matches_torch(device, overrides, n):
+    overrides.enter_context(force_looped(softmax))
     assert_matches_torch(*pair(), inputs((3, n), device))
 
 
@@ -90,11 +90,11 @@ def test_low_precision_against_fp64(device, schedule, dtype):
 
 
 @pytest.mark.parametrize("trend", [40.0, -40.0])
-def test_looped_rows_whose_max_moves_between_blocks_in_fp32(device, monkeypatch, trend):
+def test_looped_rows_whose_max_moves_between_blocks_in_fp32(device, overrides, trend):
     # The looped forward keeps a running max and rescales its sum when the max grows
     # (codegen/fuse.py): rows that climb (or fall) by `trend` per column block, far beyond
     # exp's fp32 range over the row
-    force_looped(monkeypatch, softmax)
+    overrides.enter_context(force_looped(softmax))
     (x,) = inputs((4, 70), device)
     steps = torch.arange(70, device=device, dtype=x.dtype) // 16 * trend
     assert_low_precision_ok(*pair(), [x + steps + 300.0], torch.float32)

@@ -4,6 +4,7 @@ import torch
 
 from benchmarks import tune
 from benchmarks.tune import _shared_16bit, _shared_rows
+from codegen.runtime.schedules import form_of, maxnreg
 from generated import softmax
 
 
@@ -75,28 +76,26 @@ def test_a_padded_width_is_an_entry_of_its_own(tmp_path, monkeypatch):
 
 
 def test_the_form_bits_set_masks_the_row_block_loop_and_the_sweep_direction():
-    from generated import layernorm
-
     # 4096 rows in blocks of 2 tile exactly; 2048 programs, one per row block
     no = False
-    assert layernorm._form(4096, 512, 2, 512, 2048, 1) == (True, no, no, no, no)  # the rule
-    assert layernorm._form(4096, 512, 2, 512, 2048, 0) == (False, no, no, no, no)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 2) == (False, True, no, no, no)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 3) == (True, True, no, no, no)
+    assert form_of(4096, 512, 2, 512, 2048, 1) == (True, no, no, no, no)  # the rule
+    assert form_of(4096, 512, 2, 512, 2048, 0) == (False, no, no, no, no)
+    assert form_of(4096, 512, 2, 512, 2048, 2) == (False, True, no, no, no)
+    assert form_of(4096, 512, 2, 512, 2048, 3) == (True, True, no, no, no)
     # no form drops masks that a partial row block needs, or the loop over several row blocks
     for form in range(32):
-        assert layernorm._form(4095, 512, 2, 512, 264, form)[:2] == (False, True)
+        assert form_of(4095, 512, 2, 512, 264, form)[:2] == (False, True)
     # bit 4 runs every other sweep backwards, where the row loops (BLOCK_N < N) and only there
-    assert layernorm._form(4096, 512, 1, 128, 4096, 5) == (True, no, True, no, no)
-    assert layernorm._form(4096, 512, 2, 512, 2048, 7) == (True, True, no, no, no)
+    assert form_of(4096, 512, 1, 128, 4096, 5) == (True, no, True, no, no)
+    assert form_of(4096, 512, 2, 512, 2048, 7) == (True, True, no, no, no)
     # bit 8 sets the register budget, for whole rows (BLOCK_N >= N) that programs loop over
     # (fewer programs than row blocks), and only there
-    assert layernorm._form(4096, 500, 2, 512, 264, 9) == (False, True, no, True, no)
-    assert layernorm._form(4096, 500, 2, 512, 2048, 9) == (False, no, no, no, no)
-    assert layernorm._form(4096, 512, 1, 128, 264, 13) == (True, True, True, no, no)
+    assert form_of(4096, 500, 2, 512, 264, 9) == (False, True, no, True, no)
+    assert form_of(4096, 500, 2, 512, 2048, 9) == (False, no, no, no, no)
+    assert form_of(4096, 512, 1, 128, 264, 13) == (True, True, True, no, no)
     # bit 16 compiles whole rows for their width, and only whole rows
-    assert layernorm._form(4096, 500, 2, 512, 2048, 17) == (False, no, no, no, True)
-    assert layernorm._form(4096, 512, 1, 128, 4096, 17) == (True, no, no, no, no)
+    assert form_of(4096, 500, 2, 512, 2048, 17) == (False, no, no, no, True)
+    assert form_of(4096, 512, 1, 128, 4096, 17) == (True, no, no, no, no)
 
 
 def test_the_register_budget_splits_the_sms_register_file_over_the_programs_it_runs(monkeypatch):
@@ -104,23 +103,21 @@ def test_the_register_budget_splits_the_sms_register_file_over_the_programs_it_r
 
     import torch
 
-    from generated import layernorm
-
     device = namedtuple("Device", "type index")
     properties = namedtuple("Properties", "multi_processor_count regs_per_multiprocessor")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: properties(132, 65536))
-    layernorm._maxnreg.cache_clear()
+    maxnreg.cache_clear()
     try:
         # one program of 8 warps an SM: 256 registers a thread, capped at ptxas's 255
-        assert layernorm._maxnreg(8, 132, device("cuda", 0)) == 255
-        assert layernorm._maxnreg(16, 132, device("cuda", 0)) == 128
+        assert maxnreg(8, 132, device("cuda", 0)) == 255
+        assert maxnreg(16, 132, device("cuda", 0)) == 128
         # 264 programs: two an SM share the file; 133 programs: some SM runs two
-        assert layernorm._maxnreg(16, 264, device("cuda", 0)) == 64
-        assert layernorm._maxnreg(8, 133, device("cuda", 0)) == 128
-        assert layernorm._maxnreg(4, 1, device("cuda", 0)) == 255
-        assert layernorm._maxnreg(8, 132, device("cpu", None)) is None  # the interpreter
+        assert maxnreg(16, 264, device("cuda", 0)) == 64
+        assert maxnreg(8, 133, device("cuda", 0)) == 128
+        assert maxnreg(4, 1, device("cuda", 0)) == 255
+        assert maxnreg(8, 132, device("cpu", None)) is None  # the interpreter
     finally:
-        layernorm._maxnreg.cache_clear()
+        maxnreg.cache_clear()
 
 
 def _forms(entry, config, speeds, op="layernorm", dtype="torch.bfloat16"):
@@ -205,15 +202,14 @@ def test_an_entrys_form_reaches_the_schedule(monkeypatch):
             (("bwd_fp32", 1024), True, 4, 1, (True, True, False, False)),
             (("fwd", 512), False, 2, 17, (True, False, False, False, True)),
             (("fwd_fp32", 32768), False, 4, 17, (True, False, False, False, False))):
-        entry = (*layernorm.MEASURED_SCHEDULES[key][:6], form)
-        monkeypatch.setitem(layernorm.MEASURED_SCHEDULES, key, entry)
-        layernorm._schedule.cache_clear()
-        schedule = layernorm._schedule(4096, key[1], grid_stride, key[0][:3], 1, element_size,
-                                       torch.device("cuda"), layernorm.PERSISTENT_MAX_BLOCK_N)
+        table = layernorm.SCHEDULES.measured
+        entry = (*table[key][:6], form)
+        with layernorm.SCHEDULES.override(measured=table | {key: entry}):
+            schedule = layernorm.SCHEDULES.choose(4096, key[1], grid_stride, key[0][:3], 1,
+                                                  element_size, torch.device("cuda"))
         assert schedule.entry == key
         got = (schedule.even, schedule.strided, schedule.reverse, schedule.regs, schedule.fixed)
         assert got[:len(flags)] == flags
-    layernorm._schedule.cache_clear()
 
 
 def test_fp32_rows_that_run_faster_in_another_form_get_an_entry_of_their_own(tmp_path,
@@ -275,8 +271,7 @@ def test_tune_measures_with_every_split_rule_off():
     restores them: a split schedule measured by `--forms` would be filed as a looped one."""
 
     def splits_at(n):
-        return softmax._schedule(64, n, False, "bwd", 2, 2, torch.device("cpu"),
-                                 softmax.PERSISTENT_MAX_BLOCK_N, True).split
+        return softmax.SCHEDULES.choose(64, n, False, "bwd", 2, 2, torch.device("cpu"), True).split
 
     assert splits_at(131072) == 1  # 256 KiB bf16 rows split
     with tune._unsplit(["softmax", "layernorm"]):
@@ -369,3 +364,20 @@ def test_the_masked_softmax_is_measured_as_attention_runs_it():
     torch.testing.assert_close(y, expected.detach().reshape(m, n))
     torch.testing.assert_close(dx, inputs.grad.reshape(m, n))
     assert (p[:, -n // 8:] == 0).all() and torch.allclose(p.sum(1), torch.ones(m))
+
+
+def test_the_used_schedule_is_the_rule_s_under_the_constants_in_force():
+    """`tune._used_schedule` asks the module's rule through `SCHEDULES.override(choose=...)`:
+    it sees the constants and the table in force (here split rows off, as tune measures), and
+    leaves the module's choice as it was."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.randn(4, 64, device=device)
+
+    def call():
+        return softmax._softmax_fwd(x)
+
+    chosen = softmax.SCHEDULES.choose(4, 64, False, "fwd", 1, 4, device)
+    assert tune._used_schedule(softmax, call) == chosen
+    with softmax.SCHEDULES.override(max_rows=2):
+        assert tune._used_schedule(softmax, call).rows == 2
+    assert softmax.SCHEDULES.choose(4, 64, False, "fwd", 1, 4, device) == chosen
