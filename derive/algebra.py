@@ -49,8 +49,9 @@ class GuardedReciprocal(sympy.Function):
         guards is defined by the spec, not by a limit)."""
         return -GuardedReciprocal(self.args[0]) ** 2
 
-    def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
-        return r"\frac{1}{\lfloor " + printer._print(self.args[0]) + r" \rceil}"
+    def _latex(self, printer: sympy.printing.latex.LatexPrinter, exp: str | None = None) -> str:
+        text = r"\frac{1}{\lfloor " + printer._print(self.args[0]) + r" \rceil}"
+        return text if exp is None else r"\left(" + text + r"\right)^{" + exp + "}"
 
 
 def unguarded(expr: sympy.Expr) -> sympy.Expr:

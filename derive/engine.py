@@ -8,6 +8,7 @@ from pathlib import Path
 import sympy
 
 from derive.algebra import Algebra
+from derive.canonical import canonical
 from derive.backward import BackwardResult, derive_backward
 from derive.forward import forward_graph, saved_outputs
 from derive.graph import RowGraph
@@ -30,6 +31,7 @@ class Derivation:
 
 
 def derive(spec: OpSpec) -> Derivation:
+    spec = canonical(spec)
     algebra = Algebra({node.symbol: node.level for node in spec.nodes})
     learn_forward_reductions(spec, algebra)
     rules = tuple(algebra.rules.items())
