@@ -90,7 +90,9 @@ class Algebra:
         total = sympy.Integer(0)
         for term in sympy.Add.make_args(expanded):
             invariant, varying = [], []
-            for factor in sympy.Mul.make_args(term):
+            # Row-invariant factors hidden in a sum (a denominator N·e·s² + N·s⁴) come out too,
+            # so sums that differ by a row-invariant factor are one sum.
+            for factor in sympy.Mul.make_args(sympy.factor_terms(term)):
                 (varying if self.varies(factor) else invariant).append(factor)
             element_part = sympy.Mul(*varying)
             if element_part == 1:

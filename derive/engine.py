@@ -8,6 +8,7 @@ from pathlib import Path
 import sympy
 
 from derive.algebra import Algebra
+from derive.api import api_mismatches
 from derive.canonical import canonical
 from derive.backward import BackwardResult, derive_backward
 from derive.forward import forward_graph, saved_outputs
@@ -51,5 +52,9 @@ def load_spec(path: Path, display: str) -> OpSpec:
                         "save no value at all: op.save())")
     if op.api is None:
         raise SpecError(f"{path}: spec '{op.name}' sets no op.api (NormalizedShapeAPI or DimAPI)")
+    problems = api_mismatches(op)
+    if problems:
+        raise SpecError(f"{path}: op.api ({type(op.api).__name__}) does not match spec "
+                        f"'{op.name}': " + "; ".join(problems))
     op.source = display
     return op
