@@ -44,8 +44,8 @@ class Dialect:
 TRITON = Dialect(
     name="triton",
     functions={sympy.exp: "helpers.exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
-               sympy.tanh: "helpers.tanh", sympy.Abs: "tl.abs",
-               GuardedReciprocal: "helpers.guarded_reciprocal"},
+               sympy.tanh: "helpers.tanh", sympy.Abs: "tl.abs", sympy.sin: "tl.sin",
+               sympy.cos: "tl.cos", GuardedReciprocal: "helpers.guarded_reciprocal"},
     sqrt="helpers.sqrt",
     where="tl.where",
     maximum="tl.maximum",
@@ -59,8 +59,8 @@ TRITON = Dialect(
 TORCH = Dialect(
     name="torch",
     functions={sympy.exp: "torch.exp", sympy.log: "torch.log", sympy.erf: "torch.erf",
-               sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs",
-               GuardedReciprocal: "helpers.guarded_reciprocal_torch"},
+               sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs", sympy.sin: "torch.sin",
+               sympy.cos: "torch.cos", GuardedReciprocal: "helpers.guarded_reciprocal_torch"},
     sqrt="torch.sqrt",
     where="torch.where",
     maximum="torch.maximum",
@@ -110,7 +110,8 @@ class KernelPrinter:
             lhs, rhs = self._wrap(expr.lhs, _ADD), self._wrap(expr.rhs, _ADD)
             return f"({lhs} {expr.rel_op} {rhs})", _ATOM
         raise PrintError(f"the {self.dialect.name} printer has no rule for "
-                         f"{type(expr).__name__}: {expr}", offending=expr)
+                         f"{type(expr).__name__}: {expr} (the functions a spec may use: "
+                         "docs/spec_language.md)", offending=expr)
 
     def _wrap(self, expr: sympy.Expr, strength: int) -> str:
         source, own = self._print(expr)

@@ -3,6 +3,7 @@
     derive                     regenerate everything, a progress line per op and layer
     derive --check             regenerate in memory; fail with a unified diff if anything differs
     derive --show NAME         print every stage of one op's derivation, or a layer's page
+    derive --show              list the op and layer names
     derive my_op.py --out DIR  derive a spec written outside this repo: DIR/<op>.py (kernels,
                                autograd, API), DIR/<op>.md (derivation), DIR/test_<op>.py
 """
@@ -23,6 +24,7 @@ from derive.build import (
     build_layer,
     build_op,
     build_user_op,
+    layer_files,
     op_files,
 )
 from derive.engine import load_spec
@@ -35,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="fail with a diff when generated/ or docs/ is out of date")
-    parser.add_argument("--show", metavar="NAME",
-                        help="print every stage of one op, or a layer's page")
+    parser.add_argument("--show", metavar="NAME", nargs="?", const="",
+                        help="print every stage of one op, or a layer's page; without NAME, "
+                             "list the names")
     parser.add_argument("spec", nargs="?", type=Path, help="a spec file outside derive/ops/")
     parser.add_argument("--out", type=Path, help="where `derive SPEC` writes (required with SPEC)")
     args = parser.parse_args(argv)
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.spec is not None:
             return user_op(parser, args.spec, args.out)
-        if args.show:
+        if args.show is not None:
             return show(args.show)
         return regenerate(only_check=args.check)
     except (SpecError, DerivationError) as error:
@@ -57,7 +60,17 @@ def user_op(parser: argparse.ArgumentParser, spec: Path, out: Path | None) -> in
         parser.error("derive SPEC needs --out DIR")
     if not spec.is_file():
         parser.error(f"argument spec: no such file: {spec}")
-    files = build_user_op(spec, out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {out} is a file; --out names a directory")
+    try:
+        files = build_user_op(spec, out)
+    except (SpecError, DerivationError):
+        raise
+    except Exception as error:  # noqa: BLE001 - an engine failure is still reported, not raised
+        raise DerivationError(
+            f"{spec}: the engine failed on this spec ({type(error).__name__}: {error}); the "
+            "spec language is described in docs/spec_language.md. If the spec is within it, "
+            "this is a bug of derive: please report it with the spec file.") from error
     out.mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
         path.write_text(text)
@@ -110,9 +123,13 @@ def show(name: str) -> int:
         specs = [load_spec(p, p.relative_to(ROOT).as_posix()) for p in op_files()]
         print(build_layer(layer, {spec.name: spec.api.function for spec in specs})[2])
         return 0
-    if not path.exists():
-        print(f"derive --show: no spec {path.relative_to(ROOT)}", file=sys.stderr)
-        return 2
+    if not name or not path.exists():
+        names = [p.stem for p in op_files()] + [p.stem for p in layer_files()]
+        if name:
+            print(f"derive --show: no spec {path.relative_to(ROOT)}", file=sys.stderr)
+        print(f"derive --show: available names: {', '.join(names)}",
+              file=sys.stderr if name else sys.stdout)
+        return 2 if name else 0
     derivation, _, page = build_op(path, path.relative_to(ROOT).as_posix())
     print(page)
     return 0

@@ -49,8 +49,9 @@ class GuardedReciprocal(sympy.Function):
         guards is defined by the spec, not by a limit)."""
         return -GuardedReciprocal(self.args[0]) ** 2
 
-    def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
-        return r"\frac{1}{\lfloor " + printer._print(self.args[0]) + r" \rceil}"
+    def _latex(self, printer: sympy.printing.latex.LatexPrinter, exp: str | None = None) -> str:
+        text = r"\frac{1}{\lfloor " + printer._print(self.args[0]) + r" \rceil}"
+        return text if exp is None else r"\left(" + text + r"\right)^{" + exp + "}"
 
 
 def unguarded(expr: sympy.Expr) -> sympy.Expr:
@@ -89,7 +90,9 @@ class Algebra:
         total = sympy.Integer(0)
         for term in sympy.Add.make_args(expanded):
             invariant, varying = [], []
-            for factor in sympy.Mul.make_args(term):
+            # Row-invariant factors hidden in a sum (a denominator N·e·s² + N·s⁴) come out too,
+            # so sums that differ by a row-invariant factor are one sum.
+            for factor in sympy.Mul.make_args(sympy.factor_terms(term)):
                 (varying if self.varies(factor) else invariant).append(factor)
             element_part = sympy.Mul(*varying)
             if element_part == 1:

@@ -125,3 +125,58 @@ class RowLossAPI:
     options: tuple[Option, ...] = ()
 
     kind = "row_loss"
+
+
+def api_mismatches(spec) -> list[str]:
+    """What in `spec.api` does not match the spec's values, each as one sentence: a mismatch
+    would otherwise surface only when the generated function is called (TypeError, NameError)."""
+    from derive.spec import Kind  # the spec module imports nothing from here
+
+    api = spec.api
+    kinds = {node.name: node.kind for node in spec.nodes}
+    scalars = [n.name for n in spec.nodes if n.kind is Kind.SCALAR]
+    params = [n.name for n in spec.nodes if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)]
+    inputs = [n.name for n in spec.nodes if n.kind is Kind.INPUT]
+    options = [o.name for o in getattr(api, "options", ()) if not o.module_only]
+    given = set(options) | {s.scalar for s in getattr(api, "switches", ())}
+    problems = []
+    if isinstance(api, NormalizedShapeAPI):
+        given.add("eps")
+        named = [p.name for p in api.params] + list(api.call_params)
+        for name in params:
+            if name not in named:
+                problems.append(f"parameter '{name}' is not in the API's params or call_params")
+        for name in named:
+            if name not in params:
+                problems.append(f"the API's parameter '{name}' is not a column_param or "
+                                "scalar_param of the spec")
+        if api.residual is not None and kinds.get(api.residual) is not Kind.INPUT:
+            problems.append(f"residual '{api.residual}' is not an input of the spec")
+    elif isinstance(api, DimAPI):
+        if len(inputs) != 1 or params:
+            problems.append("DimAPI takes one input and no parameters; the spec declares "
+                            f"inputs {', '.join(inputs)} and parameters "
+                            f"{', '.join(params) or 'none'}")
+    elif isinstance(api, ElementwiseAPI):
+        for name in params:
+            if name not in api.call_params:
+                problems.append(f"parameter '{name}' is not in the API's call_params")
+        if len(api.inputs) != len(inputs):
+            problems.append(f"the API names {len(api.inputs)} inputs ({', '.join(api.inputs)}); "
+                            f"the spec declares {len(inputs)} ({', '.join(inputs)})")
+        if api.dropout is not None and api.dropout not in options:
+            problems.append(f"dropout '{api.dropout}' is not one of the API's options")
+    elif isinstance(api, RowLossAPI):
+        if kinds.get(api.target) is not Kind.ROW_INPUT:
+            problems.append(f"target '{api.target}' is not a row_input of the spec")
+        if api.ignore not in options:
+            problems.append(f"ignore '{api.ignore}' is not one of the API's options")
+    for name in scalars:
+        if name not in given:
+            problems.append(f"scalar '{name}' is set by no option of the API (options: "
+                            f"{', '.join(sorted(given)) or 'none'}); add Option('{name}', ...)")
+    for name in options:
+        if name not in scalars:
+            problems.append(f"option '{name}' is not a scalar of the spec (scalars: "
+                            f"{', '.join(scalars) or 'none'})")
+    return problems

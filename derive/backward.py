@@ -63,7 +63,12 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
     targets = {name: tidy(basis_algebra.normalize(expr)) for name, expr in targets.items()}
     targets, resolutions = resolve(spec, basis_algebra, targets, saved)
     targets = {name: basis_algebra.normalize(expr) for name, expr in targets.items()}
-    targets = {name: merge_sums(expr, algebra) for name, expr in targets.items()}
+    merged = {name: merge_sums(expr, algebra) for name, expr in targets.items()}
+    # Merging moves row-invariant factors (scalar parameters included) inside sums; where that
+    # leaves more distinct sums than the split form (t·Σ dp·p beside Σ dp·p·t, or a·Σ dy·x +
+    # b·Σ dy·x² merged beside both), the split form is kept: fewer reductions either way.
+    if _distinct_sums(merged) <= _distinct_sums(targets):
+        targets = merged
     targets, reductions = name_reductions(targets, algebra)
     gradients = tuple((name, tidy(expr)) for name, expr in targets.items())
     graph = backward_graph(spec, reverse, gradients, resolutions, reductions, saved)
@@ -204,6 +209,10 @@ def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:
     return merged
 
 
+def _distinct_sums(targets: dict[str, sympy.Expr]) -> int:
+    return len({atom for expr in targets.values() for atom in expr.atoms(RowSum)})
+
+
 def _is_constant(expr: sympy.Expr, algebra: Algebra) -> bool:
     # N stays outside: a sum divided once per row, not each element once.
     return all(s != N and algebra.levels.get(s) is Level.SCALAR for s in expr.free_symbols)
@@ -327,5 +336,8 @@ def guard_parameter_division(spec: OpSpec, expr: sympy.Expr) -> sympy.Expr:
 
 def _has_functions(expr: sympy.Expr, algebra: Algebra) -> bool:
     """A function of an elementwise value (a function of row scalars is a row constant)."""
-    return any(isinstance(sub, sympy.Function) and algebra.varies(sub)
+    # A root is a function too: its inverse holds only on one branch (x·sqrt(x² + 1) = e has
+    # one solution for x >= 0 only), so it is never a pivot.
+    return any((isinstance(sub, sympy.Function) or
+                (isinstance(sub, sympy.Pow) and not sub.exp.is_Integer)) and algebra.varies(sub)
                for sub in sympy.preorder_traversal(expr))

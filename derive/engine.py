@@ -8,6 +8,8 @@ from pathlib import Path
 import sympy
 
 from derive.algebra import Algebra
+from derive.api import api_mismatches
+from derive.canonical import canonical
 from derive.backward import BackwardResult, derive_backward
 from derive.forward import forward_graph, saved_outputs
 from derive.graph import RowGraph
@@ -30,6 +32,7 @@ class Derivation:
 
 
 def derive(spec: OpSpec) -> Derivation:
+    spec = canonical(spec)
     algebra = Algebra({node.symbol: node.level for node in spec.nodes})
     learn_forward_reductions(spec, algebra)
     rules = tuple(algebra.rules.items())
@@ -49,5 +52,9 @@ def load_spec(path: Path, display: str) -> OpSpec:
                         "save no value at all: op.save())")
     if op.api is None:
         raise SpecError(f"{path}: spec '{op.name}' sets no op.api (NormalizedShapeAPI or DimAPI)")
+    problems = api_mismatches(op)
+    if problems:
+        raise SpecError(f"{path}: op.api ({type(op.api).__name__}) does not match spec "
+                        f"'{op.name}': " + "; ".join(problems))
     op.source = display
     return op

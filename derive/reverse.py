@@ -88,8 +88,11 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
             continue
         arguments = [s for s in sorted_symbols(node.expr.free_symbols) if s != N]
         for argument in arguments:
-            # Written in the node's own name where it reappears: d exp(u) = exp(u) du = e du.
-            derivative = sympy.diff(node.expr, argument).subs(node.expr, node.symbol)
+            derivative = sympy.diff(node.expr, argument)
+            if node.kind is not Kind.REDUCE:
+                # Written in the node's own name where it reappears: d exp(u) = exp(u) du = e du.
+                # Never for a reduction: its symbol is the sum of its body, not the body.
+                derivative = derivative.subs(node.expr, node.symbol)
             if derivative == 0:
                 continue
             varies = algebra.levels[argument] in (Level.ELEMENT, Level.COLUMN)

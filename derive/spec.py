@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import traceback
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -313,16 +314,49 @@ def build_from_file(path: Path, function: str, expected: type) -> Any:
     if module_spec is None or module_spec.loader is None:
         raise SpecError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise SpecError(f"{error.filename or path}:{error.lineno}: syntax error: {error.msg}") \
+            from None
+    except SpecError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of user code is reported at its line
+        raise _user_code_error(path, error) from None
     build = getattr(module, function, None)
     if not callable(build):
         raise SpecError(f"{path}: a spec file defines `def {function}() -> {expected.__name__}`; "
                         "none found")
-    built = build()
+    try:
+        built = build()
+    except SpecError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise _user_code_error(path, error) from None
     if not isinstance(built, expected):
         raise SpecError(f"{path}: {function}() must return an object of type "
                         f"{expected.__name__}, got {type(built).__name__}")
     return built
+
+
+def _user_code_error(path: Path, error: Exception) -> SpecError:
+    """A failure inside a spec file, reported at the spec line that raised it, with a hint for
+    the usual causes."""
+    line = "?"
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in frames:
+        if Path(frame.filename).resolve() == path.resolve():
+            line = str(frame.lineno)
+    message = f"{type(error).__name__}: {error}"
+    if isinstance(error, AttributeError) and "OpSpec" in str(error):
+        methods = sorted(m for m in dir(OpSpec) if not m.startswith("_") and
+                         callable(getattr(OpSpec, m)))
+        message += f" (OpSpec's methods: {', '.join(methods)})"
+    elif isinstance(error, TypeError) and ("float" in str(error) or "real number" in str(error)):
+        message += (" (a math-module function got a symbol: use the sympy function instead, "
+                    "e.g. sympy.tanh, not math.tanh; the supported functions are listed in "
+                    "docs/spec_language.md)")
+    return SpecError(f"{path}:{line}: {message}")
 
 
 def _caller_location() -> str:
