@@ -204,7 +204,7 @@ def error_status(exc: BaseException) -> str:
     return OOM if isinstance(exc, torch.cuda.OutOfMemoryError) else ERROR
 
 
-class Session:
+class BenchmarkRun:
     """One benchmark run: measures, records, saves after every shape."""
 
     def __init__(self, plan: Plan, env: Environment) -> None:
@@ -609,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     if plan.preset_name == "cpu-smoke":
         torch.set_num_threads(1)  # two-core CI machines: thread wake-ups dominate tiny ops
-    Session(plan, create_environment(plan.preset_name == "cpu-smoke")).run()
+    BenchmarkRun(plan, create_environment(plan.preset_name == "cpu-smoke")).run()
     return 0
 
 

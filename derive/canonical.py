@@ -14,8 +14,8 @@ inline, so the derived backward depends on the op, not on its spelling:
    and row scalars ((x - mean) * rstd inside (x - mean) * rstd * weight + bias), is named, so the
    backward pivots on it and comes out centred (the textbook form) rather than expanded in x.
 
-Extracted values are named after their function and arguments. Cross-element and cross-row dependencies are
-refused here, at the line that wrote them.
+Extracted values are named after their function and arguments. Cross-element and cross-row
+dependencies are refused here, at the line that wrote them.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def _softplus_argument(argument: sympy.Expr) -> sympy.Expr | None:
 def _refuse_cross_element(spec: OpSpec, node: Node, expr: sympy.Expr) -> None:
     """The language is one generic element j of one row: two column indices in one value would
     relate two elements (a cumulative sum, a shift), which a row reduction cannot express."""
-    indices = sorted((s.name for s in expr.free_symbols if s != N and
+    indices = sorted(s.name for s in expr.free_symbols if s != N and
                       spec.node_of(s, "expression").kind is Kind.INDEX and
-                      spec.node_of(s, "expression").level is Level.COLUMN))
+                      spec.node_of(s, "expression").level is Level.COLUMN)
     if len(indices) > 1:
         raise SpecError(
             f"{node.where}: '{node.name}' combines the column indices {', '.join(indices)}: "

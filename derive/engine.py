@@ -9,8 +9,8 @@ import sympy
 
 from derive.algebra import Algebra
 from derive.api import api_mismatches
-from derive.canonical import canonical
 from derive.backward import BackwardResult, derive_backward
+from derive.canonical import canonical
 from derive.forward import forward_graph, saved_outputs
 from derive.graph import RowGraph
 from derive.reverse import ReverseResult, learn_forward_reductions, reverse_mode

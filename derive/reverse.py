@@ -1,4 +1,5 @@
-"""Reverse mode over the two-level graph of elements and row reductions (DESIGN.md's rules 1-5)."""
+"""Reverse mode over the two-level graph of elements and row reductions (docs/design.md,
+rules 1-5)."""
 
 from __future__ import annotations
 
