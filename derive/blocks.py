@@ -506,7 +506,8 @@ class BlockSpec:
         if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("__"):
             raise SpecError(f"{where}: '{name}' is not a usable Python identifier")
         reserved = {TRAINING.name, "self", "forward", "reset_parameters", "extra_repr"}
-        if name in reserved or name in {f.name for f in HELPERS}:
+        # the emitted module reaches the layer helpers through the runtime module `blocks`
+        if name in reserved or name in {f.name.split(".")[0] for f in HELPERS}:
             raise SpecError(f"{where}: '{name}' is reserved in the emitted module")
         taken = self.attrs() | {i.name for i in self.inputs} | self._where.keys()
         if name in taken:
