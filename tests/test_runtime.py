@@ -502,3 +502,10 @@ def test_guarded_reciprocal_clamps_the_magnitude_and_keeps_nan():
     out = torch.empty_like(v, device=DEVICE)
     _guarded_reciprocal_kernel[(1,)](v.to(DEVICE), out, v.numel(), BLOCK=8)
     torch.testing.assert_close(out.cpu(), got, equal_nan=True)
+
+
+def test_inversion_guard_is_the_engines():
+    """The runtime clamps recovered values' divisors at the engine's GuardedReciprocal.guard."""
+    from derive.algebra import GuardedReciprocal
+
+    assert triton_helpers.INVERSION_GUARD == float(GuardedReciprocal.guard)

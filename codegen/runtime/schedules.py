@@ -222,14 +222,14 @@ class Schedules:
         `choose`'s arguments) replaces the rule. Schedules and plans are forgotten on entry and
         on exit."""
         saved = (self.constants, self.measured, self.form_bits, self._choose)
-        try:
-            self.constants = dataclasses.replace(self.constants, **constants)
-        except TypeError as error:
-            known = ", ".join(field.name for field in dataclasses.fields(Constants))
+        known = [field.name for field in dataclasses.fields(Constants)]
+        unknown = sorted(set(constants) - set(known))
+        if unknown:
             raise TypeError(
-                f"Schedules.override: unknown constant in {sorted(constants)}; "
-                f"expected some of: {known}"
-            ) from error
+                f"Schedules.override: unknown constant(s) {unknown}; expected some of: "
+                f"{', '.join(known)}"
+            )
+        self.constants = dataclasses.replace(self.constants, **constants)
         if measured is not None:
             self.measured = dict(measured)
         self.form_bits |= form_bits
