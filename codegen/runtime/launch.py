@@ -113,9 +113,13 @@ def _hooked(hook) -> bool:
 def direct() -> bool:
     """Whether a CUDA call may launch through a plan: a Triton version whose launcher plans
     call, and no launch hooks (profilers), which only the JIT's path calls."""
-    return _DIRECT and not (
-        _hooked(_RUNTIME.launch_enter_hook) or _hooked(_RUNTIME.launch_exit_hook)
-    )
+    # every launcher asks once per call: the common case (no hook at all) is two reads
+    if not _DIRECT:
+        return False
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    if enter is None and leave is None:
+        return True
+    return not (_hooked(enter) or _hooked(leave))
 
 
 def make_plan(
@@ -185,38 +189,64 @@ def launch(kernel, grid, warps, maxnreg, *args, **constexprs):
 #: at a time (wider under the interpreter, which runs its programs one after another)
 COLUMN_SUM_BLOCK_P, COLUMN_SUM_BLOCK_C, INTERPRETER_COLUMN_SUM_BLOCK_C = 256, 32, 4096
 
+#: launch plans of the column sums, keyed by device, partial rows, columns and result dtypes
+SUM_PLANS: dict = {}
+
 
 def column_sums(*stores):
     """Each (partials of shape (P, N) or None, a tensor of the result's dtype) summed over its P
     rows and cast: one launch for up to three of them instead of a sum and a cast each."""
     needed = [(partial, like) for partial, like in stores if partial is not None]
-    sums = [
-        torch.empty(partial.shape[1], dtype=like.dtype, device=partial.device)
-        for partial, like in needed
-    ]
-    for first in range(0, len(needed), 3):
-        pairs = []
-        for (partial, _), total in zip(
-            needed[first : first + 3], sums[first : first + 3], strict=False
-        ):
-            pairs += (partial, total)
-        count = len(pairs) // 2
-        P, N = pairs[0].shape
-        # plain integer arithmetic: triton.cdiv and next_power_of_2 cost µs of host time each
-        block_p = min(COLUMN_SUM_BLOCK_P, 1 << (P - 1).bit_length())
-        block_c = COLUMN_SUM_BLOCK_C if pairs[0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
-        launch(
-            triton_helpers.column_sums_kernel,
-            (-(-N // block_c), count),
-            4,
-            None,
-            *pairs,
-            *(None, None) * (3 - count),
-            P,
-            N,
-            COUNT=count,
-            BLOCK_P=block_p,
-            BLOCK_C=block_c,
-        )
+    if not needed:
+        return (None,) * len(stores)
+    first = needed[0][0]
+    P, N = first.shape
+    device = first.device
+    sums = [torch.empty(N, dtype=like.dtype, device=device) for _, like in needed]
+    if len(needed) <= 3 and first.is_cuda and direct():
+        # a backward's every call sums the same shapes: launch the kernel compiled for the first
+        # one through its plan, with no per-call argument binding
+        pointers = []
+        for (partial, _), total in zip(needed, sums, strict=True):
+            pointers += (partial.data_ptr(), total.data_ptr())
+        key = (device.index, P, N, *(total.dtype for total in sums))
+        plan = SUM_PLANS.get(key)
+        aligned = not functools.reduce(int.__or__, pointers) & 15
+        if plan is not None and aligned:
+            plan.launch(
+                plan.grid[0], plan.grid[1], 1, torch._C._cuda_getCurrentRawStream(device.index),
+                *plan.head, *pointers, *(None, None) * (3 - len(needed)), P, N, *plan.tail,
+            )
+        else:
+            made = _sum_launch(needed, sums, P, N)
+            if aligned and made is not None:
+                if len(SUM_PLANS) >= CACHE_SIZE:
+                    SUM_PLANS.clear()
+                SUM_PLANS[key] = made
+    else:
+        for first_store in range(0, len(needed), 3):
+            _sum_launch(
+                needed[first_store : first_store + 3], sums[first_store : first_store + 3], P, N
+            )
     found = iter(sums)
     return tuple(next(found) if partial is not None else None for partial, _ in stores)
+
+
+def _sum_launch(needed, sums, P, N) -> Plan | None:
+    """One launch of the column sums kernel through Triton's JIT, for up to three pairs; the
+    plan that launches the same compiled kernel again."""
+    pairs = []
+    for (partial, _), total in zip(needed, sums, strict=True):
+        pairs += (partial, total)
+    count = len(pairs) // 2
+    # plain integer arithmetic: triton.cdiv and next_power_of_2 cost µs of host time each
+    block_p = min(COLUMN_SUM_BLOCK_P, 1 << (P - 1).bit_length())
+    block_c = COLUMN_SUM_BLOCK_C if pairs[0].is_cuda else INTERPRETER_COLUMN_SUM_BLOCK_C
+    grid = (-(-N // block_c), count)
+    arguments = (*pairs, *(None, None) * (3 - count), P, N)
+    constexprs = {"COUNT": count, "BLOCK_P": block_p, "BLOCK_C": block_c}
+    compiled = triton_helpers.column_sums_kernel[grid](*arguments, **constexprs, num_warps=4)
+    if not pairs[0].is_cuda:
+        return None
+    return make_plan(None, triton_helpers.column_sums_kernel, compiled, grid, len(arguments),
+                     constexprs)
