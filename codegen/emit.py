@@ -71,6 +71,8 @@ class ModuleSpec:
     seeded: bool = False
     #: the kernels index rows by the input's leading dims (broadcast inputs, row indices)
     row_shape: bool = False
+    #: element inputs given broadcastable to the first input (never differentiated)
+    broadcast_inputs: tuple[str, ...] = ()
 
 
 def formula(expr: sympy.Expr) -> str:
@@ -703,9 +705,71 @@ def render_patch(apis: list[tuple[str, Any]]) -> str:
 
 
 def render_user_test(module: ModuleSpec, spec_path: str) -> str:
-    """A finite-difference test that sits next to a module derived from a user's spec."""
-    api = module.api
-    params = [{"name": p.name, "scalar": p.scalar} for p in getattr(api, "params", ())]
+    """A finite-difference test that sits next to a module derived from a user's spec: it calls
+    the op as its API kind says, varying every tensor that gets a gradient."""
+    call = _user_call(module)
     return environment().get_template("user_test.py.j2").render(
-        module=module, api=api, params=params, spec_path=spec_path,
-        modes=[mode for mode, _, _ in module.modes])
+        module=module, spec_path=spec_path, modes=[mode for mode, _, _ in module.modes],
+        **call)
+
+
+#: the tensors of a user op's generated test: a row of N elements, and ROWS rows
+_ELEMENTS = "randn(ROWS, N)"
+#: a column parameter away from zero: some memory modes divide by a scale
+_SCALE = "randn(N) + 2.0"
+
+
+def _user_call(module: ModuleSpec) -> dict[str, Any]:
+    """How the generated test calls the op: `varied` (name, value) are the tensors that get a
+    gradient, in the test function's argument order; `fixed` (name, value) the other tensors,
+    read as `_fixed["name"]`; `arguments` the call's arguments, as source."""
+    api = module.api
+    varied: list[tuple[str, str]] = []
+    fixed: list[tuple[str, str]] = []
+    arguments: list[str] = []
+    keywords: list[str] = []
+    if api.kind == "normalized_shape":
+        varied.append(("input", _ELEMENTS))
+        if api.residual:
+            varied.append((api.residual, _ELEMENTS))
+        arguments = [name for name, _ in varied] + ["(N,)"]
+        for param in api.params:
+            varied.append((param.name, "randn(())" if param.scalar else _SCALE))
+            arguments.append(param.name)
+        for name in api.call_params:
+            varied.append((name, _SCALE))
+            keywords.append(f"{name}={name}")
+        if api.residual:
+            keywords.append("prenorm=True")  # both outputs: the sum's gradient too
+        if len(module.modes) > 1:
+            keywords.append("memory=_memory")
+    elif api.kind == "elementwise":
+        spec_inputs = dict(zip(api.inputs, module.inputs, strict=True))
+        for public, name in spec_inputs.items():
+            if name in module.broadcast_inputs:
+                fixed.append((public, "randn(1, N)"))  # broadcast over the rows, in place
+                arguments.append(f'_fixed["{public}"]')
+            elif name in dict(module.gradients):
+                varied.append((public, _ELEMENTS))
+                arguments.append(public)
+            else:
+                fixed.append((public, _ELEMENTS))
+                arguments.append(f'_fixed["{public}"]')
+        for name in api.call_params:
+            varied.append((name, "randn(N)"))
+            keywords.append(f"{name}={name}")
+        if api.dropout:
+            keywords.append("seed=0")  # the same keep mask at every call of gradcheck
+    else:
+        varied.append(("input", _ELEMENTS))
+        arguments.append("input")
+        if api.kind in ("dim", "reduction"):
+            arguments.append("-1")
+        elif api.kind == "row_loss":
+            ignore = next(o.default for o in api.options if o.name == api.ignore)
+            # a class at each end of the row, and a row whose target is ignored (loss 0)
+            last = int(ignore) if float(ignore).is_integer() else 0
+            fixed.append((api.target, f"torch.tensor([1, N - 1, {last}], device=device)"))
+            arguments.append(f'_fixed["{api.target}"]')
+            keywords.append('reduction="none"')
+    return {"varied": varied, "fixed": fixed, "arguments": ", ".join(arguments + keywords)}

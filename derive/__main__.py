@@ -6,6 +6,7 @@
     derive --show              list the op and layer names
     derive my_op.py --out DIR  derive a spec written outside this repo: DIR/<op>.py (kernels,
                                autograd, API), DIR/<op>.md (derivation), DIR/test_<op>.py
+    derive --show my_op.py     print every stage of that spec's derivation, writing nothing
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="fail with a diff when generated/ or docs/ is out of date")
     parser.add_argument("--show", metavar="NAME", nargs="?", const="",
-                        help="print every stage of one op, or a layer's page; without NAME, "
-                             "list the names")
+                        help="print every stage of one op (a name, or a spec file's path), or "
+                             "a layer's page; without NAME, list the names")
     parser.add_argument("spec", nargs="?", type=Path, help="a spec file outside derive/ops/")
     parser.add_argument("--out", type=Path, help="where `derive SPEC` writes (required with SPEC)")
     args = parser.parse_args(argv)
 
     try:
+        if args.spec is not None and args.show == "" and args.out is None:
+            return show(str(args.spec))  # `derive my_op.py --show`
         if args.spec is not None:
             return user_op(parser, args.spec, args.out)
         if args.show is not None:
@@ -62,20 +65,25 @@ def user_op(parser: argparse.ArgumentParser, spec: Path, out: Path | None) -> in
         parser.error(f"argument spec: no such file: {spec}")
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {out} is a file; --out names a directory")
-    try:
-        files = build_user_op(spec, out)
-    except (SpecError, DerivationError):
-        raise
-    except Exception as error:  # noqa: BLE001 - an engine failure is still reported, not raised
-        raise DerivationError(
-            f"{spec}: the engine failed on this spec ({type(error).__name__}: {error}); the "
-            "spec language is described in docs/spec_language.md. If the spec is within it, "
-            "this is a bug of derive: please report it with the spec file.") from error
+    files = _user_files(spec, out)
     out.mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
         path.write_text(text)
         print(f"derive: wrote {path}")
     return 0
+
+
+def _user_files(spec: Path, out: Path) -> dict[Path, str]:
+    """What `derive SPEC --out DIR` writes; an engine failure is reported, not raised."""
+    try:
+        return build_user_op(spec, out)
+    except (SpecError, DerivationError):
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise DerivationError(
+            f"{spec}: the engine failed on this spec ({type(error).__name__}: {error}); the "
+            "spec language is described in docs/spec_language.md. If the spec is within it, "
+            "this is a bug of derive: please report it with the spec file.") from error
 
 
 def regenerate(only_check: bool) -> int:
@@ -117,6 +125,11 @@ def check(files: dict[str, str]) -> int:
 
 
 def show(name: str) -> int:
+    if name.endswith(".py") and Path(name).is_file():
+        # a spec outside derive/ops/, by its path: the page `derive SPEC --out DIR` writes
+        files = _user_files(Path(name), Path("DIR"))
+        print(next(text for path, text in files.items() if path.suffix == ".md"))
+        return 0
     path = OPS / f"{name}.py"
     layer = LAYERS / f"{name}.py"
     if not path.exists() and layer.exists() and not name.startswith("_"):
@@ -126,7 +139,8 @@ def show(name: str) -> int:
     if not name or not path.exists():
         names = [p.stem for p in op_files()] + [p.stem for p in layer_files()]
         if name:
-            print(f"derive --show: no spec {path.relative_to(ROOT)}", file=sys.stderr)
+            print(f"derive --show: no op or layer named '{name}' (nor a spec file of that "
+                  "path)", file=sys.stderr)
         print(f"derive --show: available names: {', '.join(names)}",
               file=sys.stderr if name else sys.stdout)
         return 2 if name else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 from dataclasses import dataclass
 
 
@@ -127,19 +128,78 @@ class RowLossAPI:
     kind = "row_loss"
 
 
+@dataclass(frozen=True)
+class ReductionAPI:
+    """`function(input, dim=-1, keepdim=False, *, <options>)` plus an nn.Module holding `dim`
+    and `keepdim`, as torch.logsumexp: the spec's one value per row, for every slice of `input`
+    along `dim` (a dim or a tuple of dims, reduced together as one row). The result has the
+    input's shape without `dim` (kept as size 1 with keepdim=True) and the input's dtype."""
+
+    function: str
+    module: str
+    torch_function: str
+    #: keyword-only scalar options of the function (constructor arguments of the module)
+    options: tuple[Option, ...] = ()
+
+    kind = "reduction"
+
+
+#: every API kind, as codegen/templates/api_<kind>.py.j2 renders it
+KINDS = (NormalizedShapeAPI, DimAPI, ElementwiseAPI, RowLossAPI, ReductionAPI)
+
+#: argument names each kind's function or module takes for itself: an option, switch or flag
+#: of that name would be a duplicate argument of the generated code
+_OWN_ARGUMENTS = {
+    "normalized_shape": {"input", "normalized_shape", "eps", "memory", "prenorm",
+                         "residual_in_fp32", "elementwise_affine", "device", "dtype"},
+    "dim": {"input", "dim"},
+    "elementwise": {"training", "seed"},
+    "row_loss": {"input", "reduction"},
+    "reduction": {"input", "dim", "keepdim"},
+}
+
+#: the generated module's own globals (its imports, SCHEDULES)
+_GLOBALS = {"math", "numbers", "Optional", "torch", "triton", "tl", "checks", "launch",
+            "helpers", "losses", "Constants", "Schedules", "fixed_n", "maxnreg", "SCHEDULES"}
+
+#: the values of Option.check (codegen/runtime/checks.py check_option)
+CHECKS = (None, "probability", "unit", "integer")
+
+
 def api_mismatches(spec) -> list[str]:
     """What in `spec.api` does not match the spec's values, each as one sentence: a mismatch
-    would otherwise surface only when the generated function is called (TypeError, NameError)."""
-    from derive.spec import Kind  # the spec module imports nothing from here
+    would otherwise surface only when the generated module is imported or its function called
+    (SyntaxError, TypeError, NameError)."""
+    from derive.spec import Kind, Level  # the spec module imports nothing from here
 
     api = spec.api
+    if not isinstance(api, KINDS):
+        return [f"op.api must be one of {', '.join(k.__name__ for k in KINDS)}; got "
+                f"{type(api).__name__}"]
     kinds = {node.name: node.kind for node in spec.nodes}
     scalars = [n.name for n in spec.nodes if n.kind is Kind.SCALAR]
     params = [n.name for n in spec.nodes if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)]
     inputs = [n.name for n in spec.nodes if n.kind is Kind.INPUT]
-    options = [o.name for o in getattr(api, "options", ()) if not o.module_only]
-    given = set(options) | {s.scalar for s in getattr(api, "switches", ())}
-    problems = []
+    row_inputs = [n.name for n in spec.nodes if n.kind is Kind.ROW_INPUT]
+    outputs = [spec.node(name) for name in spec.outputs]
+    all_options = list(getattr(api, "options", ()))
+    options = [o.name for o in all_options if not o.module_only]
+    switches = list(getattr(api, "switches", ()))
+    given = set(options) | {s.scalar for s in switches}
+    problems = _names(api, set(kinds))
+    if not inputs:
+        problems.append("the spec declares no input (op.input(...)), which every API takes")
+    for o in all_options:
+        if isinstance(o.default, bool) or not isinstance(o.default, (int, float)) \
+                or o.default != o.default or abs(o.default) == float("inf"):
+            problems.append(f"option '{o.name}' needs a finite number as its default, got "
+                            f"{o.default!r}")
+        if o.check not in CHECKS:
+            problems.append(f"option '{o.name}' has check={o.check!r}; checks are "
+                            + ", ".join(map(repr, CHECKS)))
+        if o.module_only and not isinstance(api, NormalizedShapeAPI):
+            problems.append(f"option '{o.name}' is module_only, which only a "
+                            "NormalizedShapeAPI's scalar parameter init can use")
     if isinstance(api, NormalizedShapeAPI):
         given.add("eps")
         named = [p.name for p in api.params] + list(api.call_params)
@@ -150,27 +210,101 @@ def api_mismatches(spec) -> list[str]:
             if name not in params:
                 problems.append(f"the API's parameter '{name}' is not a column_param or "
                                 "scalar_param of the spec")
+        module_options = [o.name for o in all_options if o.module_only]
+        for p in api.params:
+            wanted = Kind.SCALAR_PARAM if p.scalar else Kind.COLUMN_PARAM
+            if p.name in params and kinds[p.name] is not wanted:
+                problems.append(f"Param('{p.name}'{', scalar=True' * p.scalar}) needs a "
+                                f"{wanted.value} in the spec; '{p.name}' is a "
+                                f"{kinds[p.name].value}")
+            if p.scalar and p.init not in module_options:
+                problems.append(f"scalar Param('{p.name}') takes its init value from option "
+                                f"'{p.init}', which is not a module_only option of the API")
+            if not p.scalar and p.init not in ("ones", "zeros"):
+                problems.append(f"Param('{p.name}') has init {p.init!r}; a column parameter "
+                                "starts at 'ones' or 'zeros'")
+            if p.offset is not None and p.offset not in options:
+                problems.append(f"Param('{p.name}') has offset '{p.offset}', which is not an "
+                                "option of the API")
+        for name in api.call_params:
+            if name in params and kinds[name] is not Kind.COLUMN_PARAM:
+                problems.append(f"call_param '{name}' is a {kinds[name].value}; call_params "
+                                "are column_params")
+        if api.eps is not None and "eps" not in scalars:
+            problems.append(f"the API sets eps={api.eps}, but the spec declares no scalar "
+                            "'eps' (use eps=None, or declare op.scalar('eps'))")
+        wanted_inputs = inputs[:1] + [api.residual] * bool(api.residual)
         if api.residual is not None and kinds.get(api.residual) is not Kind.INPUT:
             problems.append(f"residual '{api.residual}' is not an input of the spec")
+        elif inputs != wanted_inputs:
+            takes = "the input and the residual" if api.residual else "one input"
+            problems.append(f"a NormalizedShapeAPI takes {takes}; the spec declares inputs "
+                            f"{', '.join(inputs)}")
+        problems += _outputs(outputs, Level.ELEMENT, 2 if api.residual else 1,
+                             "the normalized value and the sum" if api.residual else None)
     elif isinstance(api, DimAPI):
         if len(inputs) != 1 or params:
             problems.append("DimAPI takes one input and no parameters; the spec declares "
                             f"inputs {', '.join(inputs)} and parameters "
                             f"{', '.join(params) or 'none'}")
+        problems += _outputs(outputs, Level.ELEMENT, 1)
     elif isinstance(api, ElementwiseAPI):
         for name in params:
             if name not in api.call_params:
                 problems.append(f"parameter '{name}' is not in the API's call_params")
+            elif kinds[name] is not Kind.COLUMN_PARAM:
+                problems.append(f"call_param '{name}' is a {kinds[name].value}; an "
+                                "ElementwiseAPI's call_params are column_params")
+        for name in api.call_params:
+            if name not in params:
+                problems.append(f"call_param '{name}' is not a column_param of the spec")
         if len(api.inputs) != len(inputs):
             problems.append(f"the API names {len(api.inputs)} inputs ({', '.join(api.inputs)}); "
                             f"the spec declares {len(inputs)} ({', '.join(inputs)})")
+        for name in api.additive_masks:
+            if name not in api.inputs:
+                problems.append(f"additive mask '{name}' is not one of the API's inputs "
+                                f"({', '.join(api.inputs)})")
         if api.dropout is not None and api.dropout not in options:
             problems.append(f"dropout '{api.dropout}' is not one of the API's options")
+        problems += _outputs(outputs, Level.ELEMENT, 1)
     elif isinstance(api, RowLossAPI):
         if kinds.get(api.target) is not Kind.ROW_INPUT:
             problems.append(f"target '{api.target}' is not a row_input of the spec")
         if api.ignore not in options:
             problems.append(f"ignore '{api.ignore}' is not one of the API's options")
+        if len(inputs) != 1 or params:
+            problems.append("RowLossAPI takes one input and no parameters; the spec declares "
+                            f"inputs {', '.join(inputs)} and parameters "
+                            f"{', '.join(params) or 'none'}")
+        problems += _outputs(outputs, Level.ROW, 1)
+    elif isinstance(api, ReductionAPI):
+        if len(inputs) != 1 or params:
+            problems.append("ReductionAPI takes one input and no parameters; the spec declares "
+                            f"inputs {', '.join(inputs)} and parameters "
+                            f"{', '.join(params) or 'none'}")
+        problems += _outputs(outputs, Level.ROW, 1)
+    target = getattr(api, "target", None)
+    for name in row_inputs:
+        if name != target:
+            problems.append(f"row_input '{name}' is taken only as a RowLossAPI's target")
+    nodes = spec.nodes
+    if any(n.kind is Kind.RANDOM for n in nodes) and getattr(api, "dropout", None) is None:
+        problems.append("random values are drawn from a seed, which only an ElementwiseAPI "
+                        "with dropout=... takes")
+    if not isinstance(api, ElementwiseAPI):
+        for n in nodes:
+            if n.broadcast or (n.kind is Kind.INDEX and n.level is Level.ROW):
+                what = "broadcast input" if n.broadcast else "row_index"
+                problems.append(f"{what} '{n.name}' reads the input's leading dims, which "
+                                "only an ElementwiseAPI passes")
+    for s in switches:
+        if s.scalar not in scalars:
+            problems.append(f"switch '{s.name}' sets '{s.scalar}', which is not a scalar of "
+                            f"the spec (scalars: {', '.join(scalars) or 'none'})")
+        elif s.scalar in options:
+            problems.append(f"scalar '{s.scalar}' is set both by option '{s.scalar}' and by "
+                            f"switch '{s.name}'")
     for name in scalars:
         if name not in given:
             problems.append(f"scalar '{name}' is set by no option of the API (options: "
@@ -180,3 +314,45 @@ def api_mismatches(spec) -> list[str]:
             problems.append(f"option '{name}' is not a scalar of the spec (scalars: "
                             f"{', '.join(scalars) or 'none'})")
     return problems
+
+
+def _names(api, values: set[str]) -> list[str]:
+    """Names the generated code defines or takes as arguments: Python identifiers, none twice
+    and none that the API kind takes for itself (`values`: the spec's names)."""
+    problems = []
+    for role in ("function", "module"):
+        name = getattr(api, role)
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            problems.append(f"{role} {name!r} is not a Python identifier")
+        elif name in _GLOBALS or name in _OWN_ARGUMENTS[api.kind] or name.startswith("_"):
+            problems.append(f"{role} '{name}' is a name the generated module uses for itself")
+        elif name in values:
+            problems.append(f"{role} '{name}' is also a value of the spec, which the "
+                            "function's body names")
+    if api.function == api.module:
+        problems.append(f"function and module are both named '{api.function}'")
+    arguments = list(getattr(api, "inputs", ())) + list(getattr(api, "call_params", ()))
+    arguments += [o.name for o in getattr(api, "options", ())]
+    arguments += [s.name for s in getattr(api, "switches", ())]
+    arguments += [p.flag for p in getattr(api, "params", ()) if p.flag]
+    own = _OWN_ARGUMENTS[api.kind]
+    for name in arguments:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            problems.append(f"argument name {name!r} is not a Python identifier")
+        elif name in own:
+            problems.append(f"'{name}' is an argument that a {type(api).__name__} takes for "
+                            "itself; choose another name (an option is named as its scalar)")
+    for name in sorted({n for n in arguments if arguments.count(n) > 1}):
+        problems.append(f"argument '{name}' is named twice")
+    return problems
+
+
+def _outputs(outputs: list, level, count: int, what: str | None = None) -> list[str]:
+    """The outputs the API returns: `count` of them, each of `level` (outputs: the spec's
+    output nodes)."""
+    if len(outputs) != count or any(node.level is not level for node in outputs):
+        per = "per-row" if level.value == "row" else "elementwise"
+        what = what or f"{'one' if count == 1 else count} {per} output{'s' * (count > 1)}"
+        found = ", ".join(f"'{node.name}' ({node.level.value})" for node in outputs)
+        return [f"the API returns {what}; the spec outputs {found}"]
+    return []

@@ -47,9 +47,15 @@ def build_layer(path: Path, functions: dict[str, str]) -> tuple[str, str, str]:
 
 def build_op(path: Path, display: str) -> tuple[Derivation, str, str]:
     """(derivation, module source, docs page) of one spec file."""
-    spec = load_spec(path, display)
+    return _generate(load_spec(path, display), display)
+
+
+def _generate(spec: OpSpec, display: str,
+              module_path: str | None = None) -> tuple[Derivation, str, str]:
+    """`_build`, with kernel code that cannot be printed blamed on its spec line; `module_path`
+    is where the module is written when that is not generated/ (`derive SPEC --out DIR`)."""
     try:
-        return _build(spec)
+        return _build(spec, module_path)
     except PrintError as error:
         raise SpecError(f"{_culprit(spec, error, display)}: cannot generate kernel code for "
                         f"{error}") from error
@@ -74,21 +80,22 @@ def _culprit(spec: OpSpec, error: PrintError, display: str) -> str:
 
 def build_user_op(path: Path, out: Path) -> dict[Path, str]:
     """`derive path/to/my_op.py --out DIR`: the module, its page and a finite-difference test."""
-    derivation, source, page = build_op(path, path.name)
-    name = derivation.spec.name
+    spec = load_spec(path, path.name)
+    name = spec.name
+    derivation, source, page = _generate(spec, path.name, str(out / f"{name}.py"))
     return {out / f"{name}.py": source, out / f"{name}.md": page,
             out / f"test_{name}.py": render_user_test(module_spec(derivation.spec, derivation),
                                                       path.name)}
 
 
-def _build(spec: OpSpec) -> tuple[Derivation, str, str]:
+def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, str, str]:
     derivation = derive(spec)
     module = module_spec(spec, derivation)
     forward = lower(derivation.forward, f"_{spec.name}_fwd", derivation.saved_outputs)
     backwards = {mode: lower(result.graph, f"_{spec.name}_bwd_{mode}")
                  for mode, result in derivation.backwards.items()}
     source = render_module(module, forward, backwards)
-    page = render_page(derivation, forward, backwards)
+    page = render_page(derivation, forward, backwards, module_path)
     return derivation, source, page
 
 
@@ -113,6 +120,7 @@ def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
         seeded=any(n.kind is Kind.RANDOM for n in spec.nodes),
         row_shape=any(n.broadcast or (n.kind is Kind.INDEX and n.level is Level.ROW)
                       for n in spec.nodes),
+        broadcast_inputs=tuple(n.name for n in spec.nodes if n.broadcast),
     )
 
 

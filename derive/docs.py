@@ -11,6 +11,7 @@ import sympy
 from sympy.printing.latex import LatexPrinter
 
 from codegen.emit import environment
+from codegen.fuse import sweeps
 from codegen.ir import Kernel
 from derive.algebra import RowSum
 from derive.engine import Derivation
@@ -63,7 +64,28 @@ def gradient_latex(name: str, expr: sympy.Expr) -> str:
     return f"{bar}{{{symbol}}} = {latex(expr)}"
 
 
-def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Kernel]) -> str:
+def reduction_count(title: str, kernel: Kernel) -> dict[str, object]:
+    """How many times one kernel goes over a row and what it reduces: its passes, each pass's
+    row reductions, the sweeps a looped row takes (fused passes, and the epilogue when it
+    writes elements or column sums) and its column sums over the rows."""
+    passes = [", ".join(f"`{r.name}` ({r.op})" for r in p.reductions) for p in kernel.passes]
+    epilogue = bool(kernel.stores_of("element") or kernel.stores_of("column"))
+    return {
+        "kernel": title,
+        "passes": len(kernel.passes),
+        "reductions": sum(len(p.reductions) for p in kernel.passes),
+        "per_pass": "; ".join(f"{i}: {names}" for i, names in enumerate(passes, start=1))
+                    or "none",
+        "sweeps": len(sweeps(kernel)) + epilogue,
+        "column_sums": len(kernel.stores_of("column")) + len(kernel.stores_of("scalar")),
+    }
+
+
+def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Kernel],
+                module_path: str | None = None) -> str:
+    """The page of one op. `module_path` is where the module was written for a spec outside
+    this repo (`derive SPEC --out DIR`): its page sits there too, away from the docs site, so
+    it names the project's pages instead of linking them."""
     spec = derivation.spec
     definitions = []
     for node in spec.nodes:
@@ -120,6 +142,11 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
         "modes": modes,
         "column_params": [n.name for n in spec.nodes if n.kind is Kind.COLUMN_PARAM],
         "forward_ir": forward.listing(),
+        "counts": [reduction_count("forward", forward)]
+                  + [reduction_count(f"backward, mode `{mode}`", kernel)
+                     for mode, kernel in backwards.items()],
+        "module_path": module_path or f"generated/{spec.name}.py",
+        "site": module_path is None,
     }
     return environment().get_template("doc_page.md.j2").render(**context)
 

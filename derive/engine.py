@@ -8,6 +8,7 @@ from pathlib import Path
 import sympy
 
 from derive.algebra import Algebra
+from derive.api import KINDS as API_KINDS
 from derive.api import api_mismatches
 from derive.backward import BackwardResult, derive_backward
 from derive.canonical import canonical
@@ -51,10 +52,11 @@ def load_spec(path: Path, display: str) -> OpSpec:
         raise SpecError(f"{path}: spec '{op.name}' saves nothing; call op.save(...) (it may "
                         "save no value at all: op.save())")
     if op.api is None:
-        raise SpecError(f"{path}: spec '{op.name}' sets no op.api (NormalizedShapeAPI or DimAPI)")
+        raise SpecError(f"{path}: spec '{op.name}' sets no op.api (one of "
+                        f"{', '.join(kind.__name__ for kind in API_KINDS)})")
     problems = api_mismatches(op)
     if problems:
-        raise SpecError(f"{path}: op.api ({type(op.api).__name__}) does not match spec "
+        raise SpecError(f"{op.api_where}: op.api ({type(op.api).__name__}) does not match spec "
                         f"'{op.name}': " + "; ".join(problems))
     op.source = display
     return op

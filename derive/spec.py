@@ -61,7 +61,10 @@ RESERVED = frozenset({
     "mask", "row_mask", "col_mask", "rows", "cols", "offsets", "pid", "programs", "row_block",
     "start", "seed", "row_shape", "M", "D1", "D2", "acc", "dtype", "device", "shape", "columns",
     "function", "outputs", "schedule", "kernel", "ctx", "needs", "torch", "tl", "triton",
-    "training", "memory", "stores", "gradients", "input"})
+    "training", "memory", "stores", "gradients", "input",
+    # what a generated module imports: a spec value of that name would shadow it
+    "math", "numbers", "Optional", "checks", "launch", "helpers", "losses", "Constants",
+    "Schedules", "fixed_n", "maxnreg"})
 
 #: The row length. Every mean carries a 1/N.
 N = sympy.Symbol("N", positive=True, integer=True)
@@ -104,6 +107,17 @@ class OpSpec:
     mode_docs: dict[str, str] = field(default_factory=dict)
     api: Any = None
     source: str = ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "api" and value is not None:
+            # where the spec sets op.api: an API that does not match the spec is refused there
+            object.__setattr__(self, "_api_where", _caller_location())
+        object.__setattr__(self, name, value)
+
+    @property
+    def api_where(self) -> str:
+        """file:line of the spec's `op.api = ...` (the spec file where that is unknown)."""
+        return getattr(self, "_api_where", self.source)
 
     # ------------------------------------------------------------------ declarations
     def input(self, name: str, absent: float | None = None, grad: bool = True,

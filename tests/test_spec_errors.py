@@ -27,7 +27,7 @@ CASES = {
         r"bad\.py:13: 'y' combines the column indices j, k"),
     "api scalar": ("    x = op.input('x')\n    eps = op.scalar('eps')\n"
                    "    op.output(op.element('y', x / (x**2 + eps)))\n    op.save(x)\n",
-                   r"bad\.py: op\.api \(DimAPI\) does not match .*scalar 'eps' is set by no"),
+                   r"bad\.py:14: op\.api \(DimAPI\) does not match .*scalar 'eps' is set by no"),
 }
 
 

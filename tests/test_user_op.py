@@ -1,5 +1,6 @@
-"""`derive path/to/my_op.py --out DIR` for a spec outside this repo: the DyT tutorial, and the
-errors a malformed spec gets."""
+"""`derive path/to/my_op.py --out DIR` for a spec outside this repo: every API kind gives a
+module that imports and a generated finite-difference test that passes; the tutorials; the
+errors a malformed spec, or an API that does not match its spec, gets."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
@@ -14,37 +16,145 @@ import torch
 from reference import randn
 
 from derive.__main__ import main
+from derive.api import KINDS
+from derive.build import layer_files, op_files
 
 ROOT = Path(__file__).resolve().parent.parent
-TUTORIAL = ROOT / "docs" / "tutorial" / "dyt.py"
+TUTORIAL = ROOT / "docs" / "tutorial"
+
+
+def _source(body: str) -> str:
+    """A spec file: `def spec():` with this body, importing the API classes it names."""
+    names = [name for name in ("DimAPI", "ElementwiseAPI", "NormalizedShapeAPI", "Option",
+                               "ReductionAPI", "RowLossAPI") if f"{name}(" in body]
+    return (f"import sympy\n\nfrom derive.api import {', '.join(names)}\n"
+            "from derive.spec import OpSpec\n\n\ndef spec():\n" + body)
+
+
+#: one small spec of every API kind (a tutorial's where there is one): (spec, op name)
+KIND_SPECS = {
+    "normalized_shape": (TUTORIAL / "dyt.py", "dyt"),
+    "normalized_shape, no parameters": ('''
+    op = OpSpec("rms_scale", doc="x / sqrt(mean(x**2) + eps), no parameters.")
+    x = op.input("x")
+    eps = op.scalar("eps", positive=True)
+    rstd = op.row("rstd", 1 / sympy.sqrt(op.row_mean("mean_square", x**2) + eps), positive=True)
+    op.output(op.element("y", x * rstd))
+    op.save(x, rstd)
+    op.api = NormalizedShapeAPI(function="rms_scale", module="RMSScale", torch_function="-",
+                                torch_module="RMSScale", params=(), eps=1e-5)
+    return op
+''', "rms_scale"),
+    "dim": ('''
+    op = OpSpec("log_softmax", doc="x - logsumexp(x) along one dim.")
+    x = op.input("x")
+    top = op.row_max("top", x)
+    total = op.row_sum("total", sympy.exp(x - top), positive=True)
+    op.output(op.element("y", x - top - sympy.log(total)))
+    op.save(x, top, total)
+    op.api = DimAPI(function="log_softmax", module="LogSoftmax",
+                    torch_function="torch.log_softmax")
+    return op
+''', "log_softmax"),
+    "elementwise": ('''
+    op = OpSpec("gated", doc="(x + bias) * sigmoid(beta * gate).")
+    x = op.input("x")
+    gate = op.input("gate")
+    bias = op.column_param("bias", absent=0)
+    beta = op.scalar("beta")
+    s = op.element("s", 1 / (1 + sympy.exp(-beta * gate)), positive=True)
+    op.output(op.element("y", (x + bias) * s))
+    op.save(x, gate)
+    op.api = ElementwiseAPI(function="gated", module="Gated", torch_function="-",
+                            inputs=("input", "gate"), call_params=("bias",),
+                            options=(Option("beta", 1.5),))
+    return op
+''', "gated"),
+    "row_loss": ('''
+    op = OpSpec("nll", doc="logsumexp(x) - x[target], 0 where target == ignore_index.")
+    x = op.input("x")
+    target = op.row_input("target", integer=True)
+    ignore_index = op.scalar("ignore_index")
+    key = op.column_index("key")
+    top = op.row_max("top", x)
+    total = op.row_sum("total", sympy.exp(x - top), positive=True)
+    picked = op.row_sum("picked", sympy.Piecewise((x, sympy.Eq(key, target)), (0, True)))
+    op.output(op.row("loss", sympy.Piecewise((0, sympy.Eq(target, ignore_index)),
+                                             (sympy.log(total) + top - picked, True))))
+    op.save(x, target, top, total)
+    op.api = RowLossAPI(function="nll", module="NLL", torch_function="-", target="target",
+                        ignore="ignore_index",
+                        options=(Option("ignore_index", -100, check="integer"),))
+    return op
+''', "nll"),
+    "reduction": (TUTORIAL / "logsumexp.py", "logsumexp"),
+}
+
+
+def _spec_file(case: str, directory: Path) -> Path:
+    spec, _ = KIND_SPECS[case]
+    if isinstance(spec, Path):
+        return spec
+    path = directory / f"{KIND_SPECS[case][1]}_spec.py"
+    path.write_text(_source(spec))
+    return path
 
 
 @pytest.fixture(scope="module")
-def dyt(tmp_path_factory: pytest.TempPathFactory):
+def derived(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
+    """Every kind's spec derived into one directory, and the outcomes of its generated tests,
+    run by one pytest (one start-up of torch and Triton for all): {test file: outcomes}, and
+    under "derive" the exit status of `derive` for each kind."""
     out = tmp_path_factory.mktemp("my_ops")
-    assert main([str(TUTORIAL), "--out", str(out)]) == 0
-    spec = importlib.util.spec_from_file_location("dyt", out / "dyt.py")
+    statuses = [f"{case}: {main([str(_spec_file(case, out)), '--out', str(out)])}"
+                for case in KIND_SPECS]
+    report = out / "report.xml"
+    tests = [str(out / f"test_{name}.py") for _, name in KIND_SPECS.values()
+             if (out / f"test_{name}.py").exists()]
+    # each file on its own: one that does not import leaves the others to run
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "--continue-on-collection-errors", f"--junitxml={report}", *tests],
+                            cwd=ROOT, capture_output=True, text=True)
+    outcomes: dict[str, list[str]] = {"derive": statuses, "log": [result.stdout + result.stderr]}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        problems = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        name = case.get("classname", "").split(".")[-1]
+        outcomes.setdefault(name, []).append(
+            f"{case.get('name')}: {problems[0]}" if problems else "passed")
+    return out, outcomes
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return out, module
+    return module
 
 
-def test_writes_module_page_and_test(dyt):
-    out, _ = dyt
-    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
-        "dyt.md", "dyt.py", "test_dyt.py"]
-    assert "sum_" in (out / "dyt.md").read_text(), "alpha's gradient is a derived row reduction"
+def test_every_api_kind_has_a_spec_here():
+    covered = set()
+    for case in KIND_SPECS:
+        covered.add(case.split(",")[0])
+    assert covered == {kind.kind for kind in KINDS}
 
 
-def test_generated_finite_difference_test_passes(dyt):
-    out, _ = dyt
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(out / "test_dyt.py")], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+@pytest.mark.parametrize("case", sorted(KIND_SPECS))
+def test_every_kind_writes_a_module_that_imports_and_a_test_that_passes(case, derived):
+    out, outcomes = derived
+    name = KIND_SPECS[case][1]
+    assert f"{case}: 0" in outcomes["derive"]
+    assert sorted(p.name for p in out.glob(f"*{name}.*")) == [f"{name}.md", f"{name}.py",
+                                                             f"test_{name}.py"]
+    module = _load(out / f"{name}.py")
+    assert callable(module.__dict__[name])  # each spec here names its function after its op
+    results = outcomes.get(f"test_{name}", [])
+    # gradcheck on both paths for every memory mode, and the paths' agreement
+    assert len(results) >= 3 and set(results) == {"passed"}, \
+        f"{results}\n{outcomes['log'][0]}"
 
 
-def test_dyt_matches_torch(dyt, device):
-    _, module = dyt
+def test_dyt_matches_torch(derived, device):
+    module = _load(derived[0] / "dyt.py")
     x = randn((6, 7), seed=1, device=device).requires_grad_()
     alpha = randn((), seed=2, device=device).requires_grad_()
     weight = randn((7,), seed=3, device=device).requires_grad_()
@@ -58,13 +168,124 @@ def test_dyt_matches_torch(dyt, device):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_dyt_module(dyt):
-    _, module = dyt
+def test_dyt_module(derived):
+    module = _load(derived[0] / "dyt.py")
     norm = module.DyT(7, alpha_init=0.25)
     assert list(norm.state_dict()) == ["alpha", "weight", "bias"]
     assert norm.alpha.item() == 0.25
     with pytest.raises(ValueError, match="argument 'alpha' must hold one value"):
         module.dyt(torch.ones(2, 7), (7,), torch.ones(2))
+
+
+def test_normalized_shape_without_parameters(derived):
+    module = _load(derived[0] / "rms_scale.py")
+    norm = module.RMSScale((2, 3))
+    assert list(norm.state_dict()) == [] and not list(norm.parameters())
+    norm.reset_parameters()
+    x = randn((4, 2, 3), seed=1)
+    want = x / torch.sqrt((x**2).mean(dim=(-2, -1), keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x), want, rtol=1e-12, atol=1e-12)
+    assert repr(norm) == "RMSScale((2, 3), eps=1e-05, elementwise_affine=True)"
+
+
+@pytest.mark.parametrize(("dim", "keepdim"), [(-1, False), (1, True), ((0, 2), False),
+                                              ((2, 0), True), ((), False), (0, False)])
+def test_reduction_matches_torch_logsumexp(derived, device, dim, keepdim):
+    module = _load(derived[0] / "logsumexp.py")
+    x = randn((2, 3, 4), seed=1, device=device).requires_grad_()
+    got = module.logsumexp(x, dim, keepdim)
+    # torch.logsumexp refuses an empty tuple of dims; torch.sum's rule is every dim
+    want = torch.logsumexp(x, dim if dim != () else (0, 1, 2), keepdim)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    upstream = randn(want.shape, seed=2, device=device)
+    torch.testing.assert_close(torch.autograd.grad(got, x, upstream)[0],
+                               torch.autograd.grad(want, x, upstream)[0], rtol=1e-10, atol=1e-10)
+
+
+def test_reduction_edges_as_torch(derived, device):
+    module = _load(derived[0] / "logsumexp.py")
+    scalar = torch.tensor(2.0, dtype=torch.float64, device=device)
+    for dim in (0, -1):
+        for keepdim in (False, True):
+            got = module.logsumexp(scalar, dim, keepdim)
+            want = torch.logsumexp(scalar, dim, keepdim)
+            assert got.shape == want.shape and got.item() == want.item()
+    empty_rows = torch.empty((0, 3), device=device)
+    assert module.logsumexp(empty_rows).shape == (0,)
+    no_columns = torch.empty((3, 0), device=device, requires_grad=True)
+    got = module.logsumexp(no_columns)
+    torch.testing.assert_close(got, torch.logsumexp(no_columns, -1))
+    got.sum().backward()
+    assert no_columns.grad.shape == (3, 0)
+    half = randn((3, 33), seed=3, device=device, dtype=torch.float16)
+    got = module.logsumexp(half, 0)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, torch.logsumexp(half.float(), 0).half())
+    strided = randn((4, 6), seed=4, device=device)[:, ::2]
+    torch.testing.assert_close(module.logsumexp(strided, 0), torch.logsumexp(strided, 0))
+    module_form = module.LogSumExp(dim=0, keepdim=True)
+    assert repr(module_form) == "LogSumExp(dim=0, keepdim=True)"
+    assert module_form(strided).shape == (1, 3)
+
+
+@pytest.mark.parametrize(("dim", "error", "message"), [
+    (1.0, TypeError, r"logsumexp\(\): argument 'dim' must be an int or a tuple of ints, got "
+                     r"float"),
+    ((0, 1.0), TypeError, r"argument 'dim' must be an int or a tuple of ints, got a tuple "
+                          r"holding a float"),
+    (None, TypeError, r"argument 'dim' must be an int or a tuple of ints, got NoneType"),
+    (3, IndexError, r"argument 'dim' must be in \[-3, 2\] for input of shape \[2, 3, 4\], "
+                    r"got 3"),
+    ((0, -3), RuntimeError, r"argument 'dim' must not name a dim twice, got \(0, -3\)"),
+])
+def test_reduction_dim_errors(derived, dim, error, message):
+    module = _load(derived[0] / "logsumexp.py")
+    with pytest.raises(error, match=message):
+        module.logsumexp(torch.ones(2, 3, 4), dim)
+    with pytest.raises(TypeError, match="argument 'keepdim' must be a bool, got int"):
+        module.logsumexp(torch.ones(2, 3), -1, 1)
+
+
+def test_user_page_names_where_the_module_was_written(derived):
+    out, _ = derived
+    page = (out / "logsumexp.md").read_text()
+    assert f"Generated module: `{out / 'logsumexp.py'}`." in page
+    assert "generated/" not in page and "](../" not in page  # no link into the docs site
+    # the forward reads the row in one sweep: the max and the sum of exponentials fused
+    assert ("| forward | 2 | 2 | 1: `row_max` (max); 2: `total` (sum) | 1 | 0 |\n"
+            "| backward, mode `default` | 0 | 0 | none | 1 | 0 |\n") in page
+    assert "sum_" in (out / "dyt.md").read_text(), "alpha's gradient is a derived row reduction"
+
+
+def test_op_pages_record_their_reduction_count():
+    for path in op_files():
+        page = (ROOT / "docs" / "ops" / f"{path.stem}.md").read_text()
+        assert "## Reduction count" in page, path.stem
+        assert re.search(r"^\| forward \| \d+ \| \d+ \| .* \| \d+ \| \d+ \|$", page, re.M)
+        assert re.search(r"^\| backward, mode `default` \| \d+ \| \d+ \|", page, re.M)
+    layernorm = (ROOT / "docs" / "ops" / "layernorm.md").read_text()
+    # mean and variance: two passes, one sweep of a looped row (Welford), then the epilogue
+    assert "| forward | 2 | 2 | 1: `mean` (sum); 2: `var` (sum) | 2 | 0 |" in layernorm
+
+
+def test_show_lists_every_op_and_layer(capsys):
+    assert main(["--show"]) == 0
+    listed = capsys.readouterr().out.strip().split(": ")[-1].split(", ")
+    assert listed == [p.stem for p in op_files()] + [p.stem for p in layer_files()]
+    assert main(["--show", "nosuch"]) == 2
+    error = capsys.readouterr().err
+    assert "no op or layer named 'nosuch'" in error and "layernorm, " in error
+
+
+def test_show_prints_a_spec_file_and_writes_nothing(tmp_path, capsys):
+    spec = tmp_path / "log_softmax.py"
+    spec.write_text(_source(KIND_SPECS["dim"][0]))
+    assert main(["--show", str(spec)]) == 0
+    page = capsys.readouterr().out
+    assert page.startswith("<!-- Generated by `derive` from log_softmax.py.")
+    assert "## Reduction count" in page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log_softmax.py"]
 
 
 BAD_SPECS = {
@@ -92,3 +313,72 @@ def test_malformed_spec_errors_point_to_the_line(case, tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith("derive: error: ")
     assert re.search(message, error), error
+
+
+#: an API that does not match its spec: (the spec's body, its `op.api = ...` line, the
+#: refusal after "op.api (<kind>) does not match spec 'bad': ")
+API_MISMATCHES = {
+    "dim API and an eps": (
+        "x = op.input('x')\n    eps = op.scalar('eps', positive=True)\n"
+        "    op.output(op.element('y', x / sympy.sqrt(op.row_mean('m', x**2) + eps)))\n"
+        "    op.save(x)",
+        "DimAPI(function='bad', module='Bad', torch_function='-')",
+        "scalar 'eps' is set by no option of the API (options: none); add Option('eps', ...)"),
+    "option named apart from its scalar": (
+        "x = op.input('x')\n    beta = op.scalar('beta')\n"
+        "    op.output(op.element('y', x * beta))\n    op.save(x)",
+        "ElementwiseAPI(function='bad', module='Bad', torch_function='-', "
+        "options=(Option('b', 1.0),))",
+        "scalar 'beta' is set by no option of the API (options: b); add Option('beta', ...); "
+        "option 'b' is not a scalar of the spec (scalars: beta)"),
+    "norm API's eps without the scalar": (
+        "x = op.input('x')\n    op.output(op.element('y', x * 2))\n    op.save(x)",
+        "NormalizedShapeAPI(function='bad', module='Bad', torch_function='-', "
+        "torch_module='Bad', params=(), eps=1e-5)",
+        "the API sets eps=1e-05, but the spec declares no scalar 'eps' (use eps=None, or "
+        "declare op.scalar('eps'))"),
+    "reduction of an elementwise output": (
+        "x = op.input('x')\n    op.output(op.element('y', x * 2))\n    op.save(x)",
+        "ReductionAPI(function='bad', module='Bad', torch_function='-')",
+        "the API returns one per-row output; the spec outputs 'y' (element)"),
+    "option named as the API's own argument": (
+        "x = op.input('x')\n    dim = op.scalar('dim')\n"
+        "    op.output(op.row('y', op.row_sum('s', x) * dim))\n    op.save(x)",
+        "ReductionAPI(function='bad', module='Bad', torch_function='-', "
+        "options=(Option('dim', 1.0),))",
+        "'dim' is an argument that a ReductionAPI takes for itself; choose another name (an "
+        "option is named as its scalar)"),
+    "default that is not a finite number": (
+        "x = op.input('x')\n    window = op.scalar('window')\n"
+        "    op.output(op.element('y', x * window))\n    op.save(x)",
+        "ElementwiseAPI(function='bad', module='Bad', torch_function='-', "
+        "options=(Option('window', float('inf')),))",
+        "option 'window' needs a finite number as its default, got inf"),
+    "target of a loss that is not a row input": (
+        "x = op.input('x')\n    op.output(op.row('y', op.row_sum('s', x)))\n    op.save(x)",
+        "RowLossAPI(function='bad', module='Bad', torch_function='-', target='t', "
+        "ignore='i')",
+        "target 't' is not a row_input of the spec; ignore 'i' is not one of the API's "
+        "options"),
+    "random values without dropout": (
+        "x = op.input('x')\n    u = op.random('u')\n"
+        "    op.output(op.element('y', x * u))\n    op.save(x)",
+        "ElementwiseAPI(function='bad', module='Bad', torch_function='-')",
+        "random values are drawn from a seed, which only an ElementwiseAPI with dropout=... "
+        "takes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(API_MISMATCHES))
+def test_api_that_does_not_match_the_spec_is_refused_at_its_line(case, tmp_path, capsys):
+    body, api, refusal = API_MISMATCHES[case]
+    spec = tmp_path / "bad.py"
+    text = _source("    op = OpSpec('bad')\n    " + body + "\n    op.api = " + api +
+                   "\n    return op\n")
+    spec.write_text(text)
+    line = text.splitlines().index("    op.api = " + api) + 1
+    kind = api.split("(")[0]
+    assert main([str(spec), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"derive: error: {spec}:{line}: op.api ({kind}) does "
+                                       f"not match spec 'bad': {refusal}\n")
+    assert not (tmp_path / "out").exists()
