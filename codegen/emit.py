@@ -19,6 +19,7 @@ from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
+from derive.api import replaces_kind
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -691,15 +692,24 @@ def _without_unused_imports(source: str) -> str:
     return "\n".join(lines)
 
 
-def render_patch(apis: list[tuple[str, Any]]) -> str:
-    """generated/patch.py: the replacement rules every spec's API declares, in spec order."""
+def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]) -> str:
+    """generated/patch.py: the replacement rules every spec's API declares, in spec order, as
+    rows of the runtime's rule table. `memory`: each op's memory modes, default first."""
     rules = []
     for op, api in apis:
         for rule in getattr(api, "replaces", ()):
-            params = getattr(api, "params", ())
-            rules.append({"pattern": rule.pattern, "op": op, "module": api.module,
-                          "options": rule.options, "when": rule.when, "norm": bool(params),
-                          "flags": [(p.flag, p.name) for p in params if p.flag]})
+            kind = replaces_kind(api, rule)
+            params = [p for p in getattr(api, "params", ()) if not p.scalar]
+            rules.append({
+                "kind": kind, "pattern": rule.pattern, "op": op, "function": api.function,
+                # an MLP or a loss is computed by the function, not by the op's module
+                "module": api.module if kind in ("norm", "activation") else None,
+                "params": [(p.name, p.flag, p.offset) for p in params],
+                "tries": [(name, tuple(float(v) for v in values))
+                          for name, values in rule.tries],
+                "eps": api.eps if kind == "norm" else None,
+                "memory": memory[op] if len(memory[op]) > 1 else (),
+            })
     ops = sorted({rule["op"] for rule in rules})
     return environment().get_template("patch.py.j2").render(rules=rules, ops=ops)
 

@@ -41,12 +41,23 @@ class Switch:
 
 @dataclass(frozen=True)
 class Replaces:
-    """A module of another library that ours stands in for in patch_model(): its class name
-    (an fnmatch pattern), attribute values it must have (`when`), options for our module."""
+    """What this op stands in for in patch_model(). A candidate is found by `pattern` (an fnmatch
+    pattern of its class name; of the model's class name for a loss) or, for an MLP, by its
+    structure; it is swapped only if the op computes the same outputs on a probe input.
+
+    `kind`: None for what the API implies ("norm" for a normalized-shape API, "activation" for
+    an elementwise API of one input); "mlp": the gated MLP `down(act(gate(x)) * up(x))` whose
+    `act(gate) * up` this op (inputs gate, up) computes; "loss": a Hugging Face causal-LM
+    model's loss, computed by this row loss. `tries`: values of the API's options tried in
+    turn (the first the probe accepts is kept), such as an offset a parameter may carry."""
 
     pattern: str
-    options: tuple[tuple[str, float], ...] = ()
-    when: tuple[tuple[str, str], ...] = ()
+    kind: str | None = None
+    tries: tuple[tuple[str, tuple[float, ...]], ...] = ()
+
+
+#: what Replaces.kind may name besides None
+REPLACES_KINDS = ("mlp", "loss")
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,8 @@ class RowLossAPI:
     target: str
     ignore: str
     options: tuple[Option, ...] = ()
+    #: models whose loss this function computes in patch_model() (kind "loss")
+    replaces: tuple[Replaces, ...] = ()
 
     kind = "row_loss"
 
@@ -305,6 +318,7 @@ def api_mismatches(spec) -> list[str]:
         elif s.scalar in options:
             problems.append(f"scalar '{s.scalar}' is set both by option '{s.scalar}' and by "
                             f"switch '{s.name}'")
+    problems.extend(replaces_mismatches(api))
     for name in scalars:
         if name not in given:
             problems.append(f"scalar '{name}' is set by no option of the API (options: "
@@ -356,3 +370,42 @@ def _outputs(outputs: list, level, count: int, what: str | None = None) -> list[
         found = ", ".join(f"'{node.name}' ({node.level.value})" for node in outputs)
         return [f"the API returns {what}; the spec outputs {found}"]
     return []
+
+
+def replaces_kind(api, rule: Replaces) -> str | None:
+    """The kind of swap `rule` declares for `api`: the one it names, else the one the API
+    implies; None where the API implies none."""
+    if rule.kind is not None:
+        return rule.kind
+    if isinstance(api, NormalizedShapeAPI):
+        return "norm"
+    if isinstance(api, ElementwiseAPI) and len(api.inputs) == 1:
+        return "activation"
+    return None
+
+
+def replaces_mismatches(api) -> list[str]:
+    """What in `api.replaces` patch_model() could not act on, each as one sentence."""
+    problems = []
+    options = {o.name for o in getattr(api, "options", ())}
+    for rule in getattr(api, "replaces", ()):
+        kind = replaces_kind(api, rule)
+        where = f"Replaces({rule.pattern!r})"
+        if rule.kind is not None and rule.kind not in REPLACES_KINDS:
+            problems.append(f"{where}: kind must be None or one of {', '.join(REPLACES_KINDS)}, "
+                            f"got {rule.kind!r}")
+        elif kind is None:
+            problems.append(f"{where}: a {api.kind} API implies no kind of swap; name one of "
+                            f"{', '.join(REPLACES_KINDS)}")
+        elif kind == "mlp" and not (isinstance(api, ElementwiseAPI) and len(api.inputs) == 2
+                                    and not api.call_params and not api.options):
+            problems.append(f"{where}: kind 'mlp' needs an elementwise API of two inputs "
+                            "(gate, up) and no other arguments")
+        elif kind == "loss" and not isinstance(api, RowLossAPI):
+            problems.append(f"{where}: kind 'loss' needs a row-loss API")
+        for name, values in rule.tries:
+            if name not in options:
+                problems.append(f"{where}: tries '{name}', which is not one of the API's options")
+            if not values:
+                problems.append(f"{where}: tries no value of '{name}'")
+    return problems

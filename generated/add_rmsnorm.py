@@ -1384,6 +1384,9 @@ def add_rms_norm(
     weight = checks.check_param("add_rms_norm", "weight", weight, shape, input)
     eps = checks.check_eps("add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("add_rms_norm", "weight_offset", weight_offset)
+    if weight is None:
+        # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
+        weight_offset = 0.0
     function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:

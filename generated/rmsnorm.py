@@ -3,7 +3,8 @@
 # Do NOT modify by hand: edit the spec or the templates and run `derive`.
 """RMSNorm: y = x * rstd * (weight_offset + weight), rstd = 1 / sqrt(mean(x**2) + eps).
 
-weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight) scale.
+weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight) scale. The
+offset belongs to the weight: without a weight, y = x_hat whatever the offset.
 
 The backward is derived symbolically; see docs/ops/rmsnorm.md for every step.
 """
@@ -1092,6 +1093,9 @@ def rms_norm(
     weight = checks.check_param("rms_norm", "weight", weight, shape, input)
     eps = checks.check_eps("rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("rms_norm", "weight_offset", weight_offset)
+    if weight is None:
+        # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
+        weight_offset = 0.0
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()

@@ -10,7 +10,7 @@ dloss * (softmax - (1 - smoothing) * onehot - smoothing / N) on rows that are no
 
 import sympy
 
-from derive.api import Option, RowLossAPI
+from derive.api import Option, Replaces, RowLossAPI
 from derive.spec import OpSpec
 
 
@@ -41,5 +41,7 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.cross_entropy",
         target="target", ignore="ignore_index",
         options=(Option("ignore_index", -100, check="integer"),
-                 Option("label_smoothing", 0.0, check="unit")))
+                 Option("label_smoothing", 0.0, check="unit")),
+        # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel)
+        replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss")))
     return op

@@ -3,7 +3,7 @@ activation is recomputed in the backward."""
 
 import sympy
 
-from derive.api import ElementwiseAPI
+from derive.api import ElementwiseAPI, Replaces
 from derive.spec import OpSpec
 
 
@@ -16,5 +16,8 @@ def spec() -> OpSpec:
     op.save(gate, up)
     op.api = ElementwiseAPI(function="geglu", module="GeGLU",
                             torch_function="torch.nn.functional.gelu(gate) * up",
-                            inputs=("gate", "up"))
+                            inputs=("gate", "up"),
+                            # an MLP down(gelu(gate(x)) * up(x)) with the exact GELU; the probe
+                            # turns down the tanh GELU (Gemma's)
+                            replaces=(Replaces("*", kind="mlp"),))
     return op

@@ -1,6 +1,7 @@
 """RMSNorm: y = x * rstd * (weight_offset + weight), rstd = 1 / sqrt(mean(x**2) + eps).
 
-weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight) scale.
+weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight) scale. The
+offset belongs to the weight: without a weight, y = x_hat whatever the offset.
 """
 
 import sympy
@@ -29,7 +30,8 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),),
-        # HF: LlamaRMSNorm, MistralRMSNorm, ... and Gemma's (1 + weight); T5's is an RMSNorm
-        replaces=(Replaces("Gemma*RMSNorm", options=(("weight_offset", 1.0),)),
-                  Replaces("*RMSNorm"), Replaces("T5LayerNorm")))
+        # HF: LlamaRMSNorm, ... and the (1 + weight) scale of Gemma's and others (the probe
+        # tells which); T5's and its kin's *LayerNorm are RMS norms
+        replaces=(Replaces("*RMSNorm", tries=(("weight_offset", (0.0, 1.0)),)),
+                  Replaces("*LayerNorm", tries=(("weight_offset", (0.0, 1.0)),))))
     return op

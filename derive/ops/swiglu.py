@@ -7,7 +7,7 @@ finite for any gate (never exp(-gate) / (1 + exp(-gate))**2, which is inf / inf 
 
 import sympy
 
-from derive.api import ElementwiseAPI
+from derive.api import ElementwiseAPI, Replaces
 from derive.spec import OpSpec
 
 
@@ -21,5 +21,7 @@ def spec() -> OpSpec:
     op.save(gate, up)
     op.api = ElementwiseAPI(function="swiglu", module="SwiGLU",
                             torch_function="torch.nn.functional.silu(gate) * up",
-                            inputs=("gate", "up"))
+                            inputs=("gate", "up"),
+                            # LLaMA's, Mistral's, Qwen's MLP: down(silu(gate(x)) * up(x))
+                            replaces=(Replaces("*", kind="mlp"),))
     return op

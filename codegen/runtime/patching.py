@@ -1,0 +1,805 @@
+"""`patch_model()`: swap a model's modules for generated ones, each swap proven by behaviour.
+
+The rule table (`generated/patch.py`, one row per `Replaces` a spec declares) says which
+generated op may stand in for what: a norm or an activation module found by class name, a gated
+MLP `down(act(gate(x)) * up(x))` found by its structure, a Hugging Face causal-LM loss. A
+candidate is swapped only if its replacement computes the same outputs as the module on a small
+deterministic probe input, once with the module's own tensors and once with perturbed copies
+of them (so that a weight of ones or zeros cannot hide how the weight is used). The
+configuration of a replacement (an offset of the weight, a weight or none, a weight held as a
+buffer, eps where the module keeps none) is the first the probe accepts, so the behaviour, not
+the name, decides.
+
+Probes run on shallow copies of the modules (their Parameters shared, their buffers copied, no
+hooks), under `torch.no_grad()` and a forked RNG: the model, its training mode and the RNG
+state are left as they were. Every replacement is built before any is assigned, and an
+exception while assigning restores the ones already assigned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import functools
+import inspect
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+#: what a rule swaps; `patch_model(include=..., exclude=...)` names these
+KINDS = ("norm", "activation", "mlp", "loss")
+#: the kinds swapped unless `include` says otherwise (a loss only when asked for)
+DEFAULT_KINDS = ("norm", "activation", "mlp")
+#: where a module keeps its eps, in the order looked up
+EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+#: eps values tried (after the op's default) for a norm that keeps none as an attribute
+EPS_TRIES = (1e-5, 1e-6)
+#: the hook dicts of a module that a replacement would not carry over
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+         "_load_state_dict_post_hooks")
+#: seed of the probe inputs and of the perturbation of a module's tensors
+SEED = 0x5EED
+#: leading dims of a probe input: 12 rows, 4-d so that a module that branches on the input's
+#: rank (a channels-first norm) shows it
+PROBE_ROWS = (2, 2, 3)
+#: per-row scales of a norm's probe rows (the small ones tell eps values apart: 1e-5 from 1e-6)
+#: and of an MLP's (the large ones reach the activation's nonlinear range)
+NORM_SCALES = (1.0, 1e-3, 1e-4)
+MLP_SCALES = (0.5, 2.0, 8.0)
+#: the width of a probe where the module does not fix one (an activation, a weightless norm)
+PROBE_WIDTH = 64
+#: an activation's probe: a grid over where GELUs and SiLUs differ, plus large values where a
+#: clipped activation shows itself
+ACTIVATION_RANGE = 8.0
+ACTIVATION_EXTREMES = (-100.0, -50.0, -20.0, -12.0, 12.0, 20.0, 50.0, 100.0)
+#: vocabulary and rows of a loss's probe
+LOSS_CLASSES = 13
+LOSS_SHAPE = (2, 6)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the rule table: `kind` of what is swapped, `pattern` of its class name, the
+    generated `module` (None for an MLP or a loss) and `function` that stand in; for a norm its
+    parameters as (name, constructor flag, offset option), the option values to `tries`, the
+    op's default `eps` and its `memory` modes."""
+
+    kind: str
+    pattern: str
+    module: type | None
+    function: Callable
+    params: tuple[tuple[str, str | None, str | None], ...] = ()
+    tries: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    eps: float | None = None
+    memory: tuple[str, ...] = ()
+
+
+class Swap(NamedTuple):
+    """A swapped module: its qualified name, its class and what replaced it."""
+
+    name: str
+    old: str
+    new: str
+
+
+class Skip(NamedTuple):
+    """A candidate left in place: its qualified name, its class and why."""
+
+    name: str
+    old: str
+    reason: str
+
+
+class PatchError(RuntimeError):
+    """`patch_model(..., strict=True)` met a candidate it cannot swap."""
+
+
+class PatchReport(Mapping):
+    """What `patch_model()` did. `swapped`: (qualified name, old class, new class) per swapped
+    module; `skipped`: (qualified name, class, reason) per candidate left in place. As a
+    mapping (and `counts`): how many modules of each old class were swapped."""
+
+    def __init__(self, swapped: list[Swap], skipped: list[Skip]):
+        self.swapped = list(swapped)
+        self.skipped = list(skipped)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for swap in self.swapped:
+            counts[swap.old] = counts.get(swap.old, 0) + 1
+        return counts
+
+    def __getitem__(self, old_class: str) -> int:
+        return self.counts[old_class]
+
+    def __iter__(self):
+        return iter(self.counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __repr__(self) -> str:
+        return f"PatchReport(counts={self.counts}, skipped={len(self.skipped)})"
+
+    def __str__(self) -> str:
+        lines = [f"swapped {s.name}: {s.old} -> {s.new}" for s in self.swapped]
+        lines += [f"skipped {s.name} ({s.old}): {s.reason}" for s in self.skipped]
+        return "\n".join(lines) or "nothing to swap"
+
+
+class GatedMLP(torch.nn.Module):
+    """`down(function(gate(x), up(x)))`: a gated MLP whose activation and product are one
+    generated op. Its Linear layers are those of the module it replaced, under their names, so
+    the state_dict and every Parameter are kept."""
+
+    def __init__(self, function: Callable, layers: list[tuple[str, torch.nn.Module]],
+                 gate: str, up: str, down: str):
+        super().__init__()
+        for name, layer in layers:
+            self.add_module(name, layer)
+        self._function = function
+        self._roles = (gate, up, down)
+
+    def forward(self, input):
+        gate, up, down = (self._modules[name] for name in self._roles)
+        return down(self._function(gate(input), up(input)))
+
+    def extra_repr(self) -> str:
+        gate, up, down = self._roles
+        return f"{down}({self._function.__name__}({gate}(x), {up}(x)))"
+
+
+class LastDimNorm(torch.nn.Module):
+    """A weightless norm over the input's last dim, whatever its width: what stands in for a
+    module that fixes no width (no normalized_shape, no weight)."""
+
+    def __init__(self, function: Callable, eps, options: dict[str, Any]):
+        super().__init__()
+        self._function = function
+        self.eps = eps
+        self.options = dict(options)
+
+    def forward(self, input):
+        return self._function(input, input.shape[-1:], eps=self.eps, **self.options)
+
+    def extra_repr(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"{self._function.__name__}, eps={self.eps}{options}"
+
+
+def causal_lm_loss(cross_entropy: Callable, logits, labels, vocab_size, num_items_in_batch=None,
+                   ignore_index=-100, shift_labels=None, **kwargs):
+    """transformers' `ForCausalLMLoss` computed by `cross_entropy`: float32 logits, labels
+    shifted one left (unless `shift_labels` is given), the mean over the counted tokens, or the
+    sum over `num_items_in_batch`. Other keyword arguments are ignored, as transformers does."""
+    logits = logits.float()
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    logits = logits.reshape(-1, vocab_size)
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, shift_labels, ignore_index=ignore_index)
+    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def patch_model(model, rules: tuple[Rule, ...], *, include=None, exclude=None, loss=False,
+                strict=False, memory=None) -> PatchReport:
+    """`generated.patch.patch_model` with the rule table given (see its docstring)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("patch_model(): argument 'model' must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    for name, value in (("loss", loss), ("strict", strict)):
+        if not isinstance(value, bool):
+            raise TypeError(f"patch_model(): argument '{name}' must be bool, got "
+                            f"{type(value).__name__}")
+    modes = list(dict.fromkeys(mode for rule in rules for mode in rule.memory))
+    if memory is not None and memory not in modes:
+        raise ValueError(f"patch_model(): argument 'memory' must be None or one of "
+                         f"{', '.join(map(repr, modes))}, got {memory!r}")
+    selection = _Selection(include, exclude, loss)
+    planner = _Planner(model, rules, selection, strict, memory)
+    planner.visit(model, "")
+    planner.visit_losses(model)
+    _assign(planner.assignments, planner.losses)
+    return PatchReport(planner.swapped, planner.skipped)
+
+
+class _Selection:
+    """Which candidates `include` and `exclude` let through: by kind or by class name."""
+
+    def __init__(self, include, exclude, loss):
+        self.include = _names("include", include)
+        self.exclude = _names("exclude", exclude) or ()
+        if self.include is None:
+            self.include = DEFAULT_KINDS
+        if loss:
+            self.include = (*self.include, "loss")
+
+    def allows(self, kind: str, class_name: str) -> bool:
+        return _named(kind, class_name, self.include) and not _named(kind, class_name,
+                                                                     self.exclude)
+
+
+def _names(argument: str, value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"patch_model(): argument '{argument}' must be a str or an iterable of "
+                        f"str, got {type(value).__name__}") from None
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"patch_model(): argument '{argument}' must hold kinds "
+                            f"({', '.join(KINDS)}) or class-name patterns (str), got "
+                            f"{type(item).__name__}")
+    return items
+
+
+def _named(kind: str, class_name: str, names: tuple[str, ...]) -> bool:
+    return any(name == kind if name in KINDS else fnmatch.fnmatchcase(class_name, name)
+               for name in names)
+
+
+class _Planner:
+    """Walks the model, proves each candidate's replacement and records the assignments; it
+    changes nothing itself."""
+
+    def __init__(self, model, rules, selection, strict, memory):
+        self.rules, self.selection, self.strict, self.memory = rules, selection, strict, memory
+        self.own = tuple({r.module for r in rules if r.module is not None}) + (GatedMLP,
+                                                                             LastDimNorm)
+        reference = next((t for t in itertools.chain(model.parameters(), model.buffers())
+                          if t.is_floating_point()), None)
+        self.default = ((reference.dtype, reference.device) if reference is not None
+                        else (torch.float32, torch.device("cpu")))
+        self.assignments: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
+        self.losses: list[tuple[torch.nn.Module, Callable]] = []
+        self.swapped: list[Swap] = []
+        self.skipped: list[Skip] = []
+        self.done: dict[int, torch.nn.Module | None] = {}
+
+    def visit(self, parent: torch.nn.Module, prefix: str) -> None:
+        """Plan the swaps of `parent`'s descendants, not looking into what is swapped."""
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) in self.done:  # a module reached twice keeps one replacement
+                new = self.done[id(child)]
+                if new is not None:
+                    self.assignments.append((parent, name, child, new))
+                continue
+            new = None if isinstance(child, self.own) else self.replacement(child, prefix + name)
+            self.done[id(child)] = new
+            if new is not None:
+                self.assignments.append((parent, name, child, new))
+            elif not isinstance(child, self.own):
+                self.visit(child, prefix + name + ".")
+
+    def replacement(self, module, name):
+        """What replaces `module`, or None (its skip recorded where it is a candidate)."""
+        class_name = type(module).__name__
+        for kind in ("norm", "activation"):
+            rules = [r for r in self.rules if r.kind == kind
+                     and fnmatch.fnmatchcase(class_name, r.pattern)
+                     and self.selection.allows(kind, class_name)]
+            if rules:
+                return self.swap_named(module, name, kind, rules)
+        rules = [r for r in self.rules if r.kind == "mlp"
+                 and fnmatch.fnmatchcase(class_name, r.pattern)
+                 and self.selection.allows("mlp", class_name)]
+        structure = _mlp_structure(module) if rules else None
+        if structure is not None:
+            return self.swap_mlp(module, name, rules, *structure)
+        return None
+
+    def swap_named(self, module, name, kind, rules):
+        problem = _unswappable(module)
+        if problem is None and any(True for _ in module.children()):
+            problem = "it has submodules, which no replacement holds"
+        if problem is None and kind == "activation" and _persistent_tensors(module):
+            problem = ("it holds tensors (" + ", ".join(_persistent_tensors(module))
+                       + "), which no replacement holds")
+        if problem is not None:
+            return self.skip(module, name, problem)
+        dtype, device = _placement(module, self.default)
+        if kind == "activation":
+            # an activation holds no dtype of its own: it is probed in fp32 (fp64 in an fp64
+            # model), where what it computes shows, not how a low precision rounds it
+            dtype = torch.promote_types(dtype, torch.float32)
+            candidates = [_Candidate(r.module.__name__, functools.partial(_build_activation, r))
+                          for r in rules]
+            tail, scales = (PROBE_WIDTH,), None
+        else:
+            candidates, problems, tail = [], [], None
+            for rule in rules:
+                found, problem, shape = _norm_candidates(rule, module, self.memory)
+                candidates += found
+                problems += [problem] if problem else []
+                tail = tail or shape
+            if not candidates:
+                return self.skip(module, name, "; ".join(dict.fromkeys(problems)))
+            tail, scales = tail or (PROBE_WIDTH,), NORM_SCALES
+        return self.prove(module, name, candidates, tail, scales, dtype, device)
+
+    def swap_mlp(self, module, name, rules, act_name, act, layouts):
+        problem = _unswappable(module)
+        if problem is None and _unswappable(act) is not None:
+            problem = f"its activation {act_name}: {_unswappable(act)}"
+        if problem is not None:
+            return self.skip(module, name, problem)
+        dtype, device = _placement(module, self.default)
+        if device.type == "meta":
+            return self.skip(module, name, _META)
+        matching, problems = [], []
+        for rule in rules:
+            difference = _activation_difference(act, rule.function,
+                                                torch.promote_types(dtype, torch.float32), device)
+            if difference is None:
+                matching.append(rule)
+            else:
+                problems.append(f"{rule.function.__name__} ({difference})")
+        if not matching:
+            return self.skip(module, name, f"its activation {act_name} ({type(act).__name__}) "
+                             "does not compute the activation of " + "; nor of ".join(problems))
+        layers = [(n, m) for n, m in module.named_children() if n != act_name]
+        candidates = [_Candidate(f"GatedMLP({rule.function.__name__}, gate={gate}, up={up})",
+                                 functools.partial(_build_mlp, rule.function, gate, up, down,
+                                                   [n for n, _ in layers]))
+                      for rule in matching for gate, up, down in layouts]
+        width = module._modules[layouts[0][0]].in_features
+        return self.prove(module, name, candidates, (width,), MLP_SCALES, dtype, device)
+
+    def prove(self, module, name, candidates, tail, scales, dtype, device):
+        if device.type == "meta":
+            return self.skip(module, name, _META)
+        winner, reason = _prove(module, candidates, tail, scales, dtype, device)
+        if winner is None:
+            return self.skip(module, name, reason)
+        new = winner.build(module)
+        self.swapped.append(Swap(name, type(module).__name__, winner.label))
+        return new
+
+    def skip(self, module, name, reason, old=None):
+        """Record why `module` (of class `old`, its class name by default) is left in place,
+        or raise with `strict`; return None."""
+        skip = Skip(name, old or type(module).__name__, reason)
+        if self.strict:
+            raise PatchError(f"patch_model(): {name} ({skip.old}) cannot be swapped: {reason}")
+        self.skipped.append(skip)
+        return None
+
+    def visit_losses(self, model):
+        """Plan the loss swaps of the causal-LM models in `model` (itself included)."""
+        rules = [r for r in self.rules if r.kind == "loss"]
+        for prefix, module in model.named_modules():
+            matching = [r for r in rules if fnmatch.fnmatchcase(type(module).__name__, r.pattern)]
+            if not matching or not isinstance(getattr(type(module), "loss_function", None),
+                                              property):
+                continue
+            name = f"{prefix}.loss_function" if prefix else "loss_function"
+            original = module.loss_function
+            old = getattr(original, "__name__", type(original).__name__)
+            if (isinstance(original, functools.partial) and original.func is causal_lm_loss) \
+                    or not self.selection.allows("loss", old):
+                continue
+            dtype, device = _placement(module, self.default)
+            problems = []
+            for rule in matching:
+                candidate = functools.partial(causal_lm_loss, rule.function)
+                problem = _loss_difference(original, candidate, dtype, device)
+                if problem is None:
+                    self.losses.append((module, candidate))
+                    new = f"causal_lm_loss({rule.function.__name__})"
+                    self.swapped.append(Swap(name, old, new))
+                    break
+                problems.append(problem)
+            else:
+                self.skip(module, name, "; ".join(dict.fromkeys(problems)), old)
+
+
+_META = "it is on the meta device, where its outputs cannot be compared"
+
+
+def _assign(assignments, losses) -> None:
+    """Make every planned swap, or on an exception none."""
+    undo: list[Callable[[], None]] = []
+    try:
+        for parent, name, old, new in assignments:
+            setattr(parent, name, new)
+            undo.append(functools.partial(setattr, parent, name, old))
+        for module, function in losses:
+            undo.append(functools.partial(_restore_loss, module, module.__dict__.copy()))
+            module.loss_function = function
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+
+
+def _restore_loss(module, state) -> None:
+    if "_loss_function" in state:
+        module.__dict__["_loss_function"] = state["_loss_function"]
+    else:
+        module.__dict__.pop("_loss_function", None)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A configured replacement: `label` names it in the report, `build(module)` makes it from
+    the module (or from a probe's copy of it), sharing the module's tensors."""
+
+    label: str
+    build: Callable[[torch.nn.Module], torch.nn.Module]
+
+
+def _unswappable(module) -> str | None:
+    """Why a module cannot be swapped whatever computes it, or None."""
+    hooks = [name.strip("_") for name in HOOKS if getattr(module, name, None)]
+    if hooks:
+        return f"it has hooks ({', '.join(hooks)}), which a replacement would not run"
+    if "forward" in module.__dict__:
+        return "its forward is replaced on the instance, which a replacement would not do"
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward inspect cannot read: the probe decides
+        return None
+    named = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(named) > 1:
+        return (f"its forward takes {', '.join(named[1:])} besides the input, which a "
+                "replacement would not")
+    return None
+
+
+def _persistent_tensors(module) -> list[str]:
+    """The names of the tensors a module's state_dict holds, its own (not its children's)."""
+    return [*(n for n, p in module._parameters.items() if p is not None),
+            *(n for n, b in module._buffers.items()
+              if b is not None and n not in module._non_persistent_buffers_set)]
+
+
+def _placement(module, default) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device a module computes in: those of its first floating tensor."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype, tensor.device
+    return default
+
+
+def _norm_candidates(rule: Rule, module, memory):
+    """The configurations of `rule`'s module that may compute what `module` does, why there are
+    none, and the normalized shape the module fixes (None where it fixes none)."""
+    names = [name for name, _, _ in rule.params]
+    own = {**{n: p for n, p in module._parameters.items() if p is not None},
+           **{n: b for n, b in module._buffers.items() if b is not None}}
+    persistent = set(_persistent_tensors(module))
+    extra = [n for n in own if n not in names and n in persistent]
+    if extra:
+        return [], (f"it holds tensors no {rule.module.__name__} holds: {', '.join(extra)}"), None
+    found = [n for n in names if n in own]
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int):
+        shape = (shape,)
+    elif isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(s, int) for s in shape):
+        shape = tuple(shape)
+    else:
+        shape = tuple(own[found[0]].shape) if found else None
+    eps_values = next(([getattr(module, n)] for n in EPS_NAMES if hasattr(module, n)), None)
+    eps_searched = eps_values is None
+    if eps_searched:
+        eps_values = list(dict.fromkeys((rule.eps, *EPS_TRIES)))
+    # an unused weight held as a non-persistent buffer (a dummy) may be left out
+    carries = [found]
+    dummies = [n for n in found if n in module._buffers and n not in persistent]
+    if dummies:
+        carries.append([n for n in found if n not in dummies])
+    candidates = []
+    for carried in carries:
+        offsets_absent = {offset for name, _, offset in rule.params
+                          if offset and name not in carried}
+        # without its parameter an offset changes nothing: one value is enough
+        grid = [[(option, value) for value in (values[:1] if option in offsets_absent
+                                                else values)]
+                for option, values in rule.tries]
+        for options, eps in itertools.product(itertools.product(*grid), eps_values):
+            options = dict(options)
+            label = _norm_label(rule, module, carried, options, eps if eps_searched else None,
+                                shape)
+            build = functools.partial(_build_norm, rule, tuple(carried), options, eps, shape,
+                                      memory)
+            candidates.append(_Candidate(label, build))
+    return candidates, None, shape
+
+
+def _norm_label(rule, module, carried, options, eps, shape) -> str:
+    if shape is None:
+        return f"{LastDimNorm.__name__}({rule.function.__name__})"
+    settings = [f"{k}={v}" for k, v in options.items() if v]
+    if not carried:
+        settings.append("elementwise_affine=False")
+    settings += [f"{flag}=False" for name, flag, _ in rule.params
+                 if flag and carried and name not in carried]
+    settings += [f"{n} buffer" for n in carried if n in module._buffers]
+    if eps is not None:
+        settings.append(f"eps={eps}")
+    return rule.module.__name__ + (f"({', '.join(settings)})" if settings else "")
+
+
+def _build_norm(rule, carried, options, eps, shape, memory, module):
+    kwargs = dict(options)
+    if memory is not None and memory in rule.memory:
+        kwargs["memory"] = memory
+    if shape is None:
+        return LastDimNorm(rule.function, eps, kwargs).train(module.training)
+    tensors = {name: getattr(module, name) for name in carried}
+    factory = {}
+    if tensors:
+        reference = next(iter(tensors.values()))
+        factory = {"device": reference.device, "dtype": reference.dtype}
+    flags = {flag: name in tensors for name, flag, _ in rule.params if flag}
+    new = rule.module(shape, eps=eps, elementwise_affine=bool(tensors), **flags, **kwargs,
+                      **factory)
+    for name, _, _ in rule.params:
+        tensor = tensors.get(name)
+        if isinstance(tensor, torch.nn.Parameter) or tensor is None:
+            new.register_parameter(name, tensor)
+        else:  # a buffer stays a buffer: not trained, in the state_dict as before
+            del new._parameters[name]
+            new.register_buffer(name, tensor,
+                                persistent=name not in module._non_persistent_buffers_set)
+    return new.train(module.training)
+
+
+def _build_activation(rule, module):
+    return rule.module().train(module.training)
+
+
+def _mlp_structure(module):
+    """(activation name, activation, [(gate, up, down) names]) where `module` has the structure
+    of a gated MLP: three Linear layers whose shapes fit `down(act(gate(x)) * up(x))`, one
+    activation module holding no tensor, a forward of one input; else None."""
+    children = list(module.named_children())
+    linears = [(n, m) for n, m in children if isinstance(m, torch.nn.Linear)]
+    others = [(n, m) for n, m in children if not isinstance(m, torch.nn.Linear)]
+    if len(linears) != 3 or len(others) != 1 or _persistent_tensors(module):
+        return None
+    act_name, act = others[0]
+    if (isinstance(act, torch.nn.Dropout) or any(True for _ in act.children())
+            or _persistent_tensors(act)):
+        return None
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if len([p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]) != 1:
+        return None
+    layouts = [(gate, up, down) for (gate, g), (up, u), (down, d) in itertools.permutations(linears)
+               if g.in_features == u.in_features == d.out_features
+               and g.out_features == u.out_features == d.in_features]
+    return (act_name, act, layouts) if layouts else None
+
+
+def _build_mlp(function, gate, up, down, layer_names, module):
+    return GatedMLP(function, [(n, module._modules[n]) for n in layer_names], gate, up,
+                    down).train(module.training)
+
+
+@contextlib.contextmanager
+def _probing(device: torch.device):
+    """No autograd graph, and the RNG state (the CPU's and the device's) as it was after."""
+    if device.type == "cpu":
+        fork = torch.random.fork_rng(devices=[])
+    else:
+        index = device.index if device.index is not None else getattr(torch, device.type) \
+            .current_device()
+        fork = torch.random.fork_rng(devices=[index], device_type=device.type)
+    with fork, torch.no_grad():
+        yield
+
+
+def _probe_input(tail, scales, dtype, device) -> torch.Tensor:
+    """A deterministic probe: rows of `tail`'s shape at `scales` (each row shifted off a zero
+    mean, which tells a LayerNorm from an RMSNorm), or an activation's grid (scales None)."""
+    shape = (*PROBE_ROWS, *tail)
+    if scales is None:
+        count = math.prod(shape)
+        grid = torch.linspace(-ACTIVATION_RANGE, ACTIVATION_RANGE,
+                              count - len(ACTIVATION_EXTREMES), dtype=torch.float64)
+        x = torch.cat([grid, torch.tensor(ACTIVATION_EXTREMES, dtype=torch.float64)])
+    else:
+        generator = torch.Generator().manual_seed(SEED)
+        x = torch.randn(shape, generator=generator, dtype=torch.float64) + 0.5
+        x = x * torch.tensor(scales, dtype=torch.float64).view(-1, *([1] * len(tail)))
+    return x.reshape(shape).to(device=device, dtype=dtype)
+
+
+def _prove(module, candidates, tail, scales, dtype, device):
+    """The first candidate whose outputs match the module's on the probe, with the module's
+    tensors and with perturbed ones; else None and why each failed."""
+    with _probing(device):
+        x = _probe_input(tail, scales, dtype, device)
+        perturb = any(t.is_floating_point() for t in itertools.chain(module.parameters(),
+                                                                     module.buffers()))
+        twins, references = [], []
+        for noise, note in ((None, ""), (_Noise(), " with perturbed parameters"))[:1 + perturb]:
+            try:
+                twin = _twin(module, noise, {})
+            except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
+                return None, f"it cannot be copied to be probed{note}: {_error(error)}"
+            try:
+                references.append(twin(x))
+            except Exception as error:  # noqa: BLE001
+                return None, f"its forward raised on the probe input{note}: {_error(error)}"
+            twins.append((twin, note))
+        reasons = []
+        for candidate in candidates:
+            problem = None
+            for (twin, note), reference in zip(twins, references, strict=True):
+                try:
+                    output = candidate.build(twin)(x)
+                except Exception as error:  # noqa: BLE001
+                    problem = f"raised {_error(error)}"
+                else:
+                    problem = _difference(reference, output, x, dtype, scales is None)
+                if problem is not None:
+                    problem += note
+                    break
+            if problem is None:
+                return candidate, None
+            reasons.append(f"{candidate.label} {problem}")
+        return None, "; ".join(reasons)
+
+
+def _activation_difference(act, function, dtype, device) -> str | None:
+    """How `act` differs from the activation of a gated op (`function(gate, ones)`), or None."""
+    with _probing(device):
+        x = _probe_input((PROBE_WIDTH,), None, dtype, device)
+        try:
+            reference = _twin(act, None, {})(x)
+            output = function(x, torch.ones_like(x))
+        except Exception as error:  # noqa: BLE001
+            return f"raised {_error(error)}"
+        return _difference(reference, output, x, dtype, True)
+
+
+def _loss_difference(original, candidate, dtype, device) -> str | None:
+    """How `candidate` differs from a causal-LM loss function on random logits and labels
+    (with ignored labels, num_items_in_batch, shift_labels and ignore_index), or None."""
+    with _probing(device):
+        generator = torch.Generator().manual_seed(SEED)
+        logits = (3 * torch.randn((*LOSS_SHAPE, LOSS_CLASSES), generator=generator)).to(
+            device=device, dtype=dtype)
+        labels = torch.randint(0, LOSS_CLASSES, LOSS_SHAPE, generator=generator)
+        labels[0, 2] = labels[1, -1] = -100
+        # the same labels with class 4 ignored in place of -100
+        other = torch.where(labels == -100, 4, labels)
+        calls = ((labels, {}), (labels, {"num_items_in_batch": torch.tensor(7)}),
+                 (labels, {"shift_labels": labels.roll(1, dims=-1).to(device)}),
+                 (other, {"ignore_index": 4}))
+        for targets, kwargs in calls:
+            try:
+                reference = original(logits=logits, labels=targets.to(device),
+                                     vocab_size=LOSS_CLASSES, **kwargs)
+                output = candidate(logits=logits, labels=targets.to(device),
+                                   vocab_size=LOSS_CLASSES, **kwargs)
+            except Exception as error:  # noqa: BLE001
+                return f"raised {_error(error)} (with {', '.join(kwargs) or 'no options'})"
+            if not (isinstance(reference, torch.Tensor) and isinstance(output, torch.Tensor)):
+                return "the model's loss function returned no tensor"
+            problem = _difference(reference.reshape(1, -1), output.reshape(1, -1), None,
+                                  torch.float32, False)
+            if problem is not None:
+                return f"causal_lm_loss {problem} (with {', '.join(kwargs) or 'no options'})"
+    return None
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of a probe: a few units in the last place of the dtype, and never
+    below fp32's (many modules compute in fp32 whatever their dtype, and so do the generated
+    ops' accumulators)."""
+    return max(2.5 * torch.finfo(dtype).eps, 2e-5)
+
+
+def _difference(reference, output, x, dtype, elementwise: bool) -> str | None:
+    """Why `output` is not `reference` within the dtype's tolerance, or None. Elementwise (an
+    activation): relative to each value, plus the rounding of the input as computed in fp32.
+    Else (a norm, an MLP, a loss): relative to each value plus its row's mean magnitude, as the
+    rounding of a sum over the row is."""
+    if not isinstance(output, torch.Tensor):
+        return f"returned {type(output).__name__}"
+    if not isinstance(reference, torch.Tensor):
+        return f"cannot be compared: the module returned {type(reference).__name__}"
+    if output.shape != reference.shape:
+        return f"returned shape {tuple(output.shape)}, the module {tuple(reference.shape)}"
+    if output.dtype != reference.dtype:
+        return f"returned {output.dtype}, the module {reference.dtype}"
+    ref, out = reference.double(), output.double()
+    if not (torch.isfinite(ref).all() and torch.isfinite(out).all()):
+        return "gave non-finite values on the probe where the module did not" if \
+            torch.isfinite(ref).all() else "cannot be compared: the module gave non-finite values"
+    rtol = _tolerance(dtype)
+    floor = rtol * torch.finfo(dtype).smallest_normal
+    if elementwise:
+        bound = rtol * ref.abs() + 8 * torch.finfo(torch.float32).eps * x.double().abs() + floor
+    else:
+        bound = rtol * (ref.abs() + ref.abs().mean(-1, keepdim=True)) + floor
+    excess = (out - ref).abs() / bound
+    worst = int(excess.argmax())
+    if excess.reshape(-1)[worst] <= 1:
+        return None
+    where = f" at input {x.reshape(-1)[worst].item():.3g}" if elementwise else ""
+    return (f"differs by {(out - ref).abs().reshape(-1)[worst].item():.3g}{where} where the "
+            f"module gives {ref.reshape(-1)[worst].item():.4g} (tolerance "
+            f"{bound.reshape(-1)[worst].item():.2g})")
+
+
+def _error(error: Exception) -> str:
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0][:160]}" if message else type(error).__name__
+
+
+class _Noise:
+    """Deterministic perturbations of a module's tensors, one generator per device."""
+
+    def __init__(self):
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        generator = self.generators.get(tensor.device)
+        if generator is None:
+            generator = torch.Generator(device=tensor.device).manual_seed(SEED)
+            self.generators[tensor.device] = generator
+        magnitude = float(torch.linalg.vector_norm(
+            tensor.detach(), dtype=torch.promote_types(tensor.dtype, torch.float32)))
+        magnitude /= math.sqrt(max(tensor.numel(), 1))
+        # half the tensor's own magnitude, and at least half the natural scale of its values:
+        # 1 for a per-column parameter (a norm's weight of zeros becomes O(1)), a Linear's
+        # init scale 1/sqrt(fan in) for a matrix
+        natural = 1 / math.sqrt(tensor.shape[-1]) if tensor.dim() >= 2 and tensor.shape[-1] else 1
+        scale = 0.5 * max(magnitude, natural)
+        noise = torch.randn(tensor.shape, generator=generator, device=tensor.device,
+                            dtype=tensor.dtype)
+        return tensor.detach() + noise.mul_(scale)
+
+
+def _twin(module, noise, done):
+    """A shallow copy of `module` and its descendants to probe: Parameters shared (perturbed
+    copies with `noise`), buffers copied, no hooks; the module is left as it is."""
+    if id(module) in done:
+        return done[id(module)]
+    twin = copy.copy(module)
+    done[id(module)] = twin
+    state = twin.__dict__
+    for name in HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                         "_forward_pre_hooks_with_kwargs"):
+        if isinstance(state.get(name), dict):
+            state[name] = type(state[name])()
+    state["_parameters"] = {n: _twin_tensor(p, noise, True)
+                            for n, p in module._parameters.items()}
+    state["_buffers"] = {n: _twin_tensor(b, noise, False) for n, b in module._buffers.items()}
+    state["_modules"] = {n: None if m is None else _twin(m, noise, done)
+                         for n, m in module._modules.items()}
+    return twin
+
+
+def _twin_tensor(tensor, noise, parameter):
+    if tensor is None:
+        return None
+    if noise is None or not tensor.is_floating_point():
+        return tensor if parameter else tensor.clone()
+    values = noise(tensor)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(values, requires_grad=tensor.requires_grad)
+    return values

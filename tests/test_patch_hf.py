@@ -1,0 +1,183 @@
+"""patch_model() on small randomly initialised Hugging Face models: the norms, the activations,
+the gated MLPs and (asked for) the causal-LM loss are swapped, and the logits, the loss and every
+gradient stay those of the unpatched model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers  # a declared test dependency (the `test` extra): import, never skip
+from reference import randn
+from transformers.loss.loss_utils import ForMaskedLMLoss
+
+from codegen.runtime import patching
+from generated import cross_entropy
+from generated.patch import patch_model
+
+VOCAB = 64
+DECODERS = {"llama": (transformers.LlamaConfig, transformers.LlamaModel),
+            "mistral": (transformers.MistralConfig, transformers.MistralModel),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2Model),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model),
+            "gemma": (transformers.GemmaConfig, transformers.GemmaModel)}
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def tiny(kind: str, causal_lm: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=128,
+                                         vocab_size=VOCAB)
+        return transformers.BertModel(config)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                         eos_token_id=0, vocab_size=VOCAB)
+        return (transformers.GPT2LMHeadModel if causal_lm else transformers.GPT2Model)(config)
+    config_class, model_class = DECODERS[kind]
+    config = config_class(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                          vocab_size=VOCAB)
+    if causal_lm:
+        model_class = getattr(transformers, model_class.__name__.replace("Model", "ForCausalLM"))
+    return model_class(config)
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Dropout would draw different masks in the two models."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def hidden_loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor):
+    model.zero_grad()
+    hidden = model(input_ids=tokens).last_hidden_state
+    loss = (hidden * randn(hidden.shape, seed=7)).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+class ExactRMSNorm(torch.nn.Module):
+    """An RMSNorm computed in the input's dtype: HF's RMSNorms upcast to float32 even from
+    float64, so the unpatched model itself is only fp32-accurate."""
+
+    def __init__(self, module: torch.nn.Module, offset: float):
+        super().__init__()
+        self.weight, self.eps, self.offset = module.weight, module.variance_epsilon \
+            if hasattr(module, "variance_epsilon") else module.eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * rstd * (self.offset + self.weight)
+
+
+def exact_reference(model: torch.nn.Module) -> torch.nn.Module:
+    exact = copy.deepcopy(model)
+    for parent in list(exact.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RMSNorm"):
+                offset = 1.0 if type(child).__name__.startswith("Gemma") else 0.0
+                setattr(parent, name, ExactRMSNorm(child, offset))
+    return exact
+
+
+EXPECTED = {"bert": {"LayerNorm": 5, "GELUActivation": 2},
+            "gpt2": {"LayerNorm": 5, "NewGELUActivation": 2},
+            "llama": {"LlamaRMSNorm": 5, "LlamaMLP": 2},
+            "mistral": {"MistralRMSNorm": 5, "MistralMLP": 2},
+            "qwen2": {"Qwen2RMSNorm": 5, "Qwen2MLP": 2},
+            "qwen3": {"Qwen3RMSNorm": 9, "Qwen3MLP": 2},  # q_norm and k_norm too
+            "gemma": {"GemmaRMSNorm": 5, "GELUTanh": 2}}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_patched_hf_model_matches(kind):
+    original = without_dropout(tiny(kind).double().train())
+    patched = copy.deepcopy(original)
+    report = patch_model(patched)
+    assert report == EXPECTED[kind]
+    assert list(patched.state_dict()) == list(original.state_dict())
+    for name, parameter in original.named_parameters():
+        assert patched.get_parameter(name) is not parameter  # a copy of the model ...
+    for name, parameter in patched.named_parameters():  # ... whose Parameters are all in use
+        assert parameter.shape == original.get_parameter(name).shape
+    if kind in ("llama", "mistral", "qwen2", "qwen3"):
+        assert all(type(patched.get_submodule(f"layers.{i}.mlp")) is patching.GatedMLP
+                   for i in range(2))
+    if kind == "gemma":
+        # GemmaMLP's tanh GELU is not geglu's exact one: the report says so
+        assert [s[:2] for s in report.skipped] == [(f"layers.{i}.mlp", "GemmaMLP")
+                                                   for i in range(2)]
+        assert report.skipped[0].reason.startswith(
+            "its activation act_fn (GELUTanh) does not compute the activation of geglu")
+    else:
+        assert report.skipped == []
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    if any(type(m).__name__.endswith("RMSNorm") for m in original.modules()):
+        # HF's own model agrees with the exact one to its fp32 upcast, no better
+        hf_loss, _ = hidden_loss_and_grads(original, tokens)
+        original = exact_reference(original)
+        torch.testing.assert_close(hf_loss, hidden_loss_and_grads(original, tokens)[0],
+                                   rtol=1e-5, atol=1e-5)
+    loss, grads = hidden_loss_and_grads(original, tokens)
+    patched_loss, patched_grads = hidden_loss_and_grads(patched, tokens)
+    torch.testing.assert_close(patched_loss, loss, rtol=1e-10, atol=1e-10)
+    assert patched_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def lm_outputs(model, tokens, labels, **kwargs):
+    model.zero_grad()
+    out = model(input_ids=tokens, labels=labels, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone()
+                                                    for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_causal_lm_loss_is_routed_through_cross_entropy(kind):
+    original = without_dropout(tiny(kind, causal_lm=True).train())
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, loss=True)
+    assert ("loss_function", "ForCausalLMLoss", "causal_lm_loss(cross_entropy)") in report.swapped
+    assert patched.loss_function.func is patching.causal_lm_loss
+    assert patched.loss_function.args == (cross_entropy.cross_entropy,)
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels = tokens.masked_fill(torch.rand(tokens.shape, generator=torch.Generator()
+                                           .manual_seed(2)) < 0.3, -100)
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}):
+        loss, logits, grads = lm_outputs(original, tokens, labels, **kwargs)
+        patched_loss, patched_logits, patched_grads = lm_outputs(patched, tokens, labels,
+                                                                 **kwargs)
+        # fp32: the loss is computed in fp32 from fp32 logits either way
+        torch.testing.assert_close(patched_logits, logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(patched_loss, loss, rtol=1e-6, atol=0)
+        for name in grads:
+            torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_loss_only_when_asked_and_only_a_causal_one():
+    model = tiny("llama", causal_lm=True)
+    assert "ForCausalLMLoss" not in patch_model(copy.deepcopy(model))
+    assert patch_model(copy.deepcopy(model), include="loss") == {"ForCausalLMLoss": 1}
+    assert patch_model(copy.deepcopy(model), loss=True, exclude="loss")["LlamaMLP"] == 2
+    # a loss computed otherwise (no shift: a masked LM's) is left, with the reason
+    model.loss_function = ForMaskedLMLoss
+    report = patch_model(model, include="loss")
+    assert report == {} and model.loss_function is ForMaskedLMLoss
+    [(name, kind, reason)] = report.skipped
+    assert (name, kind) == ("loss_function", "ForMaskedLMLoss")
+    assert reason.startswith("causal_lm_loss differs by "), reason
