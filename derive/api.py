@@ -65,7 +65,8 @@ class NormalizedShapeAPI:
     """`function(input, normalized_shape, <params>=None, eps=...)` plus an nn.Module, exactly as
     torch.nn.functional.<torch_name> and torch.nn.<module>.
 
-    eps=None means the input dtype's machine epsilon, as in torch.nn.functional.rms_norm.
+    eps=None means the machine epsilon of the dtype torch computes the input in (float32 for
+    float16 and bfloat16), as in torch.nn.functional.rms_norm.
     """
 
     function: str

@@ -1258,7 +1258,7 @@ def _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residua
             STRIDED=schedule.strided,
             REVERSE=schedule.reverse,
             LAST_FIRST=schedule.last_first,
-            FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
+            FIXED_N=fixed_n(schedule, M, N, x_stride, N if residual is None else residual_stride),
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -1400,7 +1400,7 @@ def _add_layernorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weig
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, N if dresidual_out is None else dresidual_out_stride, residual_out_stride),
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -1550,7 +1550,7 @@ def _add_layernorm_bwd_recompute_mean(dy, dresidual_out, residual_out, input_bia
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, N if dresidual_out is None else dresidual_out_stride, residual_out_stride),
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -1700,7 +1700,7 @@ def _add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, bias
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, y_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, N if dresidual_out is None else dresidual_out_stride, y_stride),
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -2093,8 +2093,10 @@ def add_layer_norm(
     is added into the input gradients inside the same backward kernel.
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters. CUDA tensors run the generated Triton
-    kernels; CPU tensors run the generated torch path (the kernels under TRITON_INTERPRET=1).
+    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    (`input`, `residual` and `input_bias` promote as in torch's sum of
+    them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
+    path (the kernels under TRITON_INTERPRET=1).
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/add_layernorm.md):
@@ -2106,7 +2108,10 @@ def add_layer_norm(
     checks.check_input("add_layer_norm", input)
     shape, columns = checks.check_normalized_shape("add_layer_norm", normalized_shape, input)
     residual = checks.check_like_input("add_layer_norm", "residual", residual, input)
-    input_bias = checks.check_param("add_layer_norm", "input_bias", input_bias, shape, input)
+    input_bias = checks.check_param("add_layer_norm", "input_bias", input_bias, shape, input, promotes=True)
+    # what is added to the input promotes with it, as in torch's `input + residual`; the norm's
+    # own parameters do not (torch's norms return their input's dtype)
+    input, residual, input_bias = checks.promote(input, residual, input_bias)
     weight = checks.check_param("add_layer_norm", "weight", weight, shape, input)
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
@@ -2195,6 +2200,10 @@ class AddLayerNorm(torch.nn.Module):
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
             f", bias={self.bias is not None}" if _TORCH_REPR_SHOWS_BIAS else ""
+        ) + (
+            ", prenorm=True" if self.prenorm else ""
+        ) + (
+            ", residual_in_fp32=True" if self.residual_in_fp32 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )

@@ -806,7 +806,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
             STRIDED=schedule.strided,
             REVERSE=schedule.reverse,
             LAST_FIRST=schedule.last_first,
-            FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
+            FIXED_N=fixed_n(schedule, M, N, x_stride, N if residual is None else residual_stride),
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -935,7 +935,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, residual_out_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, N if dresidual_out is None else dresidual_out_stride, residual_out_stride),
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -1075,7 +1075,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                     STRIDED=schedule.strided,
                     REVERSE=schedule.reverse,
                     LAST_FIRST=schedule.last_first,
-                    FIXED_N=fixed_n(schedule, M, N, dy_stride, dresidual_out_stride or N, y_stride),
+                    FIXED_N=fixed_n(schedule, M, N, dy_stride, N if dresidual_out is None else dresidual_out_stride, y_stride),
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -1368,8 +1368,10 @@ def add_rms_norm(
     is added into the input gradients inside the same backward kernel.
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters. CUDA tensors run the generated Triton
-    kernels; CPU tensors run the generated torch path (the kernels under TRITON_INTERPRET=1).
+    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    (`input`, `residual` and `input_bias` promote as in torch's sum of
+    them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
+    path (the kernels under TRITON_INTERPRET=1).
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/add_rmsnorm.md):
@@ -1380,7 +1382,10 @@ def add_rms_norm(
     checks.check_input("add_rms_norm", input)
     shape, columns = checks.check_normalized_shape("add_rms_norm", normalized_shape, input)
     residual = checks.check_like_input("add_rms_norm", "residual", residual, input)
-    input_bias = checks.check_param("add_rms_norm", "input_bias", input_bias, shape, input)
+    input_bias = checks.check_param("add_rms_norm", "input_bias", input_bias, shape, input, promotes=True)
+    # what is added to the input promotes with it, as in torch's `input + residual`; the norm's
+    # own parameters do not (torch's norms return their input's dtype)
+    input, residual, input_bias = checks.promote(input, residual, input_bias)
     weight = checks.check_param("add_rms_norm", "weight", weight, shape, input)
     eps = checks.check_eps("add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("add_rms_norm", "weight_offset", weight_offset)
@@ -1464,6 +1469,10 @@ class AddRMSNorm(torch.nn.Module):
 
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
+            ", prenorm=True" if self.prenorm else ""
+        ) + (
+            ", residual_in_fp32=True" if self.residual_in_fp32 else ""
+        ) + (
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""

@@ -327,7 +327,7 @@ def _bias_dropout_add_fwd(x, residual, bias, p, seed):
             STRIDED=schedule.strided,
             REVERSE=schedule.reverse,
             LAST_FIRST=schedule.last_first,
-            FIXED_N=fixed_n(schedule, M, N, x_stride, residual_stride or N),
+            FIXED_N=fixed_n(schedule, M, N, x_stride, N if residual is None else residual_stride),
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
@@ -572,7 +572,8 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     each element's index; the backward regenerates it, nothing is stored. The same seed gives
     the same mask on the same device (and on the CPU torch path). `training=False` or
     `p=0` turns dropout off exactly.
-    Computed in fp32 (fp64 for fp64 input); nothing is kept for the backward.
+    Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
+    torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); nothing is kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
@@ -581,7 +582,9 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
-    bias = checks.check_param("bias_dropout_add", "bias", bias, (columns,), input)
+    bias = checks.check_param("bias_dropout_add", "bias", bias, (columns,), input, promotes=True)
+    # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
+    input, residual, bias = checks.promote(input, residual, bias)
     p = checks.check_option("bias_dropout_add", "p", p, "probability")
     if not isinstance(training, bool):
         raise TypeError(f"bias_dropout_add(): argument 'training' must be a bool, got {type(training).__name__}")

@@ -679,14 +679,19 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
         super().__init__()
-        self.ignore_index = checks.check_option("CrossEntropyLoss", "ignore_index", ignore_index, "integer")
+        self.ignore_index = int(checks.check_option("CrossEntropyLoss", "ignore_index", ignore_index, "integer"))
         self.label_smoothing = checks.check_option("CrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
         if reduction not in _REDUCTIONS:
             raise ValueError(f"CrossEntropyLoss(): argument 'reduction' must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
         self.reduction = reduction
 
     def extra_repr(self):
-        return ", ".join(f"{name}={getattr(self, name)}" for name in ("ignore_index", "label_smoothing", "reduction"))
+        # the options that differ from their defaults, values as Python writes them: a module
+        # built with the defaults prints as torch's (CrossEntropyLoss())
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean"}
+        return ", ".join(
+            f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
+        )
 
     def forward(self, input, target):
         return cross_entropy(input, target, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, reduction=self.reduction)

@@ -612,7 +612,8 @@ def gelu_tanh(input, *, bias=None):
 
     Fused in: `bias` (shape (input.shape[-1],) or None),
     whose gradient is a column reduction.
-    Computed in fp32 (fp64 for fp64 input); x kept for the backward.
+    Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
+    torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); x kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
@@ -620,7 +621,9 @@ def gelu_tanh(input, *, bias=None):
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
-    bias = checks.check_param("gelu_tanh", "bias", bias, (columns,), input)
+    bias = checks.check_param("gelu_tanh", "bias", bias, (columns,), input, promotes=True)
+    # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
+    input, bias = checks.promote(input, bias)
     x = launch.rows((rows, columns), input)
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():

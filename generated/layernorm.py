@@ -1703,8 +1703,9 @@ def layer_norm(
     """Same arguments, defaults and result as `torch.nn.functional.layer_norm`.
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters. CUDA tensors run the generated Triton
-    kernels; CPU tensors run the generated torch path (the kernels under TRITON_INTERPRET=1).
+    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    (as torch's). CUDA tensors run the generated Triton kernels; CPU tensors run the generated
+    torch path (the kernels under TRITON_INTERPRET=1).
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/layernorm.md):

@@ -718,7 +718,8 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     each element's index; the backward regenerates it, nothing is stored. The same seed gives
     the same mask on the same device (and on the CPU torch path). `training=False` or
     `dropout_p=0` turns dropout off exactly.
-    Computed in fp32 (fp64 for fp64 input); p kept for the backward.
+    Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
+    torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); p kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
@@ -727,6 +728,8 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
+    # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
+    input, mask = checks.promote(input, mask)
     scale = checks.check_option("masked_softmax", "scale", scale, None)
     dropout_p = checks.check_option("masked_softmax", "dropout_p", dropout_p, "probability")
     if not isinstance(causal, bool):

@@ -570,12 +570,22 @@ def _check_dim(function, dim, input):
     return int(dim) % ndim
 
 
-def softmax(input, dim=-1):
-    """Same result as `torch.softmax(input, dim)`, accumulated in fp32 (fp64 for fp64).
+def softmax(input, dim=-1, dtype=None):
+    """Same result as `torch.softmax(input, dim, dtype=dtype)`, accumulated in fp32
+    (fp64 for fp64). `dtype`: the floating dtype `input` is cast to first, and the result's.
 
     CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch path
     (the kernels under TRITON_INTERPRET=1).
     """
+    if dtype is not None:
+        if dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(
+                "softmax(): argument 'dtype' must be torch.float16, torch.bfloat16, "
+                f"torch.float32, torch.float64 or None, got {dtype}"
+            )
+        if isinstance(input, torch.Tensor):
+            # as torch: an integer input is taken too, once cast
+            input = input.to(dtype)
     checks.check_input("softmax", input)
     dim = _check_dim("softmax", dim, input)
     if input.dim() == 0:

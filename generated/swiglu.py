@@ -495,7 +495,8 @@ def swiglu(gate, up):
     """`torch.nn.functional.silu(gate) * up` in one kernel each way, over the last dim.
 
     `up`: same shape as `gate`.
-    Computed in fp32 (fp64 for fp64 input); gate, up kept for the backward.
+    Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
+    torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); gate, up kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
@@ -506,6 +507,8 @@ def swiglu(gate, up):
     shape = gate.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
+    # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
+    gate, up = checks.promote(gate, up)
     gate = launch.rows((rows, columns), gate)
     up = launch.rows((rows, columns), up)
     function = _FUNCTIONS["default"]

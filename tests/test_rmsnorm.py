@@ -94,9 +94,11 @@ def test_default_eps_is_finfo_eps(device):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION_DTYPES, ids=str)
-def test_default_eps_is_finfo_eps_of_input_dtype(device, dtype):
-    # The fp64 reference would use fp64's eps for eps=None: give it dtype's eps.
-    ours, theirs = pair((37,))[0], pair((37,), eps=torch.finfo(dtype).eps)[1]
+def test_default_eps_is_finfo_eps_of_computing_dtype(device, dtype):
+    # torch takes the eps of the type it computes in: float32 for float16 and bfloat16 inputs.
+    # The fp64 reference would use fp64's eps for eps=None: give it that one.
+    eps = torch.finfo(torch.float32).eps
+    ours, theirs = pair((37,))[0], pair((37,), eps=eps)[1]
     assert_low_precision_ok(ours, theirs, tiny_inputs(dtype, device), dtype)
 
 

@@ -3,6 +3,7 @@ expected and what was got."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -23,7 +24,11 @@ def check_input(function, input, name="input"):
         )
 
 
-def check_param(function, name, param, shape, input):
+def check_param(function, name, param, shape, input, promotes=False):
+    """A per-column parameter of `shape`. A norm's weight and bias (`promotes=False`) have the
+    input's dtype, or float32 for a 16-bit input, and leave the output in the input's dtype (as
+    torch's layer_norm); a tensor added to the input (`promotes=True`: the bias of the layer
+    before) may have any floating dtype and promotes with the input (`promote`)."""
     if param is None:
         return None
     if not isinstance(param, torch.Tensor):
@@ -42,7 +47,13 @@ def check_param(function, name, param, shape, input):
             f"got {param.device}"
         )
     dtype = param.dtype
-    if dtype != input.dtype and not (
+    if promotes:
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
+                f"float64, got {dtype}"
+            )
+    elif dtype != input.dtype and not (
         dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
     ):
         raise TypeError(
@@ -143,8 +154,10 @@ def check_normalized_shape(function, normalized_shape, input):
 
 
 def check_eps(function, eps, dtype):
+    """eps as a float; None is the machine epsilon of the type torch computes `dtype` in (its
+    opmath type: float32 for float16 and bfloat16 inputs), as torch.nn.functional.rms_norm."""
     if eps is None:
-        return torch.finfo(dtype).eps
+        return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
     if type(eps) is float and 0.0 <= eps < float("inf"):
         return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
@@ -155,6 +168,28 @@ def check_eps(function, eps, dtype):
     if not eps >= 0.0 or eps == float("inf"):
         raise ValueError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
     return eps
+
+
+def promote(*tensors):
+    """The tensors (the first one given, None kept) cast to the dtype torch's arithmetic on them
+    gives (torch.result_type's rule for floating tensors: the dimensioned ones decide, 0-d ones
+    only where every tensor is 0-d). Only a mixed call casts: the kernels write the dtype of
+    the tensors they read."""
+    dtype = tensors[0].dtype
+    for tensor in tensors:  # a loop: the common call, one dtype, returns at once (host time)
+        if tensor is not None and tensor.dtype is not dtype:
+            break
+    else:
+        return tensors
+    present = [tensor for tensor in tensors if tensor is not None]
+    deciding = [tensor.dtype for tensor in present if tensor.dim()] or [
+        tensor.dtype for tensor in present
+    ]
+    dtype = functools.reduce(torch.promote_types, deciding)
+    return tuple(
+        tensor if tensor is None or tensor.dtype is dtype else tensor.to(dtype)
+        for tensor in tensors
+    )
 
 
 def check_real(function, name, value):
