@@ -20,6 +20,7 @@ from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
 from derive.api import replaces_kind
+from derive.reverse import upstream_symbol
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -618,7 +619,10 @@ class KernelContext:
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
-                  schedule: ScheduleTable = DEFAULT) -> str:
+                  schedule: ScheduleTable = DEFAULT, *,
+                  recorded: dict[str, tuple[Any, Kernel | None] | None]) -> str:
+    """`recorded`: per mode, the backward autograd can record (derive/higher.py's
+    RecordedBackward) and the kernel derived for it (None: the mode's own), or None."""
     env = environment()
     params = list(module.params)
     extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
@@ -626,6 +630,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     gradient_of = dict(module.gradients)
     fwd = KernelContext(forward, TRITON, backward=False)
     modes = []
+    emitted: set[str] = set()  # recorded kernels already in the module
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
         unpack = [o.name for o in backward.outputs]
@@ -654,6 +659,10 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
                  for i, a in enumerate(function_args)]
                 + ["None"] * (2 * len(module.outputs[1:]))),
         })
+        modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
+    supported = [m["name"] for m in modes if m["recorded"]]
+    for m in modes:
+        m["unrecorded"] = None if m["recorded"] else _unrecorded(module, m, supported)
     context = {
         "module": module,
         "fwd": fwd,
@@ -676,6 +685,41 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "api_template": f"api_{module.api.kind}.py.j2",
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
+
+
+def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: dict[str, Any],
+              fwd: KernelContext, emitted: set[str]) -> dict[str, Any] | None:
+    """What a mode's autograd Function needs for the backward autograd records: the torch path
+    it calls, whether the module defines it here, and the values the op returns besides its
+    outputs (hidden), each with its upstream gradient and that gradient's index among the
+    custom op's outputs."""
+    if plan is None:
+        return None
+    recorded, kernel = plan
+    rows = {s["name"] for s in fwd.row_stores}
+    k = KernelContext(kernel, TORCH) if kernel is not None else mode["bwd_torch"]
+    fresh = kernel is not None and kernel.name not in emitted
+    if kernel is not None:
+        emitted.add(kernel.name)
+    return {
+        "k": k,
+        "emit": fresh,
+        "unpack": [o.name for o in (kernel or backward).outputs],
+        "hidden": list(recorded.hidden),
+        "hidden_upstream": [{"name": upstream_symbol(name).name, "row": name in rows,
+                             "index": fwd.returns.index(name)} for name in recorded.hidden],
+    }
+
+
+def _unrecorded(module: ModuleSpec, mode: dict[str, Any], supported: list[str]) -> str:
+    """The error a mode raises where autograd would record its backward and cannot."""
+    several = len(module.modes) > 1
+    call = f"{module.api.function}(memory={mode['name']!r})" if several else module.api.function
+    needs = f"needs memory={supported[0]!r}" if supported and several else "is not supported"
+    saved = ", ".join(mode["saved"]) or "nothing"
+    return (f"{call}: double backward (create_graph=True) {needs}: "
+            f"{'this mode' if several else 'it'} saves {saved}, through which autograd cannot "
+            "differentiate its backward")
 
 
 #: imports the module template makes that only some ops' modules use, and how a use reads

@@ -10,6 +10,7 @@ from pathlib import Path
 import sympy
 
 from codegen.emit import ModuleSpec, render_module, render_patch, render_user_test
+from codegen.ir import Kernel
 from codegen.layers import render_layer, render_layer_page
 from codegen.lower import lower
 from codegen.printers import PrintError
@@ -18,6 +19,7 @@ from derive.backward import differentiable_nodes, gradient_name
 from derive.blocks import check_ops, load_block
 from derive.docs import render_page
 from derive.engine import Derivation, derive, load_spec
+from derive.higher import RecordedBackward
 from derive.reverse import upstream_symbol
 from derive.spec import Kind, Level, OpSpec, SpecError
 
@@ -94,9 +96,28 @@ def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, st
     forward = lower(derivation.forward, f"_{spec.name}_fwd", derivation.saved_outputs)
     backwards = {mode: lower(result.graph, f"_{spec.name}_bwd_{mode}")
                  for mode, result in derivation.backwards.items()}
-    source = render_module(module, forward, backwards)
+    source = render_module(module, forward, backwards,
+                           recorded=recorded_kernels(derivation))
     page = render_page(derivation, forward, backwards, module_path)
     return derivation, source, page
+
+
+def recorded_kernels(derivation: Derivation) -> dict[str, tuple[RecordedBackward, Kernel | None]
+                                                     | None]:
+    """Per memory mode, the backward autograd can record and the kernel derived for it (None
+    where the mode's own serves); modes whose recorded backwards read the same values share
+    the first one's kernel."""
+    kernels: dict[tuple[tuple[str, ...], tuple[str, ...]], Kernel] = {}
+    recorded = {}
+    for mode, plan in derivation.recorded.items():
+        if plan is None or plan.result is None:
+            recorded[mode] = None if plan is None else (plan, None)
+            continue
+        key = (plan.reads, plan.hidden)
+        if key not in kernels:
+            kernels[key] = lower(plan.result.graph, f"_{derivation.spec.name}_bwd_{mode}_recorded")
+        recorded[mode] = (plan, kernels[key])
+    return recorded
 
 
 def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:

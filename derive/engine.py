@@ -14,6 +14,7 @@ from derive.backward import BackwardResult, derive_backward
 from derive.canonical import canonical
 from derive.forward import forward_graph, saved_outputs
 from derive.graph import RowGraph
+from derive.higher import RecordedBackward, recorded_backwards
 from derive.reverse import ReverseResult, learn_forward_reductions, reverse_mode
 from derive.spec import OpSpec, SpecError, build_from_file
 
@@ -26,6 +27,8 @@ class Derivation:
     reverse: ReverseResult
     backwards: dict[str, BackwardResult]  # one per memory mode, default first
     rules: tuple[tuple[sympy.Expr, sympy.Expr], ...]
+    #: per memory mode, the backward autograd can record (create_graph=True); None: none
+    recorded: dict[str, RecordedBackward | None]
 
     @property
     def backward(self) -> BackwardResult:
@@ -40,7 +43,9 @@ def derive(spec: OpSpec) -> Derivation:
     reverse = reverse_mode(spec, algebra)
     backwards = {mode: derive_backward(spec, algebra, reverse, saved)
                  for mode, saved in spec.modes.items()}
-    return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backwards, rules)
+    recorded = recorded_backwards(spec)
+    return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backwards, rules,
+                      recorded)
 
 
 def load_spec(path: Path, display: str) -> OpSpec:

@@ -1154,6 +1154,34 @@ def _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight
     return dx, dx, dinput_bias, dweight, dbias,
 
 
+def _add_layernorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, input_bias, weight,
+        bias, eps, store_dinput_bias, store_dweight, store_dbias):
+    """The backward autograd records (create_graph=True), derived from saved values that carry
+    its graph; plain torch only (the fused kernels are not differentiable)."""
+    dtype = dy.dtype
+    acc = launch.accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    dresidual_out = dresidual_out.to(acc) if dresidual_out is not None else 0.0
+    residual_out = residual_out.to(acc)
+    input_bias = input_bias.to(acc) if input_bias is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    mean = (residual_out).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(residual_out)
+    sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
+    var = ((residual_out - mean) * (residual_out - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+    rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+    x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
+    sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dx, dinput_bias, dweight, dbias,
+
+
 def _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean,
         store_rstd, residual_out_dtype=None):
     M, N = x.shape
@@ -1747,12 +1775,23 @@ class _DefaultFunction(torch.autograd.Function):
         residual_out, mean, rstd, input_bias, weight, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
-        dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default(
-            dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
-            store_dbias=bias is not None and ctx.needs_input_grad[4],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
+                dy, dresidual_out, residual_out, input_bias, weight, bias,
+                ctx.eps,
+                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+                store_dweight=weight is not None and ctx.needs_input_grad[3],
+                store_dbias=bias is not None and ctx.needs_input_grad[4],
+            )
+        else:
+            dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default(
+                dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
+                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+                store_dweight=weight is not None and ctx.needs_input_grad[3],
+                store_dbias=bias is not None and ctx.needs_input_grad[4],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None
 
@@ -1783,12 +1822,23 @@ class _RecomputeMeanFunction(torch.autograd.Function):
         residual_out, rstd, input_bias, weight, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
-        dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_recompute_mean(
-            dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
-            store_dbias=bias is not None and ctx.needs_input_grad[4],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
+                dy, dresidual_out, residual_out, input_bias, weight, bias,
+                ctx.eps,
+                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+                store_dweight=weight is not None and ctx.needs_input_grad[3],
+                store_dbias=bias is not None and ctx.needs_input_grad[4],
+            )
+        else:
+            dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_recompute_mean(
+                dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
+                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+                store_dweight=weight is not None and ctx.needs_input_grad[3],
+                store_dbias=bias is not None and ctx.needs_input_grad[4],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None
 
@@ -1819,6 +1869,8 @@ class _InvertibleFunction(torch.autograd.Function):
         y, rstd, input_bias, weight, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        if torch.is_grad_enabled():
+            raise RuntimeError("add_layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_invertible(
             dy, dresidual_out, y, input_bias, weight, bias, rstd,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
@@ -2017,6 +2069,10 @@ def _add_layernorm_setup_context(ctx, inputs, output):
     x, residual, input_bias, weight, bias, eps, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, mean, rstd, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.eps = eps
     if memory == "default":
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias)
@@ -2028,31 +2084,53 @@ def _add_layernorm_setup_context(ctx, inputs, output):
 
 def _add_layernorm_backward(ctx, grads):
     dy, dresidual_out, = grads[:2]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     dresidual_out = launch.rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         residual_out, mean, rstd, input_bias, weight, bias, = ctx.saved_tensors
-        dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_default(
-            dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
-            input_bias is not None and needs[2],
-            weight is not None and needs[3],
-            bias is not None and needs[4],
-        )
-        dresidual = dx
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
+                dy, dresidual_out, residual_out, input_bias, weight, bias,
+                ctx.eps,
+                store_dinput_bias=input_bias is not None and needs[2],
+                store_dweight=weight is not None and needs[3],
+                store_dbias=bias is not None and needs[4],
+            )
+        else:
+            dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_default(
+                dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
+                input_bias is not None and needs[2],
+                weight is not None and needs[3],
+                bias is not None and needs[4],
+            )
+            dresidual = dx
         gradients = [dx, dresidual, dinput_bias, dweight, dbias, None]
     elif ctx.memory == "recompute_mean":
         residual_out, rstd, input_bias, weight, bias, = ctx.saved_tensors
-        dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_recompute_mean(
-            dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
-            input_bias is not None and needs[2],
-            weight is not None and needs[3],
-            bias is not None and needs[4],
-        )
-        dresidual = dx
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
+                dy, dresidual_out, residual_out, input_bias, weight, bias,
+                ctx.eps,
+                store_dinput_bias=input_bias is not None and needs[2],
+                store_dweight=weight is not None and needs[3],
+                store_dbias=bias is not None and needs[4],
+            )
+        else:
+            dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_recompute_mean(
+                dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
+                input_bias is not None and needs[2],
+                weight is not None and needs[3],
+                bias is not None and needs[4],
+            )
+            dresidual = dx
         gradients = [dx, dresidual, dinput_bias, dweight, dbias, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, bias, = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise RuntimeError("add_layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dinput_bias, dweight, dbias, = torch.ops.vjpforge.add_layernorm_backward_invertible(
             dy, dresidual_out, y, input_bias, weight, bias, rstd,
             input_bias is not None and needs[2],

@@ -712,6 +712,32 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
     return dx, dx, dinput_bias, dweight,
 
 
+def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, input_bias, weight,
+        eps, weight_offset, store_dinput_bias, store_dweight):
+    """The backward autograd records (create_graph=True), derived from saved values that carry
+    its graph; plain torch only (the fused kernels are not differentiable)."""
+    dtype = dy.dtype
+    acc = launch.accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    dresidual_out = dresidual_out.to(acc) if dresidual_out is not None else 0.0
+    residual_out = residual_out.to(acc)
+    input_bias = input_bias.to(acc) if input_bias is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
+    rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
+    x_hat = rstd * residual_out  # x_hat = residual_out*rstd
+    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    common_0 = rstd * dy  # common_0 = dy*rstd
+    common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    return dx, dx, dinput_bias, dweight,
+
+
 def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_residual_out,
         store_rstd, residual_out_dtype=None):
     M, N = x.shape
@@ -1121,12 +1147,23 @@ class _DefaultFunction(torch.autograd.Function):
         residual_out, rstd, input_bias, weight, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
-        dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_default(
-            dy, dresidual_out, residual_out, input_bias, weight, rstd,
-            ctx.weight_offset,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_default_recorded_torch(
+                dy, dresidual_out, residual_out, input_bias, weight,
+                ctx.eps,
+                ctx.weight_offset,
+                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+                store_dweight=weight is not None and ctx.needs_input_grad[3],
+            )
+        else:
+            dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_default(
+                dy, dresidual_out, residual_out, input_bias, weight, rstd,
+                ctx.weight_offset,
+                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+                store_dweight=weight is not None and ctx.needs_input_grad[3],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None
 
@@ -1157,6 +1194,8 @@ class _InvertibleFunction(torch.autograd.Function):
         y, rstd, input_bias, weight, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        if torch.is_grad_enabled():
+            raise RuntimeError("add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_invertible(
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
@@ -1303,6 +1342,10 @@ def _add_rmsnorm_setup_context(ctx, inputs, output):
     x, residual, input_bias, weight, eps, weight_offset, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, rstd, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.eps = eps
     ctx.weight_offset = weight_offset
     if memory == "default":
@@ -1313,21 +1356,33 @@ def _add_rmsnorm_setup_context(ctx, inputs, output):
 
 def _add_rmsnorm_backward(ctx, grads):
     dy, dresidual_out, = grads[:2]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     dresidual_out = launch.rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         residual_out, rstd, input_bias, weight, = ctx.saved_tensors
-        dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_default(
-            dy, dresidual_out, residual_out, input_bias, weight, rstd,
-            ctx.weight_offset,
-            input_bias is not None and needs[2],
-            weight is not None and needs[3],
-        )
-        dresidual = dx
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_default_recorded_torch(
+                dy, dresidual_out, residual_out, input_bias, weight,
+                ctx.eps,
+                ctx.weight_offset,
+                store_dinput_bias=input_bias is not None and needs[2],
+                store_dweight=weight is not None and needs[3],
+            )
+        else:
+            dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_default(
+                dy, dresidual_out, residual_out, input_bias, weight, rstd,
+                ctx.weight_offset,
+                input_bias is not None and needs[2],
+                weight is not None and needs[3],
+            )
+            dresidual = dx
         gradients = [dx, dresidual, dinput_bias, dweight, None, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise RuntimeError("add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_invertible(
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,

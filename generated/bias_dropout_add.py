@@ -445,12 +445,22 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dy):
         bias, seed, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dresidual, dbias, = _bias_dropout_add_bwd_default(
-            dy, bias,
-            ctx.p,
-            seed,
-            store_dbias=bias is not None and ctx.needs_input_grad[2],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
+                dy, bias,
+                ctx.p,
+                seed,
+                store_dbias=bias is not None and ctx.needs_input_grad[2],
+            )
+        else:
+            dx, dresidual, dbias, = _bias_dropout_add_bwd_default(
+                dy, bias,
+                ctx.p,
+                seed,
+                store_dbias=bias is not None and ctx.needs_input_grad[2],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dresidual if needs[1] else None, dbias if needs[2] else None, None, None
 
@@ -532,6 +542,10 @@ def _bias_dropout_add_setup_context(ctx, inputs, output):
     x, residual, bias, p, seed, memory, = inputs
     y, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.p = p
     if memory == "default":
         ctx.save_for_backward(bias, seed)
@@ -539,17 +553,26 @@ def _bias_dropout_add_setup_context(ctx, inputs, output):
 
 def _bias_dropout_add_backward(ctx, grads):
     dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         bias, seed, = ctx.saved_tensors
-        dx, dbias, = torch.ops.vjpforge.bias_dropout_add_backward_default(
-            dy, bias,
-            ctx.p,
-            seed,
-            bias is not None and needs[2],
-        )
-        dresidual = dy
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
+                dy, bias,
+                ctx.p,
+                seed,
+                store_dbias=bias is not None and needs[2],
+            )
+        else:
+            dx, dbias, = torch.ops.vjpforge.bias_dropout_add_backward_default(
+                dy, bias,
+                ctx.p,
+                seed,
+                bias is not None and needs[2],
+            )
+            dresidual = dy
         gradients = [dx, dresidual, dbias, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 

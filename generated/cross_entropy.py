@@ -303,6 +303,27 @@ def _cross_entropy_bwd_default_torch(x, dloss, target, row_max, denominator, ign
     return dx,
 
 
+def _cross_entropy_bwd_default_recorded_torch(x, dloss, target, ignore_index, label_smoothing):
+    """The backward autograd records (create_graph=True), derived from saved values that carry
+    its graph; plain torch only (the fused kernels are not differentiable)."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    dloss = dloss.to(acc)[:, None]
+    target = target[:, None]
+    key = torch.arange(N, device=x.device)[None, :]
+    row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+    e = torch.exp(x - row_max)  # e = exp(-row_max + x)
+    denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
+    common_0 = torch.where((key == target), 1.0, 0.0).to(acc)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
+    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc) / N)).to(acc), (M, N)).to(dtype).contiguous()
+    return dx,
+
+
 def _cross_entropy_fwd(x, target, ignore_index, label_smoothing, store_row_max, store_denominator):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -504,11 +525,20 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dloss):
         x, target, row_max, denominator, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
-        dx, = _cross_entropy_bwd_default(
-            x, dloss, target, row_max, denominator,
-            ctx.ignore_index,
-            ctx.label_smoothing,
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, = _cross_entropy_bwd_default_recorded_torch(
+                x, dloss, target,
+                ctx.ignore_index,
+                ctx.label_smoothing,
+            )
+        else:
+            dx, = _cross_entropy_bwd_default(
+                x, dloss, target, row_max, denominator,
+                ctx.ignore_index,
+                ctx.label_smoothing,
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, None, None, None
 
@@ -595,6 +625,10 @@ def _cross_entropy_setup_context(ctx, inputs, output):
     x, target, ignore_index, label_smoothing, memory, = inputs
     loss, row_max, denominator, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.ignore_index = ignore_index
     ctx.label_smoothing = label_smoothing
     if memory == "default":
@@ -603,15 +637,23 @@ def _cross_entropy_setup_context(ctx, inputs, output):
 
 def _cross_entropy_backward(ctx, grads):
     dloss, = grads[:1]
-    dloss = dloss.reshape(-1).contiguous()
+    dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         x, target, row_max, denominator, = ctx.saved_tensors
-        dx, = torch.ops.vjpforge.cross_entropy_backward_default(
-            x, dloss, target, row_max, denominator,
-            ctx.ignore_index,
-            ctx.label_smoothing,
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, = _cross_entropy_bwd_default_recorded_torch(
+                x, dloss, target,
+                ctx.ignore_index,
+                ctx.label_smoothing,
+            )
+        else:
+            dx, = torch.ops.vjpforge.cross_entropy_backward_default(
+                x, dloss, target, row_max, denominator,
+                ctx.ignore_index,
+                ctx.label_smoothing,
+            )
         gradients = [dx, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 

@@ -390,9 +390,16 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dgate, dup, = _geglu_bwd_default(
-            dy, gate, up,
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dgate, dup, = _geglu_bwd_default_torch(
+                dy, gate, up,
+            )
+        else:
+            dgate, dup, = _geglu_bwd_default(
+                dy, gate, up,
+            )
         needs = ctx.needs_input_grad
         return dgate if needs[0] else None, dup if needs[1] else None
 
@@ -464,19 +471,29 @@ def _geglu_setup_context(ctx, inputs, output):
     gate, up, memory, = inputs
     y, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
     if memory == "default":
         ctx.save_for_backward(gate, up)
 
 
 def _geglu_backward(ctx, grads):
     dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         gate, up, = ctx.saved_tensors
-        dgate, dup, = torch.ops.vjpforge.geglu_backward_default(
-            dy, gate, up,
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dgate, dup, = _geglu_bwd_default_torch(
+                dy, gate, up,
+            )
+        else:
+            dgate, dup, = torch.ops.vjpforge.geglu_backward_default(
+                dy, gate, up,
+            )
         gradients = [dgate, dup]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 

@@ -477,10 +477,18 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dbias, = _gelu_bwd_default(
-            dy, x, bias,
-            store_dbias=bias is not None and ctx.needs_input_grad[1],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dbias, = _gelu_bwd_default_torch(
+                dy, x, bias,
+                store_dbias=bias is not None and ctx.needs_input_grad[1],
+            )
+        else:
+            dx, dbias, = _gelu_bwd_default(
+                dy, x, bias,
+                store_dbias=bias is not None and ctx.needs_input_grad[1],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dbias if needs[1] else None
 
@@ -554,20 +562,31 @@ def _gelu_setup_context(ctx, inputs, output):
     x, bias, memory, = inputs
     y, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     if memory == "default":
         ctx.save_for_backward(x, bias)
 
 
 def _gelu_backward(ctx, grads):
     dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         x, bias, = ctx.saved_tensors
-        dx, dbias, = torch.ops.vjpforge.gelu_backward_default(
-            dy, x, bias,
-            bias is not None and needs[1],
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dbias, = _gelu_bwd_default_torch(
+                dy, x, bias,
+                store_dbias=bias is not None and needs[1],
+            )
+        else:
+            dx, dbias, = torch.ops.vjpforge.gelu_backward_default(
+                dy, x, bias,
+                bias is not None and needs[1],
+            )
         gradients = [dx, dbias]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 

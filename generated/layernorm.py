@@ -905,6 +905,29 @@ def _layernorm_bwd_invertible_torch(dy, y, weight, bias, rstd, store_dweight, st
     return dx, dweight, dbias,
 
 
+def _layernorm_bwd_default_recorded_torch(dy, x, weight, bias, eps, store_dweight, store_dbias):
+    """The backward autograd records (create_graph=True), derived from saved values that carry
+    its graph; plain torch only (the fused kernels are not differentiable)."""
+    dtype = dy.dtype
+    acc = launch.accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    x = x.to(acc)
+    weight = weight.to(acc) if weight is not None else 1.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    mean = (x).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(x)
+    sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
+    var = ((x - mean) * (x - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + x)^2)
+    rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+    x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
+    sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
+    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
+    return dx, dweight, dbias,
+
+
 def _layernorm_fwd(x, weight, bias, eps, store_mean, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -1415,11 +1438,21 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, mean, rstd, weight, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dweight, dbias, = _layernorm_bwd_default(
-            dy, x, weight, bias, mean, rstd,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
-            store_dbias=bias is not None and ctx.needs_input_grad[2],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+                dy, x, weight, bias,
+                ctx.eps,
+                store_dweight=weight is not None and ctx.needs_input_grad[1],
+                store_dbias=bias is not None and ctx.needs_input_grad[2],
+            )
+        else:
+            dx, dweight, dbias, = _layernorm_bwd_default(
+                dy, x, weight, bias, mean, rstd,
+                store_dweight=weight is not None and ctx.needs_input_grad[1],
+                store_dbias=bias is not None and ctx.needs_input_grad[2],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
 
@@ -1447,11 +1480,21 @@ class _RecomputeMeanFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, rstd, weight, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dweight, dbias, = _layernorm_bwd_recompute_mean(
-            dy, x, weight, bias, rstd,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
-            store_dbias=bias is not None and ctx.needs_input_grad[2],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+                dy, x, weight, bias,
+                ctx.eps,
+                store_dweight=weight is not None and ctx.needs_input_grad[1],
+                store_dbias=bias is not None and ctx.needs_input_grad[2],
+            )
+        else:
+            dx, dweight, dbias, = _layernorm_bwd_recompute_mean(
+                dy, x, weight, bias, rstd,
+                store_dweight=weight is not None and ctx.needs_input_grad[1],
+                store_dbias=bias is not None and ctx.needs_input_grad[2],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
 
@@ -1479,6 +1522,8 @@ class _InvertibleFunction(torch.autograd.Function):
     def backward(ctx, dy):
         y, rstd, weight, bias, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        if torch.is_grad_enabled():
+            raise RuntimeError("layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, dbias, = _layernorm_bwd_invertible(
             dy, y, weight, bias, rstd,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
@@ -1644,6 +1689,10 @@ def _layernorm_setup_context(ctx, inputs, output):
     x, weight, bias, eps, memory, = inputs
     y, mean, rstd, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.eps = eps
     if memory == "default":
         ctx.save_for_backward(x, mean, rstd, weight, bias)
@@ -1655,26 +1704,46 @@ def _layernorm_setup_context(ctx, inputs, output):
 
 def _layernorm_backward(ctx, grads):
     dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         x, mean, rstd, weight, bias, = ctx.saved_tensors
-        dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_default(
-            dy, x, weight, bias, mean, rstd,
-            weight is not None and needs[1],
-            bias is not None and needs[2],
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+                dy, x, weight, bias,
+                ctx.eps,
+                store_dweight=weight is not None and needs[1],
+                store_dbias=bias is not None and needs[2],
+            )
+        else:
+            dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_default(
+                dy, x, weight, bias, mean, rstd,
+                weight is not None and needs[1],
+                bias is not None and needs[2],
+            )
         gradients = [dx, dweight, dbias, None]
     elif ctx.memory == "recompute_mean":
         x, rstd, weight, bias, = ctx.saved_tensors
-        dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_recompute_mean(
-            dy, x, weight, bias, rstd,
-            weight is not None and needs[1],
-            bias is not None and needs[2],
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+                dy, x, weight, bias,
+                ctx.eps,
+                store_dweight=weight is not None and needs[1],
+                store_dbias=bias is not None and needs[2],
+            )
+        else:
+            dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_recompute_mean(
+                dy, x, weight, bias, rstd,
+                weight is not None and needs[1],
+                bias is not None and needs[2],
+            )
         gradients = [dx, dweight, dbias, None]
     elif ctx.memory == "invertible":
         y, rstd, weight, bias, = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise RuntimeError("layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_invertible(
             dy, y, weight, bias, rstd,
             weight is not None and needs[1],

@@ -365,6 +365,28 @@ def _masked_softmax_bwd_default_torch(dy, p, scale, window, dropout_p, seed, row
     return dx,
 
 
+def _masked_softmax_bwd_default_recorded_torch(dy, dp, p, scale, window, dropout_p, seed,
+        row_shape):
+    """The backward autograd records (create_graph=True), derived from saved values that carry
+    its graph; plain torch only (the fused kernels are not differentiable)."""
+    dtype = dy.dtype
+    acc = launch.accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    dp = dp.to(acc) if dp is not None else 0.0
+    p = p.to(acc)
+    scale = torch.tensor(scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    window = torch.tensor(window, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    key = torch.arange(N, device=dy.device)[None, :]
+    query = (torch.arange(M, device=dy.device) % row_shape[2])[:, None]
+    u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
+    keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+    sum_p_term_dp_dropout_p_dy_keep = (1.0 / (dropout_p - 1.0) * p * (dropout_p * dp - dp - dy * keep)).sum(dim=-1, keepdim=True)  # sum_p_term_dp_dropout_p_dy_keep = 1 * sum_j(p*(dp*dropout_p - dp - dy*keep)/(dropout_p - 1))
+    dx = torch.broadcast_to(p * (dp + 1.0 / (1.0 - dropout_p) * dy * keep - sum_p_term_dp_dropout_p_dy_keep) * torch.where((key <= query + window), scale, 0.0).to(acc), (M, N)).to(dtype).contiguous()
+    return dx,
+
+
 def _masked_softmax_fwd(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p,
         p_dtype=None):
     M, N = x.shape
@@ -555,7 +577,13 @@ class _DefaultFunction(torch.autograd.Function):
     """Memory mode 'default': saves p. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
+    `apply` drops what the forward returns besides the op's outputs: p. Saved
+    values the op returns carry autograd's graph into the backward it records (create_graph=True).
     """
+
+    @classmethod
+    def apply(cls, *args):
+        return super().apply(*args)[0]
 
     @staticmethod
     def forward(ctx, x, attention_mask, scale, window, dropout_p, seed, row_shape):
@@ -570,20 +598,34 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.window = window
         ctx.dropout_p = dropout_p
         ctx.row_shape = row_shape
-        return y
+        return y, p
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dp):
         p, seed, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, = _masked_softmax_bwd_default(
-            dy, p,
-            ctx.scale,
-            ctx.window,
-            ctx.dropout_p,
-            seed,
-            ctx.row_shape,
-        )
+        if torch.is_grad_enabled() or dp is not None:
+            # autograd records this backward (create_graph=True) or differentiates through
+            # p: the derived backward as differentiable torch ops, reading saved values
+            # that carry autograd's graph
+            dp = launch.rows(ctx.rows, dp) if dp is not None else None
+            dx, = _masked_softmax_bwd_default_recorded_torch(
+                dy, dp, p,
+                ctx.scale,
+                ctx.window,
+                ctx.dropout_p,
+                seed,
+                ctx.row_shape,
+            )
+        else:
+            dx, = _masked_softmax_bwd_default(
+                dy, p,
+                ctx.scale,
+                ctx.window,
+                ctx.dropout_p,
+                seed,
+                ctx.row_shape,
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, None, None, None, None, None, None
 
@@ -674,6 +716,10 @@ def _masked_softmax_setup_context(ctx, inputs, output):
     x, attention_mask, scale, window, dropout_p, seed, row_shape, memory, = inputs
     y, p, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.scale = scale
     ctx.window = window
     ctx.dropout_p = dropout_p
@@ -684,18 +730,31 @@ def _masked_softmax_setup_context(ctx, inputs, output):
 
 def _masked_softmax_backward(ctx, grads):
     dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         p, seed, = ctx.saved_tensors
-        dx, = torch.ops.vjpforge.masked_softmax_backward_default(
-            dy, p,
-            ctx.scale,
-            ctx.window,
-            ctx.dropout_p,
-            seed,
-            ctx.row_shape,
-        )
+        dp = grads[1]
+        if torch.is_grad_enabled() or dp is not None:
+            # the backward autograd can record, as the autograd Function's
+            dp = launch.rows(ctx.rows, dp) if dp is not None else None
+            dx, = _masked_softmax_bwd_default_recorded_torch(
+                dy, dp, p,
+                ctx.scale,
+                ctx.window,
+                ctx.dropout_p,
+                seed,
+                ctx.row_shape,
+            )
+        else:
+            dx, = torch.ops.vjpforge.masked_softmax_backward_default(
+                dy, p,
+                ctx.scale,
+                ctx.window,
+                ctx.dropout_p,
+                seed,
+                ctx.row_shape,
+            )
         gradients = [dx, None, None, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 

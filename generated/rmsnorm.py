@@ -531,6 +531,26 @@ def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dwei
     return dx, dweight,
 
 
+def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, store_dweight):
+    """The backward autograd records (create_graph=True), derived from saved values that carry
+    its graph; plain torch only (the fused kernels are not differentiable)."""
+    dtype = dy.dtype
+    acc = launch.accumulator(dtype)
+    M, N = dy.shape
+    dy = dy.to(acc)
+    x = x.to(acc)
+    weight = weight.to(acc) if weight is not None else 1.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
+    rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
+    x_hat = rstd * x  # x_hat = rstd*x
+    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    return dx, dweight,
+
+
 def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -877,11 +897,21 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, rstd, weight, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dweight, = _rmsnorm_bwd_default(
-            dy, x, weight, rstd,
-            ctx.weight_offset,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
+                dy, x, weight,
+                ctx.eps,
+                ctx.weight_offset,
+                store_dweight=weight is not None and ctx.needs_input_grad[1],
+            )
+        else:
+            dx, dweight, = _rmsnorm_bwd_default(
+                dy, x, weight, rstd,
+                ctx.weight_offset,
+                store_dweight=weight is not None and ctx.needs_input_grad[1],
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None, dweight if needs[1] else None, None, None
 
@@ -909,6 +939,8 @@ class _InvertibleFunction(torch.autograd.Function):
     def backward(ctx, dy):
         y, rstd, weight, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        if torch.is_grad_enabled():
+            raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, = _rmsnorm_bwd_invertible(
             dy, y, weight, rstd,
             ctx.weight_offset,
@@ -1029,6 +1061,10 @@ def _rmsnorm_setup_context(ctx, inputs, output):
     x, weight, eps, weight_offset, memory, = inputs
     y, rstd, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.eps = eps
     ctx.weight_offset = weight_offset
     if memory == "default":
@@ -1039,18 +1075,29 @@ def _rmsnorm_setup_context(ctx, inputs, output):
 
 def _rmsnorm_backward(ctx, grads):
     dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy)
+    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         x, rstd, weight, = ctx.saved_tensors
-        dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_default(
-            dy, x, weight, rstd,
-            ctx.weight_offset,
-            weight is not None and needs[1],
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
+                dy, x, weight,
+                ctx.eps,
+                ctx.weight_offset,
+                store_dweight=weight is not None and needs[1],
+            )
+        else:
+            dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_default(
+                dy, x, weight, rstd,
+                ctx.weight_offset,
+                weight is not None and needs[1],
+            )
         gradients = [dx, dweight, None, None]
     elif ctx.memory == "invertible":
         y, rstd, weight, = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_invertible(
             dy, y, weight, rstd,
             ctx.weight_offset,

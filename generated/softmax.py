@@ -465,9 +465,16 @@ class _DefaultFunction(torch.autograd.Function):
     def backward(ctx, dp):
         p, = ctx.saved_tensors
         dp = launch.rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, = _softmax_bwd_default(
-            dp, p,
-        )
+        if torch.is_grad_enabled():
+            # autograd records this backward (create_graph=True): the derived backward as
+            # differentiable torch ops, reading saved values that carry autograd's graph
+            dx, = _softmax_bwd_default_torch(
+                dp, p,
+            )
+        else:
+            dx, = _softmax_bwd_default(
+                dp, p,
+            )
         needs = ctx.needs_input_grad
         return dx if needs[0] else None
 
@@ -534,19 +541,29 @@ def _softmax_setup_context(ctx, inputs, output):
     x, memory, = inputs
     p, = output
     ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     if memory == "default":
         ctx.save_for_backward(p)
 
 
 def _softmax_backward(ctx, grads):
     dp, = grads[:1]
-    dp = launch.rows(dp.shape, dp)
+    dp = launch.rows(dp.shape, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
         p, = ctx.saved_tensors
-        dx, = torch.ops.vjpforge.softmax_backward_default(
-            dp, p,
-        )
+        if torch.is_grad_enabled():
+            # the backward autograd can record, as the autograd Function's
+            dx, = _softmax_bwd_default_torch(
+                dp, p,
+            )
+        else:
+            dx, = torch.ops.vjpforge.softmax_backward_default(
+                dp, p,
+            )
         gradients = [dx]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 

@@ -196,10 +196,12 @@ def _multiply_words(a, b):
 
 def uniform_torch(seed, M, N, first_row=0):
     """`uniform` in plain torch, bit for bit: the same values on the torch path, for rows
-    first_row .. first_row + M - 1 of a width-N tensor."""
-    seed = int(seed)
+    first_row .. first_row + M - 1 of a width-N tensor. A seed given as a 0-d int64 tensor is
+    read on its device, never copied to the host: a backward that autograd records, or that
+    torch.compile traces, draws the forward's values without a sync."""
+    device = seed.device if isinstance(seed, torch.Tensor) else "cpu"
     quads = -(-N // 4)
-    c0 = torch.arange(first_row * quads, (first_row + M) * quads, dtype=torch.int64, device="cpu")
+    c0 = torch.arange(first_row * quads, (first_row + M) * quads, dtype=torch.int64, device=device)
     c0, c1 = c0 & _WORD, c0 >> 32
     c2 = c3 = torch.zeros_like(c0)
     k0, k1 = seed & _WORD, (seed >> 32) & _WORD
