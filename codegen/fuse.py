@@ -71,12 +71,13 @@ def sweeps(kernel: Kernel) -> tuple[Sweep, ...]:
     while index < len(passes):
         first = passes[index]
         second = passes[index + 1] if index + 1 < len(passes) else None
-        fused = _fusible(first, second) if second is not None else None
-        if fused is None:
+        carried = _fusible(first, second) if second is not None else None
+        if carried is None:
             result.append(Sweep(first.loads, first.assigns, first.reductions, (), first.after,
                                 (index + 1,)))
             index += 1
             continue
+        fused, plain = carried
         partners = {id(f.mean if isinstance(f, Moments) else f.peak) for f in fused}
         dependent = _dependent(second, {r.name for r in first.reductions})
         assigns = first.assigns + tuple(
@@ -85,7 +86,7 @@ def sweeps(kernel: Kernel) -> tuple[Sweep, ...]:
         result.append(Sweep(
             loads=tuple(sorted(set(first.loads) | set(second.loads))),
             assigns=assigns,
-            reductions=tuple(r for r in first.reductions if id(r) not in partners),
+            reductions=tuple(r for r in first.reductions if id(r) not in partners) + plain,
             fused=fused,
             after=first.after + second.after,
             joined=(index + 1, index + 2)))
@@ -112,16 +113,25 @@ def _inline(expr: sympy.Expr, step: Pass, names: set[str]) -> sympy.Expr:
     return expr
 
 
-def _fusible(first: Pass, second: Pass) -> tuple[Moments | OnlineExp, ...] | None:
-    """Each reduction of `second` carried with its partner in `first`, or None when any one
-    can't be (or when `second` uses a row value of `first` another way)."""
+def _fusible(first: Pass, second: Pass
+             ) -> tuple[tuple[Moments | OnlineExp, ...], tuple[RowReduce, ...]] | None:
+    """Each reduction of `second` carried with its partner in `first`, and those that use no
+    value of `first` (a one-hot sum they used is read as one element before the sweep) as plain
+    ones; or None when any one can't be (or when `second` uses a row value of `first` another
+    way)."""
     earlier = {r.name: r for r in first.reductions}
     after = {a.name for a in first.after}
     fused: list[Moments | OnlineExp] = []
+    plain: list[RowReduce] = []
     for r in second.reductions:
         body = _inline(r.body, second, set(earlier))
         names = {s.name for s in body.free_symbols}
-        if names & after or len(names & set(earlier)) != 1:
+        if names & after:
+            return None
+        if not names & set(earlier):
+            plain.append(r)
+            continue
+        if len(names & set(earlier)) != 1:
             return None
         partner = earlier[(names & set(earlier)).pop()]
         symbol = next(s for s in body.free_symbols if s.name == partner.name)
@@ -131,7 +141,7 @@ def _fusible(first: Pass, second: Pass) -> tuple[Moments | OnlineExp, ...] | Non
         fused.append(pair)
     if len({id(f.mean if isinstance(f, Moments) else f.peak) for f in fused}) != len(fused):
         return None  # one partner, two fused reductions: not a shape carried here
-    return tuple(fused) or None
+    return (tuple(fused), tuple(plain)) if fused else None
 
 
 def _moments(mean: RowReduce, second: RowReduce, body: sympy.Expr,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import sympy
+from sympy.codegen.cfunctions import log1p
 
 from derive.algebra import GuardedReciprocal
 
@@ -45,7 +46,8 @@ TRITON = Dialect(
     name="triton",
     functions={sympy.exp: "helpers.exp", sympy.log: "tl.log", sympy.erf: "tl.math.erf",
                sympy.tanh: "helpers.tanh", sympy.Abs: "tl.abs", sympy.sin: "tl.sin",
-               sympy.cos: "tl.cos", GuardedReciprocal: "helpers.guarded_reciprocal"},
+               sympy.cos: "tl.cos", GuardedReciprocal: "helpers.guarded_reciprocal",
+               log1p: "helpers.log1p"},
     sqrt="helpers.sqrt",
     where="tl.where",
     maximum="tl.maximum",
@@ -60,7 +62,8 @@ TORCH = Dialect(
     name="torch",
     functions={sympy.exp: "torch.exp", sympy.log: "torch.log", sympy.erf: "torch.erf",
                sympy.tanh: "torch.tanh", sympy.Abs: "torch.abs", sympy.sin: "torch.sin",
-               sympy.cos: "torch.cos", GuardedReciprocal: "helpers.guarded_reciprocal_torch"},
+               sympy.cos: "torch.cos", GuardedReciprocal: "helpers.guarded_reciprocal_torch",
+               log1p: "torch.log1p"},
     sqrt="torch.sqrt",
     where="torch.where",
     maximum="torch.maximum",
@@ -71,6 +74,23 @@ TORCH = Dialect(
 
 # Binding strength, for parentheses: atoms bind tightest.
 _ADD, _MUL, _UNARY, _ATOM = 1, 2, 3, 4
+
+_TRANSCENDENTAL = (sympy.exp, sympy.log, log1p, sympy.tanh, sympy.erf, sympy.sin, sympy.cos)
+
+
+def _summation_rank(term: sympy.Expr) -> int:
+    """Where a term goes in a printed sum, which Python adds left to right: numbers, then values
+    with no transcendental function, then one such function alone, then products holding one.
+    The terms that cancel come first, while their difference is still exact: a number and a
+    saturating function (1 + t where tanh rounds to -1, 1 + erf(z)), values of the inputs'
+    scale (row_max - x[target] of logits near 1e4); the smaller terms (log Σ exp, z·exp(-z²/2))
+    are added to that difference, not to either of its large parts."""
+    if term.is_number:
+        return 0
+    _, rest = term.as_coeff_Mul()
+    if not rest.has(*_TRANSCENDENTAL):
+        return 1
+    return 2 if isinstance(rest, _TRANSCENDENTAL) else 3
 
 
 class KernelPrinter:
@@ -135,7 +155,9 @@ class KernelPrinter:
         return text, (_UNARY if text.startswith("-") else _ATOM)
 
     def _add(self, expr: sympy.Add) -> tuple[str, int]:
-        terms = sorted(expr.args, key=lambda t: (t.could_extract_minus_sign(),
+        # Python adds left to right: the terms that cancel go first, while each is still exact.
+        terms = sorted(expr.args, key=lambda t: (_summation_rank(t),
+                                                 t.could_extract_minus_sign(),
                                                  not self._varies_expr(t),
                                                  sympy.default_sort_key(t)))
         pieces = []

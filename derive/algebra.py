@@ -44,6 +44,9 @@ class GuardedReciprocal(sympy.Function):
             return -1 / magnitude if value < 0 else 1 / magnitude
         return None
 
+    def _eval_is_zero(self) -> bool:
+        return False  # 1 / w, |w| clamped below: dividing by it is safe
+
     def fdiff(self, argindex: int = 1) -> sympy.Expr:
         """d/dw (1/w) = -1/w², the guard's flat region aside (where it binds, the value it
         guards is defined by the spec, not by a limit)."""
@@ -115,6 +118,28 @@ class Algebra:
         rest = sympy.expand(lhs - coefficient * lead)
         self.rules[lead] = sympy.expand((value - rest) / coefficient)
         return lead
+
+
+def expand_sums(expr: sympy.Expr) -> sympy.Expr:
+    """expr as a sum of terms with every Σ_j in a term of its own: a product is distributed over
+    a sum only where that sum holds a Σ_j. Every other sum stays as written, because expanding
+    it is what loses precision: dy·z·(1 − t²) expanded rounds dy·z and dy·z·t² apart and
+    subtracts them (0 where t rounds to 1), where the factored form subtracts first, exactly."""
+    if not expr.has(RowSum) or isinstance(expr, RowSum):
+        return expr
+    if isinstance(expr, sympy.Add):
+        return sympy.Add(*(expand_sums(arg) for arg in expr.args))
+    if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 1:
+        factors = [expr.base] * int(expr.exp)
+    elif isinstance(expr, sympy.Mul):
+        factors = list(expr.args)
+    else:
+        return expr  # a function of a sum, a negative power, a selection: one factor
+    terms = [sympy.Integer(1)]
+    for factor in factors:
+        parts = sympy.Add.make_args(expand_sums(factor))
+        terms = [term * part for term in terms for part in parts]
+    return sympy.Add(*terms)
 
 
 def sorted_symbols(symbols: Iterable[sympy.Basic]) -> list[sympy.Symbol]:

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import sympy
 
-from derive.algebra import Algebra, GuardedReciprocal, RowSum, sorted_symbols, substitute
+from derive.algebra import (
+    Algebra,
+    GuardedReciprocal,
+    RowSum,
+    expand_sums,
+    sorted_symbols,
+    substitute,
+)
 from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult, upstream_symbol
@@ -88,10 +95,20 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
         if _has_functions(node.expr, algebra):  # only rational inverses are worth a pivot
             continue
         solutions = solve_for(node.symbol, node.expr, varying[0])
-        if len(solutions) == 1 and not _has_functions(solutions[0], algebra):
+        if len(solutions) == 1 and not _has_functions(solutions[0], algebra) \
+                and not _divides_by_possible_zero(solutions[0]):
             pivots = [(u, substitute(g, {varying[0]: solutions[0]})) for u, g in pivots]
             pivots.append((varying[0], solutions[0]))
     return pivots
+
+
+def _divides_by_possible_zero(expr: sympy.Expr) -> bool:
+    """Whether expr divides by a value not known to be nonzero (a learnable scale that may be 0:
+    t = y / alpha). A pivot is a rewrite, not a necessity: without it the backward keeps the
+    value it has, where the division would give NaN at alpha = 0 (rstd, declared positive,
+    divides safely)."""
+    return any(isinstance(e, sympy.Pow) and e.exp.is_negative and e.base.is_zero is not False
+               for e in sympy.preorder_traversal(expr))
 
 
 def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], saved: list[str]
@@ -189,7 +206,7 @@ def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:
     into one, constants moving inside (Σ dy·w·x̂ + c·Σ dy·x̂ = Σ dy·x̂·(w + c))."""
     groups: dict[sympy.Expr, list[sympy.Expr]] = {}
     rest = sympy.Integer(0)
-    for term in sympy.Add.make_args(sympy.expand(expr)):
+    for term in sympy.Add.make_args(expand_sums(expr)):
         factors = sympy.Mul.make_args(term)
         sums = [f for f in factors if isinstance(f, RowSum)]
         if len(sums) != 1:
@@ -254,9 +271,50 @@ def reduction_name(body: sympy.Expr, taken: set[str]) -> str:
 def tidy(expr: sympy.Expr) -> sympy.Expr:
     """The cheapest of a few equivalent forms (by operation count): expanded with common
     factors pulled out suits sums of reductions; elementwise chains are cheaper left nested."""
-    expanded = sympy.factor_terms(sympy.expand(expr))
+    expanded = sympy.factor_terms(expand_sums(expr))
     candidates = [expanded, sympy.factor_terms(expr), expr]
-    return hoist_zero_branches(min(candidates, key=sympy.count_ops))
+    chosen = min(candidates, key=sympy.count_ops)
+    return hoist_zero_branches(into_selections(denominators_into_sums(chosen)))
+
+
+def denominators_into_sums(expr: sympy.Expr) -> sympy.Expr:
+    """(c·u + q) / q written back as c/q·u + 1, as the spec had it: pulling common factors out
+    clears a sum's denominators, which scales its terms by q (200000 in GELU's
+    1 + 0.134145·z², whose 26829·z² then overflows at |z| = 1.1e17, not with z² at 1.8e19)."""
+    def cleared(e: sympy.Expr) -> bool:
+        if not isinstance(e, sympy.Mul):
+            return False
+        coefficient = e.as_coeff_Mul()[0]
+        return coefficient.is_Rational and coefficient.q > 1 and any(
+            isinstance(f, sympy.Add) and coefficient.q in f.args for f in e.args)
+
+    def restore(e: sympy.Mul) -> sympy.Expr:
+        coefficient, rest = e.as_coeff_Mul()
+        total = next(f for f in sympy.Mul.make_args(rest)
+                     if isinstance(f, sympy.Add) and coefficient.q in f.args)
+        others = sympy.Mul(*(f for f in sympy.Mul.make_args(rest) if f is not total))
+        scaled = sympy.Add(*(term / coefficient.q for term in total.args))
+        return coefficient.p * others * scaled
+
+    return expr.replace(cleared, restore)
+
+
+def into_selections(expr: sympy.Expr) -> sympy.Expr:
+    """Each product holding a selection with a 0 branch, the product's other factors moved into
+    the selection's branches: Piecewise((a·b, c), (0, True)), exactly 0 where c fails, never
+    a·Piecewise((b, c), (0, True)), which is inf·0 = NaN there when a is not finite (1/‖x‖ of
+    a zero row, where a clamp max(‖x‖, eps) takes its floor)."""
+    def selection(e: sympy.Expr) -> sympy.Piecewise | None:
+        return next((f for f in e.args if isinstance(f, sympy.Piecewise)
+                     and any(value == 0 for value, _ in f.args)), None)
+
+    def fold(e: sympy.Mul) -> sympy.Expr:
+        piece = selection(e)
+        rest = sympy.Mul(*(f for f in e.args if f is not piece))
+        return sympy.Piecewise(*((into_selections(rest * value) if value != 0 else value, cond)
+                                 for value, cond in piece.args))
+
+    return expr.replace(lambda e: isinstance(e, sympy.Mul) and selection(e) is not None, fold)
 
 
 def hoist_zero_branches(expr: sympy.Expr) -> sympy.Expr:
@@ -325,7 +383,9 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
 
 
 def guard_parameter_division(spec: OpSpec, expr: sympy.Expr) -> sympy.Expr:
-    params = {n.symbol for n in spec.nodes if n.kind is Kind.COLUMN_PARAM}
+    """Every division by a learnable value (a per-column weight, a learnable scalar) guarded:
+    either may be 0, where the plain inversion gives NaN."""
+    params = {n.symbol for n in spec.nodes if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)}
 
     def is_division(e: sympy.Expr) -> bool:
         return (isinstance(e, sympy.Pow) and bool(e.base.free_symbols & params)

@@ -6,13 +6,18 @@ inline, so the derived backward depends on the op, not on its spelling:
 1. an expression the spec already named is replaced by its name wherever it reappears;
 2. non-smooth functions (Max, Min, Abs, Heaviside, sign) become `Piecewise`, whose derivative is
    again a `Piecewise` the printers know; overflow-prone forms get their safe equivalents
-   (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)), log(1 + exp(u)) -> max(u, 0) + log(1 + exp(-|u|)));
-3. every function of an elementwise value used more than once, or inside a reduction body, is
+   (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)), also where exp(u) is a named value;
+   log(1 + exp(u)) -> max(u, 0) + log1p(exp(-|u|)));
+3. every sigmoid 1 / (1 + c·exp(u)) inside a definition is named, so its derivative is written
+   in its own value (σ(1 − σ), derive/reverse.py), never through exp(u), which overflows first;
+4. every function of an elementwise value used more than once, or inside a reduction body, is
    named once (CSE): a backward reuses it instead of recomputing it, and the reduction
    recognition rules see the same atom wherever the forward used it;
-4. the normalised part of an elementwise definition, a rational function of ONE element input
+5. the normalised part of an elementwise definition, a rational function of ONE element input
    and row scalars ((x - mean) * rstd inside (x - mean) * rstd * weight + bias), is named, so the
-   backward pivots on it and comes out centred (the textbook form) rather than expanded in x.
+   backward pivots on it and comes out centred (the textbook form) rather than expanded in x;
+6. the terms of a sum that are of the inputs' own magnitude (max(x) − x[target] inside
+   log Σ exp(x − max(x)) + max(x) − x[target]) are named, so they are added first, exactly.
 
 Extracted values are named after their function and arguments. Cross-element and cross-row
 dependencies are refused here, at the line that wrote them.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 import sympy
+from sympy.codegen.cfunctions import log1p
 
 from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
 
@@ -39,18 +45,28 @@ def canonical(spec: OpSpec) -> OpSpec:
     """A new OpSpec equal in value to `spec`, in canonical form (see the module doc)."""
     levels = {node.symbol: node.level for node in spec.nodes}
     kept: dict[sympy.Expr, sympy.Symbol] = {}  # a value already named, by its expression
+    exponentials: dict[sympy.Symbol, sympy.Expr] = {}  # values named that are an exp(u)
     nodes: list[Node] = []
     for node in spec.nodes:
         if node.is_definition:
-            expr = rewrite_functions(node.expr).xreplace(kept)
+            expr = rewrite_functions(node.expr)
+            # e = exp(x) named, then e / (e + 1): the safe form seen through the name
+            inlined = expr.xreplace(exponentials)
+            if _safe_forms(inlined) != inlined:
+                expr = _safe_forms(inlined)
+            expr = expr.xreplace(kept)
             _refuse_cross_element(spec, node, expr)
             node = dataclasses.replace(node, expr=expr)
             if node.kind is not Kind.REDUCE and not expr.is_Atom:
                 kept.setdefault(expr, node.symbol)
+            if node.kind is Kind.ELEMENT and isinstance(expr, sympy.exp):
+                exponentials[node.symbol] = expr
         nodes.append(node)
     taken = {node.name for node in spec.nodes} | set(RESERVED)
+    nodes = _extract(nodes, levels, taken, _sigmoids)
     nodes = _extract(nodes, levels, taken, _shared_functions)
     nodes = _extract(nodes, levels, taken, _normalised_parts)
+    nodes = _extract(nodes, levels, taken, _input_scale_parts)
     return dataclasses.replace(spec, nodes=nodes, outputs=list(spec.outputs),
                                modes={k: list(v) for k, v in spec.modes.items()},
                                mode_docs=dict(spec.mode_docs))
@@ -88,7 +104,7 @@ def _heaviside_piecewise(e: sympy.Expr) -> sympy.Expr:
 
 def _safe_forms(expr: sympy.Expr) -> sympy.Expr:
     """exp(u) / (exp(u) + c) -> 1 / (1 + c·exp(-u)), finite where exp(u) overflows (inf / inf);
-    log(1 + exp(u)) -> u·[u > 0] + log(1 + exp(-|u|)), finite where exp(u) overflows."""
+    log(1 + exp(u)) -> u·[u > 0] + log1p(exp(-|u|)), finite where exp(u) overflows."""
     def sigmoid_like(e: sympy.Expr) -> bool:
         if not isinstance(e, sympy.Mul):
             return False
@@ -106,7 +122,8 @@ def _safe_forms(expr: sympy.Expr) -> sympy.Expr:
     def softplus(e: sympy.Expr) -> sympy.Expr:
         u = _softplus_argument(e.args[0])
         magnitude = sympy.Piecewise((-u, u < 0), (u, True))
-        return sympy.Piecewise((u, u > 0), (0, True)) + sympy.log(1 + sympy.exp(-magnitude))
+        # log1p: log(1 + exp(-|u|)) would round exp(-|u|) < 2^-24 away (softplus(-30) = 0)
+        return sympy.Piecewise((u, u > 0), (0, True)) + log1p(sympy.exp(-magnitude))
 
     return expr.replace(softplus_like, softplus)
 
@@ -159,6 +176,28 @@ def _varying(expr: sympy.Expr, levels: dict[sympy.Symbol, Level]) -> set[sympy.S
             if s != N and levels.get(s) in (Level.ELEMENT, Level.COLUMN)}
 
 
+def _sigmoids(nodes: list[Node], levels: dict[sympy.Symbol, Level]) -> list[sympy.Expr]:
+    """Every 1 / (1 + c·exp(u)) of an elementwise u that is not a whole definition: named, its
+    derivative is written in its own value, σ' = σ(1 − σ) (derive/reverse.py), never through
+    exp(u), which overflows where σ is still finite (x·σ(x) at x = −89)."""
+    found = []
+    for node in nodes:
+        if not node.is_definition:
+            continue
+        for sub in sympy.preorder_traversal(node.expr):
+            if sub != node.expr and _is_sigmoid(sub) and _varying(sub, levels):
+                found.append(sub)
+    return found
+
+
+def _is_sigmoid(e: sympy.Expr) -> bool:
+    if not (isinstance(e, sympy.Pow) and e.exp == -1 and isinstance(e.base, sympy.Add)):
+        return False
+    exps = [t for t in e.base.args if isinstance(t.as_coeff_Mul()[1], sympy.exp)]
+    rest = e.base - sum(exps)
+    return len(exps) == 1 and rest == 1 and exps[0].as_coeff_Mul()[0] > 0
+
+
 def _shared_functions(nodes: list[Node], levels: dict[sympy.Symbol, Level]) -> list[sympy.Expr]:
     """Functions of elementwise values used twice or more, or inside a reduction body."""
     counts: dict[sympy.Expr, int] = {}
@@ -205,6 +244,49 @@ def _normalised_parts(nodes: list[Node], levels: dict[sympy.Symbol, Level]) -> l
     return found
 
 
+def _input_scale_parts(nodes: list[Node], levels: dict[sympy.Symbol, Level]
+                       ) -> list[sympy.Expr]:
+    """The terms of a sum that are values of the inputs' own magnitude (an input, a row max or
+    mean of one, one element of it selected by a one-hot sum), where the sum holds a function
+    term (a log, an exp) too: named, they are added first, while their difference is exact.
+    log Σ exp(x − max) + max − x[target] + s, evaluated as (max − x[target]) + s + log Σ …,
+    keeps the digits that adding s or the log to a logit of 1e4 first would round away."""
+    scaled = _input_scale_symbols(nodes)
+    found: list[sympy.Expr] = []
+    for node in nodes:
+        if not node.is_definition:
+            continue
+        for sub in sympy.preorder_traversal(node.expr):
+            if not isinstance(sub, sympy.Add):
+                continue
+            parts = [t for t in sub.args if _scaled_term(t, scaled)]
+            if len(parts) >= 2 and any(t.has(*_SMOOTH) for t in sub.args):
+                found.append(sympy.Add(*parts))
+    return found
+
+
+def _input_scale_symbols(nodes: list[Node]) -> set[sympy.Symbol]:
+    """Values of the inputs' magnitude: inputs, and row maxes, row means and one-hot picks
+    (Σ_j Piecewise((v, condition), (0, True))) of such values, and names of such values."""
+    scaled: set[sympy.Symbol] = set()
+    for node in nodes:
+        body = node.expr
+        if node.kind is Kind.INPUT:
+            scaled.add(node.symbol)
+        elif node.kind is Kind.REDUCE and node.reduction == "sum":
+            if isinstance(body, sympy.Piecewise) and len(body.args) == 2 \
+                    and body.args[1] == (0, True) and _scaled_term(body.args[0][0], scaled):
+                scaled.add(node.symbol)
+        elif node.is_definition and _scaled_term(body, scaled):
+            scaled.add(node.symbol)
+    return scaled
+
+
+def _scaled_term(term: sympy.Expr, scaled: set[sympy.Symbol]) -> bool:
+    coefficient, rest = term.as_coeff_Mul()
+    return coefficient.is_Number and rest in scaled
+
+
 def _pure(expr: sympy.Expr, levels: dict[sympy.Symbol, Level]) -> bool:
     varying = _varying(expr, levels)
     return len(varying) == 1 and levels[next(iter(varying))] is Level.ELEMENT and not any(
@@ -225,9 +307,11 @@ def _extract(nodes: list[Node], levels: dict[sympy.Symbol, Level], taken: set[st
         name = _fresh_name(expr, taken)
         symbol = sympy.Symbol(name, positive=True) if expr.is_positive else \
             sympy.Symbol(name, real=True)
-        node = Node(name, symbol, Kind.ELEMENT, Level.ELEMENT, expr, where=_first_use(nodes, expr))
+        kind, level = (Kind.ELEMENT, Level.ELEMENT) if _varying(expr, levels) else \
+            (Kind.ROW, Level.ROW)
+        node = Node(name, symbol, kind, level, expr, where=_first_use(nodes, expr))
         taken.add(name)
-        levels[node.symbol] = Level.ELEMENT
+        levels[node.symbol] = level
         replaced: list[Node] = []
         for other in nodes:
             if other.is_definition:
@@ -269,7 +353,7 @@ def _replace(expr: sympy.Expr, part: sympy.Expr, symbol: sympy.Symbol) -> sympy.
 
 def _fresh_name(expr: sympy.Expr, taken: set[str]) -> str:
     head = type(expr).__name__.lower() if isinstance(expr, sympy.Function) else (
-        "pow" if isinstance(expr, sympy.Pow) else "part")
+        "sigmoid" if _is_sigmoid(expr) else "pow" if isinstance(expr, sympy.Pow) else "part")
     symbols = sorted(s.name for s in expr.free_symbols if s != N)
     base = "_".join([head] + symbols[:2])
     name, index = base, 2

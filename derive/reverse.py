@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import sympy
+from sympy.codegen.cfunctions import log1p
 
 from derive.algebra import Algebra, RowSum, sorted_symbols, unguarded
 from derive.spec import Kind, Level, N, Node, OpSpec
@@ -93,7 +94,8 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
             if node.kind is not Kind.REDUCE:
                 # Written in the node's own name where it reappears: d exp(u) = exp(u) du = e du.
                 # Never for a reduction: its symbol is the sum of its body, not the body.
-                derivative = derivative.subs(node.expr, node.symbol)
+                derivative = in_own_value(node, derivative.subs(node.expr, node.symbol),
+                                          algebra)
             if derivative == 0:
                 continue
             varies = algebra.levels[argument] in (Level.ELEMENT, Level.COLUMN)
@@ -112,15 +114,65 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
     return ReverseResult(dict(adjoint), upstream, tuple(steps), tuple(stabilisers))
 
 
+def in_own_value(node: Node, derivative: sympy.Expr, algebra: Algebra) -> sympy.Expr:
+    """The derivative of v = R(exp(u)), R rational, written in v: exp(u) = R⁻¹(v) where that
+    inverse is unique and rational, so σ' = exp(−u)·σ² becomes σ(1 − σ), finite wherever σ is,
+    where exp(−u) overflows first (inf · 0 at u = −89 in fp32)."""
+    exps = sorted((e for e in node.expr.atoms(sympy.exp) if algebra.varies(e)),
+                  key=sympy.default_sort_key)
+    if len(exps) != 1 or not derivative.has(exps[0]):
+        return derivative
+    unknown = sympy.Dummy("E", positive=True)
+    rational = node.expr.xreplace({exps[0]: unknown})
+    if any(algebra.varies(s) for s in rational.free_symbols - {unknown}) \
+            or rational.has(sympy.Function):
+        return derivative
+    try:
+        solutions = sympy.solve(sympy.Eq(node.symbol, rational), unknown)
+    except NotImplementedError:
+        return derivative
+    if len(solutions) != 1:
+        return derivative
+    return sympy.factor(sympy.cancel(derivative.xreplace({exps[0]: solutions[0]})))
+
+
 def _vanishes(expr: sympy.Expr, spec: OpSpec, algebra: Algebra) -> bool:
     """Prove expr == 0, inlining elementwise definitions one at a time, latest first, so the
     recognition rules still see the names the forward reductions were written in."""
     definitions = [n for n in spec.nodes if n.kind is Kind.ELEMENT]
     expr = algebra.normalize(unguarded(expr))
     for node in reversed(definitions):
-        if sympy.simplify(expr) == 0:
+        if _is_zero(expr):
             return True
         if node.symbol in expr.free_symbols or any(
                 node.symbol in atom.free_symbols for atom in expr.atoms(RowSum)):
             expr = algebra.normalize(unguarded(expr.xreplace({node.symbol: node.expr})))
-    return sympy.simplify(expr) == 0
+    return _is_zero(expr)
+
+
+def _is_zero(expr: sympy.Expr) -> bool:
+    """expr == 0, by simplification, or else case by case: one selection's condition true, then
+    false, each case simplified on its own (smoothing · [smoothing ≠ 0] − smoothing is 0 in
+    both cases, and in neither form alone)."""
+    expr = expr.replace(lambda e: isinstance(e, log1p), lambda e: sympy.log(1 + e.args[0]))
+    if sympy.simplify(expr) == 0:
+        return True
+    cases = _cases(expr)
+    return len(cases) > 1 and all(sympy.simplify(case) == 0 for case in cases)
+
+
+def _cases(expr: sympy.Expr, depth: int = 4) -> list[sympy.Expr]:
+    """expr split on the conditions of its selections (`depth` of them at most), each case with
+    its condition decided; an equality that holds substitutes its symbol (smoothing = 0)."""
+    conditions = sorted({condition for piece in expr.atoms(sympy.Piecewise)
+                         for _, condition in piece.args if condition not in (sympy.true,
+                                                                             sympy.false)},
+                        key=sympy.default_sort_key)
+    if not conditions or depth == 0:
+        return [expr]
+    condition = conditions[0]
+    holds = expr.xreplace({condition: sympy.true})
+    if isinstance(condition, sympy.Eq) and isinstance(condition.lhs, sympy.Symbol):
+        holds = holds.subs(condition.lhs, condition.rhs)
+    fails = expr.xreplace({condition: sympy.false})
+    return _cases(holds, depth - 1) + _cases(fails, depth - 1)

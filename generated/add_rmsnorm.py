@@ -183,11 +183,10 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dresidual_out, dy, residual_out, weight
       x_hat = residual_out*rstd
-      common_0 = dy*rstd
-      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     output dresidual is dx (same values, stored once)
-    store dx = common_1
-    store dinput_bias = common_1 (Σ over rows)
+    store dx = common_0
+    store dinput_bias = common_0 (Σ over rows)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -224,11 +223,10 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = rstd * dy  # common_0 = dy*rstd
-        common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
-            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
+            dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DINPUT_BIAS:
@@ -255,11 +253,10 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dresidual_out, dy, residual_out, weight
       x_hat = residual_out*rstd
-      common_0 = dy*rstd
-      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     output dresidual is dx (same values, stored once)
-    store dx = common_1
-    store dinput_bias = common_1 (Σ over rows)
+    store dx = common_0
+    store dinput_bias = common_0 (Σ over rows)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -299,15 +296,14 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            common_0 = rstd * dy  # common_0 = dy*rstd
-            common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+            common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dinput_bias_partial += tl.sum(tl.where(mask, common_1, 0.0), axis=0)[None, :]  # dinput_bias = common_1
+                dinput_bias_partial += tl.sum(tl.where(mask, common_0, 0.0), axis=0)[None, :]  # dinput_bias = common_0
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -337,11 +333,10 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dresidual_out, dy, residual_out, weight
       x_hat = residual_out*rstd
-      common_0 = dy*rstd
-      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     output dresidual is dx (same values, stored once)
-    store dx = common_1
-    store dinput_bias = common_1 (Σ over rows)
+    store dx = common_0
+    store dinput_bias = common_0 (Σ over rows)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -392,11 +387,10 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = rstd * dy  # common_0 = dy*rstd
-        common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
+        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
-            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
+            dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DINPUT_BIAS:
@@ -421,9 +415,9 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
       x_hat = y*GuardedReciprocal(weight + weight_offset)
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dresidual_out, dy, weight, y
-      x_hat = y*GuardedReciprocal(weight + weight_offset)
-      common_0 = dy*rstd
-      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = weight + weight_offset
+      x_hat = y*GuardedReciprocal(common_0)
+      common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
@@ -463,8 +457,8 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = rstd * dy  # common_0 = dy*rstd
-        common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -493,9 +487,9 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
       x_hat = y*GuardedReciprocal(weight + weight_offset)
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dresidual_out, dy, weight, y
-      x_hat = y*GuardedReciprocal(weight + weight_offset)
-      common_0 = dy*rstd
-      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = weight + weight_offset
+      x_hat = y*GuardedReciprocal(common_0)
+      common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
@@ -537,9 +531,9 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
                 dresidual_out = 0.0
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            common_0 = rstd * dy  # common_0 = dy*rstd
-            common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
+            common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -574,9 +568,9 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
       x_hat = y*GuardedReciprocal(weight + weight_offset)
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dresidual_out, dy, weight, y
-      x_hat = y*GuardedReciprocal(weight + weight_offset)
-      common_0 = dy*rstd
-      common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = weight + weight_offset
+      x_hat = y*GuardedReciprocal(common_0)
+      common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
@@ -630,8 +624,8 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = rstd * dy  # common_0 = dy*rstd
-        common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -681,10 +675,9 @@ def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, 
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = rstd * dy  # common_0 = dy*rstd
-    common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 
@@ -704,8 +697,8 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
     rstd = rstd.to(acc)[:, None]
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = rstd * dy  # common_0 = dy*rstd
-    common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -730,10 +723,9 @@ def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, inp
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = rstd * dy  # common_0 = dy*rstd
-    common_1 = dresidual_out + common_0 * weight + weight_offset * common_0 - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*weight + common_0*weight_offset + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 

@@ -2,8 +2,8 @@
 # triton_kernels.py.j2, torch_path.py.j2, launcher.py.j2, api_row_loss.py.j2}, SymPy 1.14.0.
 # Do NOT modify by hand: edit the spec or the templates and run `derive`.
 """Cross-entropy of logits over a large vocabulary, one loss per row:
-loss = logsumexp(x) - (1 - smoothing) * x[target] - smoothing * mean(x), and 0 where
-target == ignore_index.
+loss = logsumexp(x) - x[target] + smoothing * mean(x[target] - x), and 0 where
+target == ignore_index (torch's (1 - smoothing) * nll + smoothing * mean(-log_softmax(x))).
 
 The row max is a stabiliser of logsumexp (the engine proves the loss does not depend on it);
 the softmax is never stored: the backward recomputes exp(x - row_max) / denominator from the
@@ -37,12 +37,13 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
     pass 1: load key, x
       row_max = 1 * max_j(x)
       target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
-      logit_mean = 1/N * sum_j(x)
-      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+      part_row_max_target_logit = row_max - target_logit
     pass 2: load x
       e = exp(-row_max + x)
       denominator = 1 * sum_j(e)
-      loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(1 - label_smoothing) + log(denominator), True))
+      target_gap = 1/N * sum_j(target_logit - x)
+      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (part_row_max_target_logit + smoothed + log(denominator), True))
     epilogue: load -
     store loss = loss
     store row_max = row_max (if STORE_ROW_MAX)
@@ -73,11 +74,12 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
         key = cols
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-        logit_mean = tl.sum(x, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
-        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+        part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
         e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
+        target_gap = tl.sum(tl.where(mask, target_logit - x, 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(target_logit - x)
+        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+        loss = tl.where((ignore_index == target), 0.0, part_row_max_target_logit + smoothed + tl.log(denominator))  # loss = Piecewise((0, Eq(ignore_index, target)), (part_row_max_target_logit + smoothed + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
@@ -99,12 +101,13 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
     pass 1: load key, x
       row_max = 1 * max_j(x)
       target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
-      logit_mean = 1/N * sum_j(x)
-      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+      part_row_max_target_logit = row_max - target_logit
     pass 2: load x
       e = exp(-row_max + x)
       denominator = 1 * sum_j(e)
-      loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(1 - label_smoothing) + log(denominator), True))
+      target_gap = 1/N * sum_j(target_logit - x)
+      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (part_row_max_target_logit + smoothed + log(denominator), True))
     epilogue: load -
     store loss = loss
     store row_max = row_max (if STORE_ROW_MAX)
@@ -123,7 +126,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
         target_logit_x = tl.load(x_ptr + offsets * x_row_stride + target, mask=target_logit_mask, other=0.0).to(ACC)
         target_logit = tl.where(target_logit_mask, target_logit_x, 0.0)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
         if ONE_SWEEP:
-            logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -132,20 +135,20 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
                 mask = row_mask & col_mask
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-                logit_mean_acc += x
+                target_gap_acc += tl.where(mask, target_logit - x, 0.0)
                 row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
                 denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, helpers.exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
                 row_max_acc = row_max_next
-            logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
+            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(target_logit - x)
             row_max = row_max_acc  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
-            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
-            loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
+            part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
+            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+            loss = tl.where((ignore_index == target), 0.0, part_row_max_target_logit + smoothed + tl.log(denominator))  # loss = Piecewise((0, Eq(ignore_index, target)), (part_row_max_target_logit + smoothed + log(denominator), True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
-            logit_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
@@ -153,12 +156,11 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
-                logit_mean_acc += x
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
             row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
-            logit_mean = tl.sum(logit_mean_acc, axis=1)[:, None] / N  # logit_mean = 1/N * sum_j(x)
-            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+            part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
@@ -166,8 +168,11 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
                 e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
                 denominator_acc += tl.where(mask, e, 0.0)
+                target_gap_acc += tl.where(mask, target_logit - x, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-            loss = tl.where((ignore_index == target), 0.0, row_max + tl.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing))  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
+            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(target_logit - x)
+            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+            loss = tl.where((ignore_index == target), 0.0, part_row_max_target_logit + smoothed + tl.log(denominator))  # loss = Piecewise((0, Eq(ignore_index, target)), (part_row_max_target_logit + smoothed + log(denominator), True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
@@ -187,8 +192,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, dloss_ptr, target_ptr, r
     key = column index
     epilogue: load key, x
       e = exp(-row_max + x)
-      common_0 = Piecewise((1, Eq(key, target)), (0, True))
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(common_0*label_smoothing - common_0 + e/denominator - Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))/N), True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing/N, True)) + Piecewise((Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True)) - 1, Eq(key, target)), (0, True)) + e/denominator), True))
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -215,8 +219,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, dloss_ptr, target_ptr, r
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
-        common_0 = tl.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (1.0 / denominator * e + tl.where((key == target), -1.0 + tl.where((label_smoothing == 0.0), 0.0, label_smoothing), 0.0) + tl.where((label_smoothing == 0.0), 0.0, -label_smoothing / N)))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -232,8 +235,7 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, dloss_ptr, target_ptr, r
     key = column index
     epilogue: load key, x
       e = exp(-row_max + x)
-      common_0 = Piecewise((1, Eq(key, target)), (0, True))
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(common_0*label_smoothing - common_0 + e/denominator - Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))/N), True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing/N, True)) + Piecewise((Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True)) - 1, Eq(key, target)), (0, True)) + e/denominator), True))
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -254,8 +256,7 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, dloss_ptr, target_ptr, r
             key = cols
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
-            common_0 = tl.where((key == target), 1.0, 0.0)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - tl.where((label_smoothing == 0.0), 0.0, label_smoothing) / N))).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (1.0 / denominator * e + tl.where((key == target), -1.0 + tl.where((label_smoothing == 0.0), 0.0, label_smoothing), 0.0) + tl.where((label_smoothing == 0.0), 0.0, -label_smoothing / N)))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _cross_entropy_fwd_torch(x, target, ignore_index, label_smoothing, store_row_max,
@@ -272,11 +273,12 @@ def _cross_entropy_fwd_torch(x, target, ignore_index, label_smoothing, store_row
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
     target_logit = (torch.where((key == target), x, 0.0).to(acc)).sum(dim=-1, keepdim=True)  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
-    logit_mean = (x).sum(dim=-1, keepdim=True) / N  # logit_mean = 1/N * sum_j(x)
-    smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * logit_mean).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*logit_mean, True))
+    part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    loss = torch.where((ignore_index == target), 0.0, row_max + torch.log(denominator) - smoothed - target_logit * (1.0 - label_smoothing)).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (row_max - smoothed - target_logit*(-label_smoothing + 1) + log(denominator), True))
+    target_gap = (target_logit - x).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(target_logit - x)
+    smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+    loss = torch.where((ignore_index == target), 0.0, part_row_max_target_logit + smoothed + torch.log(denominator)).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (part_row_max_target_logit + smoothed + log(denominator), True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M)
     row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M) if store_row_max else None
     denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M) if store_denominator else None
@@ -298,8 +300,7 @@ def _cross_entropy_bwd_default_torch(x, dloss, target, row_max, denominator, ign
     denominator = denominator.to(acc)[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
-    common_0 = torch.where((key == target), 1.0, 0.0).to(acc)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc) / N)).to(acc), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (1.0 / denominator * e + torch.where((key == target), -1.0 + torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc), 0.0).to(acc) + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N).to(acc))).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -319,8 +320,7 @@ def _cross_entropy_bwd_default_recorded_torch(x, dloss, target, ignore_index, la
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    common_0 = torch.where((key == target), 1.0, 0.0).to(acc)  # common_0 = Piecewise((1, Eq(key, target)), (0, True))
-    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (label_smoothing * common_0 + 1.0 / denominator * e - common_0 - torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc) / N)).to(acc), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (1.0 / denominator * e + torch.where((key == target), -1.0 + torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc), 0.0).to(acc) + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N).to(acc))).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 

@@ -50,7 +50,7 @@ def _geglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_ro
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
         common_0 = 0.5 * gate  # common_0 = gate/2
-        activation = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
+        activation = common_0 * (1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0))  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
         y = activation * up  # y = activation*up
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -82,7 +82,7 @@ def _geglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_ro
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_0 = 0.5 * gate  # common_0 = gate/2
-            activation = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
+            activation = common_0 * (1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0))  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
             y = activation * up  # y = activation*up
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -125,7 +125,7 @@ def _geglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
         common_1 = 0.5 * gate  # common_1 = gate/2
-        common_2 = tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1) + 1.0  # common_2 = erf(sqrt(2)*common_1) + 1
+        common_2 = 1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1)  # common_2 = erf(sqrt(2)*common_1) + 1
         activation = common_1 * common_2  # activation = common_1*common_2
         tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * helpers.exp(-0.5 * gate * gate))).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
@@ -161,7 +161,7 @@ def _geglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_1 = 0.5 * gate  # common_1 = gate/2
-            common_2 = tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1) + 1.0  # common_2 = erf(sqrt(2)*common_1) + 1
+            common_2 = 1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1)  # common_2 = erf(sqrt(2)*common_1) + 1
             activation = common_1 * common_2  # activation = common_1*common_2
             tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * helpers.exp(-0.5 * gate * gate))).to(dgate_ptr.dtype.element_ty), mask=mask)
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
@@ -175,7 +175,7 @@ def _geglu_fwd_torch(gate, up):
     gate = gate.to(acc)
     up = up.to(acc)
     common_0 = 0.5 * gate  # common_0 = gate/2
-    activation = common_0 * (torch.erf(1.4142135623730951 * common_0) + 1.0)  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
+    activation = common_0 * (1.0 + torch.erf(1.4142135623730951 * common_0))  # activation = common_0*(erf(sqrt(2)*common_0) + 1)
     y = activation * up  # y = activation*up
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
@@ -190,7 +190,7 @@ def _geglu_bwd_default_torch(dy, gate, up):
     gate = gate.to(acc)
     up = up.to(acc)
     common_1 = 0.5 * gate  # common_1 = gate/2
-    common_2 = torch.erf(1.4142135623730951 * common_1) + 1.0  # common_2 = erf(sqrt(2)*common_1) + 1
+    common_2 = 1.0 + torch.erf(1.4142135623730951 * common_1)  # common_2 = erf(sqrt(2)*common_1) + 1
     activation = common_1 * common_2  # activation = common_1*common_2
     dgate = torch.broadcast_to(0.5 * dy * up * (common_2 + 0.7978845608028654 * gate * torch.exp(-0.5 * gate * gate)), (M, N)).to(dtype).contiguous()
     dup = torch.broadcast_to(activation * dy, (M, N)).to(dtype).contiguous()

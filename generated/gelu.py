@@ -56,7 +56,7 @@ def _gelu_fwd_per(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N, HAS_
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
         common_0 = 0.5 * z  # common_0 = z/2
-        y = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # y = common_0*(erf(sqrt(2)*common_0) + 1)
+        y = common_0 * (1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0))  # y = common_0*(erf(sqrt(2)*common_0) + 1)
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -91,7 +91,7 @@ def _gelu_fwd_red(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N, HAS_
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             common_0 = 0.5 * z  # common_0 = z/2
-            y = common_0 * (tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0) + 1.0)  # y = common_0*(erf(sqrt(2)*common_0) + 1)
+            y = common_0 * (1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_0))  # y = common_0*(erf(sqrt(2)*common_0) + 1)
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -137,7 +137,7 @@ def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_1  # dbias = common_1
@@ -180,7 +180,7 @@ def _gelu_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-            common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+            common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -240,7 +240,7 @@ def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr
         x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * ((tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z) + tl.math.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_1  # dbias = common_1
@@ -257,7 +257,7 @@ def _gelu_fwd_torch(x, bias):
     bias = bias.to(acc) if bias is not None else 0.0
     z = bias + x  # z = bias + x
     common_0 = 0.5 * z  # common_0 = z/2
-    y = common_0 * (torch.erf(1.4142135623730951 * common_0) + 1.0)  # y = common_0*(erf(sqrt(2)*common_0) + 1)
+    y = common_0 * (1.0 + torch.erf(1.4142135623730951 * common_0))  # y = common_0*(erf(sqrt(2)*common_0) + 1)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
 
@@ -272,7 +272,7 @@ def _gelu_bwd_default_torch(dy, x, bias, store_dbias):
     bias = bias.to(acc) if bias is not None else 0.0
     z = bias + x  # z = bias + x
     common_0 = 1.4142135623730951 * z  # common_0 = sqrt(2)*z
-    common_1 = 0.5 * dy * (0.5641895835477563 * common_0 * torch.exp(-0.5 * z * z) + torch.erf(0.5 * common_0) + 1.0)  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+    common_1 = 0.5 * dy * (1.0 + torch.erf(0.5 * common_0) + 0.5641895835477563 * common_0 * torch.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dbias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dbias,

@@ -226,10 +226,10 @@ def _masked_softmax_bwd_default_per(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
     u = random
     pass 1: load dy, p, u
       keep = Piecewise((1, dropout_p <= u), (0, True))
-      sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(1 - dropout_p))
+      sum_dy_keep_p = 1 * sum_j(dy*keep*p)
     epilogue: load dy, key, p, u
       keep = Piecewise((1, dropout_p <= u), (0, True))
-    store dx = p*(dy*keep/(1 - dropout_p) - sum_dy_keep_p_term)*Piecewise((scale, key <= query + window), (0, True))
+    store dx = Piecewise((p*scale*(dy*keep - sum_dy_keep_p)/(1 - dropout_p), key <= query + window), (0, True))
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -259,8 +259,8 @@ def _masked_softmax_bwd_default_per(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
         key = cols
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-        sum_dy_keep_p_term = tl.sum(1.0 / (1.0 - dropout_p) * dy * keep * p, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
+        sum_dy_keep_p = tl.sum(dy * keep * p, axis=1)[:, None]  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((key <= query + window), scale / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -278,10 +278,10 @@ def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
     u = random
     pass 1: load dy, p, u
       keep = Piecewise((1, dropout_p <= u), (0, True))
-      sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(1 - dropout_p))
+      sum_dy_keep_p = 1 * sum_j(dy*keep*p)
     epilogue: load dy, key, p, u
       keep = Piecewise((1, dropout_p <= u), (0, True))
-    store dx = p*(dy*keep/(1 - dropout_p) - sum_dy_keep_p_term)*Piecewise((scale, key <= query + window), (0, True))
+    store dx = Piecewise((p*scale*(dy*keep - sum_dy_keep_p)/(1 - dropout_p), key <= query + window), (0, True))
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -294,7 +294,7 @@ def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         query = offsets % D2
-        sum_dy_keep_p_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_keep_p_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = chunk * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -304,8 +304,8 @@ def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-            sum_dy_keep_p_term_acc += 1.0 / (1.0 - dropout_p) * dy * keep * p
-        sum_dy_keep_p_term = tl.sum(sum_dy_keep_p_term_acc, axis=1)[:, None]  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
+            sum_dy_keep_p_acc += dy * keep * p
+        sum_dy_keep_p = tl.sum(sum_dy_keep_p_acc, axis=1)[:, None]  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -316,7 +316,7 @@ def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * tl.where((key <= query + window), scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((key <= query + window), scale / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed, row_shape,
@@ -360,8 +360,8 @@ def _masked_softmax_bwd_default_torch(dy, p, scale, window, dropout_p, seed, row
     query = (torch.arange(M, device=dy.device) % row_shape[2])[:, None]
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-    sum_dy_keep_p_term = (1.0 / (1.0 - dropout_p) * dy * keep * p).sum(dim=-1, keepdim=True)  # sum_dy_keep_p_term = 1 * sum_j(dy*keep*p/(-dropout_p + 1))
-    dx = torch.broadcast_to(p * (1.0 / (1.0 - dropout_p) * dy * keep - sum_dy_keep_p_term) * torch.where((key <= query + window), scale, 0.0).to(acc), (M, N)).to(dtype).contiguous()
+    sum_dy_keep_p = (dy * keep * p).sum(dim=-1, keepdim=True)  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
+    dx = torch.broadcast_to(torch.where((key <= query + window), scale / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -382,8 +382,9 @@ def _masked_softmax_bwd_default_recorded_torch(dy, dp, p, scale, window, dropout
     query = (torch.arange(M, device=dy.device) % row_shape[2])[:, None]
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-    sum_p_term_dp_dropout_p_dy_keep = (1.0 / (dropout_p - 1.0) * p * (dropout_p * dp - dp - dy * keep)).sum(dim=-1, keepdim=True)  # sum_p_term_dp_dropout_p_dy_keep = 1 * sum_j(p*(dp*dropout_p - dp - dy*keep)/(dropout_p - 1))
-    dx = torch.broadcast_to(p * (dp + 1.0 / (1.0 - dropout_p) * dy * keep - sum_p_term_dp_dropout_p_dy_keep) * torch.where((key <= query + window), scale, 0.0).to(acc), (M, N)).to(dtype).contiguous()
+    sum_dp_p = (dp * p).sum(dim=-1, keepdim=True)  # sum_dp_p = 1 * sum_j(dp*p)
+    sum_dy_keep_p = (dy * keep * p).sum(dim=-1, keepdim=True)  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
+    dx = torch.broadcast_to(torch.where((key <= query + window), scale * p * (dp + 1.0 / (1.0 - dropout_p) * dy * keep - sum_dp_p - sum_dy_keep_p / (1.0 - dropout_p)), 0.0).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 

@@ -137,7 +137,7 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dy, weight, x
       x_hat = rstd*x
-    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -168,7 +168,7 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * x  # x_hat = rstd*x
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -190,7 +190,7 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dy, weight, x
       x_hat = rstd*x
-    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -226,7 +226,7 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -252,7 +252,7 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dy, weight, x
       x_hat = rstd*x
-    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -294,7 +294,7 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -314,8 +314,9 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
       x_hat = y*GuardedReciprocal(weight + weight_offset)
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dy, weight, y
-      x_hat = y*GuardedReciprocal(weight + weight_offset)
-    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+      common_0 = weight + weight_offset
+      x_hat = y*GuardedReciprocal(common_0)
+    store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -346,7 +347,8 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -367,8 +369,9 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
       x_hat = y*GuardedReciprocal(weight + weight_offset)
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dy, weight, y
-      x_hat = y*GuardedReciprocal(weight + weight_offset)
-    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+      common_0 = weight + weight_offset
+      x_hat = y*GuardedReciprocal(common_0)
+    store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -403,8 +406,9 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
                 weight = 1.0
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -429,8 +433,9 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
       x_hat = y*GuardedReciprocal(weight + weight_offset)
       sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     epilogue: load dy, weight, y
-      x_hat = y*GuardedReciprocal(weight + weight_offset)
-    store dx = rstd*(dy*weight + dy*weight_offset - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+      common_0 = weight + weight_offset
+      x_hat = y*GuardedReciprocal(common_0)
+    store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -472,7 +477,8 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -509,7 +515,7 @@ def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
@@ -526,7 +532,8 @@ def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dwei
     rstd = rstd.to(acc)[:, None]
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    dx = torch.broadcast_to(rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
@@ -546,7 +553,7 @@ def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, store
     rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * weight + weight_offset * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 

@@ -53,7 +53,7 @@ def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
         e = helpers.exp(-gate)  # e = exp(-gate)
-        s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
+        s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
         y = gate * s * up  # y = gate*s*up
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -85,7 +85,7 @@ def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = helpers.exp(-gate)  # e = exp(-gate)
-            s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
+            s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
             y = gate * s * up  # y = gate*s*up
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -101,9 +101,9 @@ def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
     epilogue: load dy, gate, up
       e = exp(-gate)
       s = 1/(e + 1)
-      common_0 = gate*s
-    store dgate = dy*s*up*(-common_0 + gate + 1)
-    store dup = common_0*dy
+      common_0 = dy*s
+    store dgate = common_0*up*(gate*(1 - s) + 1)
+    store dup = common_0*gate
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -128,10 +128,10 @@ def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
         e = helpers.exp(-gate)  # e = exp(-gate)
-        s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
-        common_0 = gate * s  # common_0 = gate*s
-        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (dy * s * up * (gate + 1.0 - common_0)).to(dgate_ptr.dtype.element_ty), mask=mask)
-        tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * dy).to(dup_ptr.dtype.element_ty), mask=mask)
+        s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+        common_0 = dy * s  # common_0 = dy*s
+        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (common_0 * up * (1.0 + gate * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
+        tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -146,9 +146,9 @@ def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
     epilogue: load dy, gate, up
       e = exp(-gate)
       s = 1/(e + 1)
-      common_0 = gate*s
-    store dgate = dy*s*up*(-common_0 + gate + 1)
-    store dup = common_0*dy
+      common_0 = dy*s
+    store dgate = common_0*up*(gate*(1 - s) + 1)
+    store dup = common_0*gate
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -164,10 +164,10 @@ def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             e = helpers.exp(-gate)  # e = exp(-gate)
-            s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
-            common_0 = gate * s  # common_0 = gate*s
-            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (dy * s * up * (gate + 1.0 - common_0)).to(dgate_ptr.dtype.element_ty), mask=mask)
-            tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * dy).to(dup_ptr.dtype.element_ty), mask=mask)
+            s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+            common_0 = dy * s  # common_0 = dy*s
+            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (common_0 * up * (1.0 + gate * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
+            tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 def _swiglu_fwd_torch(gate, up):
@@ -178,7 +178,7 @@ def _swiglu_fwd_torch(gate, up):
     gate = gate.to(acc)
     up = up.to(acc)
     e = torch.exp(-gate)  # e = exp(-gate)
-    s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
+    s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
     y = gate * s * up  # y = gate*s*up
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
@@ -193,10 +193,10 @@ def _swiglu_bwd_default_torch(dy, gate, up):
     gate = gate.to(acc)
     up = up.to(acc)
     e = torch.exp(-gate)  # e = exp(-gate)
-    s = 1.0 / (e + 1.0)  # s = 1/(e + 1)
-    common_0 = gate * s  # common_0 = gate*s
-    dgate = torch.broadcast_to(dy * s * up * (gate + 1.0 - common_0), (M, N)).to(dtype).contiguous()
-    dup = torch.broadcast_to(common_0 * dy, (M, N)).to(dtype).contiguous()
+    s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+    common_0 = dy * s  # common_0 = dy*s
+    dgate = torch.broadcast_to(common_0 * up * (1.0 + gate * (1.0 - s)), (M, N)).to(dtype).contiguous()
+    dup = torch.broadcast_to(common_0 * gate, (M, N)).to(dtype).contiguous()
     return dgate, dup,
 
 

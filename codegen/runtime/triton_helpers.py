@@ -128,8 +128,27 @@ def exp(v):
 
 @triton.jit
 def tanh(v):
-    """tanh(v) = 2 / (1 + exp(-2v)) - 1: saturates to ±1 for large |v|, never NaN."""
-    return 2.0 / (1.0 + exp(-2.0 * v)) - 1.0
+    """tanh(v) = sign(v) · (1 - e) / (1 + e), e = exp(-2|v|) <= 1: saturates to ±1 for large |v|,
+    never NaN, and within a few ulps everywhere. For |v| > 0.55 (e < 1/3) as 1 - 2e / (1 + e),
+    one rounding off the exact quotient, so 1 + tanh(v) keeps its digits far left (gelu's tail);
+    below, 1 - e is -expm1(-2|v|), by Kahan's (e - 1) · w / log(e), whose quotient cancels e's
+    rounding, so small |v| keep theirs (tanh(1e-3) to a few ulps, where 2 / (1 + exp(-2v)) - 1
+    keeps four digits, and tanh(1e-13) is not 0)."""
+    w = -2.0 * tl.abs(v)
+    e = exp(w)
+    expm1 = tl.where(e == 1.0, w, (e - 1.0) * (w / tl.log(e)))
+    magnitude = tl.where(e > 1.0 / 3.0, -expm1 / (2.0 + expm1), 1.0 - 2.0 * e / (1.0 + e))
+    return tl.where(v < 0.0, -magnitude, magnitude)
+
+
+@triton.jit
+def log1p(v):
+    """log(1 + v), accurate where 1 + v rounds v's digits away: log(u) · v / (u - 1) with u the
+    rounded 1 + v, whose rounding error the quotient cancels (Goldberg, 1991); v itself where u
+    rounds to 1, inf at v = inf."""
+    u = 1.0 + v
+    exact = tl.log(u) * (v / (u - 1.0))
+    return tl.where(u == 1.0, v, tl.where(u == float("inf"), u, exact))
 
 
 @triton.jit
