@@ -1,13 +1,20 @@
-"""Where a generated op's forward+backward starts to cost less wall time than torch's own op:
-back-to-back calls over a grid of sizes, bf16, inputs requiring grad, both in the same run.
+"""Where a generated op's forward+backward starts to cost less than torch's expression of it,
+and which of the two wins under torch.compile: the measurements `codegen/runtime/dispatch.py`
+decides by.
 
     python -m benchmarks.crossover [--cols 768,2048,4096] [--rows 128,512,2048,8192,32768]
-    python -m benchmarks.crossover --cpu-smoke      # tiny sizes on the CPU: tests the harness
+    python -m benchmarks.crossover --write      # also store the choices in the schedule table
+    python -m benchmarks.crossover --compile    # also time both under torch.compile
+    python -m benchmarks.crossover --cpu-smoke  # tiny sizes on the CPU: tests the harness
 
-Below the crossover a call is bound by host time (the Python autograd.Function, the argument
-checks, the allocations and the Triton launch against torch's C++ dispatch); above it, by the
-kernels' memory traffic, where the generated kernels are faster. Prints one markdown row per
-(op, size): ours µs, torch µs, ratio.
+Each op is timed where a transformer block calls it: after a linear layer of its width (rows x
+cols input, a cols x cols weight), forward and backward of both, bf16, back-to-back steps with a
+sync at both ends, the generated kernels and torch's expression (the spec's `reference`, the
+same one the dispatch runs) in the same run. The linear layer's GPU time hides host time, as
+the rest of a model's step does; an op alone back to back would be bound by host time up to
+tens of millions of elements. `eager_below` of an op is the smallest size from which its kernels
+measured faster at every larger size (at least 2% faster, across all column widths); `compiled`
+is the faster of the two compiled, at the largest size measured.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+
+#: an op's kernels must be at least this much faster to be chosen (ours / torch below it)
+MARGIN = 0.98
 
 
 def wall_micros(fn, calls: int, repeats: int, sync) -> float:
@@ -36,36 +45,106 @@ def wall_micros(fn, calls: int, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def cases(M: int, N: int, device: str, dtype: torch.dtype) -> dict:
-    """(ours, torch's) forward+backward of each op on (M, N) rows."""
-    from generated import gelu, layernorm, rmsnorm, softmax, swiglu
+def ops() -> dict:
+    """op name -> (generated module, call(h, other, weight, bias) -> output)."""
+    from generated import (
+        add_layernorm,
+        add_rmsnorm,
+        bias_dropout_add,
+        geglu,
+        gelu,
+        gelu_tanh,
+        layernorm,
+        rmsnorm,
+        softmax,
+        swiglu,
+    )
 
-    def leaf(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    def width(h):
+        return (h.shape[-1],)
 
-    x, u, w, b = leaf(M, N), leaf(M, N), leaf(N), leaf(N)
-    g = torch.randn(M, N, device=device, dtype=dtype)
     return {
-        "layer_norm": (lambda: layernorm.layer_norm(x, (N,), w, b).backward(g),
-                       lambda: F.layer_norm(x, (N,), w, b).backward(g)),
-        "rms_norm": (lambda: rmsnorm.rms_norm(x, (N,), w, 1e-6).backward(g),
-                     lambda: F.rms_norm(x, (N,), w, 1e-6).backward(g)),
-        "gelu": (lambda: gelu.gelu(x).backward(g), lambda: F.gelu(x).backward(g)),
-        "gelu(x + bias)": (lambda: gelu.gelu(x, bias=b).backward(g),
-                           lambda: F.gelu(x + b).backward(g)),
-        "swiglu": (lambda: swiglu.swiglu(x, u).backward(g),
-                   lambda: (F.silu(x) * u).backward(g)),
-        "softmax": (lambda: softmax.softmax(x, -1).backward(g),
-                    lambda: torch.softmax(x, -1).backward(g)),
+        "layernorm": (layernorm, lambda h, o, w, b: layernorm.layer_norm(h, width(h), w, b)),
+        "rmsnorm": (rmsnorm, lambda h, o, w, b: rmsnorm.rms_norm(h, width(h), w, 1e-6)),
+        "add_layernorm": (add_layernorm,
+                          lambda h, o, w, b: add_layernorm.add_layer_norm(h, o, width(h), w, b)),
+        "add_rmsnorm": (add_rmsnorm,
+                        lambda h, o, w, b: add_rmsnorm.add_rms_norm(h, o, width(h), w, 1e-6)),
+        "softmax": (softmax, lambda h, o, w, b: softmax.softmax(h, -1)),
+        "gelu": (gelu, lambda h, o, w, b: gelu.gelu(h, bias=b)),
+        "gelu_tanh": (gelu_tanh, lambda h, o, w, b: gelu_tanh.gelu_tanh(h, bias=b)),
+        "swiglu": (swiglu, lambda h, o, w, b: swiglu.swiglu(h, o)),
+        "geglu": (geglu, lambda h, o, w, b: geglu.geglu(h, o)),
+        "bias_dropout_add": (bias_dropout_add, lambda h, o, w, b: bias_dropout_add
+                             .bias_dropout_add(h, o, bias=b, training=False)),
     }
+
+
+def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled: bool):
+    """One forward+backward of `linear -> op` on (M, N) rows, as a function of the dispatch
+    mode ("kernels" or "torch")."""
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_()
+
+    x, other = leaf(M, N), leaf(M, N)
+    linear, w, b = leaf(N, N, scale=N ** -0.5), leaf(N), leaf(N)
+    g = torch.randn(M, N, device=device, dtype=dtype)
+
+    def block(x, other, linear, w, b):
+        return call(x @ linear, other, w, b)
+
+    fn = torch.compile(block) if compiled else block
+
+    def run(mode):
+        def once():
+            with (module.DISPATCH.override(compiled=mode) if compiled
+                  else module.DISPATCH.override(mode)):
+                fn(x, other, linear, w, b).backward(g)
+        return once
+    return run
+
+
+def choose(rows: list[dict]) -> dict[str, dict]:
+    """The table's "dispatch" entries from measured rows: per op, `eager_below` (elements) and,
+    where measured, `compiled`."""
+    table = {}
+    for op in sorted({row["op"] for row in rows}):
+        own = sorted((r for r in rows if r["op"] == op and "ours_us" in r),
+                     key=lambda r: r["rows"] * r["cols"])
+        eager_below = 0
+        for row in own:
+            if row["ours_us"] >= MARGIN * row["torch_us"]:
+                eager_below = row["rows"] * row["cols"] + 1
+        entry = {"eager_below": eager_below}
+        compiled = [r for r in rows if r["op"] == op and "compiled_ours_us" in r]
+        if compiled:
+            largest = max(compiled, key=lambda r: r["rows"] * r["cols"])
+            faster = largest["compiled_ours_us"] < MARGIN * largest["compiled_torch_us"]
+            entry["compiled"] = "kernels" if faster else "torch"
+        table[op] = entry
+    return table
+
+
+def write_table(choices: dict[str, dict]) -> None:
+    from codegen.schedule import load_measured, write_measured
+
+    table = load_measured()
+    table.setdefault("dispatch", {}).update(choices)
+    table["dispatch"] = dict(sorted(table["dispatch"].items()))
+    write_measured(table)
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cols", default="768,2048,4096")
     parser.add_argument("--rows", default="128,512,2048,8192,32768")
-    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--ops", help="comma-separated op names (default: every op)")
+    parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time both under torch.compile, at the largest rows")
+    parser.add_argument("--write", action="store_true",
+                        help="store the choices in codegen/schedule_table.json")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -77,18 +156,41 @@ def main(argv=None) -> list[dict]:
         cols = tuple(int(c) for c in args.cols.split(","))
         rows = tuple(int(r) for r in args.rows.split(","))
         calls, repeats = args.calls, args.repeats
+    chosen = ops()
+    if args.ops:
+        chosen = {name: chosen[name] for name in args.ops.split(",")}
     results = []
     print("| op | rows x cols | ours µs | torch µs | ours / torch |")
     print("|---|---|---|---|---|")
     for N in cols:
         for M in rows:
-            for name, (ours, reference) in cases(M, N, device, dtype).items():
-                mine = wall_micros(ours, calls, repeats, sync)
-                theirs = wall_micros(reference, calls, repeats, sync)
+            for name, (module, call) in chosen.items():
+                run = step(module, call, M, N, device, dtype, compiled=False)
+                mine = wall_micros(run("kernels"), calls, repeats, sync)
+                theirs = wall_micros(run("torch"), calls, repeats, sync)
                 results.append({"op": name, "rows": M, "cols": N, "ours_us": mine,
-                                 "torch_us": theirs})
+                                "torch_us": theirs})
                 print(f"| {name} | {M}x{N} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} |",
                       flush=True)
+    if args.compile:
+        print("\n| op (compiled) | rows x cols | ours µs | torch µs | ours / torch |")
+        print("|---|---|---|---|---|")
+        M = rows[-1]
+        for N in cols:
+            for name, (module, call) in chosen.items():
+                torch._dynamo.reset()
+                run = step(module, call, M, N, device, dtype, compiled=True)
+                mine = wall_micros(run("kernels"), calls, repeats, sync)
+                torch._dynamo.reset()
+                theirs = wall_micros(run("torch"), calls, repeats, sync)
+                results.append({"op": name, "rows": M, "cols": N, "compiled_ours_us": mine,
+                                "compiled_torch_us": theirs})
+                print(f"| {name} | {M}x{N} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} |",
+                      flush=True)
+    choices = choose(results)
+    print("\n" + json.dumps(choices, indent=1))
+    if args.write:
+        write_table(choices)
     if args.out:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=1)

@@ -26,7 +26,10 @@ A step is `model(input_ids=..., labels=...).loss.backward()` from gradients set 
 optimizer). Variants:
 
 - eager: the model as transformers builds it;
-- patched: after `generated.patch.patch_model(model)`;
+- patched: after `generated.patch.patch_model(model)`, each op choosing between its kernels
+  and torch's expression of it by its measured size (codegen/runtime/dispatch.py);
+- patched-kernels, patched-kernels-compiled: the same with the kernels at every size
+  (`VJPFORGE_DISPATCH=kernels`), eager and under `torch.compile(model)`;
 - liger: after Liger-Kernel's `apply_liger_kernel_to_<model type>(model=model)` with its
   defaults (Llama: RoPE, RMSNorm, SwiGLU MLP and the fused linear cross-entropy); "n/a" where
   Liger has no such function (GPT-2, BERT), "unavailable" where Liger does not import;
@@ -69,9 +72,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("gpt2", "bert", "llama")
 SIZE_NAMES = ("small", "large")
 VARIANTS = ("eager", "patched", "liger", "compiled", "patched-compiled", "reduce-overhead",
-            "patched-reduce-overhead")
+            "patched-reduce-overhead", "patched-kernels", "patched-kernels-compiled")
 DEFAULT_VARIANTS = ("eager", "patched", "liger")
 COMPILED = {"compiled": "default", "patched-compiled": "default",
+            "patched-kernels-compiled": "default",
             "reduce-overhead": "reduce-overhead", "patched-reduce-overhead": "reduce-overhead"}
 WARMUP = 3
 """Untimed steps before the timed ones (the first is a compiled variant's compile)."""
@@ -317,6 +321,10 @@ def run_child(spec: dict, timeout_s: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     if spec["cpu_smoke"]:
         env.pop("TRITON_INTERPRET", None)
+    # "-kernels" variants: the generated kernels at every size (codegen/runtime/dispatch.py)
+    env.pop("VJPFORGE_DISPATCH", None)
+    if "-kernels" in spec["variant"]:
+        env["VJPFORGE_DISPATCH"] = "kernels"
     began = time.perf_counter()
     command = [sys.executable, "-m", "benchmarks.models", "--child", json.dumps(spec)]
     try:

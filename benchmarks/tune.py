@@ -46,7 +46,6 @@ import argparse
 import importlib
 import json
 import math
-import re
 import time
 from pathlib import Path
 
@@ -660,7 +659,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
     op, kind and width, the fastest measured configuration and, under "<kind>_looped", the
     fastest looped one. Widths the runs did not measure keep the table's entries, and its
     record of how they were measured."""
-    from codegen.schedule import MEASURED_TABLE, load_measured
+    from codegen.schedule import MEASURED_TABLE, load_measured, write_measured
 
     report = _merged(measurements)
     previous = load_measured(MEASURED_TABLE)
@@ -722,12 +721,10 @@ def write_table(measurements: list[Path], command: str) -> Path:
                      for kind, widths in sorted(kinds.items())}
                 for op, kinds in sorted(ops.items())},
         "borrow": BORROW,
+        # written by benchmarks.crossover
+        "dispatch": previous.get("dispatch", {}),
     }
-    text = json.dumps(table, indent=1)
-    text = re.sub(r"\[\s+([^\[\]]*?)\s+\]",
-                  lambda match: "[" + " ".join(match.group(1).split()) + "]", text)
-    MEASURED_TABLE.write_text(text + "\n")
-    return MEASURED_TABLE
+    return write_measured(table)
 
 
 def main() -> None:

@@ -680,6 +680,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "fwd_torch": KernelContext(forward, TORCH),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),
+        "dispatch_table": schedule.dispatch(module.op),
         "split_exchange": any(m["bwd"].split_span for m in modes),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",

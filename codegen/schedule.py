@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def load_measured(path: Path = MEASURED_TABLE) -> dict:
     trailing values optional), "borrow" (op -> the op whose entries it uses where it has none),
     "constants" (op -> the rules' constants it sets)."""
     return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
+
+
+def write_measured(table: dict, path: Path = MEASURED_TABLE) -> Path:
+    """Write the measured table as JSON, each innermost list on one line."""
+    text = json.dumps(table, indent=1)
+    text = re.sub(r"\[\s+([^\[\]]*?)\s+\]",
+                  lambda match: "[" + " ".join(match.group(1).split()) + "]", text)
+    path.write_text(text + "\n")
+    return path
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,18 @@ class ScheduleTable:
         if unknown:
             raise ValueError(f"{MEASURED_TABLE.name}: constants of {op!r}: unknown {unknown}; "
                              f"expected fields of codegen.runtime.schedules.Constants")
+        return dict(sorted(own.items()))
+
+
+    def dispatch(self, op: str) -> dict[str, object]:
+        """When one op runs torch's expression instead of its kernels
+        (`codegen.runtime.dispatch.Dispatch` arguments: `eager_below`, `compiled`), as measured
+        by `python -m benchmarks.crossover --write`; empty where nothing was measured."""
+        own = self.measured_table.get("dispatch", {}).get(op, {})
+        unknown = sorted(set(own) - {"eager_below", "compiled"})
+        if unknown:
+            raise ValueError(f"{MEASURED_TABLE.name}: dispatch of {op!r}: unknown {unknown}; "
+                             "expected eager_below, compiled")
         return dict(sorted(own.items()))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import keyword
 from dataclasses import dataclass
 
@@ -84,6 +85,13 @@ class NormalizedShapeAPI:
     #: modules of other libraries this module stands in for in patch_model(), first match wins
     replaces: tuple[Replaces, ...] = ()
 
+    #: torch's expression of the same result, in the function's argument names after its
+    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    reference: str | None = None
+    #: a further condition, in the same names, for the calls `reference` computes exactly
+    reference_when: str | None = None
+
     kind = "normalized_shape"
 
 
@@ -94,6 +102,13 @@ class DimAPI:
     function: str
     module: str
     torch_function: str
+
+    #: torch's expression of the same result, in the function's argument names after its
+    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    reference: str | None = None
+    #: a further condition, in the same names, for the calls `reference` computes exactly
+    reference_when: str | None = None
 
     kind = "dim"
 
@@ -121,6 +136,13 @@ class ElementwiseAPI:
     #: broadcast inputs that are additive masks: a bool tensor is taken as keep (0) / drop (-inf)
     additive_masks: tuple[str, ...] = ()
 
+    #: torch's expression of the same result, in the function's argument names after its
+    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    reference: str | None = None
+    #: a further condition, in the same names, for the calls `reference` computes exactly
+    reference_when: str | None = None
+
     kind = "elementwise"
 
 
@@ -139,6 +161,13 @@ class RowLossAPI:
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
 
+    #: torch's expression of the same result, in the function's argument names after its
+    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    reference: str | None = None
+    #: a further condition, in the same names, for the calls `reference` computes exactly
+    reference_when: str | None = None
+
     kind = "row_loss"
 
 
@@ -154,6 +183,13 @@ class ReductionAPI:
     torch_function: str
     #: keyword-only scalar options of the function (constructor arguments of the module)
     options: tuple[Option, ...] = ()
+
+    #: torch's expression of the same result, in the function's argument names after its
+    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    reference: str | None = None
+    #: a further condition, in the same names, for the calls `reference` computes exactly
+    reference_when: str | None = None
 
     kind = "reduction"
 
@@ -174,7 +210,8 @@ _OWN_ARGUMENTS = {
 
 #: the generated module's own globals (its imports, SCHEDULES)
 _GLOBALS = {"math", "numbers", "Optional", "torch", "triton", "tl", "checks", "launch",
-            "helpers", "losses", "Constants", "Schedules", "fixed_n", "maxnreg", "SCHEDULES"}
+            "helpers", "losses", "Constants", "Schedules", "fixed_n", "maxnreg", "SCHEDULES",
+            "dispatch", "DISPATCH"}
 
 #: the values of Option.check (codegen/runtime/checks.py check_option)
 CHECKS = (None, "probability", "unit", "integer")
@@ -320,6 +357,7 @@ def api_mismatches(spec) -> list[str]:
             problems.append(f"scalar '{s.scalar}' is set both by option '{s.scalar}' and by "
                             f"switch '{s.name}'")
     problems.extend(replaces_mismatches(api))
+    problems.extend(_reference(api))
     for name in scalars:
         if name not in given:
             problems.append(f"scalar '{name}' is set by no option of the API (options: "
@@ -328,6 +366,23 @@ def api_mismatches(spec) -> list[str]:
         if name not in scalars:
             problems.append(f"option '{name}' is not a scalar of the spec (scalars: "
                             f"{', '.join(scalars) or 'none'})")
+    return problems
+
+
+def _reference(api) -> list[str]:
+    """`reference` and `reference_when` are Python expressions (the generated function returns
+    the first and tests the second)."""
+    problems = []
+    for role in ("reference", "reference_when"):
+        text = getattr(api, role)
+        if text is None:
+            continue
+        try:
+            ast.parse(text, mode="eval")
+        except SyntaxError as error:
+            problems.append(f"{role} {text!r} is not a Python expression ({error.msg})")
+    if api.reference is None and api.reference_when is not None:
+        problems.append("reference_when is given without a reference")
     return problems
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -2194,6 +2194,10 @@ def add_layer_norm(
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
     function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and not residual_in_fp32 and DISPATCH.to_torch(input):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), shape, weight, bias, eps, prenorm=prenorm)
+
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
@@ -2286,6 +2290,11 @@ class AddLayerNorm(torch.nn.Module):
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("add_layernorm")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

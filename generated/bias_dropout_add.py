@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -614,6 +614,10 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     if not training:
         p = 0.0
     seed = checks.seed("bias_dropout_add", seed, input.device)
+    if p == 0 and DISPATCH.to_torch(input):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return dispatch.added(input, bias, residual)
+
     x = launch.rows((rows, columns), input)
     residual = launch.rows((rows, columns), residual) if residual is not None else None
     function = _FUNCTIONS["default"]
@@ -639,6 +643,11 @@ class BiasDropoutAdd(torch.nn.Module):
 
     def forward(self, input, residual=None, bias=None, seed=None):
         return bias_dropout_add(input, residual, bias=bias, p=self.p, training=self.training, seed=seed)
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("bias_dropout_add")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

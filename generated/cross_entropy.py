@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime import losses
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg

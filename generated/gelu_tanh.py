@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -615,6 +615,10 @@ def gelu_tanh(input, *, bias=None):
     bias = checks.check_param("gelu_tanh", "bias", bias, (columns,), input, promotes=True)
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, bias = checks.promote(input, bias)
+    if DISPATCH.to_torch(input):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return torch.nn.functional.gelu(input if bias is None else input + bias, approximate="tanh")
+
     x = launch.rows((rows, columns), input)
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
@@ -632,6 +636,11 @@ class GELUTanh(torch.nn.Module):
 
     def forward(self, input, bias=None):
         return gelu_tanh(input, bias=bias)
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("gelu_tanh")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

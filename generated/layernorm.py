@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -1789,6 +1789,10 @@ def layer_norm(
     bias = checks.check_param("layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("layer_norm", eps, input.dtype)
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and DISPATCH.to_torch(input):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return torch.nn.functional.layer_norm(input, shape, weight, bias, eps)
+
     if columns == 0:
         return input.clone()
     x = launch.rows((-1, columns), input)
@@ -1863,6 +1867,11 @@ class LayerNorm(torch.nn.Module):
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("layernorm")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -1152,6 +1152,10 @@ def rms_norm(
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and weight_offset == 0 and DISPATCH.to_torch(input):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return torch.nn.functional.rms_norm(input, shape, weight, eps)
+
     if columns == 0:
         return input.clone()
     x = launch.rows((-1, columns), input)
@@ -1219,6 +1223,11 @@ class RMSNorm(torch.nn.Module):
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("rmsnorm")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

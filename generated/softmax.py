@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -607,6 +607,10 @@ def softmax(input, dim=-1, dtype=None):
     dim = _check_dim("softmax", dim, input)
     if input.dim() == 0:
         return softmax(input.reshape(1), 0).reshape(())
+    if DISPATCH.to_torch(input):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return torch.softmax(input, dim)
+
     moved = input.movedim(dim, -1)
     columns = moved.shape[-1]
     if columns == 0 or moved.numel() == 0:
@@ -636,6 +640,11 @@ class Softmax(torch.nn.Module):
 
     def extra_repr(self):
         return f"dim={self.dim}"
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("softmax")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

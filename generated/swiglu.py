@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, launch
+from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -526,6 +526,10 @@ def swiglu(gate, up):
     rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
+    if DISPATCH.to_torch(gate):
+        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
+        return torch.nn.functional.silu(gate) * up
+
     gate = launch.rows((rows, columns), gate)
     up = launch.rows((rows, columns), up)
     function = _FUNCTIONS["default"]
@@ -544,6 +548,11 @@ class SwiGLU(torch.nn.Module):
 
     def forward(self, gate, up):
         return swiglu(gate, up)
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("swiglu")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -36,5 +36,10 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.layer_norm(input + input_bias + residual, ...)",
         torch_module="torch.nn.LayerNorm",
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
-        residual="residual", call_params=("input_bias",))
+        residual="residual", call_params=("input_bias",),
+        reference="dispatch.normalized(torch.nn.functional.layer_norm, "
+                  "dispatch.added(input, input_bias, residual), shape, weight, bias, eps, "
+                  "prenorm=prenorm)",
+        # torch's sum is rounded to the inputs' dtype, not kept in fp32
+        reference_when="not residual_in_fp32")
     return op

@@ -33,5 +33,11 @@ def spec() -> OpSpec:
         torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),), residual="residual",
-        call_params=("input_bias",))
+        call_params=("input_bias",),
+        reference="dispatch.normalized(torch.nn.functional.rms_norm, "
+                  "dispatch.added(input, input_bias, residual), shape, weight, eps, "
+                  "prenorm=prenorm)",
+        # torch's sum is rounded to the inputs' dtype, not kept in fp32; its rms_norm scales by
+        # the weight alone
+        reference_when="not residual_in_fp32 and weight_offset == 0")
     return op

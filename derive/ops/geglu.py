@@ -17,6 +17,7 @@ def spec() -> OpSpec:
     op.api = ElementwiseAPI(function="geglu", module="GeGLU",
                             torch_function="torch.nn.functional.gelu(gate) * up",
                             inputs=("gate", "up"),
+                            reference="torch.nn.functional.gelu(gate) * up",
                             # an MLP down(gelu(gate(x)) * up(x)) with the exact GELU; the probe
                             # turns down the tanh GELU (Gemma's)
                             replaces=(Replaces("*", kind="mlp"),))

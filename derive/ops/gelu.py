@@ -20,6 +20,7 @@ def spec() -> OpSpec:
     op.api = ElementwiseAPI(
         function="gelu", module="GELU", torch_function="torch.nn.functional.gelu(input + bias)",
         call_params=("bias",),
+        reference="torch.nn.functional.gelu(input if bias is None else input + bias)",
         # torch's GELU and HF's GELU activations; the probe tells the exact one from the others
         replaces=(Replaces("*GELU*"),))
     return op

@@ -21,6 +21,8 @@ def spec() -> OpSpec:
         function="gelu_tanh", module="GELUTanh",
         torch_function='torch.nn.functional.gelu(input + bias, approximate="tanh")',
         call_params=("bias",),
+        reference='torch.nn.functional.gelu(input if bias is None else input + bias, '
+                  'approximate="tanh")',
         # torch's GELU(approximate="tanh"), HF's GELUTanh, NewGELUActivation, ...: the probe
         # tells them from the exact GELU
         replaces=(Replaces("*GELU*"),))

@@ -30,6 +30,10 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),),
+        # torch's rms_norm scales by the weight alone: (offset + weight) rounded to a 16-bit
+        # weight's dtype would not be the kernels' fp32 scale
+        reference="torch.nn.functional.rms_norm(input, shape, weight, eps)",
+        reference_when="weight_offset == 0",
         # HF: LlamaRMSNorm, ... and the (1 + weight) scale of Gemma's and others (the probe
         # tells which); T5's and its kin's *LayerNorm are RMS norms
         replaces=(Replaces("*RMSNorm", tries=(("weight_offset", (0.0, 1.0)),)),

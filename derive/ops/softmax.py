@@ -15,5 +15,6 @@ def spec() -> OpSpec:
     p = op.element("p", e / denominator, positive=True)
     op.output(p)
     op.save(p)
-    op.api = DimAPI(function="softmax", module="Softmax", torch_function="torch.softmax")
+    op.api = DimAPI(function="softmax", module="Softmax", torch_function="torch.softmax",
+                    reference="torch.softmax(input, dim)")
     return op

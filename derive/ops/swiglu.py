@@ -22,6 +22,7 @@ def spec() -> OpSpec:
     op.api = ElementwiseAPI(function="swiglu", module="SwiGLU",
                             torch_function="torch.nn.functional.silu(gate) * up",
                             inputs=("gate", "up"),
+                            reference="torch.nn.functional.silu(gate) * up",
                             # LLaMA's, Mistral's, Qwen's MLP: down(silu(gate(x)) * up(x))
                             replaces=(Replaces("*", kind="mlp"),))
     return op

@@ -1,0 +1,112 @@
+"""When a call runs torch's own op instead of the generated kernels.
+
+A generated op's forward+backward costs a nearly flat host time per call (a Python
+`autograd.Function`, its argument checks, its allocations and launches) that torch's C++ ops do
+not pay. Below a size the kernels cannot win that back, and the step of a model that is bound by
+host time gets slower. An op whose spec names a torch expression with the same result
+(`reference=` of its API) therefore runs that expression:
+
+- eagerly, for CUDA tensors of fewer elements than the op's measured `eager_below` (the size
+  from which the generated op, called after a linear layer of its width as in a transformer
+  block, costs less than torch's: `python -m benchmarks.crossover --write`);
+- under `torch.compile`, when the op measured faster traced as torch ops, which Inductor fuses
+  with their neighbours, than as one opaque custom op (`compiled="torch"`).
+
+Options torch's expression cannot express (a memory mode other than the default, active
+dropout, ...) always run the kernels. The environment variable `VJPFORGE_DISPATCH` decides for
+the whole process: `kernels` (never torch's expression), `torch` (always, on every device), or
+unset (each op's measurements). `Dispatch.override` does the same per op, for a block of code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+#: VJPFORGE_DISPATCH values
+MODES = ("kernels", "torch")
+#: what an op runs under torch.compile
+COMPILED = ("kernels", "torch")
+
+
+def _mode() -> str | None:
+    mode = os.environ.get("VJPFORGE_DISPATCH") or None
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"VJPFORGE_DISPATCH must be one of {', '.join(MODES)} or unset, "
+                         f"got {mode!r}")
+    return mode
+
+
+#: the process-wide choice (None: each op's measurements)
+FORCED = _mode()
+
+
+class Dispatch:
+    """One op's choice between its generated kernels and torch's expression of it."""
+
+    __slots__ = ("op", "eager_below", "compiled", "forced")
+
+    def __init__(self, op: str, eager_below: int = 0, compiled: str = "kernels"):
+        if compiled not in COMPILED:
+            raise ValueError(f"Dispatch({op!r}): compiled must be one of {COMPILED}, "
+                             f"got {compiled!r}")
+        self.op = op
+        #: CUDA inputs of fewer elements than this run torch's expression (0: never)
+        self.eager_below = int(eager_below)
+        #: what runs under torch.compile
+        self.compiled = compiled
+        #: "kernels" or "torch" set by `override` (None: the measurements above)
+        self.forced = None
+
+    def to_torch(self, tensor: torch.Tensor) -> bool:
+        """Whether a call on `tensor` (the op's first input) runs torch's expression."""
+        forced = self.forced or FORCED
+        if forced is not None:
+            return forced == "torch"
+        if torch.compiler.is_compiling():
+            return self.compiled == "torch"
+        return tensor.is_cuda and tensor.numel() < self.eager_below
+
+    @contextlib.contextmanager
+    def override(self, mode: str | None = None, *, eager_below: int | None = None,
+                 compiled: str | None = None):
+        """Within the block, `mode` ("kernels", "torch") decides every call of this op, or
+        `eager_below` / `compiled` replace its measurements; restored on exit."""
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"override(): mode must be one of {MODES} or None, got {mode!r}")
+        if compiled is not None and compiled not in COMPILED:
+            raise ValueError(f"override(): compiled must be one of {COMPILED} or None, "
+                             f"got {compiled!r}")
+        saved = (self.forced, self.eager_below, self.compiled)
+        self.forced = mode
+        if eager_below is not None:
+            self.eager_below = int(eager_below)
+        if compiled is not None:
+            self.compiled = compiled
+        try:
+            yield self
+        finally:
+            self.forced, self.eager_below, self.compiled = saved
+
+    def __repr__(self) -> str:
+        return (f"Dispatch({self.op!r}, eager_below={self.eager_below}, "
+                f"compiled={self.compiled!r})")
+
+
+def added(*tensors):
+    """The sum of the tensors that are not None, left to right (torch's promotion); a new
+    tensor even when only one is given, as the generated op's result is."""
+    present = [tensor for tensor in tensors if tensor is not None]
+    total = present[0].clone() if len(present) == 1 else present[0]
+    for tensor in present[1:]:
+        total = total + tensor
+    return total
+
+
+def normalized(norm, total, *arguments, prenorm: bool = False):
+    """`norm(total, *arguments)`, and with `prenorm` the sum `total` too (what a fused add +
+    norm returns)."""
+    output = norm(total, *arguments)
+    return (output, total) if prenorm else output
