@@ -4,17 +4,20 @@ decides by.
 
     python -m benchmarks.crossover [--cols 768,2048,4096] [--rows 128,512,2048,8192,32768]
     python -m benchmarks.crossover --write      # also store the choices in the schedule table
-    python -m benchmarks.crossover --compile    # also time both under torch.compile
+    python -m benchmarks.crossover --compile --rows 8192 --cols 2048 --write
+                                                # both under torch.compile instead
+    python -m benchmarks.crossover --from A.json B.json --write   # choose from saved rows
     python -m benchmarks.crossover --cpu-smoke  # tiny sizes on the CPU: tests the harness
 
-Each op is timed where a transformer block calls it: after a linear layer of its width (rows x
-cols input, a cols x cols weight), forward and backward of both, bf16, back-to-back steps with a
-sync at both ends, the generated kernels and torch's expression (the spec's `reference`, the
-same one the dispatch runs) in the same run. The linear layer's GPU time hides host time, as
-the rest of a model's step does; an op alone back to back would be bound by host time up to
-tens of millions of elements. `eager_below` of an op is the smallest size from which its kernels
-measured faster at every larger size (at least 2% faster, across all column widths); `compiled`
-is the faster of the two compiled, at the largest size measured.
+Each op is timed where a transformer block calls it: after the matrix multiplications a block
+does per row op (a block of width N multiplies by 12 N^2 weights and calls about four row ops:
+a rows x 3N input times a 3N x N weight), forward and backward of both, bf16, back-to-back
+steps with a sync at both ends, the generated kernels and torch's expression (the spec's
+`reference`, the same one the dispatch runs) in the same run. The multiplication's GPU time
+hides host time, as the rest of a model's step does; an op alone back to back would be bound
+by host time up to tens of millions of elements. `eager_below` of an op is the size from which
+its kernels measured faster (`choose`); `compiled` is the faster of the two compiled, at the
+largest size measured.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 #: an op's kernels must be at least this much faster to be chosen (ours / torch below it)
 MARGIN = 0.98
+#: the inner dimension of the multiplication before the op, in units of its width: a
+#: transformer block's 12 N^2 weights over its four row ops
+GEMM_WIDTHS = 3
 
 
 def wall_micros(fn, calls: int, repeats: int, sync) -> float:
@@ -81,13 +88,14 @@ def ops() -> dict:
 
 
 def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled: bool):
-    """One forward+backward of `linear -> op` on (M, N) rows, as a function of the dispatch
-    mode ("kernels" or "torch")."""
+    """One forward+backward of `(M, 3N) @ (3N, N) -> op` on (M, N) rows, as a function of the
+    dispatch mode ("kernels" or "torch")."""
     def leaf(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_()
 
-    x, other = leaf(M, N), leaf(M, N)
-    linear, w, b = leaf(N, N, scale=N ** -0.5), leaf(N), leaf(N)
+    x, other = leaf(M, GEMM_WIDTHS * N), leaf(M, N)
+    linear = leaf(GEMM_WIDTHS * N, N, scale=(GEMM_WIDTHS * N) ** -0.5)
+    w, b = leaf(N), leaf(N)
     g = torch.randn(M, N, device=device, dtype=dtype)
 
     def block(x, other, linear, w, b):
@@ -106,16 +114,25 @@ def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled
 
 def choose(rows: list[dict]) -> dict[str, dict]:
     """The table's "dispatch" entries from measured rows: per op, `eager_below` (elements) and,
-    where measured, `compiled`."""
+    where measured, `compiled`.
+
+    `eager_below` is the smallest measured size at which the kernels were faster and from which
+    on they were faster by `MARGIN` in geometric mean over every larger size (one noisy cell
+    near parity neither hides a crossover nor makes one); past every size measured where there
+    is none (torch's expression always)."""
     table = {}
     for op in sorted({row["op"] for row in rows}):
         own = sorted((r for r in rows if r["op"] == op and "ours_us" in r),
                      key=lambda r: r["rows"] * r["cols"])
-        eager_below = 0
-        for row in own:
-            if row["ours_us"] >= MARGIN * row["torch_us"]:
-                eager_below = row["rows"] * row["cols"] + 1
-        entry = {"eager_below": eager_below}
+        ratios = [r["ours_us"] / r["torch_us"] for r in own]
+        entry = {}
+        if own:
+            entry["eager_below"] = own[-1]["rows"] * own[-1]["cols"] + 1
+            for index, row in enumerate(own):
+                rest = ratios[index:]
+                if ratios[index] < 1 and statistics.geometric_mean(rest) < MARGIN:
+                    entry["eager_below"] = row["rows"] * row["cols"]
+                    break
         compiled = [r for r in rows if r["op"] == op and "compiled_ours_us" in r]
         if compiled:
             largest = max(compiled, key=lambda r: r["rows"] * r["cols"])
@@ -129,7 +146,9 @@ def write_table(choices: dict[str, dict]) -> None:
     from codegen.schedule import load_measured, write_measured
 
     table = load_measured()
-    table.setdefault("dispatch", {}).update(choices)
+    dispatch = table.setdefault("dispatch", {})
+    for op, entry in choices.items():
+        dispatch[op] = {**dispatch.get(op, {}), **entry}
     table["dispatch"] = dict(sorted(table["dispatch"].items()))
     write_measured(table)
 
@@ -142,12 +161,22 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true",
-                        help="also time both under torch.compile, at the largest rows")
+                        help="time both under torch.compile instead, at the largest rows "
+                             "(compiles take tens of seconds each: give one size)")
     parser.add_argument("--write", action="store_true",
                         help="store the choices in codegen/schedule_table.json")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--from", dest="saved", nargs="+", metavar="FILE",
+                        help="choose from rows saved by --out instead of measuring")
     args = parser.parse_args(argv)
+    if args.saved:
+        results = [row for path in args.saved for row in json.loads(Path(path).read_text())]
+        choices = choose(results)
+        print(json.dumps(choices, indent=1))
+        if args.write:
+            write_table(choices)
+        return results
     if args.cpu_smoke:
         device, dtype, sync = "cpu", torch.float32, lambda: None
         cols, rows, calls, repeats = (64,), (4, 16), 2, 1
@@ -160,9 +189,10 @@ def main(argv=None) -> list[dict]:
     if args.ops:
         chosen = {name: chosen[name] for name in args.ops.split(",")}
     results = []
-    print("| op | rows x cols | ours µs | torch µs | ours / torch |")
-    print("|---|---|---|---|---|")
-    for N in cols:
+    if not args.compile:
+        print("| op | rows x cols | ours µs | torch µs | ours / torch |")
+        print("|---|---|---|---|---|")
+    for N in cols if not args.compile else ():
         for M in rows:
             for name, (module, call) in chosen.items():
                 run = step(module, call, M, N, device, dtype, compiled=False)
@@ -173,7 +203,7 @@ def main(argv=None) -> list[dict]:
                 print(f"| {name} | {M}x{N} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} |",
                       flush=True)
     if args.compile:
-        print("\n| op (compiled) | rows x cols | ours µs | torch µs | ours / torch |")
+        print("| op (compiled) | rows x cols | ours µs | torch µs | ours / torch |")
         print("|---|---|---|---|---|")
         M = rows[-1]
         for N in cols:

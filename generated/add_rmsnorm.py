@@ -1532,8 +1532,8 @@ class AddRMSNorm(torch.nn.Module):
 
 
 #: when a call runs torch's expression of this op instead of the kernels
-#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
-DISPATCH = dispatch.Dispatch("add_rmsnorm")
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
+DISPATCH = dispatch.Dispatch("add_rmsnorm", compiled="torch", eager_below=8388608)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

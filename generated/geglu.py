@@ -548,8 +548,8 @@ class GeGLU(torch.nn.Module):
 
 
 #: when a call runs torch's expression of this op instead of the kernels
-#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
-DISPATCH = dispatch.Dispatch("geglu")
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
+DISPATCH = dispatch.Dispatch("geglu", compiled="torch", eager_below=8388608)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

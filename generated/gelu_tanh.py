@@ -639,8 +639,8 @@ class GELUTanh(torch.nn.Module):
 
 
 #: when a call runs torch's expression of this op instead of the kernels
-#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
-DISPATCH = dispatch.Dispatch("gelu_tanh")
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
+DISPATCH = dispatch.Dispatch("gelu_tanh", compiled="torch", eager_below=67108865)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -21,14 +21,20 @@ def row(op, rows, ours, theirs, cols=1000):
 
 
 def test_eager_below_is_where_the_kernels_win_from_then_on():
-    rows = [row("a", 1, 300, 100), row("a", 10, 200, 190), row("a", 100, 150, 300),
+    rows = [row("a", 1, 300, 100), row("a", 10, 210, 200), row("a", 100, 150, 300),
             row("a", 1000, 100, 400), row("b", 1, 90, 100), row("b", 10, 200, 100),
             row("b", 100, 90, 100), row("c", 1, 90, 100)]
-    # a: slower up to 10 rows, then faster; b: slower at 10 rows, so not before 100 rows;
-    # c: faster everywhere
-    assert crossover.choose(rows) == {"a": {"eager_below": 10 * 1000 + 1},
-                                      "b": {"eager_below": 10 * 1000 + 1},
-                                      "c": {"eager_below": 0}}
+    # a: slower up to 10 rows, then faster; b: faster at 1 row but slower at 10, so from 100
+    # rows; c: faster from the smallest size measured (below it: not measured, torch's)
+    assert crossover.choose(rows) == {"a": {"eager_below": 100 * 1000},
+                                      "b": {"eager_below": 100 * 1000},
+                                      "c": {"eager_below": 1000}}
+
+
+def test_one_noisy_cell_near_parity_does_not_move_the_crossover():
+    rows = [row("a", 1, 200, 100), row("a", 10, 90, 100), row("a", 100, 101, 100),
+            row("a", 1000, 90, 100)]
+    assert crossover.choose(rows) == {"a": {"eager_below": 10 * 1000}}
 
 
 def test_within_the_margin_torch_is_kept():
@@ -40,4 +46,11 @@ def test_compiled_choice_is_the_faster_at_the_largest_size():
             {"op": "a", "rows": 80, "cols": 10, "compiled_ours_us": 120,
              "compiled_torch_us": 100},
             row("a", 80, 1, 2, cols=10)]
-    assert crossover.choose(rows) == {"a": {"eager_below": 0, "compiled": "torch"}}
+    assert crossover.choose(rows) == {"a": {"eager_below": 800, "compiled": "torch"}}
+    assert crossover.choose(rows[:2]) == {"a": {"compiled": "torch"}}
+
+
+def test_choices_from_saved_rows(tmp_path):
+    saved = tmp_path / "rows.json"
+    saved.write_text('[{"op": "a", "rows": 2, "cols": 3, "ours_us": 1, "torch_us": 2}]')
+    assert crossover.main(["--from", str(saved)]) == [row("a", 2, 1, 2, cols=3)]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -100,8 +101,22 @@ def interpreter_safe_threads(device):
     torch.set_num_threads(threads)
 
 
+MODULES = (add_layernorm, add_rmsnorm, bias_dropout_add, geglu, gelu, gelu_tanh, layernorm,
+           rmsnorm, softmax, swiglu)
+
+
+@pytest.mark.parametrize("compiled", ["kernels", "torch"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_fullgraph_matches_eager(device, backend, interpreter_safe_threads):
+def test_compile_fullgraph_matches_eager(device, backend, compiled, interpreter_safe_threads):
+    """Each op as one opaque custom op, or traced as torch's expression of it (what the
+    dispatch chooses per op from measurements)."""
+    with contextlib.ExitStack() as stack:
+        for module in MODULES:
+            stack.enter_context(module.DISPATCH.override(compiled=compiled))
+        compare_compiled(device, backend)
+
+
+def compare_compiled(device, backend):
     torch._dynamo.reset()
     inputs = [leaf((4, N), 1), leaf((4, N), 2), leaf((N,), 3), leaf((N,), 4)]
     inputs = [t.detach().to(device).requires_grad_() for t in inputs]
