@@ -15,9 +15,9 @@ a rows x 3N input times a 3N x N weight), forward and backward of both, bf16, ba
 steps with a sync at both ends, the generated kernels and torch's expression (the spec's
 `reference`, the same one the dispatch runs) in the same run. The multiplication's GPU time
 hides host time, as the rest of a model's step does; an op alone back to back would be bound
-by host time up to tens of millions of elements. `eager_below` of an op is the size from which
-its kernels measured faster (`choose`); `compiled` is the faster of the two compiled, at the
-largest size measured.
+by host time up to tens of millions of elements. Since the multiplication's time grows as rows x
+cols^2, that is what `eager_below` of an op counts: where its kernels measured faster from
+(`choose`). `compiled` is the faster of the two compiled, at the largest size measured.
 """
 
 from __future__ import annotations
@@ -112,26 +112,31 @@ def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled
     return run
 
 
+def work(row: dict) -> tuple[int, int]:
+    """What the dispatch compares with `eager_below`: rows x cols^2 (the block's multiply work,
+    whose GPU time hides a call's host time), then the elements."""
+    return row["rows"] * row["cols"] ** 2, row["rows"] * row["cols"]
+
+
 def choose(rows: list[dict]) -> dict[str, dict]:
     """The table's "dispatch" entries from measured rows: per op, `eager_below` (elements) and,
     where measured, `compiled`.
 
-    `eager_below` is the smallest measured size at which the kernels were faster and from which
-    on they were faster by `MARGIN` in geometric mean over every larger size (one noisy cell
-    near parity neither hides a crossover nor makes one); past every size measured where there
-    is none (torch's expression always)."""
+    `eager_below` is the smallest measured `work` at which the kernels were faster and from
+    which on they were faster by `MARGIN` in geometric mean over every larger one (one noisy
+    cell near parity neither hides a crossover nor makes one); past every size measured where
+    there is none (torch's expression always)."""
     table = {}
     for op in sorted({row["op"] for row in rows}):
-        own = sorted((r for r in rows if r["op"] == op and "ours_us" in r),
-                     key=lambda r: r["rows"] * r["cols"])
+        own = sorted((r for r in rows if r["op"] == op and "ours_us" in r), key=work)
         ratios = [r["ours_us"] / r["torch_us"] for r in own]
         entry = {}
         if own:
-            entry["eager_below"] = own[-1]["rows"] * own[-1]["cols"] + 1
+            entry["eager_below"] = work(own[-1])[0] + 1
             for index, row in enumerate(own):
                 rest = ratios[index:]
                 if ratios[index] < 1 and statistics.geometric_mean(rest) < MARGIN:
-                    entry["eager_below"] = row["rows"] * row["cols"]
+                    entry["eager_below"] = work(row)[0]
                     break
         compiled = [r for r in rows if r["op"] == op and "compiled_ours_us" in r]
         if compiled:

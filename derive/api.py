@@ -85,8 +85,8 @@ class NormalizedShapeAPI:
     #: modules of other libraries this module stands in for in patch_model(), first match wins
     replaces: tuple[Replaces, ...] = ()
 
-    #: torch's expression of the same result, in the function's argument names after its
-    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: torch's expression of the same result, in the function's argument names as given (it
+    #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
     #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
@@ -103,8 +103,8 @@ class DimAPI:
     module: str
     torch_function: str
 
-    #: torch's expression of the same result, in the function's argument names after its
-    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: torch's expression of the same result, in the function's argument names as given (it
+    #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
     #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
@@ -136,8 +136,8 @@ class ElementwiseAPI:
     #: broadcast inputs that are additive masks: a bool tensor is taken as keep (0) / drop (-inf)
     additive_masks: tuple[str, ...] = ()
 
-    #: torch's expression of the same result, in the function's argument names after its
-    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: torch's expression of the same result, in the function's argument names as given (it
+    #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
     #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
@@ -161,8 +161,8 @@ class RowLossAPI:
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
 
-    #: torch's expression of the same result, in the function's argument names after its
-    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: torch's expression of the same result, in the function's argument names as given (it
+    #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
     #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
@@ -184,8 +184,8 @@ class ReductionAPI:
     #: keyword-only scalar options of the function (constructor arguments of the module)
     options: tuple[Option, ...] = ()
 
-    #: torch's expression of the same result, in the function's argument names after its
-    #: checks (a normalized-shape API's tuple is `shape`; `dispatch` is codegen.runtime.dispatch):
+    #: torch's expression of the same result, in the function's argument names as given (it
+    #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
     #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly

@@ -2183,6 +2183,10 @@ def add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
+    if memory == "default" and not residual_in_fp32 and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
+
     checks.check_input("add_layer_norm", input)
     shape, columns = checks.check_normalized_shape("add_layer_norm", normalized_shape, input)
     residual = checks.check_like_input("add_layer_norm", "residual", residual, input)
@@ -2194,10 +2198,6 @@ def add_layer_norm(
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
     function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and not residual_in_fp32 and DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), shape, weight, bias, eps, prenorm=prenorm)
-
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
@@ -2294,7 +2294,7 @@ class AddLayerNorm(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("add_layernorm", compiled="kernels", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("add_layernorm", compiled="kernels", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

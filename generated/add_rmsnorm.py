@@ -1426,6 +1426,10 @@ def add_rms_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = y / (weight_offset + weight).
     With no gradient needed, nothing is saved whatever the mode.
     """
+    if memory == "default" and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
+
     checks.check_input("add_rms_norm", input)
     shape, columns = checks.check_normalized_shape("add_rms_norm", normalized_shape, input)
     residual = checks.check_like_input("add_rms_norm", "residual", residual, input)
@@ -1440,10 +1444,6 @@ def add_rms_norm(
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
     function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), shape, weight, eps, prenorm=prenorm)
-
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
@@ -1533,7 +1533,7 @@ class AddRMSNorm(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("add_rmsnorm", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("add_rmsnorm", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -600,6 +600,10 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
+    if (p == 0 or training is False) and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.added(input, bias, residual)
+
     checks.check_input("bias_dropout_add", input, "input")
     residual = checks.check_like_input("bias_dropout_add", "residual", residual, input, "input")
     shape = input.shape
@@ -614,10 +618,6 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     if not training:
         p = 0.0
     seed = checks.seed("bias_dropout_add", seed, input.device)
-    if p == 0 and DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return dispatch.added(input, bias, residual)
-
     x = launch.rows((rows, columns), input)
     residual = launch.rows((rows, columns), residual) if residual is not None else None
     function = _FUNCTIONS["default"]
@@ -647,7 +647,7 @@ class BiasDropoutAdd(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("bias_dropout_add", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("bias_dropout_add", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -514,6 +514,10 @@ def geglu(gate, up):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
+    if DISPATCH.to_torch(gate):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.gelu(gate) * up
+
     checks.check_input("geglu", gate, "gate")
     if up is None:
         raise TypeError("geglu(): argument 'up' must be a torch.Tensor, got NoneType")
@@ -523,10 +527,6 @@ def geglu(gate, up):
     rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
-    if DISPATCH.to_torch(gate):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return torch.nn.functional.gelu(gate) * up
-
     gate = launch.rows((rows, columns), gate)
     up = launch.rows((rows, columns), up)
     function = _FUNCTIONS["default"]
@@ -549,7 +549,7 @@ class GeGLU(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("geglu", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("geglu", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

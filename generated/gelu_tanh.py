@@ -608,6 +608,10 @@ def gelu_tanh(input, *, bias=None):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.gelu(input if bias is None else input + bias, approximate="tanh")
+
     checks.check_input("gelu_tanh", input, "input")
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
@@ -615,10 +619,6 @@ def gelu_tanh(input, *, bias=None):
     bias = checks.check_param("gelu_tanh", "bias", bias, (columns,), input, promotes=True)
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, bias = checks.promote(input, bias)
-    if DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return torch.nn.functional.gelu(input if bias is None else input + bias, approximate="tanh")
-
     x = launch.rows((rows, columns), input)
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
@@ -640,7 +640,7 @@ class GELUTanh(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("gelu_tanh", compiled="torch", eager_below=67108865)
+DISPATCH = dispatch.Dispatch("gelu_tanh", compiled="torch", eager_below=274877906945)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

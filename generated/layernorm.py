@@ -1783,16 +1783,16 @@ def layer_norm(
         "invertible": saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).
     With no gradient needed, nothing is saved whatever the mode.
     """
+    if memory == "default" and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
     checks.check_input("layer_norm", input)
     shape, columns = checks.check_normalized_shape("layer_norm", normalized_shape, input)
     weight = checks.check_param("layer_norm", "weight", weight, shape, input)
     bias = checks.check_param("layer_norm", "bias", bias, shape, input)
     eps = checks.check_eps("layer_norm", eps, input.dtype)
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return torch.nn.functional.layer_norm(input, shape, weight, bias, eps)
-
     if columns == 0:
         return input.clone()
     x = launch.rows((-1, columns), input)
@@ -1871,7 +1871,7 @@ class LayerNorm(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("layernorm", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("layernorm", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

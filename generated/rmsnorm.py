@@ -1143,6 +1143,10 @@ def rms_norm(
         "invertible": saves y, rstd. Keeps the output instead of the input; x_hat is recovered as y / (weight_offset + weight) with the divisor clamped below.
     With no gradient needed, nothing is saved whatever the mode.
     """
+    if memory == "default" and weight_offset == 0 and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
+
     checks.check_input("rms_norm", input)
     shape, columns = checks.check_normalized_shape("rms_norm", normalized_shape, input)
     weight = checks.check_param("rms_norm", "weight", weight, shape, input)
@@ -1152,10 +1156,6 @@ def rms_norm(
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and weight_offset == 0 and DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return torch.nn.functional.rms_norm(input, shape, weight, eps)
-
     if columns == 0:
         return input.clone()
     x = launch.rows((-1, columns), input)
@@ -1227,7 +1227,7 @@ class RMSNorm(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("rmsnorm", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("rmsnorm", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

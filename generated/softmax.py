@@ -594,6 +594,10 @@ def softmax(input, dim=-1, dtype=None):
     CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch path
     (the kernels under TRITON_INTERPRET=1).
     """
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.softmax(input, dim, dtype=dtype)
+
     if dtype is not None:
         if dtype not in checks.FLOAT_DTYPES:
             raise TypeError(
@@ -607,10 +611,6 @@ def softmax(input, dim=-1, dtype=None):
     dim = _check_dim("softmax", dim, input)
     if input.dim() == 0:
         return softmax(input.reshape(1), 0).reshape(())
-    if DISPATCH.to_torch(input):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return torch.softmax(input, dim)
-
     moved = input.movedim(dim, -1)
     columns = moved.shape[-1]
     if columns == 0 or moved.numel() == 0:
@@ -644,7 +644,7 @@ class Softmax(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("softmax", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("softmax", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -517,6 +517,10 @@ def swiglu(gate, up):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
+    if DISPATCH.to_torch(gate):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.silu(gate) * up
+
     checks.check_input("swiglu", gate, "gate")
     if up is None:
         raise TypeError("swiglu(): argument 'up' must be a torch.Tensor, got NoneType")
@@ -526,10 +530,6 @@ def swiglu(gate, up):
     rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
-    if DISPATCH.to_torch(gate):
-        # torch's own op: at this size (or under torch.compile) it costs less than the kernels
-        return torch.nn.functional.silu(gate) * up
-
     gate = launch.rows((rows, columns), gate)
     up = launch.rows((rows, columns), up)
     function = _FUNCTIONS["default"]
@@ -552,7 +552,7 @@ class SwiGLU(torch.nn.Module):
 
 #: when a call runs torch's expression of this op instead of the kernels
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
-DISPATCH = dispatch.Dispatch("swiglu", compiled="torch", eager_below=8388608)
+DISPATCH = dispatch.Dispatch("swiglu", compiled="torch", eager_below=17179869184)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -1,4 +1,5 @@
-"""Test setup: run Triton kernels through the interpreter when there is no GPU.
+"""Test setup: run Triton kernels through the interpreter when there is no GPU, and the kernels
+at every size.
 
 TRITON_INTERPRET must be set before triton (and so the generated modules)
 is imported: triton.jit decides at decoration time whether a kernel is
@@ -17,6 +18,9 @@ from reference import HAS_CUDA, PATHS, force_looped, force_split, select_path, s
 
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+# the tests are of the generated kernels: on a GPU, small CUDA tensors would otherwise run
+# torch's expression of each op (codegen/runtime/dispatch.py); tests/test_dispatch.py tests that
+os.environ["VJPFORGE_DISPATCH"] = "kernels"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:

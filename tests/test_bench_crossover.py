@@ -16,7 +16,7 @@ def test_crossover_smoke(tmp_path, capsys):
     assert out.read_text().count('"op"') == len(rows)
 
 
-def row(op, rows, ours, theirs, cols=1000):
+def row(op, rows, ours, theirs, cols=10):
     return {"op": op, "rows": rows, "cols": cols, "ours_us": ours, "torch_us": theirs}
 
 
@@ -26,19 +26,25 @@ def test_eager_below_is_where_the_kernels_win_from_then_on():
             row("b", 100, 90, 100), row("c", 1, 90, 100)]
     # a: slower up to 10 rows, then faster; b: faster at 1 row but slower at 10, so from 100
     # rows; c: faster from the smallest size measured (below it: not measured, torch's)
-    assert crossover.choose(rows) == {"a": {"eager_below": 100 * 1000},
-                                      "b": {"eager_below": 100 * 1000},
-                                      "c": {"eager_below": 1000}}
+    assert crossover.choose(rows) == {"a": {"eager_below": 100 * 100},
+                                      "b": {"eager_below": 100 * 100},
+                                      "c": {"eager_below": 100}}
 
 
 def test_one_noisy_cell_near_parity_does_not_move_the_crossover():
     rows = [row("a", 1, 200, 100), row("a", 10, 90, 100), row("a", 100, 101, 100),
             row("a", 1000, 90, 100)]
-    assert crossover.choose(rows) == {"a": {"eager_below": 10 * 1000}}
+    assert crossover.choose(rows) == {"a": {"eager_below": 10 * 100}}
 
 
 def test_within_the_margin_torch_is_kept():
-    assert crossover.choose([row("a", 1, 99, 100)]) == {"a": {"eager_below": 1001}}
+    assert crossover.choose([row("a", 1, 99, 100)]) == {"a": {"eager_below": 101}}
+
+
+def test_work_grows_with_the_square_of_the_width():
+    # same elements, four times the multiply work: the wider rows are past the crossover
+    rows = [row("a", 40, 150, 100, cols=10), row("a", 10, 90, 100, cols=40)]
+    assert crossover.choose(rows) == {"a": {"eager_below": 10 * 40 * 40}}
 
 
 def test_compiled_choice_is_the_faster_at_the_largest_size():
@@ -46,7 +52,7 @@ def test_compiled_choice_is_the_faster_at_the_largest_size():
             {"op": "a", "rows": 80, "cols": 10, "compiled_ours_us": 120,
              "compiled_torch_us": 100},
             row("a", 80, 1, 2, cols=10)]
-    assert crossover.choose(rows) == {"a": {"eager_below": 800, "compiled": "torch"}}
+    assert crossover.choose(rows) == {"a": {"eager_below": 8000, "compiled": "torch"}}
     assert crossover.choose(rows[:2]) == {"a": {"compiled": "torch"}}
 
 

@@ -23,6 +23,7 @@ import generated.masked_softmax as masked_softmax
 import generated.rmsnorm as rmsnorm
 import generated.softmax as softmax
 import generated.swiglu as swiglu
+from codegen.runtime import dispatch
 
 N = 16
 
@@ -107,9 +108,11 @@ MODULES = (add_layernorm, add_rmsnorm, bias_dropout_add, geglu, gelu, gelu_tanh,
 
 @pytest.mark.parametrize("compiled", ["kernels", "torch"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_fullgraph_matches_eager(device, backend, compiled, interpreter_safe_threads):
+def test_compile_fullgraph_matches_eager(device, backend, compiled, interpreter_safe_threads,
+                                         monkeypatch):
     """Each op as one opaque custom op, or traced as torch's expression of it (what the
     dispatch chooses per op from measurements)."""
+    monkeypatch.setattr(dispatch, "FORCED", None)
     with contextlib.ExitStack() as stack:
         for module in MODULES:
             stack.enter_context(module.DISPATCH.override(compiled=compiled))

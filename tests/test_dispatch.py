@@ -5,8 +5,6 @@ torch.compile it leaves no opaque custom op in the graph when the op measured fa
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from reference import randn
@@ -141,24 +139,37 @@ def test_options_torch_cannot_express_run_the_kernels(module, call, monkeypatch)
     assert applied
 
 
-def fake(device_type, numel):
-    return types.SimpleNamespace(is_cuda=device_type == "cuda", numel=lambda: numel)
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the dispatch reads nothing else."""
+
+    @property
+    def is_cuda(self):
+        return True
 
 
-def test_measured_size_decides_for_cuda_tensors_only():
+def fake(shape):
+    return torch.empty(shape).as_subclass(FakeCuda)
+
+
+def test_measured_work_decides_for_cuda_tensors_only(monkeypatch):
+    monkeypatch.setattr(dispatch, "FORCED", None)  # tests/conftest.py forces the kernels
     d = dispatch.Dispatch("op", eager_below=1000)
-    assert d.to_torch(fake("cuda", 999))
-    assert not d.to_torch(fake("cuda", 1000))
-    assert not d.to_torch(fake("cpu", 1))
-    assert not dispatch.Dispatch("op").to_torch(fake("cuda", 1))
+    assert d.to_torch(fake((3, 10)))
+    assert not d.to_torch(fake((10, 10)))  # rows x width^2 = 1000
+    assert d.to_torch(fake((20, 5)))  # as many elements, half the work
+    assert not d.to_torch(torch.ones(3, 10))  # a CPU tensor
+    assert not d.to_torch(fake(()))  # 0-d
+    assert not d.to_torch([1.0])  # not a tensor: the kernels' path checks it
+    assert not dispatch.Dispatch("op").to_torch(fake((1, 1)))
 
 
 def test_override_restores_and_checks(monkeypatch):
     d = dispatch.Dispatch("op", eager_below=10, compiled="torch")
+    monkeypatch.setattr(dispatch, "FORCED", None)
     with d.override(eager_below=0, compiled="kernels"):
-        assert not d.to_torch(fake("cuda", 1)) and d.compiled == "kernels"
+        assert not d.to_torch(fake((1, 1))) and d.compiled == "kernels"
         with d.override("torch"):
-            assert d.to_torch(fake("cpu", 10**9))
+            assert d.to_torch(torch.ones(1))
     assert (d.eager_below, d.compiled, d.forced) == (10, "torch", None)
     with pytest.raises(ValueError, match="mode must be one of"):
         with d.override("triton"):
@@ -166,9 +177,9 @@ def test_override_restores_and_checks(monkeypatch):
     with pytest.raises(ValueError, match="compiled must be one of"):
         dispatch.Dispatch("op", compiled="inductor")
     monkeypatch.setattr(dispatch, "FORCED", "torch")
-    assert d.to_torch(fake("cpu", 10**9))
+    assert d.to_torch(torch.ones(1))
     monkeypatch.setattr(dispatch, "FORCED", "kernels")
-    assert not d.to_torch(fake("cuda", 1))
+    assert not d.to_torch(fake((1, 1)))
 
 
 def test_environment_variable_is_checked(monkeypatch):
@@ -191,7 +202,8 @@ def vjpforge_ops(graph_module):
 
 
 @pytest.mark.parametrize("compiled", ["torch", "kernels"])
-def test_compiled_choice_decides_what_the_graph_holds(compiled):
+def test_compiled_choice_decides_what_the_graph_holds(compiled, monkeypatch):
+    monkeypatch.setattr(dispatch, "FORCED", None)
     torch._dynamo.reset()
     graphs = []
 

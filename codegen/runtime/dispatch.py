@@ -6,9 +6,9 @@ not pay. Below a size the kernels cannot win that back, and the step of a model 
 host time gets slower. An op whose spec names a torch expression with the same result
 (`reference=` of its API) therefore runs that expression:
 
-- eagerly, for CUDA tensors of fewer elements than the op's measured `eager_below` (the size
-  from which the generated op, called after a linear layer of its width as in a transformer
-  block, costs less than torch's: `python -m benchmarks.crossover --write`);
+- eagerly, for CUDA tensors whose elements times their last dim's size (rows x width^2: the
+  multiply work of the transformer block around the op, whose GPU time hides the host time of
+  a call) is below the op's measured `eager_below` (`python -m benchmarks.crossover --write`);
 - under `torch.compile`, when the op measured faster traced as torch ops, which Inductor fuses
   with their neighbours, than as one opaque custom op (`compiled="torch"`).
 
@@ -53,7 +53,7 @@ class Dispatch:
             raise ValueError(f"Dispatch({op!r}): compiled must be one of {COMPILED}, "
                              f"got {compiled!r}")
         self.op = op
-        #: CUDA inputs of fewer elements than this run torch's expression (0: never)
+        #: CUDA inputs whose rows x width^2 is below this run torch's expression (0: never)
         self.eager_below = int(eager_below)
         #: what runs under torch.compile
         self.compiled = compiled
@@ -61,13 +61,15 @@ class Dispatch:
         self.forced = None
 
     def to_torch(self, tensor: torch.Tensor) -> bool:
-        """Whether a call on `tensor` (the op's first input) runs torch's expression."""
+        """Whether a call on `tensor` (the op's first input, as given) runs torch's
+        expression."""
         forced = self.forced or FORCED
         if forced is not None:
             return forced == "torch"
         if torch.compiler.is_compiling():
             return self.compiled == "torch"
-        return tensor.is_cuda and tensor.numel() < self.eager_below
+        return (isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.dim() > 0
+                and tensor.numel() * tensor.shape[-1] < self.eager_below)
 
     @contextlib.contextmanager
     def override(self, mode: str | None = None, *, eager_below: int | None = None,

@@ -38,8 +38,8 @@ def spec() -> OpSpec:
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
         residual="residual", call_params=("input_bias",),
         reference="dispatch.normalized(torch.nn.functional.layer_norm, "
-                  "dispatch.added(input, input_bias, residual), shape, weight, bias, eps, "
-                  "prenorm=prenorm)",
+                  "dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, "
+                  "eps, prenorm=prenorm)",
         # torch's sum is rounded to the inputs' dtype, not kept in fp32
         reference_when="not residual_in_fp32")
     return op

@@ -35,7 +35,7 @@ def spec() -> OpSpec:
         options=(Option("weight_offset", 0.0),), residual="residual",
         call_params=("input_bias",),
         reference="dispatch.normalized(torch.nn.functional.rms_norm, "
-                  "dispatch.added(input, input_bias, residual), shape, weight, eps, "
+                  "dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, "
                   "prenorm=prenorm)",
         # torch's sum is rounded to the inputs' dtype, not kept in fp32; its rms_norm scales by
         # the weight alone

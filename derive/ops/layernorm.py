@@ -29,6 +29,6 @@ def spec() -> OpSpec:
         function="layer_norm", module="LayerNorm",
         torch_function="torch.nn.functional.layer_norm", torch_module="torch.nn.LayerNorm",
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
-        reference="torch.nn.functional.layer_norm(input, shape, weight, bias, eps)",
+        reference="torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)",
         replaces=(Replaces("*LayerNorm"),))
     return op

@@ -32,7 +32,7 @@ def spec() -> OpSpec:
         options=(Option("weight_offset", 0.0),),
         # torch's rms_norm scales by the weight alone: (offset + weight) rounded to a 16-bit
         # weight's dtype would not be the kernels' fp32 scale
-        reference="torch.nn.functional.rms_norm(input, shape, weight, eps)",
+        reference="torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)",
         reference_when="weight_offset == 0",
         # HF: LlamaRMSNorm, ... and the (1 + weight) scale of Gemma's and others (the probe
         # tells which); T5's and its kin's *LayerNorm are RMS norms

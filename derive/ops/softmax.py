@@ -16,5 +16,5 @@ def spec() -> OpSpec:
     op.output(p)
     op.save(p)
     op.api = DimAPI(function="softmax", module="Softmax", torch_function="torch.softmax",
-                    reference="torch.softmax(input, dim)")
+                    reference="torch.softmax(input, dim, dtype=dtype)")
     return op
