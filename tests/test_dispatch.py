@@ -182,6 +182,37 @@ def test_override_restores_and_checks(monkeypatch):
     assert not d.to_torch(fake((1, 1)))
 
 
+def test_forcing_sets_the_process_choice_for_a_block():
+    d = dispatch.Dispatch("op")
+    with dispatch.forcing("torch"):
+        assert d.to_torch(torch.ones(1))
+        with dispatch.forcing(None):
+            assert not d.to_torch(torch.ones(1))
+    assert dispatch.FORCED == "kernels"  # tests/conftest.py
+    with pytest.raises(ValueError, match="mode must be one of"):
+        with dispatch.forcing("eager"):
+            pass
+
+
+def test_patch_probes_prove_the_kernels(monkeypatch):
+    """patch_model's probe runs the kernels even where small calls run torch's expression."""
+    from generated.patch import patch_model
+
+    ran = []
+    real = layernorm._layernorm_fwd
+    monkeypatch.setattr(layernorm, "_layernorm_fwd",
+                        lambda *a, **k: ran.append(1) or real(*a, **k))
+    monkeypatch.setattr(dispatch, "FORCED", "torch")
+    model = torch.nn.Sequential(torch.nn.Linear(N, N), torch.nn.LayerNorm(N))
+    patch_model(model)
+    assert isinstance(model[1], layernorm.LayerNorm)
+    assert ran and dispatch.FORCED == "torch"
+    probed = len(ran)
+    with torch.no_grad():
+        model(torch.ones(2, N))
+    assert len(ran) == probed  # after the patch, torch's expression as forced
+
+
 def test_environment_variable_is_checked(monkeypatch):
     monkeypatch.setenv("VJPFORGE_DISPATCH", "torch")
     assert dispatch._mode() == "torch"

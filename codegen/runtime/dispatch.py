@@ -97,6 +97,20 @@ class Dispatch:
                 f"compiled={self.compiled!r})")
 
 
+@contextlib.contextmanager
+def forcing(mode: str | None):
+    """Within the block, `mode` ("kernels", "torch", or None: each op's measurements) decides
+    for every op, as VJPFORGE_DISPATCH does for the process; restored on exit."""
+    global FORCED
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"forcing(): mode must be one of {MODES} or None, got {mode!r}")
+    saved, FORCED = FORCED, mode
+    try:
+        yield
+    finally:
+        FORCED = saved
+
+
 def added(*tensors):
     """The sum of the tensors that are not None, left to right (torch's promotion); a new
     tensor even when only one is given, as the generated op's result is."""

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from codegen.runtime import dispatch
+
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
 KINDS = ("norm", "activation", "mlp", "loss")
 #: the kinds swapped unless `include` says otherwise (a loss only when asked for)
@@ -598,14 +600,16 @@ def _build_mlp(function, gate, up, down, layer_names, module):
 
 @contextlib.contextmanager
 def _probing(device: torch.device):
-    """No autograd graph, and the RNG state (the CPU's and the device's) as it was after."""
+    """No autograd graph, the RNG state (the CPU's and the device's) as it was after, and the
+    generated kernels at every size: the probe proves them, not torch's expression of the op
+    that small calls run (codegen/runtime/dispatch.py)."""
     if device.type == "cpu":
         fork = torch.random.fork_rng(devices=[])
     else:
         index = device.index if device.index is not None else getattr(torch, device.type) \
             .current_device()
         fork = torch.random.fork_rng(devices=[index], device_type=device.type)
-    with fork, torch.no_grad():
+    with fork, torch.no_grad(), dispatch.forcing("kernels"):
         yield
 
 
