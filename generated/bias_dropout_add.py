@@ -595,14 +595,16 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     each element's index; the backward regenerates it, nothing is stored. The same seed gives
     the same mask on the same device (and on the CPU torch path). `training=False` or
     `p=0` turns dropout off exactly.
+    With `seed=None` any mask will do: a call that runs torch's expression of the op (small
+    CUDA calls, codegen/runtime/dispatch.py) draws torch's own dropout mask.
     Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
     torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); nothing is kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if (p == 0 or training is False) and DISPATCH.to_torch(input):
+    if (p == 0 or training is False or seed is None) and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.added(input, bias, residual)
+        return dispatch.added(torch.nn.functional.dropout(input if bias is None else input + bias, p, training), residual)
 
     checks.check_input("bias_dropout_add", input, "input")
     residual = checks.check_like_input("bias_dropout_add", "residual", residual, input, "input")

@@ -61,8 +61,8 @@ def calls(dtype):
         ("bias_dropout_add eval", bias_dropout_add,
          lambda x, r, b: bias_dropout_add.bias_dropout_add(x, r, bias=b, training=False),
          (x, r, b)),
-        ("bias_dropout_add p=0", bias_dropout_add,
-         lambda x: bias_dropout_add.bias_dropout_add(x, None, p=0.0), (x,)),
+        ("bias_dropout_add seeded p=0", bias_dropout_add,
+         lambda x: bias_dropout_add.bias_dropout_add(x, None, p=0.0, seed=3), (x,)),
     ]
 
 
@@ -149,6 +149,20 @@ class FakeCuda(torch.Tensor):
 
 def fake(shape):
     return torch.empty(shape).as_subclass(FakeCuda)
+
+
+def test_unseeded_dropout_runs_torchs_dropout():
+    x, r = leaf(SHAPE, 1, torch.float64), leaf(SHAPE, 2, torch.float64)
+    b = leaf((N,), 3, torch.float64)
+    with bias_dropout_add.DISPATCH.override("torch"):
+        out = bias_dropout_add.bias_dropout_add(x, r, bias=b, p=0.5)
+    kept = (out - r).detach()
+    dropped = kept == 0
+    assert 0.2 < dropped.double().mean() < 0.8
+    torch.testing.assert_close(kept[~dropped], 2 * (x + b).detach()[~dropped])
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, (~dropped).double() * 2)
+    torch.testing.assert_close(r.grad, torch.ones_like(r))
 
 
 def test_measured_work_decides_for_cuda_tensors_only(monkeypatch):

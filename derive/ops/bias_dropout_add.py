@@ -27,7 +27,8 @@ def spec() -> OpSpec:
         function="bias_dropout_add", module="BiasDropoutAdd",
         torch_function="residual + torch.nn.functional.dropout(input + bias, p, training)",
         call_params=("bias",), inputs=("input", "residual"),
-        # with dropout off (torch's dropout draws another mask than the seeded one)
-        reference="dispatch.added(input, bias, residual)",
+        # torch's dropout draws another mask than a seeded one: with dropout off or no seed
+        reference="dispatch.added(torch.nn.functional.dropout("
+                  "input if bias is None else input + bias, p, training), residual)",
         options=(Option("p", 0.1, check="probability"),), dropout="p")
     return op
