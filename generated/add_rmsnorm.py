@@ -1465,8 +1465,6 @@ def add_rms_norm(
     return launch.shaped(outputs[0], input.shape)
 
 
-
-
 class AddRMSNorm(torch.nn.Module):
     """Same constructor, state_dict keys and behaviour as `torch.nn.RMSNorm`."""
 
@@ -1515,7 +1513,15 @@ class AddRMSNorm(torch.nn.Module):
         )
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
+        # what the installed torch shows of torch.nn.RMSNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.RMSNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             ", prenorm=True" if self.prenorm else ""
         ) + (
             ", residual_in_fp32=True" if self.residual_in_fp32 else ""

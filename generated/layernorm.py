@@ -1808,10 +1808,6 @@ def layer_norm(
     return launch.shaped(outputs[0], input.shape)
 
 
-# newer torch shows `bias=` in the repr of torch.nn.LayerNorm: match the installed one.
-_TORCH_REPR_SHOWS_BIAS = "bias=" in torch.nn.LayerNorm(1).extra_repr()
-
-
 class LayerNorm(torch.nn.Module):
     """Same constructor, state_dict keys and behaviour as `torch.nn.LayerNorm`."""
 
@@ -1857,9 +1853,16 @@ class LayerNorm(torch.nn.Module):
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, memory=self.memory)
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
-            f", bias={self.bias is not None}" if _TORCH_REPR_SHOWS_BIAS else ""
-        ) + (
+        # what the installed torch shows of torch.nn.LayerNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.LayerNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            bias=self.bias is not None,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 

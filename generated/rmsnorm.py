@@ -1170,8 +1170,6 @@ def rms_norm(
     return launch.shaped(outputs[0], input.shape)
 
 
-
-
 class RMSNorm(torch.nn.Module):
     """Same constructor, state_dict keys and behaviour as `torch.nn.RMSNorm`."""
 
@@ -1213,7 +1211,15 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, memory=self.memory)
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
+        # what the installed torch shows of torch.nn.RMSNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.RMSNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""

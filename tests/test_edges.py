@@ -8,6 +8,7 @@ the GPU, so the fast-math forms (`FIXED_N`: approximate rsqrt, fast exp) are che
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -346,16 +347,73 @@ NON_DEFAULT = {
 }
 
 
+#: each module's torch twin, and the constructor arguments the twin takes (beyond
+#: normalized_shape) with values to try
+TWINS = {
+    "LayerNorm": (layernorm.LayerNorm, torch.nn.LayerNorm),
+    "AddLayerNorm": (add_layernorm.AddLayerNorm, torch.nn.LayerNorm),
+    "RMSNorm": (rmsnorm.RMSNorm, torch.nn.RMSNorm),
+    "AddRMSNorm": (add_rmsnorm.AddRMSNorm, torch.nn.RMSNorm),
+}
+TWIN_ARGUMENTS = {
+    torch.nn.LayerNorm: {"eps": (1e-5, 1e-6), "elementwise_affine": (True, False),
+                         "bias": (True, False)},
+    torch.nn.RMSNorm: {"eps": (None, 1e-6), "elementwise_affine": (True, False)},
+}
+
+
+def twin_constructions(twin: type) -> list[dict]:
+    """Every combination of the twin's constructor arguments (TWIN_ARGUMENTS)."""
+    arguments = TWIN_ARGUMENTS[twin]
+    return [dict(zip(arguments, values, strict=True))
+            for values in itertools.product(*arguments.values())]
+
+
 @pytest.mark.parametrize("name", NON_DEFAULT)
 def test_repr_shows_every_option_that_differs_from_its_default(name):
+    """torch's own repr of the twin built with the arguments it takes, then ours that differ."""
     cls, options = NON_DEFAULT[name]
-    text = repr(cls(N, **options))
+    twin = TWINS[name][1]
+    text = cls(N, **options).extra_repr()
+    theirs = {k: v for k, v in options.items() if k in TWIN_ARGUMENTS[twin]}
+    assert text.startswith(twin(N, **theirs).extra_repr()), text
     for option, value in options.items():
-        assert f"{option}={value!r}" in text, f"{option}={value!r} missing from {text}"
-    twin = {"AddLayerNorm": torch.nn.LayerNorm, "AddRMSNorm": torch.nn.RMSNorm}.get(name)
-    if twin is not None:
-        # with the defaults, what torch's own module shows
-        assert cls(N).extra_repr() == twin(N).extra_repr()
+        if option not in theirs:
+            assert f"{option}={value!r}" in text, f"{option}={value!r} missing from {text}"
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_repr_is_torchs_for_every_constructor_combination(name):
+    ours, twin = TWINS[name]
+    for shape in (N, (2, 3)):
+        for arguments in twin_constructions(twin):
+            assert ours(shape, **arguments).extra_repr() == \
+                twin(shape, **arguments).extra_repr(), arguments
+
+
+#: what other torch versions may show: bias only when off, or not at all; eps only when set
+OTHER_TORCH_REPRS = {
+    (torch.nn.LayerNorm, "bias only when off"): lambda self: (
+        "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__) + (", bias=False" if self.bias is None else "")),
+    (torch.nn.LayerNorm, "no bias"): lambda self: (
+        "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__)),
+    (torch.nn.RMSNorm, "eps only when set"): lambda self: (
+        f"{self.normalized_shape}" + (f", eps={self.eps}" if self.eps is not None else "")
+        + f", elementwise_affine={self.elementwise_affine}"),
+}
+
+
+@pytest.mark.parametrize(("name", "variant"), [
+    (name, variant) for name, (_, twin) in TWINS.items()
+    for other, variant in OTHER_TORCH_REPRS if other is twin])
+def test_repr_follows_what_the_installed_torch_shows(monkeypatch, name, variant):
+    """With torch's extra_repr replaced by another version's, ours shows what that one does."""
+    ours, twin = TWINS[name]
+    monkeypatch.setattr(twin, "extra_repr", OTHER_TORCH_REPRS[twin, variant])
+    for arguments in twin_constructions(twin):
+        assert ours(N, **arguments).extra_repr() == twin(N, **arguments).extra_repr(), arguments
 
 
 @pytest.mark.parametrize("options", [{}, {"ignore_index": 3}, {"reduction": "sum"},
