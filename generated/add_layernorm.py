@@ -2170,8 +2170,8 @@ def add_layer_norm(
     on, kept in float32 with `residual_in_fp32=True`. A gradient flowing into the returned sum
     is added into the input gradients inside the same backward kernel.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.layer_norm` takes; the output has the dtype of the input
     (`input`, `residual` and `input_bias` promote as in torch's sum of
     them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
     path (the kernels under TRITON_INTERPRET=1).
@@ -2190,8 +2190,8 @@ def add_layer_norm(
     # what is added to the input promotes with it, as in torch's `input + residual`; the norm's
     # own parameters do not (torch's norms return their input's dtype)
     input, residual, input_bias = checks.promote(input, residual, input_bias)
-    weight = checks.check_param("add_layer_norm", "weight", weight, shape, input)
-    bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
+    weight = checks.check_param("add_layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
+    bias = checks.check_param("add_layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
     function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None

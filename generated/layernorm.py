@@ -1771,8 +1771,8 @@ def layer_norm(
 ):
     """Same arguments, defaults and result as `torch.nn.functional.layer_norm`.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.layer_norm` takes; the output has the dtype of the input
     (as torch's). CUDA tensors run the generated Triton kernels; CPU tensors run the generated
     torch path (the kernels under TRITON_INTERPRET=1).
 
@@ -1785,8 +1785,8 @@ def layer_norm(
     """
     checks.check_input("layer_norm", input)
     shape, columns = checks.check_normalized_shape("layer_norm", normalized_shape, input)
-    weight = checks.check_param("layer_norm", "weight", weight, shape, input)
-    bias = checks.check_param("layer_norm", "bias", bias, shape, input)
+    weight = checks.check_param("layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
+    bias = checks.check_param("layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("layer_norm", eps, input.dtype)
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:

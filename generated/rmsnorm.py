@@ -1132,8 +1132,8 @@ def rms_norm(
 ):
     """Same arguments, defaults and result as `torch.nn.functional.rms_norm`.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.rms_norm` takes; the output has the dtype of the input
     (as torch's). CUDA tensors run the generated Triton kernels; CPU tensors run the generated
     torch path (the kernels under TRITON_INTERPRET=1).
 
@@ -1145,7 +1145,7 @@ def rms_norm(
     """
     checks.check_input("rms_norm", input)
     shape, columns = checks.check_normalized_shape("rms_norm", normalized_shape, input)
-    weight = checks.check_param("rms_norm", "weight", weight, shape, input)
+    weight = checks.check_param("rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("rms_norm", "weight_offset", weight_offset)
     if weight is None:

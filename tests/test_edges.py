@@ -331,6 +331,85 @@ def test_norm_parameters_follow_the_promoted_input(device):
         add_layernorm.add_layer_norm(x, x.double(), (N,), torch.ones(N, device=device))
 
 
+# Parameter dtypes of the norms
+
+
+FLOATS = (H, B, S, D)
+
+
+def norm_tolerance(dtype: torch.dtype) -> dict:
+    """A few units in the last place of `dtype` (fp64 at the accumulator's own precision)."""
+    return FP64_TOL if dtype == D else {"rtol": 4 * torch.finfo(dtype).eps,
+                                        "atol": 4 * torch.finfo(dtype).eps}
+
+
+@pytest.mark.parametrize("weight_dtype", [*FLOATS, torch.int64, torch.bool])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rms_norm_takes_every_weight_dtype_torch_takes(device, dtype, weight_dtype):
+    """torch's rms_norm takes a weight of any real dtype, multiplies the normalised input by it
+    at its accumulator's precision and returns the input's dtype; the weight's gradient has the
+    weight's dtype. Ours (rms_norm and add_rms_norm) too, with torch's values."""
+    x = randn((M, N), seed=1, dtype=dtype)
+    weight = (randn((N,), seed=2, shift=1.0) * 3).to(weight_dtype)
+    grads = weight_dtype.is_floating_point
+    upstream = randn((M, N), seed=GRAD_SEED, dtype=dtype)
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_(grads)]
+    want = F.rms_norm(leaves[0], (N,), leaves[1], RMS_EPS)
+    want_grads = torch.autograd.grad(want, leaves[:1 + grads], upstream)
+    for ours in (lambda x, w: rmsnorm.rms_norm(x, (N,), w, RMS_EPS),
+                 lambda x, w: add_rmsnorm.add_rms_norm(x, None, (N,), w, RMS_EPS)):
+        leaves = [t.detach().to(device).requires_grad_(i == 0 or grads)
+                  for i, t in enumerate((x, weight))]
+        got = ours(*leaves)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.cpu(), want, **norm_tolerance(dtype))
+        got_grads = torch.autograd.grad(got, leaves[:1 + grads], upstream.to(device))
+        for mine, theirs in zip(got_grads, want_grads, strict=True):
+            assert mine.dtype == theirs.dtype
+            torch.testing.assert_close(mine.cpu(), theirs,
+                                       **norm_tolerance(max(dtype, theirs.dtype,
+                                                            key=lambda t: torch.finfo(t).eps)))
+
+
+def test_rms_norm_refuses_a_complex_weight():
+    x = randn((M, N), dtype=S)
+    with pytest.raises(TypeError, match="argument 'weight' must have a real dtype, got "
+                                        "torch.complex64"):
+        rmsnorm.rms_norm(x, (N,), torch.ones(N, dtype=torch.complex64))
+
+
+def test_layer_norm_takes_the_parameter_dtypes_torch_takes(monkeypatch):
+    """torch's layer_norm takes weight and bias of the input's dtype, or float32 for a 16-bit
+    input, and of one dtype when both are given; ours (layer_norm and add_layer_norm) take the
+    same combinations, with torch's result, and refuse the others naming the argument."""
+    select_torch_path(monkeypatch)
+    for dtype, weight_dtype, bias_dtype in itertools.product(FLOATS, (*FLOATS, None),
+                                                             (*FLOATS, None)):
+        x = randn((2, 8), seed=1, dtype=dtype)
+        weight = None if weight_dtype is None else randn((8,), seed=2, dtype=weight_dtype)
+        bias = None if bias_dtype is None else randn((8,), seed=3, dtype=bias_dtype)
+        combination = f"input {dtype}, weight {weight_dtype}, bias {bias_dtype}"
+        try:
+            want = F.layer_norm(x, (8,), weight, bias)
+        except RuntimeError:
+            want = None
+        for ours in (lambda x, w, b: layernorm.layer_norm(x, (8,), w, b),
+                     lambda x, w, b: add_layernorm.add_layer_norm(x, None, (8,), w, b)):
+            if want is None:
+                with pytest.raises(TypeError, match="argument '(weight|bias)' must have the "
+                                                    "dtype of"):
+                    ours(x, weight, bias)
+                continue
+            got = ours(x, weight, bias)
+            assert got.dtype == want.dtype, combination
+            torch.testing.assert_close(got, want, **norm_tolerance(dtype), msg=combination)
+
+
+def select_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls on CPU tensors take the torch path (argument checks are the same on both)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 # Module reprs
 
 

@@ -69,9 +69,12 @@ def column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.co
         acc += tl.load(
             partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0
         )
-    tl.store(
-        out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask
-    )
+    total = tl.sum(acc, axis=0)[None, :]
+    if not _FAST and acc.dtype == tl.float64 and out_ptr.dtype.element_ty == tl.bfloat16:
+        # the interpreter's float64 -> bfloat16 conversion takes the wrong bits (a bfloat16
+        # parameter of a float64 input): through float32
+        total = total.to(tl.float32)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
