@@ -351,9 +351,9 @@ class KernelContext:
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
                 "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
-                # a max is only ever a proven stabiliser, so any finite value serves a row
-                # with no finite element (fully masked), where -inf would make exp NaN
-                "finite": "a stabiliser: any finite value serves an all -inf row"})
+                # a max is only ever a proven stabiliser, so any finite shift serves; where the
+                # max is not finite (+inf, a fully masked row) exp(x - max) would be NaN
+                "finite": "a stabiliser: an infinite max shifts by a finite value"})
         return {
             "element_loads": [n for n in step.loads if n not in columns],
             "column_inputs": [self._column(n) for n in step.loads if n in columns],
@@ -441,8 +441,7 @@ class KernelContext:
             finish.append(f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
                           f"[:, None]{r['scale_suffix']}  # {r['formula']}")
             if r["op"] == "max":
-                finish.append(f'{name} = tl.where({name} == float("-inf"), 0.0, {name})'
-                              f"  # {r['finite']}")
+                finish.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
         for pair in sweep.fused:
             lines = (self._moments(pair) if isinstance(pair, Moments)
                      else self._online_exp(pair))
@@ -484,28 +483,30 @@ class KernelContext:
 
     def _online_exp(self, pair: OnlineExp) -> tuple[list[str], list[str], list[str]]:
         peak, total = pair.peak.name, pair.total.name
-        shift = sympy.Symbol(f"{peak}_shift", real=True)
+        shift = sympy.Symbol(f"{peak}_next", real=True)
         self._element.add(shift.name)
         term = self.print_named(total, pair.factor * sympy.exp(pair.peak.body - shift))
         body = self.print_named(peak, pair.peak.body)
         # the running max is the row's (a max over each step's tile), so the sum rescales once
-        # a step: one exponential an element, not two as with a running max per lane
+        # a step: one exponential an element, not two as with a running max per lane. The sum
+        # is kept at `_shift`, the running max's stable shift (`helpers.stable_shift`).
         init = [f'{peak}_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)',
+                f"{peak}_shift = tl.zeros((ROWS, 1), dtype=ACC)",
                 f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
         update = [
-            f'{peak}_next = tl.maximum({peak}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
+            f'{peak}_acc = tl.maximum({peak}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
             "axis=1)[:, None])",
-            # a row that has seen only -inf keeps a zero sum: shift by 0, not by -inf
-            f'{peak}_shift = tl.where({peak}_next == float("-inf"), 0.0, {peak}_next)',
-            f"{total}_acc = {total}_acc * tl.exp({peak}_acc - {peak}_shift) + "
-            f"tl.where(mask, {term}, 0.0)  # rescaled to the row's new max",
-            f"{peak}_acc = {peak}_next"]
+            f"{peak}_next = helpers.stable_shift({peak}_acc)",
+            # the shift only falls where a row of -inf so far (shift 0, every lane's sum 0)
+            # meets its first finite value: the factor is 1 there, so no lane's 0 meets an
+            # overflowed exp (0 * exp(1000) = NaN)
+            f"{total}_acc = {total}_acc * tl.exp(tl.minimum({peak}_shift - {peak}_next, 0.0))"
+            f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max",
+            f"{peak}_shift = {peak}_next"]
         merged = f"tl.sum({total}_acc, axis=1)[:, None]"
         finish = [
-            f"{peak} = {peak}_acc  # {peak} = "
-            f"{formula(pair.peak.scale)} * max_j({formula(pair.peak.body)})",
-            f'{peak} = tl.where({peak} == float("-inf"), 0.0, {peak})  # a stabiliser: any '
-            "finite value serves an all -inf row",
+            f"{peak} = {peak}_shift  # {peak} = {formula(pair.peak.scale)} * "
+            f"max_j({formula(pair.peak.body)}), infinities made finite",
             f"{total} = {self._scaled(pair.total, merged)}"
             f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
             "every lane at the row's max"]
@@ -584,8 +585,7 @@ class KernelContext:
             lines.append(f"{r['name']} = {r['scale_prefix']}tl.{r['op']}({partials}, axis=0)"
                          f"[:, None]{r['scale_suffix']}  # {r['formula']}")
             if r["op"] == "max":
-                lines.append(f'{r["name"]} = tl.where({r["name"]} == float("-inf"), 0.0, '
-                             f'{r["name"]})  # {r["finite"]}')
+                lines.append(f'{r["name"]} = helpers.stable_shift({r["name"]})  # {r["finite"]}')
         return lines + self.assign_lines(p["after"])
 
     def _args(self) -> list[str]:

@@ -2170,8 +2170,8 @@ def add_layer_norm(
     on, kept in float32 with `residual_in_fp32=True`. A gradient flowing into the returned sum
     is added into the input gradients inside the same backward kernel.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.layer_norm` takes; the output has the dtype of the input
     (`input`, `residual` and `input_bias` promote as in torch's sum of
     them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
     path (the kernels under TRITON_INTERPRET=1).
@@ -2194,8 +2194,8 @@ def add_layer_norm(
     # what is added to the input promotes with it, as in torch's `input + residual`; the norm's
     # own parameters do not (torch's norms return their input's dtype)
     input, residual, input_bias = checks.promote(input, residual, input_bias)
-    weight = checks.check_param("add_layer_norm", "weight", weight, shape, input)
-    bias = checks.check_param("add_layer_norm", "bias", bias, shape, input)
+    weight = checks.check_param("add_layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
+    bias = checks.check_param("add_layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
     function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
@@ -2222,10 +2222,6 @@ def add_layer_norm(
     if prenorm:
         return launch.shaped(outputs[0], input.shape), launch.shaped(outputs[1], input.shape)
     return launch.shaped(outputs[0], input.shape)
-
-
-# newer torch shows `bias=` in the repr of torch.nn.LayerNorm: match the installed one.
-_TORCH_REPR_SHOWS_BIAS = "bias=" in torch.nn.LayerNorm(1).extra_repr()
 
 
 class AddLayerNorm(torch.nn.Module):
@@ -2280,9 +2276,16 @@ class AddLayerNorm(torch.nn.Module):
         )
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
-            f", bias={self.bias is not None}" if _TORCH_REPR_SHOWS_BIAS else ""
-        ) + (
+        # what the installed torch shows of torch.nn.LayerNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.LayerNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            bias=self.bias is not None,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             ", prenorm=True" if self.prenorm else ""
         ) + (
             ", residual_in_fp32=True" if self.residual_in_fp32 else ""

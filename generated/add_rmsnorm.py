@@ -1414,8 +1414,8 @@ def add_rms_norm(
     on, kept in float32 with `residual_in_fp32=True`. A gradient flowing into the returned sum
     is added into the input gradients inside the same backward kernel.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.rms_norm` takes; the output has the dtype of the input
     (`input`, `residual` and `input_bias` promote as in torch's sum of
     them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
     path (the kernels under TRITON_INTERPRET=1).
@@ -1437,7 +1437,7 @@ def add_rms_norm(
     # what is added to the input promotes with it, as in torch's `input + residual`; the norm's
     # own parameters do not (torch's norms return their input's dtype)
     input, residual, input_bias = checks.promote(input, residual, input_bias)
-    weight = checks.check_param("add_rms_norm", "weight", weight, shape, input)
+    weight = checks.check_param("add_rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("add_rms_norm", "weight_offset", weight_offset)
     if weight is None:
@@ -1467,8 +1467,6 @@ def add_rms_norm(
     if prenorm:
         return launch.shaped(outputs[0], input.shape), launch.shaped(outputs[1], input.shape)
     return launch.shaped(outputs[0], input.shape)
-
-
 
 
 class AddRMSNorm(torch.nn.Module):
@@ -1519,7 +1517,15 @@ class AddRMSNorm(torch.nn.Module):
         )
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
+        # what the installed torch shows of torch.nn.RMSNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.RMSNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             ", prenorm=True" if self.prenorm else ""
         ) + (
             ", residual_in_fp32=True" if self.residual_in_fp32 else ""

@@ -73,7 +73,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+        row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
         part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
         e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
@@ -128,6 +128,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
         if ONE_SWEEP:
             target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
+            row_max_shift = tl.zeros((ROWS, 1), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -136,13 +137,12 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
                 target_gap_acc += tl.where(mask, target_logit - x, 0.0)
-                row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
-                row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, helpers.exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
-                row_max_acc = row_max_next
+                row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
+                row_max_next = helpers.stable_shift(row_max_acc)
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next), 0.0)  # rescaled to the row's new max
+                row_max_shift = row_max_next
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(target_logit - x)
-            row_max = row_max_acc  # row_max = 1 * max_j(x)
-            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            row_max = row_max_shift  # row_max = 1 * max_j(x), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
             part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
@@ -157,7 +157,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, target_ptr, loss_ptr, row_max_pt
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
-            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
             part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -271,7 +271,7 @@ def _cross_entropy_fwd_torch(x, target, ignore_index, label_smoothing, store_row
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
-    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     target_logit = (torch.where((key == target), x, 0.0).to(acc)).sum(dim=-1, keepdim=True)  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
     part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
@@ -317,7 +317,7 @@ def _cross_entropy_bwd_default_recorded_torch(x, dloss, target, ignore_index, la
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
-    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (1.0 / denominator * e + torch.where((key == target), -1.0 + torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc), 0.0).to(acc) + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N).to(acc))).to(acc), (M, N)).to(dtype).contiguous()

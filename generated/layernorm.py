@@ -1771,8 +1771,8 @@ def layer_norm(
 ):
     """Same arguments, defaults and result as `torch.nn.functional.layer_norm`.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.layer_norm` takes; the output has the dtype of the input
     (as torch's). CUDA tensors run the generated Triton kernels; CPU tensors run the generated
     torch path (the kernels under TRITON_INTERPRET=1).
 
@@ -1789,8 +1789,8 @@ def layer_norm(
 
     checks.check_input("layer_norm", input)
     shape, columns = checks.check_normalized_shape("layer_norm", normalized_shape, input)
-    weight = checks.check_param("layer_norm", "weight", weight, shape, input)
-    bias = checks.check_param("layer_norm", "bias", bias, shape, input)
+    weight = checks.check_param("layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
+    bias = checks.check_param("layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("layer_norm", eps, input.dtype)
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
@@ -1810,10 +1810,6 @@ def layer_norm(
             store_rstd=False,
         )
     return launch.shaped(outputs[0], input.shape)
-
-
-# newer torch shows `bias=` in the repr of torch.nn.LayerNorm: match the installed one.
-_TORCH_REPR_SHOWS_BIAS = "bias=" in torch.nn.LayerNorm(1).extra_repr()
 
 
 class LayerNorm(torch.nn.Module):
@@ -1861,9 +1857,16 @@ class LayerNorm(torch.nn.Module):
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, memory=self.memory)
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
-            f", bias={self.bias is not None}" if _TORCH_REPR_SHOWS_BIAS else ""
-        ) + (
+        # what the installed torch shows of torch.nn.LayerNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.LayerNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            bias=self.bias is not None,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )
 

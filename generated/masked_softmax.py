@@ -81,7 +81,7 @@ def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_m
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
         row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+        row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
         e = helpers.exp(z - row_max)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = helpers.guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
@@ -137,6 +137,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
         attention_mask_rows = offsets // (D1 * D2) * attention_mask_stride0 + offsets // D2 % D1 * attention_mask_stride1 + offsets % D2 * attention_mask_stride2
         if ONE_SWEEP:
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
+            row_max_shift = tl.zeros((ROWS, 1), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 col0 = chunk * BLOCK_N
@@ -150,12 +151,11 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-                row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
-                row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, helpers.exp(z - row_max_shift), 0.0)  # rescaled to the row's new max
-                row_max_acc = row_max_next
-            row_max = row_max_acc  # row_max = 1 * max_j(z)
-            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+                row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
+                row_max_next = helpers.stable_shift(row_max_acc)
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next), 0.0)  # rescaled to the row's new max
+                row_max_shift = row_max_next
+            row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
@@ -173,7 +173,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, z, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
-            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
@@ -335,7 +335,7 @@ def _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed,
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     z = torch.where((key <= query + window), attention_mask + scale * x, float("-inf")).to(acc)  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
     row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
-    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = helpers.guarded_reciprocal_torch(denominator) * e  # p = e*GuardedReciprocal(denominator)

@@ -1132,8 +1132,8 @@ def rms_norm(
 ):
     """Same arguments, defaults and result as `torch.nn.functional.rms_norm`.
 
-    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). A float16 or
-    bfloat16 input may come with float32 parameters; the output has the dtype of the input
+    Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
+    may have the dtypes `torch.nn.functional.rms_norm` takes; the output has the dtype of the input
     (as torch's). CUDA tensors run the generated Triton kernels; CPU tensors run the generated
     torch path (the kernels under TRITON_INTERPRET=1).
 
@@ -1149,7 +1149,7 @@ def rms_norm(
 
     checks.check_input("rms_norm", input)
     shape, columns = checks.check_normalized_shape("rms_norm", normalized_shape, input)
-    weight = checks.check_param("rms_norm", "weight", weight, shape, input)
+    weight = checks.check_param("rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("rms_norm", "weight_offset", weight_offset)
     if weight is None:
@@ -1172,8 +1172,6 @@ def rms_norm(
             store_rstd=False,
         )
     return launch.shaped(outputs[0], input.shape)
-
-
 
 
 class RMSNorm(torch.nn.Module):
@@ -1217,7 +1215,15 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, memory=self.memory)
 
     def extra_repr(self):
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__) + (
+        # what the installed torch shows of torch.nn.RMSNorm built alike (on the meta device:
+        # no memory), whichever of its arguments that torch version shows
+        twin = torch.nn.RMSNorm(
+            self.normalized_shape,
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+            device="meta",
+        )
+        return twin.extra_repr() + (
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""

@@ -52,7 +52,7 @@ def _softmax_fwd_per(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+        row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
         e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = 1.0 / denominator * e  # p = e/denominator
@@ -85,18 +85,18 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
         offsets = rows.to(tl.int64)
         if ONE_SWEEP:
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
+            row_max_shift = tl.zeros((ROWS, 1), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
-                row_max_next = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
-                row_max_shift = tl.where(row_max_next == float("-inf"), 0.0, row_max_next)
-                denominator_acc = denominator_acc * tl.exp(row_max_acc - row_max_shift) + tl.where(mask, helpers.exp(x - row_max_shift), 0.0)  # rescaled to the row's new max
-                row_max_acc = row_max_next
-            row_max = row_max_acc  # row_max = 1 * max_j(x)
-            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+                row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
+                row_max_next = helpers.stable_shift(row_max_acc)
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next), 0.0)  # rescaled to the row's new max
+                row_max_shift = row_max_next
+            row_max = row_max_shift  # row_max = 1 * max_j(x), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
@@ -107,7 +107,7 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
-            row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+            row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -256,7 +256,7 @@ def _softmax_fwd_torch(x):
     M, N = x.shape
     x = x.to(acc)
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
-    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a stabiliser: any finite value serves an all -inf row
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = 1.0 / denominator * e  # p = e/denominator

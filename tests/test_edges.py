@@ -8,6 +8,7 @@ the GPU, so the fast-math forms (`FIXED_N`: approximate rsqrt, fast exp) are che
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -20,10 +21,12 @@ from reference import (
     FP64_TOL,
     GRAD_SEED,
     LOW_PRECISION_ATOL,
+    at_infinity,
     bf16_toward_zero,
     force_looped,
     max_abs_error,
     randn,
+    softmax_through_logsumexp,
 )
 
 import generated.add_layernorm as add_layernorm
@@ -328,6 +331,85 @@ def test_norm_parameters_follow_the_promoted_input(device):
         add_layernorm.add_layer_norm(x, x.double(), (N,), torch.ones(N, device=device))
 
 
+# Parameter dtypes of the norms
+
+
+FLOATS = (H, B, S, D)
+
+
+def norm_tolerance(dtype: torch.dtype) -> dict:
+    """A few units in the last place of `dtype` (fp64 at the accumulator's own precision)."""
+    return FP64_TOL if dtype == D else {"rtol": 4 * torch.finfo(dtype).eps,
+                                        "atol": 4 * torch.finfo(dtype).eps}
+
+
+@pytest.mark.parametrize("weight_dtype", [*FLOATS, torch.int64, torch.bool])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rms_norm_takes_every_weight_dtype_torch_takes(device, dtype, weight_dtype):
+    """torch's rms_norm takes a weight of any real dtype, multiplies the normalised input by it
+    at its accumulator's precision and returns the input's dtype; the weight's gradient has the
+    weight's dtype. Ours (rms_norm and add_rms_norm) too, with torch's values."""
+    x = randn((M, N), seed=1, dtype=dtype)
+    weight = (randn((N,), seed=2, shift=1.0) * 3).to(weight_dtype)
+    grads = weight_dtype.is_floating_point
+    upstream = randn((M, N), seed=GRAD_SEED, dtype=dtype)
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_(grads)]
+    want = F.rms_norm(leaves[0], (N,), leaves[1], RMS_EPS)
+    want_grads = torch.autograd.grad(want, leaves[:1 + grads], upstream)
+    for ours in (lambda x, w: rmsnorm.rms_norm(x, (N,), w, RMS_EPS),
+                 lambda x, w: add_rmsnorm.add_rms_norm(x, None, (N,), w, RMS_EPS)):
+        leaves = [t.detach().to(device).requires_grad_(i == 0 or grads)
+                  for i, t in enumerate((x, weight))]
+        got = ours(*leaves)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.cpu(), want, **norm_tolerance(dtype))
+        got_grads = torch.autograd.grad(got, leaves[:1 + grads], upstream.to(device))
+        for mine, theirs in zip(got_grads, want_grads, strict=True):
+            assert mine.dtype == theirs.dtype
+            torch.testing.assert_close(mine.cpu(), theirs,
+                                       **norm_tolerance(max(dtype, theirs.dtype,
+                                                            key=lambda t: torch.finfo(t).eps)))
+
+
+def test_rms_norm_refuses_a_complex_weight():
+    x = randn((M, N), dtype=S)
+    with pytest.raises(TypeError, match="argument 'weight' must have a real dtype, got "
+                                        "torch.complex64"):
+        rmsnorm.rms_norm(x, (N,), torch.ones(N, dtype=torch.complex64))
+
+
+def test_layer_norm_takes_the_parameter_dtypes_torch_takes(monkeypatch):
+    """torch's layer_norm takes weight and bias of the input's dtype, or float32 for a 16-bit
+    input, and of one dtype when both are given; ours (layer_norm and add_layer_norm) take the
+    same combinations, with torch's result, and refuse the others naming the argument."""
+    select_torch_path(monkeypatch)
+    for dtype, weight_dtype, bias_dtype in itertools.product(FLOATS, (*FLOATS, None),
+                                                             (*FLOATS, None)):
+        x = randn((2, 8), seed=1, dtype=dtype)
+        weight = None if weight_dtype is None else randn((8,), seed=2, dtype=weight_dtype)
+        bias = None if bias_dtype is None else randn((8,), seed=3, dtype=bias_dtype)
+        combination = f"input {dtype}, weight {weight_dtype}, bias {bias_dtype}"
+        try:
+            want = F.layer_norm(x, (8,), weight, bias)
+        except RuntimeError:
+            want = None
+        for ours in (lambda x, w, b: layernorm.layer_norm(x, (8,), w, b),
+                     lambda x, w, b: add_layernorm.add_layer_norm(x, None, (8,), w, b)):
+            if want is None:
+                with pytest.raises(TypeError, match="argument '(weight|bias)' must have the "
+                                                    "dtype of"):
+                    ours(x, weight, bias)
+                continue
+            got = ours(x, weight, bias)
+            assert got.dtype == want.dtype, combination
+            torch.testing.assert_close(got, want, **norm_tolerance(dtype), msg=combination)
+
+
+def select_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls on CPU tensors take the torch path (argument checks are the same on both)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 # Module reprs
 
 
@@ -344,16 +426,73 @@ NON_DEFAULT = {
 }
 
 
+#: each module's torch twin, and the constructor arguments the twin takes (beyond
+#: normalized_shape) with values to try
+TWINS = {
+    "LayerNorm": (layernorm.LayerNorm, torch.nn.LayerNorm),
+    "AddLayerNorm": (add_layernorm.AddLayerNorm, torch.nn.LayerNorm),
+    "RMSNorm": (rmsnorm.RMSNorm, torch.nn.RMSNorm),
+    "AddRMSNorm": (add_rmsnorm.AddRMSNorm, torch.nn.RMSNorm),
+}
+TWIN_ARGUMENTS = {
+    torch.nn.LayerNorm: {"eps": (1e-5, 1e-6), "elementwise_affine": (True, False),
+                         "bias": (True, False)},
+    torch.nn.RMSNorm: {"eps": (None, 1e-6), "elementwise_affine": (True, False)},
+}
+
+
+def twin_constructions(twin: type) -> list[dict]:
+    """Every combination of the twin's constructor arguments (TWIN_ARGUMENTS)."""
+    arguments = TWIN_ARGUMENTS[twin]
+    return [dict(zip(arguments, values, strict=True))
+            for values in itertools.product(*arguments.values())]
+
+
 @pytest.mark.parametrize("name", NON_DEFAULT)
 def test_repr_shows_every_option_that_differs_from_its_default(name):
+    """torch's own repr of the twin built with the arguments it takes, then ours that differ."""
     cls, options = NON_DEFAULT[name]
-    text = repr(cls(N, **options))
+    twin = TWINS[name][1]
+    text = cls(N, **options).extra_repr()
+    theirs = {k: v for k, v in options.items() if k in TWIN_ARGUMENTS[twin]}
+    assert text.startswith(twin(N, **theirs).extra_repr()), text
     for option, value in options.items():
-        assert f"{option}={value!r}" in text, f"{option}={value!r} missing from {text}"
-    twin = {"AddLayerNorm": torch.nn.LayerNorm, "AddRMSNorm": torch.nn.RMSNorm}.get(name)
-    if twin is not None:
-        # with the defaults, what torch's own module shows
-        assert cls(N).extra_repr() == twin(N).extra_repr()
+        if option not in theirs:
+            assert f"{option}={value!r}" in text, f"{option}={value!r} missing from {text}"
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_repr_is_torchs_for_every_constructor_combination(name):
+    ours, twin = TWINS[name]
+    for shape in (N, (2, 3)):
+        for arguments in twin_constructions(twin):
+            assert ours(shape, **arguments).extra_repr() == \
+                twin(shape, **arguments).extra_repr(), arguments
+
+
+#: what other torch versions may show: bias only when off, or not at all; eps only when set
+OTHER_TORCH_REPRS = {
+    (torch.nn.LayerNorm, "bias only when off"): lambda self: (
+        "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__) + (", bias=False" if self.bias is None else "")),
+    (torch.nn.LayerNorm, "no bias"): lambda self: (
+        "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__)),
+    (torch.nn.RMSNorm, "eps only when set"): lambda self: (
+        f"{self.normalized_shape}" + (f", eps={self.eps}" if self.eps is not None else "")
+        + f", elementwise_affine={self.elementwise_affine}"),
+}
+
+
+@pytest.mark.parametrize(("name", "variant"), [
+    (name, variant) for name, (_, twin) in TWINS.items()
+    for other, variant in OTHER_TORCH_REPRS if other is twin])
+def test_repr_follows_what_the_installed_torch_shows(monkeypatch, name, variant):
+    """With torch's extra_repr replaced by another version's, ours shows what that one does."""
+    ours, twin = TWINS[name]
+    monkeypatch.setattr(twin, "extra_repr", OTHER_TORCH_REPRS[twin, variant])
+    for arguments in twin_constructions(twin):
+        assert ours(N, **arguments).extra_repr() == twin(N, **arguments).extra_repr(), arguments
 
 
 @pytest.mark.parametrize("options", [{}, {"ignore_index": 3}, {"reduction": "sum"},
@@ -396,11 +535,15 @@ SPECIAL = {
         layernorm, lambda x, w, m=memory: layernorm.layer_norm(x, (37,), w, memory=m),
         lambda x, w: F.layer_norm(x, (37,), w), True)
        for memory in ("default", "recompute_mean", "invertible")},
-    "softmax": (softmax, lambda x: softmax.softmax(x, -1), lambda x: torch.softmax(x, -1), False),
+    # a row holding +inf: torch.logsumexp's values (tests/test_inf_rows.py)
+    "softmax": (softmax, lambda x: softmax.softmax(x, -1),
+                at_infinity(lambda x: torch.softmax(x, -1), softmax_through_logsumexp), False),
     "cross_entropy": (
         cross_entropy,
         lambda x: cross_entropy.cross_entropy(x, SPECIAL_TARGET.to(x.device), reduction="none"),
-        lambda x: F.cross_entropy(x, SPECIAL_TARGET.to(x.device), reduction="none"), False),
+        at_infinity(lambda x: F.cross_entropy(x, SPECIAL_TARGET.to(x.device), reduction="none"),
+                    lambda x: torch.logsumexp(x, -1) - x[torch.arange(5), SPECIAL_TARGET]),
+        False),
 }
 
 

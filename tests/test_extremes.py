@@ -12,6 +12,11 @@ is not finite (an intermediate overflowed: its layer_norm's variance at |x| = 1e
 gelu_tanh backward's x² there), torch has no error to be within: ours may be any value but a
 non-finite one that torch does not give.
 
+On a row holding +inf, the ops that stabilise with a row max shift by 0 there, as
+torch.logsumexp does, where torch's softmax and cross-entropy shift by the +inf itself and give
+NaN in every entry: their reference on such a row is torch's logsumexp composed,
+exp(x - logsumexp(x)) and logsumexp(x) - x[target] (tests/test_inf_rows.py has the cases).
+
 A memory mode that keeps the output instead of the input (invertible) recovers x_hat from
 y = x_hat·w + b, which holds none of x_hat's digits below b's ulp: that is the mode's trade, not
 a numerics fault, so only the default modes are swept here.
@@ -27,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import randn
+from reference import at_infinity, randn, softmax_through_logsumexp
 
 import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
@@ -103,11 +108,12 @@ def attention_scores(magnitude: float) -> list:
 def causal_softmax(x: torch.Tensor) -> torch.Tensor:
     """torch.softmax of x / 2 with the keys after the query masked out (-inf whatever x holds
     there), a row with no live key 0 with a 0 gradient (torch gives NaN there; masked_softmax
-    documents 0, as attention kernels do)."""
+    documents 0, as attention kernels do); a row holding +inf through logsumexp."""
     future = torch.ones(ROWS, WIDTH, dtype=torch.bool).triu(1)
     z = (x * 0.5).masked_fill(future, -math.inf)
     dead = z.amax(-1, keepdim=True) == -math.inf
-    return torch.where(dead, 0.0, torch.softmax(torch.where(dead, 0.0, z), -1))
+    live = at_infinity(lambda t: torch.softmax(t, -1), softmax_through_logsumexp)
+    return torch.where(dead, 0.0, live(torch.where(dead, 0.0, z)))
 
 
 def ce(smoothing: float) -> tuple[Callable, Callable]:
@@ -118,7 +124,12 @@ def ce(smoothing: float) -> tuple[Callable, Callable]:
     def theirs(x):
         return F.cross_entropy(x, TARGET, label_smoothing=smoothing, reduction="none")
 
-    return ours, theirs
+    def through_logsumexp(x):
+        picked = x.gather(-1, TARGET[:, None])
+        loss = torch.logsumexp(x, -1) - picked[:, 0]
+        return loss + smoothing * (picked - x).mean(-1) if smoothing else loss
+
+    return ours, at_infinity(theirs, through_logsumexp)
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -131,7 +142,8 @@ CASES = {
                       rowwise=False),
     "swiglu": Case(swiglu.swiglu, lambda g, u: F.silu(g) * u, glu, 2, rowwise=False),
     "geglu": Case(geglu.geglu, lambda g, u: F.gelu(g) * u, glu, 2, rowwise=False),
-    "softmax": Case(softmax.softmax, lambda x: torch.softmax(x, -1), activation),
+    "softmax": Case(softmax.softmax, at_infinity(lambda x: torch.softmax(x, -1),
+                                                 softmax_through_logsumexp), activation),
     "masked_softmax": Case(lambda x: masked_softmax.masked_softmax(x, scale=0.5, causal=True),
                            causal_softmax, attention_scores),
     "cross_entropy": Case(*ce(0.0), activation),

@@ -24,11 +24,25 @@ def check_input(function, input, name="input"):
         )
 
 
-def check_param(function, name, param, shape, input, promotes=False):
-    """A per-column parameter of `shape`. A norm's weight and bias (`promotes=False`) have the
-    input's dtype, or float32 for a 16-bit input, and leave the output in the input's dtype (as
-    torch's layer_norm); a tensor added to the input (`promotes=True`: the bias of the layer
-    before) may have any floating dtype and promotes with the input (`promote`)."""
+#: the parameter dtypes of torch's norms beyond layer_norm's rule (check_param), by function:
+#: rms_norm multiplies the normalised input by the weight at its accumulator's precision
+#: (float32 for a 16-bit input) whatever the weight's dtype, as the kernels read a parameter
+ANY_PARAM_DTYPE = frozenset({"torch.nn.functional.rms_norm"})
+#: torch functions whose parameters share one dtype (layer_norm's kernel refuses a float32
+#: weight with a float16 bias for a float16 input)
+ONE_PARAM_DTYPE = frozenset({"torch.nn.functional.layer_norm"})
+
+
+def check_param(function, name, param, shape, input, promotes=False, torch_function=None,
+                checked=None):
+    """A per-column parameter of `shape`. A norm's weight and bias (`promotes=False`) leave the
+    output in the input's dtype, as torch's norms, and take the dtypes its counterpart
+    `torch_function` takes: the input's, or float32 for a 16-bit input (torch's layer_norm, and
+    the rule of a norm without a torch counterpart); for those in ONE_PARAM_DTYPE also the dtype
+    of the parameters `checked` before ({name: tensor or None}); for those in ANY_PARAM_DTYPE
+    any real dtype (an integer or bool one is read as the accumulator's float, as torch does).
+    A tensor added to the input (`promotes=True`: the bias of the layer before) may have any
+    floating dtype and promotes with the input (`promote`)."""
     if param is None:
         return None
     if not isinstance(param, torch.Tensor):
@@ -53,6 +67,14 @@ def check_param(function, name, param, shape, input, promotes=False):
                 f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
                 f"float64, got {dtype}"
             )
+    elif torch_function in ANY_PARAM_DTYPE:
+        if dtype.is_complex:
+            raise TypeError(
+                f"{function}(): argument '{name}' must have a real dtype, got {dtype}"
+            )
+        if dtype not in FLOAT_DTYPES:
+            # what torch multiplies by: the weight at the accumulator's precision
+            param = param.to(torch.float64 if input.dtype == torch.float64 else torch.float32)
     elif dtype != input.dtype and not (
         dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
     ):
@@ -61,6 +83,13 @@ def check_param(function, name, param, shape, input, promotes=False):
             "float32 for a "
             f"float16/bfloat16 input, got {dtype}"
         )
+    elif torch_function in ONE_PARAM_DTYPE:
+        for other, tensor in (checked or {}).items():
+            if tensor is not None and tensor.dtype != dtype:
+                raise TypeError(
+                    f"{function}(): argument '{name}' must have the dtype of '{other}' "
+                    f"({tensor.dtype}), got {dtype}"
+                )
     if param.dim() != 1:
         param = param.reshape(-1)
     # the kernels read a parameter's columns one element apart: a strided one (w[::2]) is copied

@@ -7,6 +7,7 @@ compiles a helper into each kernel that calls it, so a helper costs nothing at r
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -68,9 +69,12 @@ def column_sum(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.co
         acc += tl.load(
             partial_ptr + rows.to(tl.int64) * N + cols, mask=(rows < P) & col_mask, other=0.0
         )
-    tl.store(
-        out_ptr + cols, tl.sum(acc, axis=0)[None, :].to(out_ptr.dtype.element_ty), mask=col_mask
-    )
+    total = tl.sum(acc, axis=0)[None, :]
+    if not _FAST and acc.dtype == tl.float64 and out_ptr.dtype.element_ty == tl.bfloat16:
+        # the interpreter's float64 -> bfloat16 conversion takes the wrong bits (a bfloat16
+        # parameter of a float64 input): through float32
+        total = total.to(tl.float32)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -149,6 +153,26 @@ def log1p(v):
     u = 1.0 + v
     exact = tl.log(u) * (v / (u - 1.0))
     return tl.where(u == 1.0, v, tl.where(u == float("inf"), u, exact))
+
+
+@triton.jit
+def stable_shift(peak):
+    """The shift of a stabilising row max: the max where finite, the largest finite value
+    where it is +inf, 0 where it is -inf (a row of -inf, or fully masked). Any finite shift
+    serves a stabiliser; these keep exp(x - shift) what the formula without the shift gives
+    at the infinities, as torch.logsumexp: inf at a +inf, 0 at every finite x of its row
+    (never exp(inf - inf) = NaN), 0 throughout a row of -inf. A NaN max stays NaN."""
+    if peak.dtype == tl.float64:
+        largest = 1.7976931348623157e308
+    else:
+        largest = 3.4028234663852886e38
+    return tl.where(peak == float("inf"), largest, tl.where(peak == float("-inf"), 0.0, peak))
+
+
+def stable_shift_torch(peak):
+    """`stable_shift` in plain torch."""
+    largest = torch.finfo(peak.dtype).max
+    return torch.where(peak == math.inf, largest, torch.where(peak == -math.inf, 0.0, peak))
 
 
 @triton.jit
