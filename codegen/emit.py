@@ -620,9 +620,11 @@ class KernelContext:
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
                   schedule: ScheduleTable = DEFAULT, *,
-                  recorded: dict[str, tuple[Any, Kernel | None] | None]) -> str:
+                  recorded: dict[str, tuple[Any, Kernel | None] | None],
+                  siblings: dict[str, Any] | None = None) -> str:
     """`recorded`: per mode, the backward autograd can record (derive/higher.py's
-    RecordedBackward) and the kernel derived for it (None: the mode's own), or None."""
+    RecordedBackward) and the kernel derived for it (None: the mode's own), or None.
+    `siblings`: the APIs of the ops the API's variant argument selects, by op name."""
     env = environment()
     params = list(module.params)
     extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
@@ -683,6 +685,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "split_exchange": any(m["bwd"].split_span for m in modes),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
+        "siblings": siblings or {},
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
 

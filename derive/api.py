@@ -40,6 +40,32 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A string argument whose values select the op that computes the call, as torch's
+    `approximate` of gelu ("none" or "tanh"): `ops` maps each value to an op of derive/ops/,
+    None for this op, which the first value (the default) must select. Another op's function
+    is called with the call's other arguments, so its API takes the same ones. Any other value
+    raises as torch does: RuntimeError, or TypeError for a value that is not a str. Keyword-only
+    in the function (as torch's), the module's first constructor argument."""
+
+    name: str
+    ops: tuple[tuple[str, str | None], ...]
+
+    @property
+    def default(self) -> str:
+        return self.ops[0][0]
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        return tuple(value for value, _ in self.ops)
+
+    @property
+    def others(self) -> tuple[tuple[str, str], ...]:
+        """(value, op) of the values another op computes."""
+        return tuple((value, op) for value, op in self.ops if op is not None)
+
+
+@dataclass(frozen=True)
 class Replaces:
     """What this op stands in for in patch_model(). A candidate is found by `pattern` (an fnmatch
     pattern of its class name; of the model's class name for a loss) or, for an MLP, by its
@@ -120,6 +146,8 @@ class ElementwiseAPI:
     switches: tuple[Switch, ...] = ()
     #: broadcast inputs that are additive masks: a bool tensor is taken as keep (0) / drop (-inf)
     additive_masks: tuple[str, ...] = ()
+    #: a string argument whose values select this op or a sibling (torch's `approximate`)
+    variant: Variant | None = None
 
     kind = "elementwise"
 
@@ -281,6 +309,8 @@ def api_mismatches(spec) -> list[str]:
                                 f"({', '.join(api.inputs)})")
         if api.dropout is not None and api.dropout not in options:
             problems.append(f"dropout '{api.dropout}' is not one of the API's options")
+        if api.variant is not None:
+            problems += _variant_problems(api.variant, spec.name)
         problems += _outputs(outputs, Level.ELEMENT, 1)
     elif isinstance(api, RowLossAPI):
         if kinds.get(api.target) is not Kind.ROW_INPUT:
@@ -350,6 +380,8 @@ def _names(api, values: set[str]) -> list[str]:
     arguments += [o.name for o in getattr(api, "options", ())]
     arguments += [s.name for s in getattr(api, "switches", ())]
     arguments += [p.flag for p in getattr(api, "params", ()) if p.flag]
+    if getattr(api, "variant", None) is not None:
+        arguments.append(api.variant.name)
     own = _OWN_ARGUMENTS[api.kind]
     for name in arguments:
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -359,6 +391,67 @@ def _names(api, values: set[str]) -> list[str]:
                             "itself; choose another name (an option is named as its scalar)")
     for name in sorted({n for n in arguments if arguments.count(n) > 1}):
         problems.append(f"argument '{name}' is named twice")
+    return problems
+
+
+def _variant_problems(variant: Variant, op: str) -> list[str]:
+    """What in a Variant the generated code could not act on (its ops are checked against
+    their specs by `variant_mismatches`)."""
+    if not isinstance(variant, Variant):
+        return [f"variant must be a Variant, got {type(variant).__name__}"]
+    where = f"Variant('{variant.name}')"
+    values = [value for value, _ in variant.ops]
+    if not values or variant.ops[0][1] is not None:
+        return [f"{where}: its first value (the default) must select this op (None)"]
+    problems = []
+    for value, target in variant.ops:
+        if not isinstance(value, str) or not value or not value.isprintable() \
+                or any(c in value for c in "\"'\\{}"):
+            problems.append(f"{where}: value {value!r} must be a non-empty str without quotes, "
+                            "backslashes or braces (it is written into the generated code)")
+        if target is not None and (not isinstance(target, str) or not target.isidentifier()
+                                   or keyword.iskeyword(target) or target == op):
+            problems.append(f"{where}: value {value!r} selects {target!r}, which must be the "
+                            "name of another op (derive/ops/<name>.py), or None for this one")
+    if sum(target is None for _, target in variant.ops) != 1:
+        problems.append(f"{where}: exactly one value (the first) selects this op (None)")
+    for value in sorted({v for v in values if isinstance(v, str) and values.count(v) > 1}):
+        problems.append(f"{where}: value {value!r} is listed twice")
+    return problems
+
+
+def variant_mismatches(api, siblings: dict[str, object]) -> list[str]:
+    """What in `api.variant` does not match the ops it selects (`siblings`: op name -> that
+    op's API, None where no such op exists): each must exist and take the same arguments, as
+    the call is passed on to its function unchanged."""
+    variant = getattr(api, "variant", None)
+    if variant is None:
+        return []
+    problems = []
+    for value, op in variant.others:
+        other = siblings.get(op)
+        where = f"Variant('{variant.name}'): value {value!r} selects op '{op}'"
+        if other is None:
+            problems.append(f"{where}, which is not an op of derive/ops/")
+            continue
+        if type(other) is not type(api):
+            problems.append(f"{where}, whose API is a {type(other).__name__}, not a "
+                            f"{type(api).__name__}")
+            continue
+        if getattr(other, "variant", None) is not None:
+            problems.append(f"{where}, which has a variant argument of its own")
+        for field in ("inputs", "call_params", "dropout", "additive_masks"):
+            if getattr(other, field) != getattr(api, field):
+                problems.append(f"{where}, whose {field} {getattr(other, field)!r} differ from "
+                                f"this op's {getattr(api, field)!r}")
+        for field in ("options", "switches"):
+            mine = [(o.name, o.default) if field == "options" else o.name
+                    for o in getattr(api, field) if not getattr(o, "module_only", False)]
+            theirs = [(o.name, o.default) if field == "options" else o.name
+                      for o in getattr(other, field) if not getattr(o, "module_only", False)]
+            if mine != theirs:
+                problems.append(f"{where}, whose {field} {theirs!r} differ from this op's "
+                                f"{mine!r}")
     return problems
 
 

@@ -12,6 +12,15 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# Errors of torch's types: where torch raises RuntimeError (or IndexError) for a bad argument,
+# ours is an instance of that type too, and of the ValueError or TypeError it always was, so
+# `except RuntimeError` written against torch and `except ValueError` both catch it.
+
+
+class OptionError(ValueError, RuntimeError):
+    """An argument's value outside what it may take, where torch raises RuntimeError."""
+
+
 def check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
         raise TypeError(
@@ -315,3 +324,18 @@ def check_choice(function, name, value, choices):
             f"got {value!r}"
         )
     return choices[value]
+
+
+def check_variant(function, name, value, values):
+    """A str argument that is one of `values` (torch's gelu `approximate`): any other str raises
+    OptionError (a RuntimeError, as torch's), a value of another type TypeError."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be str, not {type(value).__name__}"
+        )
+    if value not in values:
+        raise OptionError(
+            f"{function}(): argument '{name}' must be one of {', '.join(map(repr, values))}, "
+            f"got {value!r}"
+        )
+    return value
