@@ -154,15 +154,21 @@ class ElementwiseAPI:
 
 @dataclass(frozen=True)
 class RowLossAPI:
-    """`function(input, target, *, <options>, reduction="mean")` as torch.nn.functional.<name>:
-    one loss per row of `input` (..., N) with an integer class `target` (...) per row; rows whose
-    target is the `ignore` option weigh 0 and do not count in the mean. Plus an nn.Module."""
+    """`function(input, target, weight=None, size_average=None, <ignore>=..., reduce=None,
+    reduction="mean", <options>, *, class_dim=None)` as torch.nn.functional.cross_entropy: one
+    loss per row of the class dim (dim 1 of an input of 2 or more dims, as torch's; the last
+    with class_dim=-1) with an integer class `target` per row; rows whose target is the `ignore`
+    option weigh 0 and do not count in the mean. `weight`, if the spec takes class weights:
+    the column_param (grad=False, absent=1) holding them, given as torch's `weight` argument;
+    the mean then divides by the sum of the counted rows' target weights, as torch's. Plus an
+    nn.Module holding the weights as a buffer, as torch.nn.<module>."""
 
     function: str
     module: str
     torch_function: str
     target: str
     ignore: str
+    weight: str | None = None
     options: tuple[Option, ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
@@ -196,7 +202,7 @@ _OWN_ARGUMENTS = {
                          "residual_in_fp32", "elementwise_affine", "device", "dtype"},
     "dim": {"input", "dim"},
     "elementwise": {"training", "seed"},
-    "row_loss": {"input", "reduction"},
+    "row_loss": {"input", "weight", "size_average", "reduce", "reduction", "class_dim"},
     "reduction": {"input", "dim", "keepdim"},
 }
 
@@ -317,9 +323,16 @@ def api_mismatches(spec) -> list[str]:
             problems.append(f"target '{api.target}' is not a row_input of the spec")
         if api.ignore not in options:
             problems.append(f"ignore '{api.ignore}' is not one of the API's options")
-        if len(inputs) != 1 or params:
-            problems.append("RowLossAPI takes one input and no parameters; the spec declares "
-                            f"inputs {', '.join(inputs)} and parameters "
+        if api.weight is not None:
+            node = spec.node(api.weight) if api.weight in kinds else None
+            if node is None or node.kind is not Kind.COLUMN_PARAM or node.grad \
+                    or node.absent != 1:
+                problems.append(f"weight '{api.weight}' must be a column_param of the spec "
+                                "declared absent=1, grad=False (class weights, 1 where not "
+                                "given, never differentiated)")
+        if len(inputs) != 1 or [p for p in params if p != api.weight]:
+            problems.append("RowLossAPI takes one input and no parameters besides its weight; "
+                            f"the spec declares inputs {', '.join(inputs)} and parameters "
                             f"{', '.join(params) or 'none'}")
         problems += _outputs(outputs, Level.ROW, 1)
     elif isinstance(api, ReductionAPI):
@@ -328,6 +341,10 @@ def api_mismatches(spec) -> list[str]:
                             f"inputs {', '.join(inputs)} and parameters "
                             f"{', '.join(params) or 'none'}")
         problems += _outputs(outputs, Level.ROW, 1)
+    for n in spec.nodes:
+        if n.kind is Kind.COLUMN_PARAM and not n.grad and n.name != getattr(api, "weight", None):
+            problems.append(f"column_param '{n.name}' is declared grad=False, which only a "
+                            "RowLossAPI takes (as its weight=)")
     target = getattr(api, "target", None)
     for name in row_inputs:
         if name != target:

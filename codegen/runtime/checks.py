@@ -21,6 +21,26 @@ class OptionError(ValueError, RuntimeError):
     """An argument's value outside what it may take, where torch raises RuntimeError."""
 
 
+class ShapeError(ValueError, RuntimeError):
+    """A tensor of the wrong shape (torch: RuntimeError)."""
+
+
+class DeviceError(ValueError, RuntimeError):
+    """A tensor on another device than the input's (torch: RuntimeError)."""
+
+
+class DtypeError(TypeError, RuntimeError):
+    """A tensor of a dtype the function does not take (torch: RuntimeError)."""
+
+
+class DimError(ValueError, IndexError):
+    """A dim out of the input's range (torch: IndexError)."""
+
+
+class ClassIndexError(ValueError, IndexError):
+    """A class index out of [0, classes) (torch: IndexError, "Target 7 is out of bounds")."""
+
+
 def check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
         raise TypeError(
@@ -228,11 +248,11 @@ def check_option(function, name, value, check):
         )
     value = float(value)
     if check == "probability" and not 0.0 <= value < 1.0:
-        raise ValueError(
+        raise OptionError(
             f"{function}(): argument '{name}' must be a probability in [0, 1), got {value}"
         )
     if check == "unit" and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
+        raise OptionError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
     if check == "integer" and not value.is_integer():
         raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
     return value
