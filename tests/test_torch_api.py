@@ -11,8 +11,16 @@ import torch
 import torch.nn.functional as F
 from reference import assert_matches_torch, randn
 
+import generated.add_layernorm as add_layernorm
+import generated.bias_dropout_add as bias_dropout_add
 import generated.gelu as gelu
 import generated.gelu_tanh as gelu_tanh
+import generated.layernorm as layernorm
+import generated.masked_softmax as masked_softmax
+import generated.rmsnorm as rmsnorm
+import generated.softmax as softmax
+import generated.swiglu as swiglu
+from codegen.runtime import checks
 from derive.__main__ import main
 from generated.cross_entropy import CrossEntropyLoss, cross_entropy
 
@@ -335,3 +343,82 @@ def test_cross_entropy_with_weight_compiles_without_graph_breaks(monkeypatch):
     got, = torch.autograd.grad(compiled(x), x)
     want, = torch.autograd.grad(F.cross_entropy(x, target, weight, label_smoothing=0.25), x)
     torch.testing.assert_close(got, want)
+
+
+# Errors of torch's types: each bad call is made to torch's counterpart too, and ours must
+# raise an instance of the type torch raised (a ValueError or TypeError as well, as before)
+
+X = torch.randn(3, 4, dtype=torch.float64)
+W = torch.ones(4, dtype=torch.float64)
+BAD_CALLS = {
+    "layer_norm integer input": (lambda: layernorm.layer_norm(X.long(), (4,)),
+                                 lambda: F.layer_norm(X.long(), (4,))),
+    "layer_norm weight shape": (lambda: layernorm.layer_norm(X, (4,), torch.ones(5)),
+                                lambda: F.layer_norm(X, (4,), torch.ones(5))),
+    "layer_norm integer weight": (lambda: layernorm.layer_norm(X, (4,), W.long()),
+                                  lambda: F.layer_norm(X, (4,), W.long())),
+    "layer_norm weight not a tensor": (lambda: layernorm.layer_norm(X, (4,), [1.0] * 4),
+                                       lambda: F.layer_norm(X, (4,), [1.0] * 4)),
+    "layer_norm normalized_shape mismatch": (lambda: layernorm.layer_norm(X, (5,)),
+                                             lambda: F.layer_norm(X, (5,))),
+    "layer_norm empty normalized_shape": (lambda: layernorm.layer_norm(X, ()),
+                                          lambda: F.layer_norm(X, ())),
+    "layer_norm normalized_shape a str": (lambda: layernorm.layer_norm(X, "4"),
+                                          lambda: F.layer_norm(X, "4")),
+    "layer_norm eps a str": (lambda: layernorm.layer_norm(X, (4,), eps="1"),
+                             lambda: F.layer_norm(X, (4,), eps="1")),
+    "rms_norm integer input": (lambda: rmsnorm.rms_norm(X.long(), (4,)),
+                               lambda: F.rms_norm(X.long(), (4,))),
+    "rms_norm weight shape": (lambda: rmsnorm.rms_norm(X, (4,), torch.ones(5)),
+                              lambda: F.rms_norm(X, (4,), torch.ones(5))),
+    "rms_norm normalized_shape mismatch": (lambda: rmsnorm.rms_norm(X, (5,)),
+                                           lambda: F.rms_norm(X, (5,))),
+    "add_layer_norm residual shape": (
+        lambda: add_layernorm.add_layer_norm(X, X[:, :2], (4,)),
+        lambda: F.layer_norm(X + X[:, :2], (4,))),
+    "softmax integer input": (lambda: softmax.softmax(X.long(), -1),
+                              lambda: torch.softmax(X.long(), -1)),
+    "softmax dim out of range": (lambda: softmax.softmax(X, 5), lambda: torch.softmax(X, 5)),
+    "softmax dim a float": (lambda: softmax.softmax(X, 1.0), lambda: torch.softmax(X, 1.0)),
+    "softmax integer dtype": (lambda: softmax.softmax(X, -1, dtype=torch.long),
+                              lambda: torch.softmax(X, -1, dtype=torch.long)),
+    "softmax dtype a str": (lambda: softmax.softmax(X, -1, dtype="float"),
+                            lambda: torch.softmax(X, -1, dtype="float")),
+    "gelu integer input": (lambda: gelu.gelu(X.long()), lambda: F.gelu(X.long())),
+    "gelu bias shape": (lambda: gelu.gelu(X, bias=torch.ones(5, dtype=X.dtype)),
+                        lambda: F.gelu(X + torch.ones(5, dtype=X.dtype))),
+    "swiglu up shape": (lambda: swiglu.swiglu(X, X[:, :2]), lambda: F.silu(X) * X[:, :2]),
+    "masked_softmax mask shape": (
+        lambda: masked_softmax.masked_softmax(X, torch.zeros(2, 4, dtype=X.dtype)),
+        lambda: torch.softmax(X + torch.zeros(2, 4, dtype=X.dtype), -1)),
+    "bias_dropout_add p above 1": (
+        lambda: bias_dropout_add.bias_dropout_add(X, X, p=1.5),
+        lambda: X + F.dropout(X, 1.5)),
+    "bias_dropout_add residual shape": (
+        lambda: bias_dropout_add.bias_dropout_add(X, X[:, :2], p=0.0),
+        lambda: X[:, :2] + F.dropout(X, 0.0)),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_errors_are_instances_of_torch_s_types(case):
+    ours, theirs = BAD_CALLS[case]
+    expected = type(torch_error(theirs))
+    with pytest.raises(expected) as caught:
+        ours()
+    # and of what the checks raised before, where torch's type is RuntimeError or IndexError
+    if issubclass(expected, (RuntimeError, IndexError)):
+        assert isinstance(caught.value, (ValueError, TypeError)), caught.value
+
+
+def test_error_classes_carry_both_types():
+    assert issubclass(checks.ShapeError, ValueError) and issubclass(checks.ShapeError, RuntimeError)
+    assert issubclass(checks.DeviceError, ValueError) and issubclass(checks.DeviceError,
+                                                                      RuntimeError)
+    assert issubclass(checks.DtypeError, TypeError) and issubclass(checks.DtypeError,
+                                                                   NotImplementedError)
+    assert issubclass(checks.DimError, ValueError) and issubclass(checks.DimError, IndexError)
+    assert issubclass(checks.OptionError, ValueError) and issubclass(checks.OptionError,
+                                                                     RuntimeError)
+    assert issubclass(checks.ClassIndexError, ValueError) and issubclass(checks.ClassIndexError,
+                                                                         IndexError)

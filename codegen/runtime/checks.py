@@ -29,8 +29,9 @@ class DeviceError(ValueError, RuntimeError):
     """A tensor on another device than the input's (torch: RuntimeError)."""
 
 
-class DtypeError(TypeError, RuntimeError):
-    """A tensor of a dtype the function does not take (torch: RuntimeError)."""
+class DtypeError(TypeError, NotImplementedError):
+    """A tensor of a dtype the function does not take (torch: RuntimeError, or for an input of a
+    dtype its kernels lack NotImplementedError, itself a RuntimeError)."""
 
 
 class DimError(ValueError, IndexError):
@@ -47,7 +48,7 @@ def check_input(function, input, name="input"):
             f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}"
         )
     if input.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
             f"float64, got {input.dtype}"
         )
@@ -66,26 +67,26 @@ def check_param(function, name, param, shape, input, promotes=False):
             f"{type(param).__name__}"
         )
     if param.shape != shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must have shape {shape} (normalized_shape), got "
             f"{tuple(param.shape)}"
         )
     if param.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {param.device}"
         )
     dtype = param.dtype
     if promotes:
         if dtype not in FLOAT_DTYPES:
-            raise TypeError(
+            raise DtypeError(
                 f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
                 f"float64, got {dtype}"
             )
     elif dtype != input.dtype and not (
         dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
     ):
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or "
             "float32 for a "
             f"float16/bfloat16 input, got {dtype}"
@@ -105,17 +106,17 @@ def check_like_input(function, name, tensor, input, reference="input"):
             f"{type(tensor).__name__}"
         )
     if tensor.shape != input.shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must have the shape of '{reference}' "
             f"{list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of '{reference}' "
             f"({input.device}), got {tensor.device}"
         )
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
             f"float64, got {tensor.dtype}"
         )
@@ -128,17 +129,17 @@ def check_scalar_param(function, name, param, input):
             f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}"
         )
     if param.numel() != 1:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must hold one value (shape () or (1,)), got shape "
             f"{tuple(param.shape)}"
         )
     if param.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {param.device}"
         )
     if param.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}"
         )
     return param.reshape(())
@@ -170,11 +171,11 @@ def check_normalized_shape(function, normalized_shape, input):
             f"{normalized_shape!r}"
         )
     if not shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument 'normalized_shape' must have at least one dimension, got ()"
         )
     if input.dim() < len(shape) or input.shape[-len(shape) :] != shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument 'normalized_shape' {list(shape)} must match the trailing "
             "dimensions of "
             f"'input', got input of shape {list(input.shape)}"
@@ -195,7 +196,7 @@ def check_eps(function, eps, dtype):
         )
     eps = float(eps)
     if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
+        raise OptionError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
     return eps
 
 
@@ -228,7 +229,7 @@ def check_real(function, name, value):
         )
     value = float(value)
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{function}(): argument '{name}' must be finite, got {value}")
+        raise OptionError(f"{function}(): argument '{name}' must be finite, got {value}")
     return value
 
 
@@ -310,17 +311,17 @@ def check_broadcast(function, name, tensor, input, additive):
         size not in (1, full)
         for size, full in zip(reversed(tensor.shape), reversed(input.shape), strict=False)
     ):
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must be broadcastable to the shape of 'input' "
             f"{list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {tensor.device}"
         )
     if tensor.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
+        raise OptionError(
             f"{function}(): argument '{name}' is not differentiated here and must not require "
             f"grad; pass {name}.detach()"
         )
@@ -329,7 +330,7 @@ def check_broadcast(function, name, tensor, input, additive):
             ~tensor, float("-inf")
         )
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
             f"float64{' or bool' if additive else ''}, got {tensor.dtype}"
         )
