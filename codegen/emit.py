@@ -304,8 +304,14 @@ class KernelContext:
             for e in p.loads:
                 lines.append(f"{p.name}_{e} = tl.load({e}_ptr + offsets * {e}_row_stride + "
                              f"{p.index}, mask={mask}, other=0.0).to(ACC)")
+            for c in map(self._column, p.columns):
+                load = (f"{p.name}_{c['name']} = tl.load({c['name']}_ptr + {p.index}, "
+                        f"mask={mask}, other=0.0).to(ACC)")
+                lines += ([f"if {c['flag']}:", f"    {load}", "else:",
+                           f"    {p.name}_{c['name']} = {c['absent']}"] if c["flag"] else [load])
+            read = set(p.loads) | set(p.columns)
             gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
-                                        for s in p.body.free_symbols if s.name in p.loads})
+                                        for s in p.body.free_symbols if s.name in read})
             value = f"tl.where({mask}, {self.print_named(p.name, gathered)}, 0.0)"
             reduce = RowReduce(p.name, "sum", p.body, p.scale)
             lines.append(f"{p.name} = {self._scaled(reduce, value)}  # {p.name} = "
@@ -331,6 +337,8 @@ class KernelContext:
 
     def _pass(self, step: Pass) -> dict[str, Any]:
         columns = {t.name for t in self.kernel.tensors("column")}
+        element_names = ({t.name for t in self.kernel.tensors("element")}
+                         | {name for name, kind in self.kernel.generated if kind == "random"})
         reductions = []
         for r in step.reductions:
             # Divide the accumulated sum (`sum / N`): a `1.0 / N` alone would be fp32.
@@ -350,6 +358,10 @@ class KernelContext:
                            else f"tl.where(mask, {body}, {identity})"),
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
+                # a body of column values alone (a mean of class weights) is no (M, N) tensor
+                # in the torch path: a (N,) one, or a number where its column is absent
+                "columnwise": not ({s.name for s in r.body.free_symbols}
+                                   & (self._element_exprs.keys() | element_names)),
                 "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
                 # a max is only ever a proven stabiliser, so any finite shift serves; where the
                 # max is not finite (+inf, a fully masked row) exp(x - max) would be NaN
@@ -620,9 +632,11 @@ class KernelContext:
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
                   schedule: ScheduleTable = DEFAULT, *,
-                  recorded: dict[str, tuple[Any, Kernel | None] | None]) -> str:
+                  recorded: dict[str, tuple[Any, Kernel | None] | None],
+                  siblings: dict[str, Any] | None = None) -> str:
     """`recorded`: per mode, the backward autograd can record (derive/higher.py's
-    RecordedBackward) and the kernel derived for it (None: the mode's own), or None."""
+    RecordedBackward) and the kernel derived for it (None: the mode's own), or None.
+    `siblings`: the APIs of the ops the API's variant argument selects, by op name."""
     env = environment()
     params = list(module.params)
     extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
@@ -684,6 +698,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "split_exchange": any(m["bwd"].split_span for m in modes),
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
+        "siblings": siblings or {},
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
 

@@ -181,6 +181,8 @@ class Pick:
     body: sympy.Expr
     scale: sympy.Expr
     loads: tuple[str, ...]
+    #: column inputs read at column `index` (a class weight)
+    columns: tuple[str, ...] = ()
 
 
 def picks(kernel: Kernel) -> tuple[Kernel, tuple[Pick, ...]]:
@@ -189,20 +191,22 @@ def picks(kernel: Kernel) -> tuple[Kernel, tuple[Pick, ...]]:
     `Σ_j Piecewise((e, Eq(j, t)), (0, True))` with j the column index and t an integer row
     input is e at column t when 0 <= t < N, else 0: one load a row instead of a compare,
     select and add per element (cross-entropy's target logit: 7 of the 13 instructions an
-    element of its first sweep, sm_90 SASS). Kept as a sum where e needs more than element
-    inputs, scalars and row values, or where its pass would be left with no reduction."""
+    element of its first sweep, sm_90 SASS; its target's class weight). Kept as a sum where e
+    needs more than element inputs, column inputs, scalars and row values, or where its pass
+    would be left with no reduction."""
     index = {name for name, kind in kernel.generated if kind == "column_index"}
     rows = {t.name for t in kernel.inputs if t.level == "row" and t.integer}
     plain = {t.name for t in kernel.inputs if t.level == "element"
              and not t.optional and not t.broadcast}
-    known = (plain | {t.name for t in kernel.inputs if t.level in ("row", "scalar")}
+    columns = {t.name for t in kernel.inputs if t.level == "column"}
+    known = (plain | columns | {t.name for t in kernel.inputs if t.level in ("row", "scalar")}
              | set(kernel.scalars) | {a.name for a in kernel.prologue} | {"N"})
     found: list[Pick] = []
     passes = []
     for step in kernel.passes:
         kept = []
         for r in step.reductions:
-            pick = _pick(r, index, rows, known, plain)
+            pick = _pick(r, index, rows, known, plain, columns)
             if pick is None:
                 kept.append(r)
             else:
@@ -217,7 +221,7 @@ def picks(kernel: Kernel) -> tuple[Kernel, tuple[Pick, ...]]:
 
 
 def _pick(r: RowReduce, index: set[str], rows: set[str], known: set[str],
-          plain: set[str]) -> Pick | None:
+          plain: set[str], columns: set[str]) -> Pick | None:
     if r.op != "sum" or not isinstance(r.body, sympy.Piecewise) or len(r.body.args) != 2:
         return None
     (value, condition), (other, otherwise) = r.body.args
@@ -233,4 +237,4 @@ def _pick(r: RowReduce, index: set[str], rows: set[str], known: set[str],
                                                      if s.name in known}:
         return None
     return Pick(r.name, (names & rows).pop(), value, r.scale,
-                tuple(sorted(used & plain)))
+                tuple(sorted(used & plain)), tuple(sorted(used & columns)))

@@ -41,6 +41,32 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A string argument whose values select the op that computes the call, as torch's
+    `approximate` of gelu ("none" or "tanh"): `ops` maps each value to an op of derive/ops/,
+    None for this op, which the first value (the default) must select. Another op's function
+    is called with the call's other arguments, so its API takes the same ones. Any other value
+    raises as torch does: RuntimeError, or TypeError for a value that is not a str. Keyword-only
+    in the function (as torch's), the module's first constructor argument."""
+
+    name: str
+    ops: tuple[tuple[str, str | None], ...]
+
+    @property
+    def default(self) -> str:
+        return self.ops[0][0]
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        return tuple(value for value, _ in self.ops)
+
+    @property
+    def others(self) -> tuple[tuple[str, str], ...]:
+        """(value, op) of the values another op computes."""
+        return tuple((value, op) for value, op in self.ops if op is not None)
+
+
+@dataclass(frozen=True)
 class Replaces:
     """What this op stands in for in patch_model(). A candidate is found by `pattern` (an fnmatch
     pattern of its class name; of the model's class name for a loss) or, for an MLP, by its
@@ -135,6 +161,8 @@ class ElementwiseAPI:
     switches: tuple[Switch, ...] = ()
     #: broadcast inputs that are additive masks: a bool tensor is taken as keep (0) / drop (-inf)
     additive_masks: tuple[str, ...] = ()
+    #: a string argument whose values select this op or a sibling (torch's `approximate`)
+    variant: Variant | None = None
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
@@ -148,15 +176,21 @@ class ElementwiseAPI:
 
 @dataclass(frozen=True)
 class RowLossAPI:
-    """`function(input, target, *, <options>, reduction="mean")` as torch.nn.functional.<name>:
-    one loss per row of `input` (..., N) with an integer class `target` (...) per row; rows whose
-    target is the `ignore` option weigh 0 and do not count in the mean. Plus an nn.Module."""
+    """`function(input, target, weight=None, size_average=None, <ignore>=..., reduce=None,
+    reduction="mean", <options>, *, class_dim=None)` as torch.nn.functional.cross_entropy: one
+    loss per row of the class dim (dim 1 of an input of 2 or more dims, as torch's; the last
+    with class_dim=-1) with an integer class `target` per row; rows whose target is the `ignore`
+    option weigh 0 and do not count in the mean. `weight`, if the spec takes class weights:
+    the column_param (grad=False, absent=1) holding them, given as torch's `weight` argument;
+    the mean then divides by the sum of the counted rows' target weights, as torch's. Plus an
+    nn.Module holding the weights as a buffer, as torch.nn.<module>."""
 
     function: str
     module: str
     torch_function: str
     target: str
     ignore: str
+    weight: str | None = None
     options: tuple[Option, ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
@@ -204,7 +238,7 @@ _OWN_ARGUMENTS = {
                          "residual_in_fp32", "elementwise_affine", "device", "dtype"},
     "dim": {"input", "dim"},
     "elementwise": {"training", "seed"},
-    "row_loss": {"input", "reduction"},
+    "row_loss": {"input", "weight", "size_average", "reduce", "reduction", "class_dim"},
     "reduction": {"input", "dim", "keepdim"},
 }
 
@@ -318,15 +352,24 @@ def api_mismatches(spec) -> list[str]:
                                 f"({', '.join(api.inputs)})")
         if api.dropout is not None and api.dropout not in options:
             problems.append(f"dropout '{api.dropout}' is not one of the API's options")
+        if api.variant is not None:
+            problems += _variant_problems(api.variant, spec.name)
         problems += _outputs(outputs, Level.ELEMENT, 1)
     elif isinstance(api, RowLossAPI):
         if kinds.get(api.target) is not Kind.ROW_INPUT:
             problems.append(f"target '{api.target}' is not a row_input of the spec")
         if api.ignore not in options:
             problems.append(f"ignore '{api.ignore}' is not one of the API's options")
-        if len(inputs) != 1 or params:
-            problems.append("RowLossAPI takes one input and no parameters; the spec declares "
-                            f"inputs {', '.join(inputs)} and parameters "
+        if api.weight is not None:
+            node = spec.node(api.weight) if api.weight in kinds else None
+            if node is None or node.kind is not Kind.COLUMN_PARAM or node.grad \
+                    or node.absent != 1:
+                problems.append(f"weight '{api.weight}' must be a column_param of the spec "
+                                "declared absent=1, grad=False (class weights, 1 where not "
+                                "given, never differentiated)")
+        if len(inputs) != 1 or [p for p in params if p != api.weight]:
+            problems.append("RowLossAPI takes one input and no parameters besides its weight; "
+                            f"the spec declares inputs {', '.join(inputs)} and parameters "
                             f"{', '.join(params) or 'none'}")
         problems += _outputs(outputs, Level.ROW, 1)
     elif isinstance(api, ReductionAPI):
@@ -335,6 +378,10 @@ def api_mismatches(spec) -> list[str]:
                             f"inputs {', '.join(inputs)} and parameters "
                             f"{', '.join(params) or 'none'}")
         problems += _outputs(outputs, Level.ROW, 1)
+    for n in spec.nodes:
+        if n.kind is Kind.COLUMN_PARAM and not n.grad and n.name != getattr(api, "weight", None):
+            problems.append(f"column_param '{n.name}' is declared grad=False, which only a "
+                            "RowLossAPI takes (as its weight=)")
     target = getattr(api, "target", None)
     for name in row_inputs:
         if name != target:
@@ -405,6 +452,8 @@ def _names(api, values: set[str]) -> list[str]:
     arguments += [o.name for o in getattr(api, "options", ())]
     arguments += [s.name for s in getattr(api, "switches", ())]
     arguments += [p.flag for p in getattr(api, "params", ()) if p.flag]
+    if getattr(api, "variant", None) is not None:
+        arguments.append(api.variant.name)
     own = _OWN_ARGUMENTS[api.kind]
     for name in arguments:
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -414,6 +463,67 @@ def _names(api, values: set[str]) -> list[str]:
                             "itself; choose another name (an option is named as its scalar)")
     for name in sorted({n for n in arguments if arguments.count(n) > 1}):
         problems.append(f"argument '{name}' is named twice")
+    return problems
+
+
+def _variant_problems(variant: Variant, op: str) -> list[str]:
+    """What in a Variant the generated code could not act on (its ops are checked against
+    their specs by `variant_mismatches`)."""
+    if not isinstance(variant, Variant):
+        return [f"variant must be a Variant, got {type(variant).__name__}"]
+    where = f"Variant('{variant.name}')"
+    values = [value for value, _ in variant.ops]
+    if not values or variant.ops[0][1] is not None:
+        return [f"{where}: its first value (the default) must select this op (None)"]
+    problems = []
+    for value, target in variant.ops:
+        if not isinstance(value, str) or not value or not value.isprintable() \
+                or any(c in value for c in "\"'\\{}"):
+            problems.append(f"{where}: value {value!r} must be a non-empty str without quotes, "
+                            "backslashes or braces (it is written into the generated code)")
+        if target is not None and (not isinstance(target, str) or not target.isidentifier()
+                                   or keyword.iskeyword(target) or target == op):
+            problems.append(f"{where}: value {value!r} selects {target!r}, which must be the "
+                            "name of another op (derive/ops/<name>.py), or None for this one")
+    if sum(target is None for _, target in variant.ops) != 1:
+        problems.append(f"{where}: exactly one value (the first) selects this op (None)")
+    for value in sorted({v for v in values if isinstance(v, str) and values.count(v) > 1}):
+        problems.append(f"{where}: value {value!r} is listed twice")
+    return problems
+
+
+def variant_mismatches(api, siblings: dict[str, object]) -> list[str]:
+    """What in `api.variant` does not match the ops it selects (`siblings`: op name -> that
+    op's API, None where no such op exists): each must exist and take the same arguments, as
+    the call is passed on to its function unchanged."""
+    variant = getattr(api, "variant", None)
+    if variant is None:
+        return []
+    problems = []
+    for value, op in variant.others:
+        other = siblings.get(op)
+        where = f"Variant('{variant.name}'): value {value!r} selects op '{op}'"
+        if other is None:
+            problems.append(f"{where}, which is not an op of derive/ops/")
+            continue
+        if type(other) is not type(api):
+            problems.append(f"{where}, whose API is a {type(other).__name__}, not a "
+                            f"{type(api).__name__}")
+            continue
+        if getattr(other, "variant", None) is not None:
+            problems.append(f"{where}, which has a variant argument of its own")
+        for field in ("inputs", "call_params", "dropout", "additive_masks"):
+            if getattr(other, field) != getattr(api, field):
+                problems.append(f"{where}, whose {field} {getattr(other, field)!r} differ from "
+                                f"this op's {getattr(api, field)!r}")
+        for field in ("options", "switches"):
+            mine = [(o.name, o.default) if field == "options" else o.name
+                    for o in getattr(api, field) if not getattr(o, "module_only", False)]
+            theirs = [(o.name, o.default) if field == "options" else o.name
+                      for o in getattr(other, field) if not getattr(o, "module_only", False)]
+            if mine != theirs:
+                problems.append(f"{where}, whose {field} {theirs!r} differ from this op's "
+                                f"{mine!r}")
     return problems
 
 

@@ -15,6 +15,7 @@ from codegen.layers import render_layer, render_layer_page
 from codegen.lower import lower
 from codegen.printers import PrintError
 from derive.algebra import sorted_symbols
+from derive.api import variant_mismatches
 from derive.backward import differentiable_nodes, gradient_name
 from derive.blocks import check_ops, load_block
 from derive.docs import render_page
@@ -91,15 +92,34 @@ def build_user_op(path: Path, out: Path) -> dict[Path, str]:
 
 
 def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, str, str]:
+    siblings = variant_siblings(spec)
     derivation = derive(spec)
     module = module_spec(spec, derivation)
     forward = lower(derivation.forward, f"_{spec.name}_fwd", derivation.saved_outputs)
     backwards = {mode: lower(result.graph, f"_{spec.name}_bwd_{mode}")
                  for mode, result in derivation.backwards.items()}
     source = render_module(module, forward, backwards,
-                           recorded=recorded_kernels(derivation))
+                           recorded=recorded_kernels(derivation), siblings=siblings)
     page = render_page(derivation, forward, backwards, module_path)
     return derivation, source, page
+
+
+def variant_siblings(spec: OpSpec) -> dict[str, object]:
+    """The APIs of the ops of derive/ops/ that the values of the spec's Variant argument select
+    (op name -> API), checked against the spec's own API."""
+    variant = getattr(spec.api, "variant", None)
+    if variant is None:
+        return {}
+    siblings: dict[str, object] = {}
+    for _, op in variant.others:
+        path = OPS / f"{op}.py"
+        siblings[op] = (load_spec(path, path.relative_to(ROOT).as_posix()).api
+                        if path.is_file() else None)
+    problems = variant_mismatches(spec.api, siblings)
+    if problems:
+        raise SpecError(f"{spec.api_where}: op.api ({type(spec.api).__name__}) does not match "
+                        "the ops its variant selects: " + "; ".join(problems))
+    return siblings
 
 
 def recorded_kernels(derivation: Derivation) -> dict[str, tuple[RecordedBackward, Kernel | None]

@@ -160,14 +160,17 @@ class OpSpec:
         element's index (Philox). Never stored: a backward regenerates it."""
         return self._declare(name, Kind.RANDOM, Level.ELEMENT, grad=False)
 
-    def column_param(self, name: str, absent: float | None = None) -> sympy.Symbol:
+    def column_param(self, name: str, absent: float | None = None,
+                     grad: bool = True) -> sympy.Symbol:
         """A per-column parameter shared by all rows; its gradient is a column reduction.
 
         `absent` is the value it takes when the caller passes None (1 for a scale, 0 for a
-        shift); None means the parameter is required.
+        shift); None means the parameter is required. `grad=False` declares one that is never
+        differentiated (cross-entropy's class weights, as torch's).
         """
         node_absent = None if absent is None else sympy.sympify(absent)
-        return self._declare(name, Kind.COLUMN_PARAM, Level.COLUMN, absent=node_absent)
+        return self._declare(name, Kind.COLUMN_PARAM, Level.COLUMN, absent=node_absent,
+                             grad=grad)
 
     def scalar_param(self, name: str) -> sympy.Symbol:
         """A learnable scalar (a 0-d tensor) shared by every element: its gradient is a sum over

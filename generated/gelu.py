@@ -18,6 +18,7 @@ import triton.language as tl
 from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
+from generated import gelu_tanh as _sibling_gelu_tanh
 
 
 @triton.jit
@@ -598,16 +599,22 @@ torch.library.register_autograd(
 
 
 
-def gelu(input, *, bias=None):
+def gelu(input, *, approximate="none", bias=None):
     """`torch.nn.functional.gelu(input + bias)` in one kernel each way, over the last dim.
 
     Fused in: `bias` (shape (input.shape[-1],) or None),
     whose gradient is a column reduction.
+    `approximate`: "none" (these kernels), "tanh" (the kernels of generated/gelu_tanh.py, as `gelu_tanh`);
+    any other value raises as torch's (RuntimeError; TypeError for a value that is not a str).
     Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
     torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); x kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
+    if approximate != "none":
+        checks.check_variant("gelu", "approximate", approximate, ('none', 'tanh'))
+        if approximate == "tanh":
+            return _sibling_gelu_tanh.gelu_tanh(input, bias=bias)
     if DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.gelu(input if bias is None else input + bias)
@@ -632,10 +639,19 @@ def gelu(input, *, bias=None):
 
 
 class GELU(torch.nn.Module):
-    """`gelu` as a module (no parameters of its own)."""
+    """`gelu` as a module (no parameters of its own; `approximate`, fixed at construction). `approximate` is
+    checked at the call, as torch's GELU does."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def extra_repr(self):
+        # as torch's GELU: the value as Python writes it (approximate='none')
+        return f"approximate={self.approximate!r}"
 
     def forward(self, input, bias=None):
-        return gelu(input, bias=bias)
+        return gelu(input, approximate=self.approximate, bias=bias)
 
 
 #: when a call runs torch's expression of this op instead of the kernels

@@ -580,7 +580,7 @@ def _check_dim(function, dim, input):
         raise TypeError(f"{function}(): argument 'dim' must be an int, got {type(dim).__name__}")
     ndim = max(input.dim(), 1)
     if not -ndim <= dim < ndim:
-        raise IndexError(
+        raise checks.DimError(
             f"{function}(): argument 'dim' must be in [{-ndim}, {ndim - 1}] for input of shape "
             f"{list(input.shape)}, got {dim}"
         )
@@ -600,7 +600,8 @@ def softmax(input, dim=-1, dtype=None):
 
     if dtype is not None:
         if dtype not in checks.FLOAT_DTYPES:
-            raise TypeError(
+            # torch: TypeError for what is no dtype, NotImplementedError for an integer one
+            raise (checks.DtypeError if isinstance(dtype, torch.dtype) else TypeError)(
                 "softmax(): argument 'dtype' must be torch.float16, torch.bfloat16, "
                 f"torch.float32, torch.float64 or None, got {dtype}"
             )

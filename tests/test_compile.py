@@ -60,7 +60,10 @@ def op_cases():
                   (x, mask, 0.5, 0.0, 0.2, seed, [1, 1, 4], "default")))
     target = torch.tensor([3, -100, 0, N - 1])
     cases.append(("cross_entropy", torch.ops.vjpforge.cross_entropy.default,
-                  (x, target, -100.0, 0.1, "default")))
+                  (x, None, target, -100.0, 0.1, "default")))
+    class_weight = (randn((N,), seed=7) + 2).detach()  # class weights: never differentiated
+    cases.append(("cross_entropy-weight", torch.ops.vjpforge.cross_entropy.default,
+                  (x, class_weight, target, -100.0, 0.1, "default")))
     return cases
 
 

@@ -1,4 +1,5 @@
-"""Cross-entropy over the last dim, against torch.nn.functional.cross_entropy on the rows."""
+"""Cross-entropy over the last dim (class_dim=-1), against torch.nn.functional.cross_entropy on
+the rows; torch's own layouts and arguments are tested in test_torch_api.py."""
 
 import math
 import subprocess
@@ -45,7 +46,7 @@ def pair(target, view=lambda x: x, **options):
     the rows and runs torch's (rows, classes) form."""
 
     def ours(x):
-        return cross_entropy(view(x), target, **options)
+        return cross_entropy(view(x), target, class_dim=-1, **options)
 
     def theirs(x):
         x = view(x)
@@ -81,7 +82,8 @@ def test_3d_equals_torch_on_the_class_dim(device, reduction):
     def theirs(x):
         return F.cross_entropy(x.transpose(1, 2), target, reduction=reduction)
 
-    assert_matches_torch(lambda x: cross_entropy(x, target, reduction=reduction), theirs, [x])
+    assert_matches_torch(lambda x: cross_entropy(x, target, reduction=reduction, class_dim=-1),
+                         theirs, [x])
 
 
 @pytest.mark.parametrize("view", NON_CONTIGUOUS)
@@ -233,7 +235,8 @@ BAD_CALLS = {
     "bool_target": (lambda x: cross_entropy(x, target_of(x).bool()),
                     TypeError, "argument 'target' must hold integer class indices"),
     "target_shape": (lambda x: cross_entropy(x, target_of(x)[:-1]),
-                     ValueError, r"argument 'target' must have shape input.shape\[:-1\]"),
+                     ValueError, r"argument 'target' must have shape input.shape without its "
+                                 r"class dim 1 = \[4\], got \[3\]"),
     "target_of_2d_logits_shape": (lambda x: cross_entropy(x, target_of(x)[:, None]),
                                   ValueError, "argument 'target' must have shape"),
     "target_not_tensor": (lambda x: cross_entropy(x, [0, 1, 2, 3]),

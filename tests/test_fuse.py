@@ -51,9 +51,10 @@ def test_exp_sum_joins_the_max(op):
     (pair,) = sweep.fused
     assert isinstance(pair, OnlineExp) and pair.peak.name == "row_max" and pair.factor == 1
     # cross-entropy's gaps to that logit, a reduction of the second pass that uses nothing of
-    # the first, stay a plain accumulator of the joined sweep
+    # the first, and the mean class weight of the first pass stay plain accumulators of the
+    # joined sweep
     assert {r.name for r in sweep.reductions} == (
-        {"target_gap"} if op == "cross_entropy" else set())
+        {"target_gap", "weight_mean"} if op == "cross_entropy" else set())
 
 
 def test_recomputed_mean_in_a_backward_keeps_its_pass():
@@ -144,12 +145,15 @@ def test_one_sweep_equals_a_pass_each(monkeypatch, module):
 
 
 def test_cross_entropy_target_logit_is_read_as_one_element():
+    # and the target's class weight, a column value, as one element of the weights
     kernel, found = picks(kernels("cross_entropy")["fwd"])
-    (pick,) = found
-    assert (pick.name, pick.index, pick.body, pick.loads) == ("target_logit", "target", x, ("x",))
-    assert "target_logit" not in {r.name for p in kernel.passes for r in p.reductions}
+    logit, weight = found
+    assert (logit.name, logit.index, logit.body, logit.loads, logit.columns) == (
+        "target_logit", "target", x, ("x",), ())
+    assert (weight.name, weight.index, weight.loads, weight.columns) == (
+        "target_weight", "target", (), ("weight",))
     assert {r.name for p in kernel.passes for r in p.reductions} == {
-        "row_max", "denominator", "target_gap"}
+        "row_max", "denominator", "target_gap", "weight_mean"}
 
 
 def one_hot_sum(body: sympy.Expr, index: sympy.Symbol, extra=()) -> Kernel:

@@ -12,13 +12,43 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# Errors of torch's types: where torch raises RuntimeError (or IndexError) for a bad argument,
+# ours is an instance of that type too, and of the ValueError or TypeError it always was, so
+# `except RuntimeError` written against torch and `except ValueError` both catch it.
+
+
+class OptionError(ValueError, RuntimeError):
+    """An argument's value outside what it may take, where torch raises RuntimeError."""
+
+
+class ShapeError(ValueError, RuntimeError):
+    """A tensor of the wrong shape (torch: RuntimeError)."""
+
+
+class DeviceError(ValueError, RuntimeError):
+    """A tensor on another device than the input's (torch: RuntimeError)."""
+
+
+class DtypeError(TypeError, NotImplementedError):
+    """A tensor of a dtype the function does not take (torch: RuntimeError, or for an input of a
+    dtype its kernels lack NotImplementedError, itself a RuntimeError)."""
+
+
+class DimError(ValueError, IndexError):
+    """A dim out of the input's range (torch: IndexError)."""
+
+
+class ClassIndexError(ValueError, IndexError):
+    """A class index out of [0, classes) (torch: IndexError, "Target 7 is out of bounds")."""
+
+
 def check_input(function, input, name="input"):
     if not isinstance(input, torch.Tensor):
         raise TypeError(
             f"{function}(): argument '{name}' must be a torch.Tensor, got {type(input).__name__}"
         )
     if input.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
             f"float64, got {input.dtype}"
         )
@@ -51,19 +81,19 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
             f"{type(param).__name__}"
         )
     if param.shape != shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must have shape {shape} (normalized_shape), got "
             f"{tuple(param.shape)}"
         )
     if param.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {param.device}"
         )
     dtype = param.dtype
     if promotes:
         if dtype not in FLOAT_DTYPES:
-            raise TypeError(
+            raise DtypeError(
                 f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
                 f"float64, got {dtype}"
             )
@@ -78,7 +108,7 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
     elif dtype != input.dtype and not (
         dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
     ):
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have the dtype of 'input' ({input.dtype}), or "
             "float32 for a "
             f"float16/bfloat16 input, got {dtype}"
@@ -105,17 +135,17 @@ def check_like_input(function, name, tensor, input, reference="input"):
             f"{type(tensor).__name__}"
         )
     if tensor.shape != input.shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must have the shape of '{reference}' "
             f"{list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of '{reference}' "
             f"({input.device}), got {tensor.device}"
         )
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
             f"float64, got {tensor.dtype}"
         )
@@ -128,17 +158,17 @@ def check_scalar_param(function, name, param, input):
             f"{function}(): argument '{name}' must be a torch.Tensor, got {type(param).__name__}"
         )
     if param.numel() != 1:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must hold one value (shape () or (1,)), got shape "
             f"{tuple(param.shape)}"
         )
     if param.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {param.device}"
         )
     if param.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have a floating dtype, got {param.dtype}"
         )
     return param.reshape(())
@@ -170,11 +200,11 @@ def check_normalized_shape(function, normalized_shape, input):
             f"{normalized_shape!r}"
         )
     if not shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument 'normalized_shape' must have at least one dimension, got ()"
         )
     if input.dim() < len(shape) or input.shape[-len(shape) :] != shape:
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument 'normalized_shape' {list(shape)} must match the trailing "
             "dimensions of "
             f"'input', got input of shape {list(input.shape)}"
@@ -195,7 +225,7 @@ def check_eps(function, eps, dtype):
         )
     eps = float(eps)
     if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
+        raise OptionError(f"{function}(): argument 'eps' must be finite and >= 0, got {eps}")
     return eps
 
 
@@ -228,7 +258,7 @@ def check_real(function, name, value):
         )
     value = float(value)
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{function}(): argument '{name}' must be finite, got {value}")
+        raise OptionError(f"{function}(): argument '{name}' must be finite, got {value}")
     return value
 
 
@@ -248,11 +278,11 @@ def check_option(function, name, value, check):
         )
     value = float(value)
     if check == "probability" and not 0.0 <= value < 1.0:
-        raise ValueError(
+        raise OptionError(
             f"{function}(): argument '{name}' must be a probability in [0, 1), got {value}"
         )
     if check == "unit" and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
+        raise OptionError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
     if check == "integer" and not value.is_integer():
         raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
     return value
@@ -310,17 +340,17 @@ def check_broadcast(function, name, tensor, input, additive):
         size not in (1, full)
         for size, full in zip(reversed(tensor.shape), reversed(input.shape), strict=False)
     ):
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must be broadcastable to the shape of 'input' "
             f"{list(input.shape)}, got {list(tensor.shape)}"
         )
     if tensor.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {tensor.device}"
         )
     if tensor.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
+        raise OptionError(
             f"{function}(): argument '{name}' is not differentiated here and must not require "
             f"grad; pass {name}.detach()"
         )
@@ -329,7 +359,7 @@ def check_broadcast(function, name, tensor, input, additive):
             ~tensor, float("-inf")
         )
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must have dtype float16, bfloat16, float32 or "
             f"float64{' or bool' if additive else ''}, got {tensor.dtype}"
         )
@@ -344,3 +374,18 @@ def check_choice(function, name, value, choices):
             f"got {value!r}"
         )
     return choices[value]
+
+
+def check_variant(function, name, value, values):
+    """A str argument that is one of `values` (torch's gelu `approximate`): any other str raises
+    OptionError (a RuntimeError, as torch's), a value of another type TypeError."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be str, not {type(value).__name__}"
+        )
+    if value not in values:
+        raise OptionError(
+            f"{function}(): argument '{name}' must be one of {', '.join(map(repr, values))}, "
+            f"got {value!r}"
+        )
+    return value

@@ -1,31 +1,53 @@
-"""The helpers of per-row losses with a class target: the target's check and count, and the
-mean over the counted rows."""
+"""The helpers of per-row losses with a class target: torch's layout and legacy arguments, the
+target's and the class weights' checks, the count (or weight) of the counted rows, and the mean
+over them."""
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 import triton
 import triton.language as tl
 
 from codegen.runtime import launch
+from codegen.runtime.checks import (
+    FLOAT_DTYPES,
+    ClassIndexError,
+    DeviceError,
+    DimError,
+    DtypeError,
+    OptionError,
+    ShapeError,
+)
 
 #: targets a step of `target_stats`' one program reads
 TARGET_STATS_BLOCK = 4096
 
 
 @triton.jit
-def target_stats(target_ptr, M, classes, ignore_index, counted_ptr, valid_ptr, BLOCK: tl.constexpr):
-    """One program over the M targets: counted = the targets other than ignore_index, valid =
-    whether each of them is a class in [0, classes). One launch where torch takes eight small
-    kernels for the check and two for the count, each a few microseconds of GPU time."""
-    counted = tl.zeros([BLOCK], tl.int64)
+def target_stats(target_ptr, M, classes, ignore_index, weight_ptr, counted_ptr, valid_ptr,
+                 WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """One program over the M targets: counted = the targets other than ignore_index (WEIGHTED:
+    the sum of their class weights, in counted's dtype), valid = whether each of them is a class
+    in [0, classes). One launch where torch takes eight small kernels for the check and two for
+    the count, each a few microseconds of GPU time."""
+    if WEIGHTED:
+        counted = tl.zeros([BLOCK], counted_ptr.dtype.element_ty)
+    else:
+        counted = tl.zeros([BLOCK], tl.int64)
     invalid = tl.zeros([BLOCK], tl.int32)
     for start in range(0, M, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         target = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index)
         kept = target != ignore_index
-        counted += kept.to(tl.int64)
-        invalid += (kept & ((target < 0) | (target >= classes))).to(tl.int32)
+        outside = (target < 0) | (target >= classes)
+        if WEIGHTED:
+            weight = tl.load(weight_ptr + target, mask=kept & ~outside, other=0.0)
+            counted += weight.to(counted_ptr.dtype.element_ty)
+        else:
+            counted += kept.to(tl.int64)
+        invalid += (kept & outside).to(tl.int32)
     tl.store(counted_ptr, tl.sum(counted, axis=0))
     tl.store(valid_ptr, tl.sum(invalid, axis=0) == 0)
 
@@ -35,25 +57,50 @@ COUNTED_MEAN_BLOCK = 4096
 
 
 @triton.jit
-def counted_mean(loss_ptr, counted_ptr, M, mean_ptr, scale_ptr, BLOCK: tl.constexpr):
+def counted_mean(loss_ptr, counted_ptr, M, mean_ptr, scale_ptr, WEIGHTED: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """One program: mean = the sum of the M losses over counted (NaN where counted is 0, as
-    torch), stored in mean's dtype, and scale = 1 / max(counted, 1), the backward's factor."""
+    torch), stored in mean's dtype, and scale, the backward's factor: 1 / max(counted, 1) for a
+    count, 1 / counted for a sum of weights (NaN where it is 0: torch's gradient then is NaN on
+    the counted rows; the ignored ones get 0 whatever the factor)."""
     total = tl.zeros([BLOCK], loss_ptr.dtype.element_ty)
     for start in range(0, M, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         total += tl.load(loss_ptr + rows, mask=rows < M, other=0.0)
     counted = tl.load(counted_ptr)
-    denominator = tl.maximum(counted, 1).to(loss_ptr.dtype.element_ty)
-    mean = tl.where(counted > 0, tl.sum(total, axis=0) / denominator, float("nan"))
+    if WEIGHTED:
+        nonzero = counted != 0
+        denominator = tl.where(nonzero, counted, 1.0).to(loss_ptr.dtype.element_ty)
+        scale = tl.where(nonzero, 1.0 / denominator, float("nan"))
+    else:
+        nonzero = counted > 0
+        denominator = tl.maximum(counted, 1).to(loss_ptr.dtype.element_ty)
+        scale = 1.0 / denominator
+    mean = tl.where(nonzero, tl.sum(total, axis=0) / denominator, float("nan"))
     tl.store(mean_ptr, mean.to(mean_ptr.dtype.element_ty))
-    tl.store(scale_ptr, 1.0 / denominator)
+    tl.store(scale_ptr, scale)
+
+
+def mean_and_scale(loss, counted):
+    """`counted_mean` in torch ops, at the losses' precision: (mean, scale)."""
+    if counted.dtype.is_floating_point:
+        nonzero = counted != 0
+        denominator = torch.where(nonzero, counted, 1.0).to(loss.dtype)
+        scale = torch.where(nonzero, 1.0 / denominator, float("nan"))
+    else:
+        nonzero = counted > 0
+        denominator = counted.clamp_min(1).to(loss.dtype)
+        scale = 1.0 / denominator
+    return torch.where(nonzero, loss.sum() / denominator, float("nan")), scale
 
 
 class CountedMean(torch.autograd.Function):
     """The mean of per-row losses (fp32, or fp64) over the counted rows, in `dtype`: NaN where
     no row is counted, as torch, with a finite gradient (the ignored rows' gradients are 0).
-    One small kernel forward where torch takes six (the sum, the count's guard, the division,
-    the NaN select, the cast), one backward (the product with the saved scale)."""
+    `counted` is their count (int64), or the sum of their class weights (floating), which the
+    mean divides by, as torch's weighted mean. One small kernel forward where torch takes six
+    (the sum, the count's guard, the division, the NaN select, the cast), one backward (the
+    product with the saved scale)."""
 
     @staticmethod
     def forward(ctx, loss, counted, dtype):
@@ -70,12 +117,12 @@ class CountedMean(torch.autograd.Function):
                 loss.numel(),
                 mean,
                 scale,
+                WEIGHTED=counted.dtype.is_floating_point,
                 BLOCK=COUNTED_MEAN_BLOCK,
             )
         else:
-            denominator = counted.clamp_min(1).to(loss.dtype)
-            mean = torch.where(counted > 0, loss.sum() / denominator, float("nan")).to(dtype)
-            scale = 1.0 / denominator
+            mean, scale = mean_and_scale(loss, counted)
+            mean = mean.to(dtype)
         ctx.save_for_backward(scale)
         ctx.rows = loss.shape
         return mean
@@ -86,26 +133,132 @@ class CountedMean(torch.autograd.Function):
         return torch.mul(grad, scale).expand(ctx.rows), None, None
 
 
-def check_target(function, name, target, input, ignore_index):
+def legacy_reduction(size_average, reduce):
+    """torch's reading of the legacy `size_average` and `reduce` arguments (either not None):
+    the reduction they mean, with torch's deprecation warning."""
+    return torch.nn._reduction.legacy_get_string(size_average, reduce)
+
+
+def check_reduction(function, reduction, choices=("none", "mean", "sum")):
+    if reduction not in choices:
+        raise ValueError(
+            f"{function}(): argument 'reduction' must be one of {', '.join(map(repr, choices))}, "
+            f"got {reduction!r}"
+        )
+    return reduction
+
+
+def classes_last(function, input, target, target_name, class_dim):
+    """torch's layout of a class-target loss: the classes along dim 1 of an input of 2 or more
+    dims ((N, C), (N, C, d1, ...)), along dim 0 of a 1-d input (the target then 0-d), or along
+    `class_dim` where one is given (-1: the last, (..., C)). Returns the input with its class
+    dim last (a view: the kernels copy it only where its classes are not adjacent in memory)
+    and the target, whose shape must be the input's without its class dim."""
+    dims = input.dim()
+    if dims == 0:
+        raise ShapeError(
+            f"{function}(): argument 'input' must have at least 1 dim (the classes), got a 0-d "
+            "tensor"
+        )
+    if class_dim is None:
+        dim = 1 if dims >= 2 else 0
+    else:
+        if isinstance(class_dim, bool) or not isinstance(class_dim, numbers.Integral):
+            raise TypeError(
+                f"{function}(): argument 'class_dim' must be an int or None, got "
+                f"{type(class_dim).__name__}"
+            )
+        if not -dims <= class_dim < dims:
+            raise DimError(
+                f"{function}(): argument 'class_dim' must be in [{-dims}, {dims - 1}] (a dim of "
+                f"'input', of shape {list(input.shape)}), got {class_dim}"
+            )
+        dim = int(class_dim) % dims
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"{function}(): argument '{target_name}' must be a torch.Tensor, got "
+            f"{type(target).__name__}"
+        )
+    if target.dtype.is_floating_point and target.shape == input.shape:
+        raise NotImplementedError(
+            f"{function}(): argument '{target_name}' holds class probabilities (a floating "
+            f"tensor of the input's shape {list(input.shape)}), which this loss does not take: "
+            "pass class indices (int64), one per row"
+        )
+    rows = input.shape[:dim] + input.shape[dim + 1 :]
+    if dims == 1 and target.shape == (1,):
+        target = target.reshape(())  # torch takes a 1-element target for a 1-d input too
+    if target.shape != rows:
+        layout = (
+            f"input.shape without its class dim {dim}"
+            if class_dim is None or dim != dims - 1
+            else "input.shape[:-1]"
+        )
+        raise ShapeError(
+            f"{function}(): argument '{target_name}' must have shape {layout} = {list(rows)}, "
+            f"got {list(target.shape)}"
+        )
+    if dim != dims - 1:
+        input = input.movedim(dim, -1)
+    return input, target
+
+
+def check_weight(function, weight, input):
+    """Class weights: None, or a 1-d tensor of one floating weight per class (the input's last
+    dim), read at the loss's precision. Not differentiated: as torch, one that requires grad is
+    refused where autograd records."""
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"{function}(): argument 'weight' must be a torch.Tensor or None, got "
+            f"{type(weight).__name__}"
+        )
+    classes = input.shape[-1]
+    if weight.shape != (classes,):
+        raise ShapeError(
+            f"{function}(): argument 'weight' must have shape ({classes},) (a weight per class), "
+            f"got {list(weight.shape)}"
+        )
+    if weight.device != input.device:
+        raise DeviceError(
+            f"{function}(): argument 'weight' must be on the device of 'input' ({input.device}), "
+            f"got {weight.device}"
+        )
+    if weight.dtype not in FLOAT_DTYPES:
+        raise DtypeError(
+            f"{function}(): argument 'weight' must have dtype float16, bfloat16, float32 or "
+            f"float64, got {weight.dtype}"
+        )
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise OptionError(
+            f"{function}(): argument 'weight' is not differentiated (as torch's) and must not "
+            f"require grad; pass weight.detach()"
+        )
+    return weight if weight.is_contiguous() else weight.contiguous()
+
+
+def check_target(function, name, target, input, ignore_index, weight=None):
     """Integer class indices, one per row of `input`, each in [0, N) or ignore_index: returns
-    them as int64, and the count of those other than ignore_index (a 0-d int64 tensor on their
-    device; None for no rows or under torch.compile, where the caller counts)."""
+    them as int64, and the count of those other than ignore_index (the sum of their class
+    weights where `weight` is given, at the loss's precision): a 0-d tensor on their device;
+    None for no rows or under torch.compile, where the caller counts (`counted`)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(
             f"{function}(): argument '{name}' must be a torch.Tensor, got {type(target).__name__}"
         )
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(
+        raise DtypeError(
             f"{function}(): argument '{name}' must hold integer class indices (int64), got "
             f"{target.dtype}"
         )
     if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
+        raise ShapeError(
             f"{function}(): argument '{name}' must have shape input.shape[:-1] = "
             f"{list(input.shape[:-1])}, got {list(target.shape)}"
         )
     if target.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{function}(): argument '{name}' must be on the device of 'input' ({input.device}), "
             f"got {target.device}"
         )
@@ -114,12 +267,13 @@ def check_target(function, name, target, input, ignore_index):
         return target, None
     if target.is_cuda and target.device.index != torch._C._cuda_getDevice():
         with torch.cuda.device(target.device):  # Triton launches on the current device
-            return check_target(function, name, target, input, ignore_index)
+            return check_target(function, name, target, input, ignore_index, weight)
     # an out-of-range class would silently read no logit
     classes = input.shape[-1]
     if launch.use_triton(target):
         flat = target.reshape(-1).contiguous()
-        counted = torch.empty((), dtype=torch.int64, device=target.device)
+        dtype = launch.accumulator(input.dtype) if weight is not None else torch.int64
+        counted = torch.empty((), dtype=dtype, device=target.device)
         valid = torch.empty((), dtype=torch.bool, device=target.device)
         launch.launch(
             target_stats,
@@ -130,13 +284,15 @@ def check_target(function, name, target, input, ignore_index):
             flat.numel(),
             classes,
             int(ignore_index),
+            weight if weight is not None else flat,
             counted,
             valid,
+            WEIGHTED=weight is not None,
             BLOCK=TARGET_STATS_BLOCK,
         )
     else:
         kept = target != int(ignore_index)
-        counted = kept.sum()
+        counted = _counted(target, kept, weight, launch.accumulator(input.dtype))
         valid = ~(kept & ((target < 0) | (target >= classes))).any()
     if target.is_cuda:
         # no host sync, which would stall the launch queue behind the GPU: a device-side
@@ -148,9 +304,24 @@ def check_target(function, name, target, input, ignore_index):
         )
     elif not bool(valid):
         bad = ((target < 0) | (target >= classes)) & (target != int(ignore_index))
-        raise ValueError(
+        raise ClassIndexError(
             f"{function}(): argument '{name}' must hold class indices in [0, {classes}) or "
             "ignore_index "
             f"({int(ignore_index)}), got {int(target[bad][0])}"
         )
     return target, counted
+
+
+def _counted(target, kept, weight, dtype):
+    """The count of the kept targets (int64), or the sum of their class weights (`dtype`)."""
+    if weight is None:
+        return kept.sum()
+    # a class out of range (refused after this, or not on CUDA) reads weight 0, not past the end
+    inside = kept & (target >= 0) & (target < weight.shape[0])
+    picked = weight.to(dtype)[torch.where(inside, target, 0)]
+    return torch.where(inside, picked, 0.0).sum()
+
+
+def count_rows(target, ignore_index, weight, dtype):
+    """`check_target`'s count in torch ops (under torch.compile, or for no rows)."""
+    return _counted(target, target != int(ignore_index), weight, dtype)

@@ -1,11 +1,15 @@
-"""Cross-entropy of logits over a large vocabulary, one loss per row:
-loss = logsumexp(x) - x[target] + smoothing * mean(x[target] - x), and 0 where
-target == ignore_index (torch's (1 - smoothing) * nll + smoothing * mean(-log_softmax(x))).
+"""Cross-entropy of logits over a large vocabulary, one loss per row, with optional class
+weights w (1 where not given), as torch's:
+loss = (1 - smoothing) * w[target] * nll + smoothing * mean_j(w_j * (logsumexp(x) - x_j)),
+nll = logsumexp(x) - x[target], and 0 where target == ignore_index.
 
-The row max is a stabiliser of logsumexp (the engine proves the loss does not depend on it);
-the softmax is never stored: the backward recomputes exp(x - row_max) / denominator from the
-saved logits and two row statistics, and the gradient is the textbook
-dloss * (softmax - (1 - smoothing) * onehot - smoothing / N) on rows that are not ignored.
+It is computed as nll * (w[target] + smoothing * (mean(w) - w[target])) + smoothing *
+mean_j(w_j * (x[target] - x_j)), the same sum taken from the logits' gaps to the target, each
+exact, where a mean of the logits themselves would round at their scale (logits 1e4 + N(0, 1):
+three digits of an O(1) loss). The row max is a stabiliser of logsumexp (the engine proves the
+loss does not depend on it); the softmax is never stored: the backward recomputes
+exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
+gradient (torch gives them none either).
 """
 
 import sympy
@@ -18,6 +22,7 @@ def spec() -> OpSpec:
     op = OpSpec("cross_entropy", doc=__doc__)
     x = op.input("x")
     target = op.row_input("target", integer=True)
+    weight = op.column_param("weight", absent=1, grad=False)
     ignore_index = op.scalar("ignore_index")
     smoothing = op.scalar("label_smoothing")
     key = op.column_index("key")
@@ -26,23 +31,26 @@ def spec() -> OpSpec:
     denominator = op.row_sum("denominator", e, positive=True)
     target_logit = op.row_sum("target_logit", sympy.Piecewise((x, sympy.Eq(key, target)),
                                                               (0, True)))
-    # the smoothing term, mean_j(lse - x_j) = (lse - x[target]) + mean_j(x[target] - x_j), is
-    # taken from the logits' gaps to the target, each exact, where a mean of the logits
-    # themselves would round at their scale (logits 1e4 + N(0, 1): three digits of an O(1) loss)
-    target_gap = op.row_mean("target_gap", target_logit - x)
+    target_weight = op.row_sum("target_weight", sympy.Piecewise((weight, sympy.Eq(key, target)),
+                                                                (0, True)))
+    weight_mean = op.row_mean("weight_mean", weight)
+    target_gap = op.row_mean("target_gap", weight * (target_logit - x))
     # smoothing = 0 drops the term (a -inf logit is allowed, as in torch); an ignored row is
     # selected away, not multiplied by 0, so NaN logits there give a loss of 0, as in torch
     smoothed = op.row("smoothed", sympy.Piecewise((0, sympy.Eq(smoothing, 0)),
                                                   (smoothing * target_gap, True)))
+    nll = sympy.log(denominator) + row_max - target_logit
+    # without weights the factor is 1 + smoothing * (1 - 1): exactly 1
+    factor = op.row("factor", target_weight + smoothing * (weight_mean - target_weight))
     loss = op.row("loss", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)),
-        (sympy.log(denominator) + row_max - target_logit + smoothed, True)))
+        (nll * factor + smoothed, True)))
     op.output(loss)
-    op.save(x, target, row_max, denominator)
+    op.save(x, target, row_max, denominator, target_weight, weight_mean)
     op.api = RowLossAPI(
         function="cross_entropy", module="CrossEntropyLoss",
         torch_function="torch.nn.functional.cross_entropy",
-        target="target", ignore="ignore_index",
+        target="target", ignore="ignore_index", weight="weight",
         options=(Option("ignore_index", -100, check="integer"),
                  Option("label_smoothing", 0.0, check="unit")),
         # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel)

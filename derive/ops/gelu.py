@@ -6,7 +6,7 @@ input is saved: the activation is recomputed in the backward (DeepSpeed's gelu_c
 
 import sympy
 
-from derive.api import ElementwiseAPI, Replaces
+from derive.api import ElementwiseAPI, Replaces, Variant
 from derive.spec import OpSpec
 
 
@@ -21,6 +21,8 @@ def spec() -> OpSpec:
         function="gelu", module="GELU", torch_function="torch.nn.functional.gelu(input + bias)",
         call_params=("bias",),
         reference="torch.nn.functional.gelu(input if bias is None else input + bias)",
+        # torch's approximate="tanh" is the tanh approximation's op (its own kernels)
+        variant=Variant("approximate", (("none", None), ("tanh", "gelu_tanh"))),
         # torch's GELU and HF's GELU activations; the probe tells the exact one from the others
         replaces=(Replaces("*GELU*"),))
     return op
