@@ -35,14 +35,17 @@ ROOT = Path(__file__).resolve().parent.parent
 INF, NAN = math.inf, math.nan
 #: three column blocks of the looped schedule (16 columns each in tests), the last partial
 WIDTH = 37
-#: (schedule, path): every schedule of the Triton path, the torch path once
-LOOPED = [("persistent", "torch"), ("persistent", "triton"), ("one-sweep", "triton"),
-          ("two-sweep", "triton"), ("one-sweep-reverse", "triton")]
+#: (schedule, path): the torch path once, the Triton path's schedules
+FORMS = [("persistent", "torch"), ("persistent", "triton"), ("one-sweep", "triton"),
+         ("two-sweep", "triton")]
+#: the looped rows with every other sweep run backwards: the sweeps after the max's, so a few
+#: ops suffice (the interpreter is slow)
+REVERSE = ("one-sweep-reverse", "triton")
 
 
-def forms(module: object) -> list[tuple[str, str]]:
-    """LOOPED, and split rows where the module has kernels with a split form."""
-    return LOOPED + [("split", "triton")] * splits(module)
+def forms(module: object, reverse: bool = False) -> list[tuple[str, str]]:
+    """FORMS, REVERSE if asked, and split rows where the module has kernels of a split form."""
+    return FORMS + [REVERSE] * reverse + [("split", "triton")] * splits(module)
 
 
 DTYPES = [torch.float32, torch.float64]
@@ -145,7 +148,7 @@ def cross_entropy_reference(target: torch.Tensor, smoothing: float) -> Callable:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("layout", "path"), forms(softmax))
+@pytest.mark.parametrize(("layout", "path"), forms(softmax, reverse=True))
 def test_softmax(monkeypatch, layout, path, dtype):
     with form(softmax, layout, path, monkeypatch) as device:
         check(lambda x: softmax.softmax(x, -1), softmax_reference, rows().to(device, dtype))
@@ -172,7 +175,7 @@ def test_cross_entropy(monkeypatch, layout, path, dtype, target, smoothing):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("layout", "path"), LOOPED)
+@pytest.mark.parametrize(("layout", "path"), [*FORMS, REVERSE])
 def test_tutorial_logsumexp(logsumexp, monkeypatch, layout, path, dtype):
     """torch.logsumexp itself is the reference: +inf for a row holding +inf (gradient NaN at
     the +inf, 0 elsewhere), -inf for a row of -inf."""
@@ -182,7 +185,7 @@ def test_tutorial_logsumexp(logsumexp, monkeypatch, layout, path, dtype):
         check(lambda t: logsumexp.logsumexp(t, -1), lambda t: torch.logsumexp(t, -1), x)
 
 
-@pytest.mark.parametrize(("layout", "path"), LOOPED)
+@pytest.mark.parametrize(("layout", "path"), [*FORMS, REVERSE])
 def test_running_sums_of_rows_that_start_with_minus_inf(logsumexp, monkeypatch, layout, path):
     """Where the rows loop in one sweep, the sum rescales to each step's shift: a row whose
     first block is -inf has every lane's sum 0 at shift 0 when values near -1000 arrive, and the
