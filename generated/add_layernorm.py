@@ -2183,7 +2183,7 @@ def add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and not residual_in_fp32 and DISPATCH.to_torch(input):
+    if memory == "default" and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
 

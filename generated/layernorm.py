@@ -1783,7 +1783,7 @@ def layer_norm(
         "invertible": saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and DISPATCH.to_torch(input):
+    if memory == "default" and dispatch.same_dtype(input, weight, bias) and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
 

@@ -121,11 +121,14 @@ CALLS = [
                                                                  residual_in_fp32=True)),
     (add_rmsnorm, lambda x, r, w: add_rmsnorm.add_rms_norm(x, r, (N,), w, weight_offset=1.0)),
     (bias_dropout_add, lambda x, r, w: bias_dropout_add.bias_dropout_add(x, r, p=0.5, seed=1)),
+    (layernorm, lambda x, r, w: layernorm.layer_norm(x.half(), (N,), w)),
+    (add_layernorm, lambda x, r, w: add_layernorm.add_layer_norm(x.half(), r.half(), (N,), w)),
 ]
 
 
 @pytest.mark.parametrize(("module", "call"), CALLS, ids=["invertible", "recompute_mean",
-                         "offset", "residual_in_fp32", "add offset", "dropout"])
+                         "offset", "residual_in_fp32", "add offset", "dropout",
+                         "16-bit input, fp32 weight", "add, 16-bit input, fp32 weight"])
 def test_options_torch_cannot_express_run_the_kernels(module, call, monkeypatch):
     applied = []
     for function in module._FUNCTIONS.values():

@@ -148,7 +148,8 @@ def penalty(fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...
     then its own gradient with respect to every input, and the first gradient."""
     outputs = fn(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    total = sum((o * randn(o.shape, seed=20 + i)).sum() for i, o in enumerate(outputs))
+    total = sum((o * randn(o.shape, seed=20 + i, device=o.device)).sum()
+                for i, o in enumerate(outputs))
     first = torch.autograd.grad(total, inputs, create_graph=True)
     squares = sum(g.square().sum() for g in first)
     if not squares.requires_grad:  # a linear op: no gradient depends on an input

@@ -227,7 +227,13 @@ def mixed_run(fn: Callable, inputs: list, grad_dtype: torch.dtype | None = None)
 def assert_promotes_like_torch(ours: Callable, theirs: Callable, inputs: list) -> None:
     """The output and every gradient have torch's dtype, and a max abs error against torch's
     composition in fp64 of at most twice torch's own plus the atol of that dtype."""
-    want = mixed_run(theirs, inputs)
+    try:
+        want = mixed_run(theirs, inputs)
+    except RuntimeError:
+        # torch's CUDA layer norm (2.11) refuses 16-bit input with fp32 parameters, which
+        # its CPU one takes: the behaviour to match is then torch's on the CPU
+        want = [None if t is None else t.to(inputs[0].device)
+                for t in mixed_run(theirs, [None if t is None else t.cpu() for t in inputs])]
     got = mixed_run(ours, inputs)
     exact = mixed_run(theirs, [None if t is None else t.double() for t in inputs],
                       grad_dtype=want[0].dtype)

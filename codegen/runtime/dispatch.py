@@ -121,6 +121,13 @@ def added(*tensors):
     return total
 
 
+def same_dtype(*tensors) -> bool:
+    """Whether the tensors that are not None share one dtype (torch's CUDA layer norm refuses
+    parameters of another dtype than its input, which the kernels take)."""
+    dtypes = {tensor.dtype for tensor in tensors if isinstance(tensor, torch.Tensor)}
+    return len(dtypes) <= 1
+
+
 def normalized(norm, total, *arguments, prenorm: bool = False):
     """`norm(total, *arguments)`, and with `prenorm` the sum `total` too (what a fused add +
     norm returns)."""

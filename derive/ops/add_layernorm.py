@@ -41,5 +41,6 @@ def spec() -> OpSpec:
                   "dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, "
                   "eps, prenorm=prenorm)",
         # torch's sum is rounded to the inputs' dtype, not kept in fp32
-        reference_when="not residual_in_fp32")
+        reference_when="not residual_in_fp32 and "
+                       "dispatch.same_dtype(input, residual, input_bias, weight, bias)")
     return op

@@ -30,5 +30,6 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.layer_norm", torch_module="torch.nn.LayerNorm",
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
         reference="torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)",
+        reference_when="dispatch.same_dtype(input, weight, bias)",
         replaces=(Replaces("*LayerNorm"),))
     return op
