@@ -1290,7 +1290,8 @@ def _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residua
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+        with launch.ieee(device):
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, residual_out, mean, rstd,
 
@@ -1432,7 +1433,8 @@ def _add_layernorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weig
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+            with launch.ieee(device):
+                compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1582,7 +1584,8 @@ def _add_layernorm_bwd_recompute_mean(dy, dresidual_out, residual_out, input_bia
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+            with launch.ieee(device):
+                compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1732,7 +1735,8 @@ def _add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, bias
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+            with launch.ieee(device):
+                compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

@@ -828,7 +828,8 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+        with launch.ieee(device):
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y, residual_out, rstd,
 
@@ -957,7 +958,8 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+            with launch.ieee(device):
+                compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):
@@ -1097,7 +1099,8 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 )
             grid = (schedule.programs,)
             registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+            with launch.ieee(device):
+                compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
             SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     except RuntimeError as error:
         if not (schedule.split and launch.refused(error)):

@@ -331,7 +331,8 @@ def _bias_dropout_add_fwd(x, residual, bias, p, seed):
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+        with launch.ieee(device):
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     return y,
 
@@ -416,7 +417,8 @@ def _bias_dropout_add_bwd_default(dy, bias, p, seed, store_dbias):
         )
         grid = (schedule.programs,)
         registers = maxnreg(schedule.warps, schedule.programs, device) if schedule.regs else None
-        compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
+        with launch.ieee(device):
+            compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
     dbias, = launch.column_sums(
         (dbias_partial, bias),

@@ -132,7 +132,12 @@ def dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     functions call under torch.compile."""
     if request.param == "library":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    return request.param
+    yield request.param
+    monkeypatch.undo()
+    # dynamo resolves torch.compiler.is_compiling by name into a cached map of what it traces:
+    # one built while the stand-in was set no longer knows the real function, and every later
+    # torch.compile of a generated function would break its graph there
+    torch._dynamo.trace_rules.clear_lru_cache()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -9,6 +9,7 @@ function directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -43,6 +44,19 @@ def fp32_pair(value: float) -> tuple[float, float]:
 def use_triton(tensor: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors run them only under TRITON_INTERPRET=1."""
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ieee(device: torch.device):
+    """The context a kernel runs in on `device`. On the CPU, Triton's interpreter evaluates
+    every lane with NumPy, as the GPU does, the lanes past a row's or a block's end and a
+    select's other branch included: there the kernels compute and discard IEEE specials (log 0
+    of a masked row's empty sum, 0/0), which the GPU does silently and NumPy would warn about,
+    each time; it computes them silently too. On a GPU: nothing."""
+    if device.type == "cuda":
+        return contextlib.nullcontext()
+    import numpy  # the interpreter's own dependency: the GPU path never needs it
+
+    return numpy.errstate(all="ignore")
 
 
 def rows(shape, tensor: torch.Tensor) -> torch.Tensor:
@@ -162,7 +176,8 @@ def launch(kernel, grid, warps, maxnreg, *args, **constexprs):
     `specializations`: a CUDA call keyed as an earlier one launches the kernel Triton compiled
     then without the JIT's per-call binding and checks."""
     if not (args[0].is_cuda and direct()):
-        return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
+        with ieee(args[0].device):
+            return kernel[grid](*args, **constexprs, num_warps=warps, maxnreg=maxnreg)
     device = torch._C._cuda_getDevice()
     key = (id(kernel), device, warps, maxnreg, *constexprs.values(), *specializations(args))
     plan = PLANS.get(key)
@@ -245,7 +260,8 @@ def _sum_launch(needed, sums, P, N) -> Plan | None:
     grid = (-(-N // block_c), count)
     arguments = (*pairs, *(None, None) * (3 - count), P, N)
     constexprs = {"COUNT": count, "BLOCK_P": block_p, "BLOCK_C": block_c}
-    compiled = triton_helpers.column_sums_kernel[grid](*arguments, **constexprs, num_warps=4)
+    with ieee(pairs[0].device):
+        compiled = triton_helpers.column_sums_kernel[grid](*arguments, **constexprs, num_warps=4)
     if not pairs[0].is_cuda:
         return None
     return make_plan(None, triton_helpers.column_sums_kernel, compiled, grid, len(arguments),
