@@ -724,7 +724,7 @@ def write_table(measurements: list[Path], command: str) -> Path:
         # written by benchmarks.crossover
         "dispatch": previous.get("dispatch", {}),
     }
-    return write_measured(table)
+    return write_measured(table, MEASURED_TABLE)
 
 
 def main() -> None:

@@ -21,16 +21,19 @@ MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
 _CONSTANT_NAMES = {f.name for f in dataclasses.fields(Constants)}
 
 
-def load_measured(path: Path = MEASURED_TABLE) -> dict:
+def load_measured(path: Path | None = None) -> dict:
     """The measured table: "ops" (per op, kernel kind and row width, [rows, warps, programs an
     SM, stages, columns a looped step, one sweep, form]: `codegen.runtime.schedules.Measured`,
     trailing values optional), "borrow" (op -> the op whose entries it uses where it has none),
     "constants" (op -> the rules' constants it sets)."""
+    path = path or MEASURED_TABLE  # looked up per call: tests point it elsewhere
     return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
 
 
-def write_measured(table: dict, path: Path = MEASURED_TABLE) -> Path:
-    """Write the measured table as JSON, each innermost list on one line."""
+def write_measured(table: dict, path: Path | None = None) -> Path:
+    """Write the measured table (to `MEASURED_TABLE` by default) as JSON, each innermost list on
+    one line."""
+    path = path or MEASURED_TABLE
     text = json.dumps(table, indent=1)
     text = re.sub(r"\[\s+([^\[\]]*?)\s+\]",
                   lambda match: "[" + " ".join(match.group(1).split()) + "]", text)

@@ -60,3 +60,16 @@ def test_choices_from_saved_rows(tmp_path):
     saved = tmp_path / "rows.json"
     saved.write_text('[{"op": "a", "rows": 2, "cols": 3, "ours_us": 1, "torch_us": 2}]')
     assert crossover.main(["--from", str(saved)]) == [row("a", 2, 1, 2, cols=3)]
+
+
+def test_choices_go_to_the_table_in_use(tmp_path, monkeypatch):
+    import json
+
+    import codegen.schedule
+
+    table = tmp_path / "table.json"
+    table.write_text('{"ops": {}, "borrow": {}, "dispatch": {"a": {"compiled": "torch"}}}')
+    monkeypatch.setattr(codegen.schedule, "MEASURED_TABLE", table)
+    crossover.write_table({"a": {"eager_below": 5}, "b": {"eager_below": 7}})
+    assert json.loads(table.read_text())["dispatch"] == {
+        "a": {"compiled": "torch", "eager_below": 5}, "b": {"eager_below": 7}}

@@ -53,10 +53,10 @@ def keep(shape: tuple[int, ...], p: float) -> torch.Tensor:
 
 
 def attention_reference(x: torch.Tensor) -> torch.Tensor:
-    scores = 0.7 * x + MASK
-    causal = torch.ones(x.shape[-2:], dtype=torch.bool).tril()
+    scores = 0.7 * x + MASK.to(x.device)
+    causal = torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril()
     probabilities = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
-    return probabilities * keep(x.shape, P) / (1 - P)
+    return probabilities * keep(x.shape, P).to(x.device) / (1 - P)
 
 
 MASK = randn((N,), seed=9)
@@ -93,12 +93,12 @@ CASES = {
     **_norm_cases(("default", "recompute_mean")),
     "softmax": Case(lambda x: softmax.softmax(x, 0), lambda x: torch.softmax(x, 0), (SHAPE,)),
     "masked_softmax": Case(
-        lambda x: masked_softmax.masked_softmax(x, MASK, scale=0.7, dropout_p=P, causal=True,
-                                                seed=SEED),
+        lambda x: masked_softmax.masked_softmax(x, MASK.to(x.device), scale=0.7, dropout_p=P,
+                                                causal=True, seed=SEED),
         attention_reference, ((1, 3, N),)),
     "cross_entropy": Case(
-        lambda x: cross_entropy.cross_entropy(x, TARGET, label_smoothing=0.2),
-        lambda x: F.cross_entropy(x, TARGET, label_smoothing=0.2), (SHAPE,)),
+        lambda x: cross_entropy.cross_entropy(x, TARGET.to(x.device), label_smoothing=0.2),
+        lambda x: F.cross_entropy(x, TARGET.to(x.device), label_smoothing=0.2), (SHAPE,)),
     "gelu": Case(lambda x, b: gelu.gelu(x, bias=b), lambda x, b: F.gelu(x + b), (SHAPE, (N,))),
     "gelu_tanh": Case(lambda x, b: gelu_tanh.gelu_tanh(x, bias=b),
                       lambda x, b: F.gelu(x + b, approximate="tanh"), (SHAPE, (N,))),
