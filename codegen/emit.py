@@ -87,8 +87,10 @@ class KernelContext:
     def __init__(self, kernel: Kernel, dialect: Dialect, backward: bool = True):
         #: the derived formulas, as the kernels' docstrings state them
         self.formulas = kernel.formulas()
-        # Triton kernels read one-hot sums as one gathered element a row (codegen/fuse.py)
-        kernel, self.picks = picks(kernel) if dialect is TRITON else (kernel, ())
+        # one-hot sums are read as one gathered element a row (codegen/fuse.py), by the Triton
+        # kernels and the torch path alike
+        kernel, self.picks = picks(kernel)
+        self.dialect = dialect
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
         element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
                     if a.level == "element"}
@@ -297,6 +299,8 @@ class KernelContext:
 
     def pick_lines(self) -> list[str]:
         """The one-hot sums, each read at its row's column (after the row loads)."""
+        if self.dialect is TORCH:
+            return self._torch_pick_lines()
         lines = []
         for p in self.picks:
             mask = f"{p.name}_mask"
@@ -317,6 +321,32 @@ class KernelContext:
             lines.append(f"{p.name} = {self._scaled(reduce, value)}  # {p.name} = "
                          f"{formula(p.scale)} * ({formula(p.body)} at column {p.index}): a "
                          "one-hot sum over the row, read as one element")
+        return lines
+
+    def _torch_pick_lines(self) -> list[str]:
+        """`pick_lines` in torch: (M, 1) gathers at the row's index, where it is a column."""
+        lines = []
+        for p in self.picks:
+            mask, at = f"{p.name}_mask", f"{p.name}_at"
+            gathers = [f"{p.name}_{e} = torch.gather({e}, 1, {at})" for e in p.loads]
+            # an absent column is a number: the same at every column
+            gathers += [f"{p.name}_{c} = {c}[{at}] if isinstance({c}, torch.Tensor) else {c}"
+                        for c in p.columns]
+            read = set(p.loads) | set(p.columns)
+            gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
+                                        for s in p.body.free_symbols if s.name in read})
+            value = f"torch.where({mask}, {self.print_named(p.name, gathered)}, 0.0).to(acc)"
+            reduce = RowReduce(p.name, "sum", p.body, p.scale)
+            lines += [f"{mask} = ({p.index} >= 0) & ({p.index} < N)",
+                      # rows of no column (N = 0) gather nothing: the sum is 0
+                      "if N:",
+                      f"    {at} = {p.index}.clamp(0, N - 1)",
+                      *("    " + line for line in gathers),
+                      f"    {p.name} = {self._scaled(reduce, value)}  # {p.name} = "
+                      f"{formula(p.scale)} * ({formula(p.body)} at column {p.index}): a one-hot "
+                      "sum over the row, read as one element",
+                      "else:",
+                      f"    {p.name} = torch.zeros((M, 1), dtype=acc, device={self.first}.device)"]
         return lines
 
     def _column(self, name: str) -> dict[str, Any]:
@@ -358,10 +388,12 @@ class KernelContext:
                            else f"tl.where(mask, {body}, {identity})"),
                 "scale_prefix": prefix,
                 "scale_suffix": suffix,
-                # a body of column values alone (a mean of class weights) is no (M, N) tensor
-                # in the torch path: a (N,) one, or a number where its column is absent
-                "columnwise": not ({s.name for s in r.body.free_symbols}
-                                   & (self._element_exprs.keys() | element_names)),
+                # a body without element values (a mean of class weights) is no (M, N) tensor
+                # in the torch path: it varies along the row through columns alone, a (N,)
+                # tensor or a number where its column is absent; summed as broadcast to one
+                # row of N, or to the M rows where it reads row values too
+                "broadcast": self._broadcast({s.name for s in r.body.free_symbols},
+                                             self._element_exprs.keys() | element_names),
                 "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
                 # a max is only ever a proven stabiliser, so any finite shift serves; where the
                 # max is not finite (+inf, a fully masked row) exp(x - max) would be NaN
@@ -373,6 +405,16 @@ class KernelContext:
             "reductions": reductions,
             "after": self._assigns(step.after),
         }
+
+    def _broadcast(self, names: set[str], elements: set[str]) -> str | None:
+        """The shape a reduction's body is broadcast to before the torch path sums it: None
+        where it holds element values (it is (M, N) already)."""
+        if names & elements:
+            return None
+        per_column = ({t.name for t in self.kernel.inputs if t.level in ("column", "scalar")}
+                      | {name for name, kind in self.kernel.generated if kind == "column_index"}
+                      | set(self.kernel.scalars) | {"N"})
+        return "(1, N)" if names <= per_column else "(M, N)"
 
     def sweep_lines(self) -> list[str]:
         """The looped kernel's reduction sweeps, relative to its row-block loop. Where the

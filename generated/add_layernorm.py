@@ -1075,8 +1075,8 @@ def _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_r
     y = bias + weight * x_hat  # y = bias + weight*x_hat
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
-    mean = torch.broadcast_to(mean, (M, 1)).reshape(M) if store_mean else None
-    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
+    mean = torch.broadcast_to(mean, (M, 1)).reshape(M).contiguous() if store_mean else None
+    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
     return y, residual_out, mean, rstd,
 
 

@@ -656,7 +656,7 @@ def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, 
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
-    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
+    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
     return y, residual_out, rstd,
 
 

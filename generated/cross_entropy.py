@@ -354,11 +354,23 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, s
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
+    target_logit_mask = (target >= 0) & (target < N)
+    if N:
+        target_logit_at = target.clamp(0, N - 1)
+        target_logit_x = torch.gather(x, 1, target_logit_at)
+        target_logit = torch.where(target_logit_mask, target_logit_x, 0.0).to(acc)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
+    else:
+        target_logit = torch.zeros((M, 1), dtype=acc, device=x.device)
+    target_weight_mask = (target >= 0) & (target < N)
+    if N:
+        target_weight_at = target.clamp(0, N - 1)
+        target_weight_weight = weight[target_weight_at] if isinstance(weight, torch.Tensor) else weight
+        target_weight = torch.where(target_weight_mask, target_weight_weight, 0.0).to(acc)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
+    else:
+        target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
     row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
-    target_logit = (torch.where((key == target), x, 0.0).to(acc)).sum(dim=-1, keepdim=True)  # target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
-    target_weight = torch.broadcast_to(torch.as_tensor(torch.where((key == target), weight, 0.0).to(acc), dtype=acc, device=x.device), (M, N)).sum(dim=-1, keepdim=True)  # target_weight = 1 * sum_j(Piecewise((weight, Eq(key, target)), (0, True)))
-    weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (M, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
+    weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
@@ -366,11 +378,11 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, s
     target_gap = (weight * (target_logit - x)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
     loss = torch.where((ignore_index == target), 0.0, smoothed + factor * (part_row_max_target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
-    loss = torch.broadcast_to(loss, (M, 1)).reshape(M)
-    row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M) if store_row_max else None
-    denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M) if store_denominator else None
-    target_weight = torch.broadcast_to(target_weight, (M, 1)).reshape(M) if store_target_weight else None
-    weight_mean = torch.broadcast_to(weight_mean, (M, 1)).reshape(M) if store_weight_mean else None
+    loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
+    row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M).contiguous() if store_row_max else None
+    denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M).contiguous() if store_denominator else None
+    target_weight = torch.broadcast_to(target_weight, (M, 1)).reshape(M).contiguous() if store_target_weight else None
+    weight_mean = torch.broadcast_to(weight_mean, (M, 1)).reshape(M).contiguous() if store_weight_mean else None
     return loss, row_max, denominator, target_weight, weight_mean,
 
 
@@ -411,10 +423,16 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     dloss = dloss.to(acc)[:, None]
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
+    target_weight_mask = (target >= 0) & (target < N)
+    if N:
+        target_weight_at = target.clamp(0, N - 1)
+        target_weight_weight = weight[target_weight_at] if isinstance(weight, torch.Tensor) else weight
+        target_weight = torch.where(target_weight_mask, target_weight_weight, 0.0).to(acc)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
+    else:
+        target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
     row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
-    target_weight = torch.broadcast_to(torch.as_tensor(torch.where((key == target), weight, 0.0).to(acc), dtype=acc, device=x.device), (M, N)).sum(dim=-1, keepdim=True)  # target_weight = 1 * sum_j(Piecewise((weight, Eq(key, target)), (0, True)))
-    weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (M, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
+    weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)

@@ -841,8 +841,8 @@ def _layernorm_fwd_torch(x, weight, bias, eps, store_mean, store_rstd):
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     y = bias + weight * x_hat  # y = bias + weight*x_hat
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
-    mean = torch.broadcast_to(mean, (M, 1)).reshape(M) if store_mean else None
-    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
+    mean = torch.broadcast_to(mean, (M, 1)).reshape(M).contiguous() if store_mean else None
+    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
     return y, mean, rstd,
 
 

@@ -499,7 +499,7 @@ def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd):
     x_hat = rstd * x  # x_hat = rstd*x
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
-    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M) if store_rstd else None
+    rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
     return y, rstd,
 
 
