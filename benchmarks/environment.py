@@ -134,3 +134,27 @@ def measure_copy_bandwidth(env: Environment, buffer_bytes: int, rep_ms: float) -
     env.release_memory()
     moved = 2 * (buffer_bytes // 2) * torch.empty((), dtype=torch.bfloat16).element_size()
     return CopyBandwidth(buffer_bytes=buffer_bytes, moved_bytes=moved, stats=stats)
+
+
+#: the --dtype values of the user-level benchmarks (host, layers_step)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def names(parser, flag: str, value: str, known) -> list[str]:
+    """The comma-separated names of `flag`, each one of `known` (else the parser's error)."""
+    chosen = [name for name in value.split(",") if name]
+    if unknown := sorted(set(chosen) - set(known)):
+        what = flag.lstrip("-").rstrip("s")
+        parser.error(f"{flag}: no such {what} {', '.join(unknown)} "
+                     f"({flag.lstrip('-')}: {', '.join(known)})")
+    return chosen
+
+
+def user_level_setup(cpu_smoke: bool, dtype: str | None):
+    """(environment, dtype) of a user-level benchmark: `--cpu-smoke` runs the generated torch
+    path (not the interpreter) on one thread in fp32; otherwise bf16 unless `dtype` says."""
+    if cpu_smoke:
+        os.environ.pop("TRITON_INTERPRET", None)  # the generated torch path, not the interpreter
+        torch.set_num_threads(1)  # tiny tensors: threads cost more than they share
+    return create_environment(cpu_smoke), DTYPES[dtype or ("fp32" if cpu_smoke else "bf16")]
+

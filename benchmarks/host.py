@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.environment import create_environment
+from benchmarks.environment import DTYPES, names, user_level_setup
 from generated.add_layernorm import add_layer_norm
 from generated.add_rmsnorm import add_rms_norm
 from generated.bias_dropout_add import bias_dropout_add
@@ -59,7 +58,6 @@ from generated.rmsnorm import rms_norm
 from generated.softmax import softmax
 from generated.swiglu import swiglu
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("fwd", "fwd+bwd")
 PROVIDERS = ("ours", "torch")
 GRAPH_CALLS = 10
@@ -334,14 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on the CPU, fp32: tests the harness")
     args = parser.parse_args(argv)
-    chosen = [op for op in args.ops.split(",") if op]
-    if unknown := sorted(set(chosen) - set(OPS)):
-        parser.error(f"--ops: no such op {', '.join(unknown)} (ops: {', '.join(OPS)})")
-    if args.cpu_smoke:
-        os.environ.pop("TRITON_INTERPRET", None)  # the generated torch path, not the interpreter
-        torch.set_num_threads(1)  # tiny tensors: threads cost more than they share
-    env = create_environment(args.cpu_smoke)
-    dtype = DTYPES[args.dtype or ("fp32" if args.cpu_smoke else "bf16")]
+    chosen = names(parser, "--ops", args.ops, OPS)
+    env, dtype = user_level_setup(args.cpu_smoke, args.dtype)
     calls = args.calls or (3 if args.cpu_smoke else 200)
     repeats = args.repeats or (2 if args.cpu_smoke else 5)
     warmup = 1 if args.cpu_smoke else max(3, calls // 10)

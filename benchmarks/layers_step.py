@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -48,14 +47,13 @@ import transformers
 from transformers.models.bert.modeling_bert import BertLayer as HFBertLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from benchmarks.environment import create_environment
+from benchmarks.environment import DTYPES, names, user_level_setup
 from generated.bert_layer import BertLayer
 from generated.gpt_layer import GPTLayer
 
 DROPOUT = 0.1
 MIB = 2**20
 WARMUP = 3
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -379,17 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="a tiny size on the CPU, fp32: tests the harness")
     args = parser.parse_args(argv)
-    names = [name for name in args.sizes.split(",") if name]
-    if unknown := sorted(set(names) - set(SIZES)):
-        parser.error(f"--sizes: no such size {', '.join(unknown)} (sizes: {', '.join(SIZES)})")
-    if args.cpu_smoke:
-        os.environ.pop("TRITON_INTERPRET", None)  # the generated torch path, not the interpreter
-        torch.set_num_threads(1)  # tiny tensors: threads cost more than they share
-    env = create_environment(args.cpu_smoke)
-    dtype = DTYPES[args.dtype or ("fp32" if args.cpu_smoke else "bf16")]
+    chosen = names(parser, "--sizes", args.sizes, SIZES)
+    env, dtype = user_level_setup(args.cpu_smoke, args.dtype)
     repeats = args.repeats or (2 if args.cpu_smoke else 20)
     warmup = 0 if args.cpu_smoke else WARMUP  # nothing to compile on the CPU
-    sizes = {"smoke": SMOKE_SIZE} if args.cpu_smoke else {name: SIZES[name] for name in names}
+    sizes = {"smoke": SMOKE_SIZE} if args.cpu_smoke else {name: SIZES[name] for name in chosen}
     records = []
     for name, size in sizes.items():
         records += measure(name, size, env.device, dtype, repeats, warmup,
