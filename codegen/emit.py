@@ -81,6 +81,14 @@ def formula(expr: sympy.Expr) -> str:
     return sympy.sstr(expr, order="lex").replace("**", "^")
 
 
+def typed(absent: str) -> str:
+    """An absent tensor's number as a scalar of the accumulator's dtype: a bare Python float is
+    fp32 in Triton wherever no tensor sets the type (tl.where(mask, 1.0, 0.0) and the mean of it
+    are fp32, and a compiled fp32 division is not correctly rounded: an fp64 kernel's mean of
+    absent class weights came out 1 - 2^-24)."""
+    return f"tl.full([], {absent}, ACC)"
+
+
 class KernelContext:
     """A Kernel with every expression printed in one dialect, as the templates read it."""
 
@@ -116,6 +124,8 @@ class KernelContext:
         self.optional_elements = {t.name: self.printer(t.absent)
                                   for t in kernel.tensors("element") if t.optional}
         self.first = next(t.name for t in kernel.tensors("element") if not t.optional)
+        #: whether the kernel takes an exponential (and so decides which: `helpers.exp`)
+        self.exact_exp = any(sympy.sympify(e).has(sympy.exp) for e in kernel.expressions())
         self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
         self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]
@@ -216,7 +226,7 @@ class KernelContext:
             load = f"{name} = tl.load({name}_ptr + cols, mask=col_mask, other=0.0).to(ACC)"
             if c["flag"]:
                 lines += [f"if {c['flag']}:", f"    {load}", "else:",
-                          f"    {c['name']} = {c['absent']}"]
+                          f"    {c['name']} = {typed(c['absent'])}"]
             else:
                 lines.append(load)
         return lines
@@ -242,7 +252,7 @@ class KernelContext:
             load = f"{e} = tl.load({e}_ptr + {row} + cols, mask=mask, other=0.0{policy}).to(ACC)"
             if e in self.optional_elements:
                 lines += [f"if {self.element_flags[e]}:", f"    {load}", "else:",
-                          f"    {e} = {self.optional_elements[e]}"]
+                          f"    {e} = {typed(self.optional_elements[e])}"]
             else:
                 lines.append(load)
         return lines
@@ -312,7 +322,7 @@ class KernelContext:
                 load = (f"{p.name}_{c['name']} = tl.load({c['name']}_ptr + {p.index}, "
                         f"mask={mask}, other=0.0).to(ACC)")
                 lines += ([f"if {c['flag']}:", f"    {load}", "else:",
-                           f"    {p.name}_{c['name']} = {c['absent']}"] if c["flag"] else [load])
+                           f"    {p.name}_{c['name']} = {typed(c['absent'])}"] if c["flag"] else [load])
             read = set(p.loads) | set(p.columns)
             gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
                                         for s in p.body.free_symbols if s.name in read})
@@ -610,7 +620,7 @@ class KernelContext:
             if e in self.optional_elements:
                 issue += [f"if {self.element_flags[e]}:", f"    {load}"]
                 take += [f"if {self.element_flags[e]}:", f"    {e} = {e}_next.to(ACC)", "else:",
-                         f"    {e} = {self.optional_elements[e]}"]
+                         f"    {e} = {typed(self.optional_elements[e])}"]
             else:
                 issue.append(load)
                 take.append(f"{e} = {e}_next.to(ACC)")

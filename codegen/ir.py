@@ -95,6 +95,15 @@ class Kernel:
             lines.append("  scalars: " + ", ".join(self.scalars))
         return "\n".join(lines + ["  " + line for line in self.formulas()])
 
+    def expressions(self) -> list[sympy.Expr]:
+        """Every expression the kernel evaluates (assignments, reduction bodies and scales,
+        stores)."""
+        steps = (*self.passes, self.epilogue)
+        return [*(a.expr for a in self.prologue),
+                *(a.expr for step in steps for a in (*step.assigns, *step.after)),
+                *(e for step in steps for r in step.reductions for e in (r.body, r.scale)),
+                *(s.expr for s in self.stores)]
+
     def formulas(self) -> list[str]:
         """What the kernel computes, pass by pass, as derived: its generated kernels carry
         these lines as their docstring."""

@@ -40,6 +40,8 @@ class Dialect:
     where_cast: str = ""
     #: a reciprocal square root, `{}` its argument (empty: 1.0 / sqrt)
     rsqrt: str = ""
+    #: an exponential, `{}` its argument (empty: the `functions` entry)
+    exp: str = ""
 
 
 TRITON = Dialect(
@@ -56,6 +58,8 @@ TRITON = Dialect(
     # correctly rounded unless the kernel is compiled for its row width (generated modules:
     # `helpers.rsqrt`, FIXED_N)
     rsqrt="helpers.rsqrt({}, FIXED_N)",
+    # exact or fast by the kernel's element dtype (the kernel template's EXACT_EXP)
+    exp="helpers.exp({}, EXACT_EXP)",
 )
 
 TORCH = Dialect(
@@ -125,6 +129,8 @@ class KernelPrinter:
             return self._piecewise(expr)
         if isinstance(expr, sympy.Function) and type(expr) in self.dialect.functions:
             args = ", ".join(self._print(a)[0] for a in expr.args)
+            if type(expr) is sympy.exp and self.dialect.exp:
+                return self.dialect.exp.format(args), _ATOM
             return f"{self.dialect.functions[type(expr)]}({args})", _ATOM
         if isinstance(expr, sympy.core.relational.Relational):
             lhs, rhs = self._wrap(expr.lhs, _ADD), self._wrap(expr.rhs, _ADD)

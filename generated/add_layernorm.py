@@ -66,15 +66,15 @@ def _add_layernorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_strid
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        input_bias = 0.0
+        input_bias = tl.full([], 0.0, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -85,7 +85,7 @@ def _add_layernorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_strid
         if HAS_RESIDUAL:
             residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            residual = 0.0
+            residual = tl.full([], 0.0, ACC)
         residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
         mean = tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
         var = tl.sum(tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
@@ -147,11 +147,11 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
                 if HAS_INPUT_BIAS:
                     input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
-                    input_bias = 0.0
+                    input_bias = tl.full([], 0.0, ACC)
                 if HAS_RESIDUAL:
                     residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
-                    residual = 0.0
+                    residual = tl.full([], 0.0, ACC)
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 mean_delta = tl.where(mask, residual_out - mean_acc, 0.0)
@@ -170,11 +170,11 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
                 if HAS_INPUT_BIAS:
                     input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
-                    input_bias = 0.0
+                    input_bias = tl.full([], 0.0, ACC)
                 if HAS_RESIDUAL:
                     residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
-                    residual = 0.0
+                    residual = tl.full([], 0.0, ACC)
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 mean_acc += tl.where(mask, residual_out, 0.0)
@@ -187,11 +187,11 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
                 if HAS_INPUT_BIAS:
                     input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
-                    input_bias = 0.0
+                    input_bias = tl.full([], 0.0, ACC)
                 if HAS_RESIDUAL:
                     residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
-                    residual = 0.0
+                    residual = tl.full([], 0.0, ACC)
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
@@ -204,19 +204,19 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_INPUT_BIAS:
                 input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                input_bias = 0.0
+                input_bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_RESIDUAL:
                 residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                residual = 0.0
+                residual = tl.full([], 0.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
@@ -271,7 +271,7 @@ def _add_layernorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -287,7 +287,7 @@ def _add_layernorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
@@ -352,7 +352,7 @@ def _add_layernorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
@@ -367,11 +367,11 @@ def _add_layernorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_DRESIDUAL_OUT:
                 dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                dresidual_out = 0.0
+                dresidual_out = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
@@ -438,7 +438,7 @@ def _add_layernorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -459,7 +459,7 @@ def _add_layernorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = dresidual_out_next.to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         residual_out = residual_out_next.to(ACC)
         next_rows = rows + groups * ROWS
         next_offsets = next_rows.to(tl.int64)
@@ -537,7 +537,7 @@ def _add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidual_out_p
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -552,7 +552,7 @@ def _add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidual_out_p
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         mean = tl.sum(residual_out, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
@@ -619,7 +619,7 @@ def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_p
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += residual_out
@@ -634,7 +634,7 @@ def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_p
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
@@ -647,11 +647,11 @@ def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_p
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_DRESIDUAL_OUT:
                 dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                dresidual_out = 0.0
+                dresidual_out = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
@@ -720,7 +720,7 @@ def _add_layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, dresidual_out
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -741,7 +741,7 @@ def _add_layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, dresidual_out
         if HAS_DRESIDUAL_OUT:
             dresidual_out = dresidual_out_next.to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         residual_out = residual_out_next.to(ACC)
         next_rows = rows + groups * ROWS
         next_offsets = next_rows.to(tl.int64)
@@ -820,11 +820,11 @@ def _add_layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -839,7 +839,7 @@ def _add_layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
@@ -902,11 +902,11 @@ def _add_layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
@@ -921,15 +921,15 @@ def _add_layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_DRESIDUAL_OUT:
                 dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                dresidual_out = 0.0
+                dresidual_out = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
@@ -996,11 +996,11 @@ def _add_layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
@@ -1021,7 +1021,7 @@ def _add_layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr
         if HAS_DRESIDUAL_OUT:
             dresidual_out = dresidual_out_next.to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         y = y_next.to(ACC)
         next_rows = rows + groups * ROWS
         next_offsets = next_rows.to(tl.int64)

@@ -61,11 +61,11 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        input_bias = 0.0
+        input_bias = tl.full([], 0.0, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -76,7 +76,7 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
         if HAS_RESIDUAL:
             residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            residual = 0.0
+            residual = tl.full([], 0.0, ACC)
         residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
         mean_square = tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
@@ -129,11 +129,11 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
             if HAS_INPUT_BIAS:
                 input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                input_bias = 0.0
+                input_bias = tl.full([], 0.0, ACC)
             if HAS_RESIDUAL:
                 residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             else:
-                residual = 0.0
+                residual = tl.full([], 0.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             mean_square_acc += tl.where(mask, residual_out * residual_out, 0.0)
@@ -146,15 +146,15 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
             if HAS_INPUT_BIAS:
                 input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                input_bias = 0.0
+                input_bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_RESIDUAL:
                 residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                residual = 0.0
+                residual = tl.full([], 0.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
@@ -205,7 +205,7 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
@@ -219,7 +219,7 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -275,7 +275,7 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
@@ -288,11 +288,11 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_DRESIDUAL_OUT:
                 dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                dresidual_out = 0.0
+                dresidual_out = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
@@ -351,7 +351,7 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0
@@ -371,7 +371,7 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = dresidual_out_next.to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         residual_out = residual_out_next.to(ACC)
         next_rows = rows + groups * ROWS
         next_offsets = next_rows.to(tl.int64)
@@ -439,7 +439,7 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
@@ -453,7 +453,7 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -511,7 +511,7 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
@@ -524,11 +524,11 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             if HAS_DRESIDUAL_OUT:
                 dresidual_out = tl.load(dresidual_out_ptr + offsets * dresidual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                dresidual_out = 0.0
+                dresidual_out = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_0 = weight + weight_offset  # common_0 = weight + weight_offset
@@ -588,7 +588,7 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dinput_bias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0
@@ -608,7 +608,7 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if HAS_DRESIDUAL_OUT:
             dresidual_out = dresidual_out_next.to(ACC)
         else:
-            dresidual_out = 0.0
+            dresidual_out = tl.full([], 0.0, ACC)
         y = y_next.to(ACC)
         next_rows = rows + groups * ROWS
         next_offsets = next_rows.to(tl.int64)

@@ -55,7 +55,7 @@ def _bias_dropout_add_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_st
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -66,7 +66,7 @@ def _bias_dropout_add_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_st
         if HAS_RESIDUAL:
             residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0).to(ACC)
         else:
-            residual = 0.0
+            residual = tl.full([], 0.0, ACC)
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         z = bias + x  # z = bias + x
         keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
@@ -109,11 +109,11 @@ def _bias_dropout_add_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_st
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_RESIDUAL:
                 residual = tl.load(residual_ptr + offsets * residual_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                residual = 0.0
+                residual = tl.full([], 0.0, ACC)
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x

@@ -62,6 +62,9 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     store weight_mean = weight_mean (if STORE_WEIGHT_MEAN)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -75,7 +78,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -90,7 +93,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         if HAS_WEIGHT:
             target_weight_weight = tl.load(weight_ptr + target, mask=target_weight_mask, other=0.0).to(ACC)
         else:
-            target_weight_weight = 1.0
+            target_weight_weight = tl.full([], 1.0, ACC)
         target_weight = tl.where(target_weight_mask, target_weight_weight, 0.0)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
@@ -99,7 +102,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         weight_mean = tl.sum(tl.where(mask, weight, 0.0), axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
-        e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
+        e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         target_gap = tl.sum(tl.where(mask, weight * (target_logit - x), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
@@ -149,6 +152,9 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     store weight_mean = weight_mean (if STORE_WEIGHT_MEAN)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
@@ -164,7 +170,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         if HAS_WEIGHT:
             target_weight_weight = tl.load(weight_ptr + target, mask=target_weight_mask, other=0.0).to(ACC)
         else:
-            target_weight_weight = 1.0
+            target_weight_weight = tl.full([], 1.0, ACC)
         target_weight = tl.where(target_weight_mask, target_weight_weight, 0.0)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
         if ONE_SWEEP:
             weight_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -179,14 +185,14 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 if HAS_WEIGHT:
                     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
-                    weight = 1.0
+                    weight = tl.full([], 1.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
                 weight_mean_acc += tl.where(mask, weight, 0.0)
                 target_gap_acc += tl.where(mask, weight * (target_logit - x), 0.0)
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
-                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT_EXP), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
             weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
@@ -206,7 +212,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 if HAS_WEIGHT:
                     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
-                    weight = 1.0
+                    weight = tl.full([], 1.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
@@ -225,9 +231,9 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 if HAS_WEIGHT:
                     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
-                    weight = 1.0
+                    weight = tl.full([], 1.0, ACC)
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-                e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
+                e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
                 denominator_acc += tl.where(mask, e, 0.0)
                 target_gap_acc += tl.where(mask, weight * (target_logit - x), 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
@@ -262,6 +268,9 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)) + e*factor/denominator), True))
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -276,7 +285,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -292,7 +301,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-        e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
+        e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + tl.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -314,6 +323,9 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)) + e*factor/denominator), True))
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
@@ -335,10 +347,10 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             key = cols
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(x - row_max)  # e = exp(-row_max + x)
+            e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + tl.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 

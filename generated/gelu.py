@@ -47,7 +47,7 @@ def _gelu_fwd_per(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N, HAS_
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -88,7 +88,7 @@ def _gelu_fwd_red(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N, HAS_
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             common_0 = 0.5 * z  # common_0 = z/2
@@ -113,6 +113,9 @@ def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
     store dbias = common_1 (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -126,7 +129,7 @@ def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
@@ -138,7 +141,7 @@ def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT_EXP))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_1  # dbias = common_1
@@ -164,6 +167,9 @@ def _gelu_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
     store dbias = common_1 (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -176,12 +182,12 @@ def _gelu_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-            common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+            common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT_EXP))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -209,6 +215,9 @@ def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr
     store dbias = common_1 (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -219,7 +228,7 @@ def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0
     next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]
@@ -241,7 +250,7 @@ def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr
         x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT_EXP))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_1  # dbias = common_1

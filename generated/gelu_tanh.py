@@ -45,7 +45,7 @@ def _gelu_tanh_fwd_per(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N,
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -87,7 +87,7 @@ def _gelu_tanh_fwd_red(x_ptr, x_row_stride, bias_ptr, y_ptr, y_row_stride, M, N,
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             t = helpers.tanh((tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * (z + (tl.full([], 0.044714998453855515, ACC) + tl.full([], 1.5461444832776117e-09, ACC)) * z * z * z))  # t = tanh(sqrt(2)*(8943*z^3/200000 + z)/sqrt(pi))
@@ -125,7 +125,7 @@ def _gelu_tanh_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
@@ -175,7 +175,7 @@ def _gelu_tanh_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
@@ -218,7 +218,7 @@ def _gelu_tanh_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bia
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0
     next_rows = group * ROWS + tl.arange(0, ROWS)[:, None]

@@ -53,11 +53,11 @@ def _layernorm_fwd_per(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -146,11 +146,11 @@ def _layernorm_fwd_red(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
             y = bias + weight * x_hat  # y = bias + weight*x_hat
@@ -195,7 +195,7 @@ def _layernorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
@@ -260,7 +260,7 @@ def _layernorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
@@ -275,7 +275,7 @@ def _layernorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
@@ -329,7 +329,7 @@ def _layernorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, wei
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0
@@ -407,7 +407,7 @@ def _layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
@@ -473,7 +473,7 @@ def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += x
@@ -488,7 +488,7 @@ def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
@@ -501,7 +501,7 @@ def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
@@ -557,7 +557,7 @@ def _layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, x_ptr, x_row_stri
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0
@@ -637,11 +637,11 @@ def _layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
@@ -704,11 +704,11 @@ def _layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
@@ -723,11 +723,11 @@ def _layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                bias = 0.0
+                bias = tl.full([], 0.0, ACC)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
             else:
-                weight = 1.0
+                weight = tl.full([], 1.0, ACC)
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
@@ -781,11 +781,11 @@ def _layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, 
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        weight = 1.0
+        weight = tl.full([], 1.0, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
-        bias = 0.0
+        bias = tl.full([], 0.0, ACC)
     dweight_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     dbias_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
     exchanges = 0

@@ -56,6 +56,9 @@ def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_m
     store p = p (if STORE_P)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     col0 = 0
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -76,13 +79,13 @@ def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_m
         if HAS_ATTENTION_MASK:
             attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0).to(ACC)
         else:
-            attention_mask = 0.0
+            attention_mask = tl.full([], 0.0, ACC)
         key = cols
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
         row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
         row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
-        e = helpers.exp(z - row_max)  # e = exp(-row_max + z)
+        e = helpers.exp(z - row_max, EXACT_EXP)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = helpers.guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
@@ -124,6 +127,9 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
     store p = p (if STORE_P)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
+    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
+    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
@@ -147,13 +153,13 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 if HAS_ATTENTION_MASK:
                     attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
-                    attention_mask = 0.0
+                    attention_mask = tl.full([], 0.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
-                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT_EXP), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
             row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
@@ -167,7 +173,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 if HAS_ATTENTION_MASK:
                     attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
-                    attention_mask = 0.0
+                    attention_mask = tl.full([], 0.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
@@ -183,11 +189,11 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 if HAS_ATTENTION_MASK:
                     attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 else:
-                    attention_mask = 0.0
+                    attention_mask = tl.full([], 0.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-                e = helpers.exp(z - row_max)  # e = exp(-row_max + z)
+                e = helpers.exp(z - row_max, EXACT_EXP)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -198,12 +204,12 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
             if HAS_ATTENTION_MASK:
                 attention_mask = tl.load(attention_mask_ptr + attention_mask_rows + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             else:
-                attention_mask = 0.0
+                attention_mask = tl.full([], 0.0, ACC)
             key = cols
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-            e = helpers.exp(z - row_max)  # e = exp(-row_max + z)
+            e = helpers.exp(z - row_max, EXACT_EXP)  # e = exp(-row_max + z)
             p = helpers.guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)

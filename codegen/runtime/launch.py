@@ -204,7 +204,8 @@ def launch(kernel, grid, warps, maxnreg, *args, **constexprs):
 #: at a time (wider under the interpreter, which runs its programs one after another)
 COLUMN_SUM_BLOCK_P, COLUMN_SUM_BLOCK_C, INTERPRETER_COLUMN_SUM_BLOCK_C = 256, 32, 4096
 
-#: launch plans of the column sums, keyed by device, partial rows, columns and result dtypes
+#: launch plans of the column sums, keyed by device, partial rows, columns, partial and result
+#: dtypes
 SUM_PLANS: dict = {}
 
 
@@ -224,7 +225,10 @@ def column_sums(*stores):
         pointers = []
         for (partial, _), total in zip(needed, sums, strict=True):
             pointers += (partial.data_ptr(), total.data_ptr())
-        key = (device.index, P, N, *(total.dtype for total in sums))
+        # the partials' dtype (the accumulator's) is part of the compiled kernel as much as the
+        # results' is: an fp64 input's partials under an fp32 input's plan read garbage
+        key = (device.index, P, N, *(partial.dtype for partial, _ in needed),
+               *(total.dtype for total in sums))
         plan = SUM_PLANS.get(key)
         aligned = not functools.reduce(int.__or__, pointers) & 15
         if plan is not None and aligned:
