@@ -927,7 +927,7 @@ def _linear_kernels(weight, ignore_index, label_smoothing):
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
-def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, class_weight=None, chunk_size=None):
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, class_weight=None, chunk_size=None, out_dtype=None):
     """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
     ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
     into a buffer that every chunk reuses, then this module's loss kernels (and, where a
@@ -947,11 +947,16 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     computed in the forward, where the logits are at hand, and scaled by the incoming gradient
     in the backward; with "none" the backward computes each chunk's logits again. Double
     backward is not supported (RuntimeError).
+
+    `out_dtype`: the dtype of the returned loss, by default the input's (float32 under
+    autocast). The losses are computed in float32 (float64 for float64 input) whatever it is:
+    float32 returns them unrounded from 16-bit logits, as cross_entropy(logits.float(), ...).
     """
     ignore_index = checks.check_option("linear_cross_entropy", "ignore_index", ignore_index, "integer")
     label_smoothing = checks.check_option("linear_cross_entropy", "label_smoothing", label_smoothing, "unit")
     losses.check_reduction("linear_cross_entropy", reduction)
     input, weight, bias, dtype = linear_loss.check_linear("linear_cross_entropy", input, weight, bias)
+    dtype = linear_loss.check_out_dtype("linear_cross_entropy", out_dtype, dtype)
     logits = linear_loss.logits_like(input, weight)
     class_weight = linear_loss.check_class_weight("linear_cross_entropy", class_weight, logits)
     target, counted = losses.check_target("linear_cross_entropy", "target", target, logits, ignore_index, class_weight)

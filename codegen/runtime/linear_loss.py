@@ -18,7 +18,9 @@ one per row, known only in the backward, which computes each chunk's logits agai
 
 from __future__ import annotations
 
+import inspect
 import numbers
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -316,3 +318,197 @@ class _LinearLoss(torch.autograd.Function):
             _, grads = _sweep(ctx.plan, x, weight, bias, target, grad.reshape(-1), needs,
                               loss=False)
         return *grads, None, None, None
+
+
+def check_out_dtype(function, out_dtype, dtype):
+    """The dtype of the returned loss: `dtype` (the input's) where None, else a floating
+    dtype."""
+    if out_dtype is None:
+        return dtype
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in checks.FLOAT_DTYPES:
+        raise DtypeError(
+            f"{function}(): argument 'out_dtype' must be None or one of float16, bfloat16, "
+            f"float32, float64, got {out_dtype}"
+        )
+    return out_dtype
+
+
+# ---- Hugging Face causal-LM models: the training loss from the hidden states --------------
+
+#: the probe's batch of token ids, and the labels it ignores (flat positions)
+PROBE_TOKENS = (2, 6)
+PROBE_IGNORED = (2, 7)
+
+
+def linear_function(function):
+    """The linear variant of a generated row loss (`linear_<name>` of its module), or None."""
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    return getattr(module, "linear_" + getattr(function, "__name__", ""), None)
+
+
+class _Call:
+    """One forward in progress: what lm_head was given, what it returned in place of the
+    logits, and whether the loss read them."""
+
+    __slots__ = ("hidden", "placeholder", "used")
+
+    def __init__(self):
+        self.hidden = self.placeholder = None
+        self.used = False
+
+
+class CausalLMRoute:
+    """What `patch_model(model, loss=True)` installs on a Hugging Face causal-LM model whose
+    forward has the standard structure (hidden states of `self.model`, `self.lm_head` of them,
+    `self.loss_function` of its output), as the model's `forward` and `loss_function`.
+
+    A training forward given labels runs the model's own forward with lm_head returning, in
+    place of the logits, a stand-in of their shape that holds no memory (every stride 0);
+    `loss_function`, handed that stand-in, computes transformers' causal-LM loss (labels
+    shifted one left unless `shift_labels` is given, the mean over the counted tokens or the
+    sum over `num_items_in_batch`) from the hidden states by `linear` (a chunked
+    `linear_cross_entropy`), so the logits are never held whole; the output's `logits` are
+    None. Any other call (no labels, eval mode) is the model's own, its loss computed by
+    `fallback` from the logits."""
+
+    def __init__(self, model, linear, fallback):
+        self.model, self.linear, self.fallback = model, linear, fallback
+        self.forward = model.forward
+        self.head = model.get_output_embeddings()
+        names = [p.name for p in inspect.signature(self.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.labels_at = names.index("labels") if "labels" in names else None
+        self.calls: list[_Call] = []
+
+    def model_forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        if labels is None and self.labels_at is not None and len(args) > self.labels_at:
+            labels = args[self.labels_at]
+        if labels is None or not self.model.training:
+            return self.forward(*args, **kwargs)
+        call = _Call()
+        head = self.head
+        own = head.__dict__.get("forward")
+
+        def capture(hidden):
+            call.hidden = hidden
+            # the logits' shape, no memory: a forward that used them would show on the probe
+            call.placeholder = hidden.new_zeros(()).expand(*hidden.shape[:-1],
+                                                           head.out_features)
+            return call.placeholder
+
+        self.calls.append(call)
+        head.forward = capture
+        try:
+            output = self.forward(*args, **kwargs)
+        finally:
+            if own is None:
+                del head.forward
+            else:
+                head.forward = own
+            self.calls.pop()
+        if call.placeholder is None:  # lm_head not called: nothing was computed in its place
+            return output
+        if not call.used:
+            raise RuntimeError(
+                f"{type(self.model).__name__}.forward did not hand lm_head's output to its "
+                "loss_function unchanged, which the loss patched by patch_model(loss=True) "
+                "needs: unpatch the model (a fresh copy) to compute its loss"
+            )
+        return _without(output, call.placeholder)
+
+    def loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+             shift_labels=None, **kwargs):
+        call = self.calls[-1] if self.calls else None
+        if call is None or logits is not call.placeholder:
+            return self.fallback(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                 shift_labels, **kwargs)
+        call.used = True
+        hidden = call.hidden
+        if shift_labels is None:
+            labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        shift_labels = shift_labels.to(hidden.device)
+        options = {"ignore_index": ignore_index, "out_dtype": torch.float32}
+        weight, bias = self.head.weight, self.head.bias
+        if num_items_in_batch is None:
+            return self.linear(hidden, weight, shift_labels, bias, **options)
+        loss = self.linear(hidden, weight, shift_labels, bias, reduction="sum", **options)
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
+
+
+def _without(output, placeholder):
+    """The model's output with the stand-in for the logits left out (None)."""
+    if isinstance(output, tuple):  # return_dict=False
+        return tuple(value for value in output if value is not placeholder)
+    return type(output)(**{k: v for k, v in output.items() if v is not placeholder})
+
+
+def install(model, linear, fallback):
+    """Route `model`'s training loss through `linear` (`CausalLMRoute`)."""
+    route = CausalLMRoute(model, linear, fallback)
+    model.forward = route.model_forward
+    model.loss_function = route.loss
+
+
+def is_route(function) -> bool:
+    """Whether a model's loss_function is one `install` set."""
+    return isinstance(getattr(function, "__self__", None), CausalLMRoute)
+
+
+def route_problem(model, linear, fallback, dtype, device) -> str | None:
+    """Why `model`'s training loss cannot be computed by `install`'s route, or None: its
+    structure, then a probe (a training forward of a few tokens, with and without
+    num_items_in_batch, whose loss must be the model's own, dropout's draws the same)."""
+    if linear is None:
+        return "no linear variant of the loss function exists"
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab != head.out_features:
+        return (f"its lm_head has {head.out_features} outputs, its config's vocab_size is "
+                f"{vocab}")
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        return (f"its forward caps the logits (final_logit_softcapping = {cap}) between lm_head "
+                "and the loss")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "labels" not in parameters or "input_ids" not in parameters:
+        return "its forward takes no input_ids and labels"
+    if device.type == "meta":
+        return "it is on the meta device, where its outputs cannot be compared"
+    from codegen.runtime import patching  # patching imports this module
+
+    generator = torch.Generator().manual_seed(patching.SEED)
+    tokens = torch.randint(0, vocab, PROBE_TOKENS, generator=generator)
+    labels = tokens.clone()
+    labels.view(-1)[list(PROBE_IGNORED)] = -100
+    tokens, labels = tokens.to(device), labels.to(device)
+    with patching._probing(device):
+        plain = patching._twin(model, None, {}).train()
+        routed = patching._twin(model, None, {}).train()
+        install(routed, linear, fallback)
+        for kwargs in ({}, {"num_items_in_batch": torch.tensor(7, device=device)}):
+            losses_ = []
+            for twin in (plain, routed):
+                torch.manual_seed(patching.SEED)  # the same dropout draws in both
+                try:
+                    losses_.append(twin(input_ids=tokens, labels=labels, **kwargs).loss)
+                except Exception as error:  # noqa: BLE001 (any failure means: not proven)
+                    return f"its forward raised on the probe: {patching._error(error)}"
+            reference, output = losses_
+            if not isinstance(reference, torch.Tensor):
+                return "its forward returned no loss"
+            problem = patching._difference(reference.reshape(1, -1), output.reshape(1, -1),
+                                           None, dtype, False)
+            if problem is not None:
+                return (f"the loss from the hidden states {problem} (with "
+                        f"{', '.join(kwargs) or 'no options'})")
+    return None
