@@ -467,6 +467,11 @@ def route_problem(model, linear, fallback, dtype, device) -> str | None:
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
+    hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
+             if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
+    if hooks:
+        return (f"its lm_head has {' and '.join(hooks)} of its own, which would see the "
+                "stand-in for the logits")
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if vocab != head.out_features:
