@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import numbers
-import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -342,7 +341,7 @@ PROBE_IGNORED = (2, 7)
 
 def linear_function(function):
     """The linear variant of a generated row loss (`linear_<name>` of its module), or None."""
-    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    module = inspect.getmodule(function)
     return getattr(module, "linear_" + getattr(function, "__name__", ""), None)
 
 
