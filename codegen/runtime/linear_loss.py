@@ -203,8 +203,8 @@ def _reduce(plan, loss, counted):
 
 
 def _mean_scale(counted, dtype, device):
-    """d mean / d (a counted row's loss): `losses.mean_and_scale`'s rule (1 / count, 0 for no
-    counted row; 1 / the sum of class weights, NaN where it is 0, as torch)."""
+    """d mean / d (a counted row's loss): `losses.mean_and_scale`'s rule (1 / max(count, 1);
+    1 / the sum of class weights, NaN where it is 0, as torch)."""
     return losses.mean_and_scale(torch.zeros(1, dtype=dtype, device=device), counted)[1]
 
 
