@@ -25,7 +25,7 @@ import triton.language as tl
 
 from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
-from codegen.runtime import losses
+from codegen.runtime import linear_loss, losses
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
@@ -922,6 +922,83 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def forward(self, input, target):
         return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, reduction=self.reduction, class_dim=self.class_dim)
+
+
+def _linear_kernels(weight, ignore_index, label_smoothing):
+    """This module's kernels, one call's options bound, as `linear_cross_entropy` runs them on each
+    chunk of logits (codegen/runtime/linear_loss.py's `Kernels`)."""
+
+    def forward(x, target, saving):
+        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
+
+    def backward(x, target, outputs, dloss):
+        loss, row_max, denominator, target_weight, weight_mean, = outputs
+        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing)[0]
+
+    return linear_loss.Kernels(forward, backward)
+
+
+@torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, class_weight=None, chunk_size=None, out_dtype=None):
+    """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
+    ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
+    into a buffer that every chunk reuses, then this module's loss kernels (and, where a
+    gradient is wanted, their backward and the matmuls of d input, d weight and d bias).
+
+    `input` (..., H), `weight` (V, H), `bias` None or (V,), all of one floating dtype (as
+    F.linear; under autocast they are cast to its dtype and the loss is float32, as
+    F.linear's then cross_entropy's); `target` (...) holds class indices in [0, V) or
+    `ignore_index`. The options and `reduction` are cross_entropy's, with the classes last
+    (class_dim=-1), and the same results; `class_weight` (V,) is its `weight` (a weight per
+    class: the mean divides by the counted rows' weights).
+
+    `chunk_size`: rows per chunk. By default a chunk's logits take about the memory of
+    `input`: rows / ceil(V / H), rounded up to a power of two. At most two chunks of logits
+    exist at once (the logits and their gradient), plus d input (the input's size) and d weight
+    (fp32: 4 bytes per element of `weight`). With reduction "mean" or "sum" the gradients are
+    computed in the forward, where the logits are at hand, and scaled by the incoming gradient
+    in the backward; with "none" the backward computes each chunk's logits again. Double
+    backward is not supported (RuntimeError).
+
+    `out_dtype`: the dtype of the returned loss, by default the input's (float32 under
+    autocast). The losses are computed in float32 (float64 for float64 input) whatever it is:
+    float32 returns them unrounded from 16-bit logits, as cross_entropy(logits.float(), ...).
+    """
+    ignore_index = checks.check_option("linear_cross_entropy", "ignore_index", ignore_index, "integer")
+    label_smoothing = checks.check_option("linear_cross_entropy", "label_smoothing", label_smoothing, "unit")
+    losses.check_reduction("linear_cross_entropy", reduction)
+    input, weight, bias, dtype = linear_loss.check_linear("linear_cross_entropy", input, weight, bias)
+    dtype = linear_loss.check_out_dtype("linear_cross_entropy", out_dtype, dtype)
+    logits = linear_loss.logits_like(input, weight)
+    class_weight = linear_loss.check_class_weight("linear_cross_entropy", class_weight, logits)
+    target, counted = losses.check_target("linear_cross_entropy", "target", target, logits, ignore_index, class_weight)
+    if counted is None and reduction == "mean":  # no rows: torch's ops count
+        counted = losses.count_rows(target.reshape(-1), ignore_index, class_weight, launch.accumulator(input.dtype))
+    kernels = _linear_kernels(class_weight, ignore_index, label_smoothing)
+    return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """`linear_cross_entropy` as a module: `forward(input, weight, target, bias=None)`, the loss of
+    a linear layer's outputs without its logits held whole; `class_weight` is a buffer (in the
+    state dict, moved with the module), None where not given."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, class_weight=None, chunk_size=None):
+        super().__init__()
+        self.register_buffer("class_weight", class_weight)
+        self.ignore_index = int(checks.check_option("LinearCrossEntropyLoss", "ignore_index", ignore_index, "integer"))
+        self.label_smoothing = checks.check_option("LinearCrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
+        self.reduction = losses.check_reduction("LinearCrossEntropyLoss", reduction)
+        self.chunk_size = linear_loss.check_chunk_size("LinearCrossEntropyLoss", chunk_size)
+
+    def extra_repr(self):
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean", "chunk_size": None}
+        return ", ".join(
+            f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
+        )
+
+    def forward(self, input, weight, target, bias=None):
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

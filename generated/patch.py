@@ -91,7 +91,9 @@ def patch_model(model, *, include=None, exclude=None, loss=False, strict=False, 
     names (a loss's name is its function's, e.g. "ForCausalLMLoss"); a candidate is swapped if
     it is included (by default every kind but "loss") and not excluded.
     loss: also route the loss of Hugging Face causal-LM models (`*ForCausalLM`, `*LMHeadModel`)
-    through `generated.cross_entropy`, via the model's `loss_function`.
+    through `generated.cross_entropy`, via the model's `loss_function`; in training, where the
+    forward's structure allows (proven on a probe), from the hidden states by
+    `linear_cross_entropy`, the logits never held whole (docs/patching.md).
     strict: raise `PatchError`, naming the module and the reason, on the first candidate that
     cannot be swapped (nothing is swapped then).
     memory: a memory mode (such as "invertible") for the replacements whose op has it.

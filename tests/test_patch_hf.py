@@ -142,8 +142,8 @@ def lm_outputs(model, tokens, labels, **kwargs):
     model.zero_grad()
     out = model(input_ids=tokens, labels=labels, **kwargs)
     out.loss.backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone()
-                                                    for n, p in model.named_parameters()}
+    logits = out.logits.detach() if out.logits is not None else None
+    return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -151,22 +151,32 @@ def test_causal_lm_loss_is_routed_through_cross_entropy(kind):
     original = without_dropout(tiny(kind, causal_lm=True).train())
     patched = copy.deepcopy(original)
     report = patch_model(patched, loss=True)
-    assert ("loss_function", "ForCausalLMLoss", "causal_lm_loss(cross_entropy)") in report.swapped
-    assert patched.loss_function.func is patching.causal_lm_loss
-    assert patched.loss_function.args == (cross_entropy.cross_entropy,)
+    assert ("loss_function", "ForCausalLMLoss",
+            "linear_cross_entropy(hidden states, lm_head)") in report.swapped
+    route = patched.loss_function.__self__
+    assert route.linear is cross_entropy.linear_cross_entropy
+    # the logits' loss (no labels' stand-in: eval mode) is causal_lm_loss's
+    assert route.fallback.func is patching.causal_lm_loss
+    assert route.fallback.args == (cross_entropy.cross_entropy,)
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     labels = tokens.masked_fill(torch.rand(tokens.shape, generator=torch.Generator()
                                            .manual_seed(2)) < 0.3, -100)
-    for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}):
-        loss, logits, grads = lm_outputs(original, tokens, labels, **kwargs)
-        patched_loss, patched_logits, patched_grads = lm_outputs(patched, tokens, labels,
-                                                                 **kwargs)
-        # fp32: the loss is computed in fp32 from fp32 logits either way
-        torch.testing.assert_close(patched_logits, logits, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(patched_loss, loss, rtol=1e-6, atol=0)
-        for name in grads:
-            torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+    for training in (True, False):
+        original.train(training)
+        patched.train(training)
+        for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}):
+            loss, logits, grads = lm_outputs(original, tokens, labels, **kwargs)
+            patched_loss, patched_logits, patched_grads = lm_outputs(patched, tokens, labels,
+                                                                     **kwargs)
+            # training: the loss from the hidden states, the logits never whole
+            assert (patched_logits is None) == training
+            if not training:
+                torch.testing.assert_close(patched_logits, logits, rtol=1e-5, atol=1e-6)
+            # fp32: the loss is computed in fp32 from fp32 logits either way
+            torch.testing.assert_close(patched_loss, loss, rtol=1e-6, atol=0)
+            for name in grads:
+                torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-5,
+                                           atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_loss_only_when_asked_and_only_a_causal_one():

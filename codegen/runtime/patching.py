@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from codegen.runtime import dispatch
+from codegen.runtime import dispatch, linear_loss
 
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
 KINDS = ("norm", "activation", "mlp", "loss")
@@ -395,7 +395,7 @@ class _Planner:
             original = module.loss_function
             old = getattr(original, "__name__", type(original).__name__)
             if (isinstance(original, functools.partial) and original.func is causal_lm_loss) \
-                    or not self.selection.allows("loss", old):
+                    or linear_loss.is_route(original) or not self.selection.allows("loss", old):
                 continue
             dtype, device = _placement(module, self.default)
             problems = []
@@ -403,8 +403,20 @@ class _Planner:
                 candidate = functools.partial(causal_lm_loss, rule.function)
                 problem = _loss_difference(original, candidate, dtype, device)
                 if problem is None:
-                    self.losses.append((module, candidate))
-                    new = f"causal_lm_loss({rule.function.__name__})"
+                    # the training loss from the hidden states where the forward's structure
+                    # allows (linear_loss.CausalLMRoute), else from the logits
+                    linear = linear_loss.linear_function(rule.function)
+                    why = linear_loss.route_problem(module, linear, candidate, dtype, device)
+                    if why is None:
+                        install = functools.partial(linear_loss.install, linear=linear,
+                                                    fallback=candidate)
+                        new = f"{linear.__name__}(hidden states, lm_head)"
+                    else:
+                        self.skip(module, f"{prefix}.forward" if prefix else "forward",
+                                  f"its training loss is computed from the whole logits: {why}")
+                        install = functools.partial(_set_loss, function=candidate)
+                        new = f"causal_lm_loss({rule.function.__name__})"
+                    self.losses.append((module, install))
                     self.swapped.append(Swap(name, old, new))
                     break
                 problems.append(problem)
@@ -422,20 +434,25 @@ def _assign(assignments, losses) -> None:
         for parent, name, old, new in assignments:
             setattr(parent, name, new)
             undo.append(functools.partial(setattr, parent, name, old))
-        for module, function in losses:
+        for module, install in losses:
             undo.append(functools.partial(_restore_loss, module, module.__dict__.copy()))
-            module.loss_function = function
+            install(module)
     except BaseException:
         for step in reversed(undo):
             step()
         raise
 
 
+def _set_loss(module, function) -> None:
+    module.loss_function = function
+
+
 def _restore_loss(module, state) -> None:
-    if "_loss_function" in state:
-        module.__dict__["_loss_function"] = state["_loss_function"]
-    else:
-        module.__dict__.pop("_loss_function", None)
+    for name in ("_loss_function", "forward"):  # what a loss swap sets on the instance
+        if name in state:
+            module.__dict__[name] = state[name]
+        else:
+            module.__dict__.pop(name, None)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,518 @@
+"""A row loss of a linear layer's outputs, `loss(input @ weight.T + bias, target)`, computed
+chunk by chunk over the rows so that the (rows, classes) logits never exist whole: a language
+model's last projection and its cross-entropy, where the logits of a long batch over a large
+vocabulary would take more memory than the rest of the step.
+
+Each chunk's logits are one matmul (cuBLAS, accumulating in fp32) into one buffer reused by
+every chunk; the generated loss kernels then give the chunk's per-row losses and, where a
+gradient is wanted, d loss / d logits, from which two more matmuls give the chunk's rows of
+d input and its term of d weight (and a column sum its term of d bias). A generated module
+supplies those kernels as `Kernels` (codegen/templates/api_linear_loss.py.j2); this module
+checks the linear layer's arguments and runs the chunks.
+
+With reduction "mean" or "sum" the gradients are computed in the forward, while the chunk's
+logits are at hand, at d loss = 1 (the mean's 1 / count per row), and the backward scales them
+by the incoming gradient: the logits are computed once. With "none" the incoming gradient is
+one per row, known only in the backward, which computes each chunk's logits again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+
+from codegen.runtime import checks, launch, losses
+from codegen.runtime.checks import DeviceError, DtypeError, OptionError, ShapeError
+
+
+class Kernels(NamedTuple):
+    """A row loss's generated kernels, its options bound. `forward(x, target, saving)`: the
+    forward launcher's outputs for the (rows, classes) logits x, the per-row loss first and,
+    with `saving`, the row statistics the backward reads; `backward(x, target, outputs,
+    dloss)`: d loss / d x (x's dtype) for the per-row upstream gradients dloss."""
+
+    forward: Callable
+    backward: Callable
+
+
+class Plan(NamedTuple):
+    """How one call runs: its name (for errors), kernels, reduction, rows per chunk and the
+    dtype of the loss it returns."""
+
+    function: str
+    kernels: Kernels
+    reduction: str
+    chunk: int
+    dtype: torch.dtype
+
+
+def check_linear(function, input, weight, bias):
+    """torch.nn.functional.linear's arguments: `input` (..., H) and `weight` (V, H) of one
+    floating dtype, `bias` None or (V,) of that dtype, all on one device. Under autocast they
+    are cast to its dtype, as F.linear's are. Returns them, and the dtype of the loss: the
+    input's, float32 under autocast (which computes cross-entropy in float32)."""
+    checks.check_input(function, input, "input")
+    if input.dim() == 0:
+        raise ShapeError(
+            f"{function}(): argument 'input' must have at least 1 dim (the features), got a "
+            "0-d tensor"
+        )
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"{function}(): argument 'weight' must be a torch.Tensor, got {type(weight).__name__}"
+        )
+    features = input.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != features:
+        raise ShapeError(
+            f"{function}(): argument 'weight' must have shape (classes, {features}) (the "
+            f"features of 'input' last), got {list(weight.shape)}"
+        )
+    tensors = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(
+                f"{function}(): argument 'bias' must be a torch.Tensor or None, got "
+                f"{type(bias).__name__}"
+            )
+        if bias.shape != weight.shape[:1]:
+            raise ShapeError(
+                f"{function}(): argument 'bias' must have shape ({weight.shape[0]},) (one per "
+                f"class, the rows of 'weight'), got {list(bias.shape)}"
+            )
+    for name, tensor in tensors:
+        if tensor.device != input.device:
+            raise DeviceError(
+                f"{function}(): argument '{name}' must be on the device of 'input' "
+                f"({input.device}), got {tensor.device}"
+            )
+    dtype = input.dtype
+    if torch.is_autocast_enabled(input.device.type):
+        # F.linear runs in autocast's dtype, cross-entropy in float32
+        cast = torch.get_autocast_dtype(input.device.type)
+        input, weight = input.to(cast), weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
+        return input, weight, bias, torch.float32
+    for name, tensor in tensors:
+        if tensor.dtype != dtype:  # F.linear does not promote
+            raise DtypeError(
+                f"{function}(): argument '{name}' must have the dtype of 'input' ({dtype}), "
+                f"got {tensor.dtype}"
+            )
+    return input, weight, bias, dtype
+
+
+def logits_like(input, weight):
+    """A stand-in for the logits, of their shape (..., V), dtype and device, holding no
+    memory (every stride 0): what the target's checks compare with."""
+    return input.new_empty(()).expand(*input.shape[:-1], weight.shape[0])
+
+
+def check_class_weight(function, class_weight, logits):
+    """Class weights as cross_entropy's `weight` (`losses.check_weight`), named as this
+    function takes them."""
+    if class_weight is None:
+        return None
+    if not isinstance(class_weight, torch.Tensor):
+        raise TypeError(
+            f"{function}(): argument 'class_weight' must be a torch.Tensor or None, got "
+            f"{type(class_weight).__name__}"
+        )
+    classes = logits.shape[-1]
+    if class_weight.shape != (classes,):
+        raise ShapeError(
+            f"{function}(): argument 'class_weight' must have shape ({classes},) (a weight per "
+            f"class, the rows of 'weight'), got {list(class_weight.shape)}"
+        )
+    if class_weight.device != logits.device:
+        raise DeviceError(
+            f"{function}(): argument 'class_weight' must be on the device of 'input' "
+            f"({logits.device}), got {class_weight.device}"
+        )
+    if class_weight.dtype not in checks.FLOAT_DTYPES:
+        raise DtypeError(
+            f"{function}(): argument 'class_weight' must have dtype float16, bfloat16, float32 "
+            f"or float64, got {class_weight.dtype}"
+        )
+    if class_weight.requires_grad and torch.is_grad_enabled():
+        raise OptionError(
+            f"{function}(): argument 'class_weight' is not differentiated (as cross_entropy's "
+            "weight) and must not require grad; pass class_weight.detach()"
+        )
+    return class_weight.contiguous()
+
+
+def check_chunk_size(function, chunk_size):
+    """None, or a number of rows of at least 1 (an int)."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(
+            f"{function}(): argument 'chunk_size' must be an int or None, got "
+            f"{type(chunk_size).__name__}"
+        )
+    if chunk_size < 1:
+        raise OptionError(
+            f"{function}(): argument 'chunk_size' must be at least 1, got {chunk_size}"
+        )
+    return int(chunk_size)
+
+
+def chunk_rows(function, rows, features, classes, chunk_size):
+    """Rows per chunk. By default a chunk's logits take about the input's memory: the rows
+    over ceil(classes / features), rounded up to a power of two (so that calls of nearby
+    sizes share the kernels' compiled plans), as Liger-Kernel chooses; `chunk_size` sets it."""
+    chunk_size = check_chunk_size(function, chunk_size)
+    if chunk_size is not None:
+        return max(1, min(chunk_size, rows))
+    factor = triton.cdiv(classes, max(features, 1))
+    chunk = triton.next_power_of_2(max(triton.cdiv(rows, max(factor, 1)), 1))
+    return max(1, min(chunk, rows))
+
+
+def linear_loss(function, input, weight, bias, target, counted, reduction, chunk_size, dtype,
+                kernels):
+    """The loss of `input @ weight.T + bias` against `target` (checked: `check_linear`,
+    `losses.check_target`), chunk by chunk. `counted`: the mean's divisor (the count of the
+    counted rows, or the sum of their class weights), used with reduction "mean"."""
+    features = input.shape[-1]
+    shape = input.shape[:-1]
+    x = launch.rows((-1, features), input)
+    target = target.reshape(-1).contiguous()
+    chunk = chunk_rows(function, x.shape[0], features, weight.shape[0], chunk_size)
+    plan = Plan(function, kernels, reduction, chunk, dtype)
+    if checks.needs_grad(input, weight, bias):
+        loss = _LinearLoss.apply(x, weight, bias, target, counted, plan)
+    else:
+        loss = _reduce(plan, _sweep(plan, x, weight, bias, target, None, ())[0], counted)
+    return loss.reshape(shape) if reduction == "none" else loss
+
+
+def _reduce(plan, loss, counted):
+    """The per-row losses (fp32, fp64 for fp64 logits) as the reduction asks, in plan.dtype."""
+    if plan.reduction == "none":
+        return loss.to(plan.dtype)
+    if plan.reduction == "sum":
+        return loss.sum().to(plan.dtype)
+    # NaN where no row counts, as torch's mean
+    return losses.mean_and_scale(loss, counted)[0].to(plan.dtype)
+
+
+def _mean_scale(counted, dtype, device):
+    """d mean / d (a counted row's loss): `losses.mean_and_scale`'s rule (1 / max(count, 1);
+    1 / the sum of class weights, NaN where it is 0, as torch)."""
+    return losses.mean_and_scale(torch.zeros(1, dtype=dtype, device=device), counted)[1]
+
+
+def _sweep(plan, x, weight, bias, target, dloss, needs, loss=True):
+    """One pass over the chunks: the per-row losses (None unless `loss`) and, where `dloss`
+    (0-d: every row's, or one per row) is given, the gradients `needs` asks for (d x, d weight,
+    d bias: None where not asked)."""
+    rows, features = x.shape
+    classes = weight.shape[0]
+    acc = launch.accumulator(x.dtype)
+    device = x.device
+    grads = dloss is not None
+    losses_ = torch.empty(rows, dtype=acc, device=device) if loss else None
+    grad_x = torch.empty_like(x) if grads and needs[0] else None
+    # d weight and d bias sum over every chunk: at the accumulator's precision
+    grad_weight = torch.zeros((classes, features), dtype=acc, device=device) \
+        if grads and needs[1] else None
+    grad_bias = torch.zeros(classes, dtype=acc, device=device) \
+        if grads and bias is not None and needs[2] else None
+    buffer = torch.empty((min(plan.chunk, rows), classes), dtype=x.dtype, device=device)
+    transposed = weight.t()
+    with torch.autocast(device.type, enabled=False):  # the dtypes are autocast's already
+        _chunks(plan, x, weight, bias, target, dloss, buffer, transposed, losses_, grad_x,
+                grad_weight, grad_bias)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return losses_, (grad_x, grad_weight, grad_bias)
+
+
+def _chunks(plan, x, weight, bias, target, dloss, buffer, transposed, losses_, grad_x,
+            grad_weight, grad_bias):
+    """`_sweep`'s loop: each chunk's logits into `buffer`, its losses and gradients into
+    the buffers given (None: not wanted)."""
+    rows = x.shape[0]
+    grads = dloss is not None
+    for start in range(0, rows, plan.chunk):
+        stop = min(start + plan.chunk, rows)
+        h, t = x[start:stop], target[start:stop]
+        logits = buffer[: stop - start]
+        if bias is None:
+            torch.mm(h, transposed, out=logits)
+        else:  # F.linear's own addmm: the bias added before the one rounding
+            torch.addmm(bias, h, transposed, out=logits)
+        outputs = plan.kernels.forward(logits, t, grads)
+        if losses_ is not None:
+            losses_[start:stop] = outputs[0]
+        if not grads:
+            continue
+        upstream = dloss.expand(stop - start) if dloss.dim() == 0 else dloss[start:stop]
+        dlogits = plan.kernels.backward(logits, t, outputs, upstream.contiguous())
+        if grad_x is not None:
+            torch.mm(dlogits, weight, out=grad_x[start:stop])
+        if grad_weight is not None:
+            _accumulate(grad_weight, dlogits.t(), h)
+        if grad_bias is not None:
+            grad_bias.add_(dlogits.sum(0, dtype=grad_bias.dtype))
+        del dlogits, outputs
+
+
+def _accumulate(total, a, b):
+    """total += a @ b, total at a higher precision than a and b where they are 16-bit: on a
+    CUDA GPU of compute capability 8 or more one matmul accumulating into it (torch's out_dtype
+    addmm), elsewhere the product rounded to a and b's dtype, then added."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif total.is_cuda and torch.cuda.get_device_capability(total.device)[0] >= 8:
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total.add_(torch.mm(a, b))
+
+
+class _LinearLoss(torch.autograd.Function):
+    """The chunked loss, differentiable in x, weight and bias (the target and the class weights
+    get no gradient, as cross_entropy's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, counted, plan):
+        needs = ctx.needs_input_grad[:3]
+        ctx.plan = plan
+        ctx.now = plan.reduction != "none"
+        dloss = None
+        if ctx.now:
+            acc = launch.accumulator(x.dtype)
+            dloss = (_mean_scale(counted, acc, x.device) if plan.reduction == "mean"
+                     else torch.ones((), dtype=acc, device=x.device))
+        loss, grads = _sweep(plan, x, weight, bias, target, dloss, needs)
+        if ctx.now:
+            ctx.save_for_backward(*grads)
+        else:
+            ctx.save_for_backward(x, weight, bias, target)
+        return _reduce(plan, loss, counted)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{ctx.plan.function}: double backward (create_graph=True) is not supported: "
+                "its gradients are computed chunk by chunk by the loss kernels, through which "
+                "autograd cannot differentiate; compute the loss of the linear layer's logits "
+                "instead"
+            )
+        needs = ctx.needs_input_grad[:3]
+        if ctx.now:
+            grads = [g * grad.to(g.dtype) if g is not None and need else None
+                     for g, need in zip(ctx.saved_tensors, needs, strict=True)]
+        else:
+            x, weight, bias, target = ctx.saved_tensors
+            _, grads = _sweep(ctx.plan, x, weight, bias, target, grad.reshape(-1), needs,
+                              loss=False)
+        return *grads, None, None, None
+
+
+def check_out_dtype(function, out_dtype, dtype):
+    """The dtype of the returned loss: `dtype` (the input's) where None, else a floating
+    dtype."""
+    if out_dtype is None:
+        return dtype
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in checks.FLOAT_DTYPES:
+        raise DtypeError(
+            f"{function}(): argument 'out_dtype' must be None or one of float16, bfloat16, "
+            f"float32, float64, got {out_dtype}"
+        )
+    return out_dtype
+
+
+# ---- Hugging Face causal-LM models: the training loss from the hidden states --------------
+
+#: the probe's batch of token ids, and the labels it ignores (flat positions)
+PROBE_TOKENS = (2, 6)
+PROBE_IGNORED = (2, 7)
+
+
+def linear_function(function):
+    """The linear variant of a generated row loss (`linear_<name>` of its module), or None."""
+    module = inspect.getmodule(function)
+    return getattr(module, "linear_" + getattr(function, "__name__", ""), None)
+
+
+class _Call:
+    """One forward in progress: what lm_head was given, what it returned in place of the
+    logits, and whether the loss read them."""
+
+    __slots__ = ("hidden", "placeholder", "used")
+
+    def __init__(self):
+        self.hidden = self.placeholder = None
+        self.used = False
+
+
+class CausalLMRoute:
+    """What `patch_model(model, loss=True)` installs on a Hugging Face causal-LM model whose
+    forward has the standard structure (hidden states of `self.model`, `self.lm_head` of them,
+    `self.loss_function` of its output), as the model's `forward` and `loss_function`.
+
+    A training forward given labels runs the model's own forward with lm_head returning, in
+    place of the logits, a stand-in of their shape that holds no memory (every stride 0);
+    `loss_function`, handed that stand-in, computes transformers' causal-LM loss (labels
+    shifted one left unless `shift_labels` is given, the mean over the counted tokens or the
+    sum over `num_items_in_batch`) from the hidden states by `linear` (a chunked
+    `linear_cross_entropy`), so the logits are never held whole; the output's `logits` are
+    None. Any other call (no labels, eval mode) is the model's own, its loss computed by
+    `fallback` from the logits."""
+
+    def __init__(self, model, linear, fallback):
+        self.model, self.linear, self.fallback = model, linear, fallback
+        self.forward = model.forward
+        self.head = model.get_output_embeddings()
+        names = [p.name for p in inspect.signature(self.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.labels_at = names.index("labels") if "labels" in names else None
+        self.calls: list[_Call] = []
+
+    def model_forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        if labels is None and self.labels_at is not None and len(args) > self.labels_at:
+            labels = args[self.labels_at]
+        if labels is None or not self.model.training:
+            return self.forward(*args, **kwargs)
+        call = _Call()
+        head = self.head
+        own = head.__dict__.get("forward")
+
+        def capture(hidden):
+            call.hidden = hidden
+            # the logits' shape, no memory: a forward that used them would show on the probe
+            call.placeholder = hidden.new_zeros(()).expand(*hidden.shape[:-1],
+                                                           head.out_features)
+            return call.placeholder
+
+        self.calls.append(call)
+        head.forward = capture
+        try:
+            output = self.forward(*args, **kwargs)
+        finally:
+            if own is None:
+                del head.forward
+            else:
+                head.forward = own
+            self.calls.pop()
+        if call.placeholder is None:  # lm_head not called: nothing was computed in its place
+            return output
+        if not call.used:
+            raise RuntimeError(
+                f"{type(self.model).__name__}.forward did not hand lm_head's output to its "
+                "loss_function unchanged, which the loss patched by patch_model(loss=True) "
+                "needs: unpatch the model (a fresh copy) to compute its loss"
+            )
+        return _without(output, call.placeholder)
+
+    def loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+             shift_labels=None, **kwargs):
+        call = self.calls[-1] if self.calls else None
+        if call is None or logits is not call.placeholder:
+            return self.fallback(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                 shift_labels, **kwargs)
+        call.used = True
+        hidden = call.hidden
+        if shift_labels is None:
+            labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        shift_labels = shift_labels.to(hidden.device)
+        options = {"ignore_index": ignore_index, "out_dtype": torch.float32}
+        weight, bias = self.head.weight, self.head.bias
+        if num_items_in_batch is None:
+            return self.linear(hidden, weight, shift_labels, bias, **options)
+        loss = self.linear(hidden, weight, shift_labels, bias, reduction="sum", **options)
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
+
+
+def _without(output, placeholder):
+    """The model's output with the stand-in for the logits left out (None)."""
+    if isinstance(output, tuple):  # return_dict=False
+        return tuple(value for value in output if value is not placeholder)
+    return type(output)(**{k: v for k, v in output.items() if v is not placeholder})
+
+
+def install(model, linear, fallback):
+    """Route `model`'s training loss through `linear` (`CausalLMRoute`)."""
+    route = CausalLMRoute(model, linear, fallback)
+    model.forward = route.model_forward
+    model.loss_function = route.loss
+
+
+def is_route(function) -> bool:
+    """Whether a model's loss_function is one `install` set."""
+    return isinstance(getattr(function, "__self__", None), CausalLMRoute)
+
+
+def route_problem(model, linear, fallback, dtype, device) -> str | None:
+    """Why `model`'s training loss cannot be computed by `install`'s route, or None: its
+    structure, then a probe (a training forward of a few tokens, with and without
+    num_items_in_batch, whose loss must be the model's own, dropout's draws the same)."""
+    if linear is None:
+        return "no linear variant of the loss function exists"
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
+    hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
+             if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
+    if hooks:
+        return (f"its lm_head has {' and '.join(hooks)} of its own, which would see the "
+                "stand-in for the logits")
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab != head.out_features:
+        return (f"its lm_head has {head.out_features} outputs, its config's vocab_size is "
+                f"{vocab}")
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        return (f"its forward caps the logits (final_logit_softcapping = {cap}) between lm_head "
+                "and the loss")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "labels" not in parameters or "input_ids" not in parameters:
+        return "its forward takes no input_ids and labels"
+    if device.type == "meta":
+        return "it is on the meta device, where its outputs cannot be compared"
+    from codegen.runtime import patching  # patching imports this module
+
+    generator = torch.Generator().manual_seed(patching.SEED)
+    tokens = torch.randint(0, vocab, PROBE_TOKENS, generator=generator)
+    labels = tokens.clone()
+    labels.view(-1)[list(PROBE_IGNORED)] = -100
+    tokens, labels = tokens.to(device), labels.to(device)
+    with patching._probing(device):
+        plain = patching._twin(model, None, {}).train()
+        routed = patching._twin(model, None, {}).train()
+        install(routed, linear, fallback)
+        for kwargs in ({}, {"num_items_in_batch": torch.tensor(7, device=device)}):
+            losses_ = []
+            for twin in (plain, routed):
+                torch.manual_seed(patching.SEED)  # the same dropout draws in both
+                try:
+                    losses_.append(twin(input_ids=tokens, labels=labels, **kwargs).loss)
+                except Exception as error:  # noqa: BLE001 (any failure means: not proven)
+                    return f"its forward raised on the probe: {patching._error(error)}"
+            reference, output = losses_
+            if not isinstance(reference, torch.Tensor):
+                return "its forward returned no loss"
+            problem = patching._difference(reference.reshape(1, -1), output.reshape(1, -1),
+                                           None, dtype, False)
+            if problem is not None:
+                return (f"the loss from the hidden states {problem} (with "
+                        f"{', '.join(kwargs) or 'no options'})")
+    return None

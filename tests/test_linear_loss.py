@@ -1,0 +1,341 @@
+"""linear_cross_entropy (the loss of a linear layer's outputs, chunk by chunk over the rows)
+against torch's cross_entropy(F.linear(...)), and patch_model(loss=True) computing a Hugging Face
+causal-LM model's training loss from its hidden states."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers  # a declared test dependency (the `test` extra): import, never skip
+from reference import FP64_TOL, randn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from codegen.runtime import linear_loss
+from generated import cross_entropy as cross_entropy_module
+from generated.cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+from generated.patch import patch_model
+
+OP = cross_entropy_module  # for the `schedule` fixture
+H, V = 8, 37  # features; classes (three column blocks of the looped schedule)
+SHAPE = (3, 5)  # rows: 15, which chunks of 4 or 7 do not divide
+REDUCTIONS = ("none", "mean", "sum")
+TOL = {torch.float64: FP64_TOL, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
+
+def case(dtype, device, *, bias=True, ignored=(1, 9), ignore_index=-100, class_weight=False,
+         seed=0):
+    """input (3, 5, H), weight (V, H), bias (V,) (or None), target (3, 5) with ignore_index at
+    the flat positions `ignored`, class weights (V,) or None."""
+    x = randn((*SHAPE, H), seed=seed, dtype=dtype, device=device)
+    weight = randn((V, H), seed=seed + 1, dtype=dtype, device=device)
+    b = randn((V,), seed=seed + 2, dtype=dtype, device=device) if bias else None
+    generator = torch.Generator().manual_seed(seed + 3)
+    target = torch.randint(0, V, SHAPE, generator=generator)
+    target.view(-1)[list(ignored)] = ignore_index
+    weights = (torch.rand(V, generator=generator, dtype=dtype) + 0.5).to(device) \
+        if class_weight else None
+    return x, weight, b, target.to(device), weights
+
+
+def theirs(x, weight, bias, target, class_weight=None, reduction="mean", **options):
+    logits = F.linear(x, weight, bias)
+    loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), weight=class_weight,
+                           reduction=reduction, **options)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def loss_and_grads(fn, x, weight, bias, seed=9):
+    """fn's loss and the gradients of a random combination of it in x, weight and bias."""
+    tensors = [t.detach().requires_grad_() for t in (x, weight, bias) if t is not None]
+    loss = fn(*tensors, *([None] if bias is None else []))
+    upstream = randn(loss.shape, seed=seed, dtype=loss.dtype, device=loss.device)
+    return loss.detach(), torch.autograd.grad(loss, tensors, upstream)
+
+
+def assert_matches(dtype, device, reduction, *, bias=True, class_weight=False, chunk_size=4,
+                   **options):
+    x, weight, b, target, weights = case(dtype, device, bias=bias, class_weight=class_weight,
+                                         ignore_index=options.get("ignore_index", -100))
+    ours = loss_and_grads(lambda x, w, b: linear_cross_entropy(
+        x, w, target, b, reduction=reduction, class_weight=weights, chunk_size=chunk_size,
+        **options), x, weight, b)
+    exact = loss_and_grads(lambda x, w, b: theirs(
+        x, w, b, target, weights, reduction, **options), x, weight, b)
+    torch.testing.assert_close(ours[0], exact[0], **TOL[dtype])
+    assert ours[0].dtype == dtype
+    for name, got, want in zip(("input", "weight", "bias"), ours[1], exact[1], strict=False):
+        torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.25, "class_weight": True},
+                                     {"ignore_index": 4, "bias": False}])
+def test_matches_cross_entropy_of_linear_torch_path(monkeypatch, reduction, dtype, options):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert_matches(dtype, torch.device("cpu"), reduction, **options)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_matches_cross_entropy_of_linear_kernels(device, reduction):
+    """The Triton kernels (interpreted without a GPU), weights and smoothing and 7-row chunks."""
+    assert_matches(torch.float32, device, reduction, class_weight=True, label_smoothing=0.25,
+                   chunk_size=7)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 100, None])
+def test_chunk_sizes_agree(monkeypatch, chunk_size):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert_matches(torch.float64, torch.device("cpu"), "mean", chunk_size=chunk_size,
+                   class_weight=True)
+
+
+def test_logits_are_held_a_chunk_at_a_time(monkeypatch):
+    """The kernels see chunks of at most chunk_size rows, and every row once per pass."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    seen = []
+    kernels = cross_entropy_module._linear_kernels
+
+    def recording(*args):
+        forward, backward = kernels(*args)
+        return linear_loss.Kernels(lambda x, *a: seen.append(x.shape) or forward(x, *a),
+                                   backward)
+
+    monkeypatch.setattr(cross_entropy_module, "_linear_kernels", recording)
+    x, weight, b, target, _ = case(torch.float64, "cpu")
+    x.requires_grad_()
+    for reduction, passes in (("mean", 1), ("none", 2)):  # "none" computes them again
+        seen.clear()
+        loss = linear_cross_entropy(x, weight, target, b, reduction=reduction, chunk_size=4)
+        loss.sum().backward()
+        assert seen == [(4, V), (4, V), (4, V), (3, V)] * passes
+
+
+def test_default_chunk_takes_about_the_input_memory():
+    # Liger-Kernel's example: 16384 rows of 4096 features, 32000 classes: 2048 rows a chunk
+    assert linear_loss.chunk_rows("f", 16384, 4096, 32000, None) == 2048
+    assert linear_loss.chunk_rows("f", 15, 8, 37, None) == 4  # 15 / ceil(37 / 8), rounded up
+    assert linear_loss.chunk_rows("f", 3, 64, 10, None) == 3  # never past the rows
+    assert linear_loss.chunk_rows("f", 15, 8, 37, 100) == 15
+
+
+def test_only_the_gradients_asked_for(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float64, "cpu")
+    weight.requires_grad_()
+    loss = linear_cross_entropy(x, weight, target, b, chunk_size=4)
+    (grad,) = torch.autograd.grad(loss, weight)
+    (want,) = torch.autograd.grad(theirs(x, weight, b, target), weight)
+    torch.testing.assert_close(grad, want, **FP64_TOL)
+    with torch.no_grad():  # no gradient: one pass, the same loss
+        torch.testing.assert_close(linear_cross_entropy(x, weight, target, b), loss.detach(),
+                                   **FP64_TOL)
+
+
+def test_one_dim_input_and_no_rows(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float64, "cpu")
+    ours = linear_cross_entropy(x[0, 0], weight, target[0, 0], b)
+    torch.testing.assert_close(ours, F.cross_entropy(F.linear(x[0, 0], weight, b),
+                                                     target[0, 0]), **FP64_TOL)
+    empty = x[:0].requires_grad_()
+    for reduction in REDUCTIONS:
+        got = linear_cross_entropy(empty, weight, target[:0], b, reduction=reduction)
+        want = theirs(empty, weight, b, target[:0], reduction=reduction)
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_all_ignored_mean_is_nan_with_zero_gradients(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float64, "cpu", ignored=range(15))
+    loss, grads = loss_and_grads(lambda x, w, b: linear_cross_entropy(x, w, target, b),
+                                 x, weight, b)
+    assert loss.isnan()
+    assert all(bool((g == 0).all()) for g in grads)
+
+
+def test_out_dtype_and_autocast(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float32, "cpu")
+    low = [t.bfloat16() for t in (x, weight, b)]
+    # out_dtype=float32: the loss of the 16-bit logits unrounded, as cross_entropy(logits.float())
+    got = linear_cross_entropy(*low[:2], target, low[2], out_dtype=torch.float32)
+    want = F.cross_entropy(F.linear(*low).float().reshape(-1, V), target.reshape(-1))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert linear_cross_entropy(*low[:2], target, low[2]).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as F.linear, then cross_entropy
+        got = linear_cross_entropy(x, weight, target, b)
+        want = F.cross_entropy(F.linear(x, weight, b).reshape(-1, V), target.reshape(-1))
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_double_backward_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float64, "cpu")
+    x.requires_grad_()
+    for reduction in ("mean", "none"):
+        loss = linear_cross_entropy(x, weight, target, b, reduction=reduction).sum()
+        with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+            torch.autograd.grad(loss, x, create_graph=True)
+
+
+def test_errors_name_the_argument(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float32, "cpu")
+    calls = [
+        (lambda: linear_cross_entropy(x, weight.double(), target), TypeError,
+         "argument 'weight' must have the dtype of 'input' .*float32.*got torch.float64"),
+        (lambda: linear_cross_entropy(x, weight, target, b.double()), TypeError,
+         "argument 'bias' must have the dtype"),
+        (lambda: linear_cross_entropy(x.long(), weight, target), TypeError,
+         "argument 'input' must have dtype"),
+        (lambda: linear_cross_entropy(x, weight[:, :5], target), ValueError,
+         r"argument 'weight' must have shape \(classes, 8\)"),
+        (lambda: linear_cross_entropy(x, weight, target, b[:5]), ValueError,
+         r"argument 'bias' must have shape \(37,\)"),
+        (lambda: linear_cross_entropy(x, weight, target[:2]), ValueError,
+         "argument 'target' must have shape"),
+        (lambda: linear_cross_entropy(x, weight, target.float()), TypeError,
+         "argument 'target' must hold integer class indices"),
+        (lambda: linear_cross_entropy(x, weight, torch.full(SHAPE, V)), IndexError,
+         r"argument 'target' must hold class indices in \[0, 37\)"),
+        (lambda: linear_cross_entropy(x, weight, target, class_weight=torch.ones(5)),
+         ValueError, r"argument 'class_weight' must have shape \(37,\)"),
+        (lambda: linear_cross_entropy(x, weight, target, chunk_size=0), ValueError,
+         "argument 'chunk_size' must be at least 1"),
+        (lambda: linear_cross_entropy(x, weight, target, chunk_size=2.0), TypeError,
+         "argument 'chunk_size' must be an int"),
+        (lambda: linear_cross_entropy(x, weight, target, reduction="avg"), ValueError,
+         "argument 'reduction' must be one of"),
+        (lambda: linear_cross_entropy(x, weight, target, label_smoothing=2.0), ValueError,
+         "argument 'label_smoothing' must be in"),
+        (lambda: linear_cross_entropy(x, weight, target, out_dtype=torch.int64), TypeError,
+         "argument 'out_dtype' must be None or one of"),
+    ]
+    for call, error, message in calls:
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_module(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, weights = case(torch.float64, "cpu", class_weight=True)
+    module = LinearCrossEntropyLoss(reduction="sum", label_smoothing=0.25, class_weight=weights,
+                                    chunk_size=4)
+    assert list(module.state_dict()) == ["class_weight"]
+    assert repr(module) == ("LinearCrossEntropyLoss(label_smoothing=0.25, reduction='sum', "
+                            "chunk_size=4)")
+    assert repr(LinearCrossEntropyLoss()) == "LinearCrossEntropyLoss()"
+    torch.testing.assert_close(module(x, weight, target, b),
+                               theirs(x, weight, b, target, weights, "sum",
+                                      label_smoothing=0.25), **FP64_TOL)
+
+
+# Hugging Face causal-LM models
+
+VOCAB = 64
+
+
+def tiny_causal_lm(kind: str, **extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    configs = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}
+    config_class, model_class = configs[kind]
+    config = config_class(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                          vocab_size=VOCAB, **extra)
+    return model_class(config).train()
+
+
+def lm_step(model, tokens, labels, **kwargs):
+    model.zero_grad()
+    torch.manual_seed(5)  # the same dropout draws in both models
+    out = model(input_ids=tokens, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_causal_lm_training_loss_from_hidden_states(torch_path, kind):
+    original = tiny_causal_lm(kind, attention_dropout=0.1)
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="loss")
+    assert report.swapped == [("loss_function", "ForCausalLMLoss",
+                               "linear_cross_entropy(hidden states, lm_head)")]
+    assert report.skipped == []
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels = tokens.masked_fill(torch.rand(tokens.shape, generator=torch.Generator()
+                                           .manual_seed(2)) < 0.3, -100)
+    shifted = labels.roll(-1, dims=-1)
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}, {"shift_labels": shifted}):
+        out, grads = lm_step(original, tokens, labels, **kwargs)
+        patched_out, patched_grads = lm_step(patched, tokens, labels, **kwargs)
+        assert patched_out.logits is None  # never computed whole
+        assert patched_out.loss.dtype == torch.float32
+        torch.testing.assert_close(patched_out.loss, out.loss, rtol=1e-6, atol=0)
+        assert patched_grads.keys() == grads.keys()
+        for name in grads:
+            torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+    # return_dict=False: the tuple without the logits, as transformers leaves out a None
+    loss, *rest = patched(input_ids=tokens, labels=labels, return_dict=False)
+    assert not any(isinstance(t, torch.Tensor) and t.shape[-1] == VOCAB for t in rest)
+    # no labels, or eval mode: the logits, as the model's own
+    for model in (original, patched):
+        model.eval()
+    with torch.no_grad():
+        want = original(input_ids=tokens, labels=labels)
+        got = patched(input_ids=tokens, labels=labels)
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(patched(input_ids=tokens).logits, want.logits)
+    # a copy of the patched model routes its own loss; patching again changes nothing
+    again = copy.deepcopy(patched).train()
+    assert patch_model(again, include="loss").swapped == []
+    assert again.loss_function.__self__.model is again
+
+
+def test_softcapped_logits_keep_the_logits_route(torch_path):
+    model = tiny_causal_lm("gemma2")
+    report = patch_model(model, include="loss")
+    assert report.swapped == [("loss_function", "ForCausalLMLoss",
+                               "causal_lm_loss(cross_entropy)")]
+    [(name, kind, reason)] = report.skipped
+    assert (name, kind) == ("forward", "Gemma2ForCausalLM")
+    assert "final_logit_softcapping = 30.0" in reason
+    assert "forward" not in model.__dict__
+
+
+class ScaledLlamaForCausalLM(transformers.LlamaForCausalLM):
+    """A causal LM whose forward scales the logits before its loss."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = 2 * self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        loss = None if labels is None else self.loss_function(logits, labels, VOCAB)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_forward_that_changes_the_logits_keeps_the_logits_route(torch_path):
+    model = ScaledLlamaForCausalLM(tiny_causal_lm("llama").config)
+    report = patch_model(model, include="loss")
+    [(name, kind, reason)] = report.skipped
+    assert (name, kind) == ("forward", "ScaledLlamaForCausalLM")
+    assert "did not hand lm_head's output to its loss_function unchanged" in reason, reason
+    assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    model = tiny_causal_lm("llama")
+    model.lm_head.register_forward_hook(lambda module, args, output: 2 * output)
+    [(_, _, reason)] = patch_model(model, include="loss").skipped
+    assert reason.endswith("its lm_head has forward_hooks of its own, which would see the "
+                           "stand-in for the logits"), reason
