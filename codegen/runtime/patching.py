@@ -31,12 +31,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from codegen.runtime import dispatch
+from codegen.runtime import dispatch, patch_layers
 
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
-KINDS = ("norm", "activation", "mlp", "loss")
+KINDS = ("norm", "activation", "mlp", "residual", "loss")
 #: the kinds swapped unless `include` says otherwise (a loss only when asked for)
-DEFAULT_KINDS = ("norm", "activation", "mlp")
+DEFAULT_KINDS = ("norm", "activation", "mlp", "residual")
 #: where a module keeps its eps, in the order looked up
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 #: eps values tried (after the op's default) for a norm that keeps none as an attribute
@@ -289,6 +289,8 @@ class _Planner:
                 self.assignments.append((parent, name, child, new))
             elif not isinstance(child, self.own):
                 self.visit(child, prefix + name + ".")
+                # after its children: a layer's fused add reuses its norm's proven swap
+                patch_layers.plan(self, child, prefix + name)
 
     def replacement(self, module, name):
         """What replaces `module`, or None (its skip recorded where it is a candidate)."""
