@@ -232,13 +232,20 @@ def test_a_layer_that_computes_otherwise_is_left_with_the_reason():
         patch_model(layers(LlamaDecoderLayer, ScaledResidual), include="residual", strict=True)
 
 
-def test_an_instance_forward_is_a_reason_to_skip():
+def test_an_instance_forward_or_a_hooked_norm_is_a_reason_to_skip():
     model = layers(LlamaDecoderLayer)
     model[0].forward = model[0].forward
     report = patch_model(model, include="residual")
     assert report.skipped == [patching.Skip(
         "0", "LlamaDecoderLayer",
         "its forward is replaced on the instance, which the rewritten forward would not do")]
+    model = layers(LlamaDecoderLayer)
+    model[0].post_attention_layernorm.register_forward_hook(lambda *_: None)
+    model[0].input_layernorm.register_forward_hook(lambda *_: None)  # still called: no matter
+    report = patch_model(model, include="residual")
+    assert report.skipped == [patching.Skip(
+        "0", "LlamaDecoderLayer", "its norm post_attention_layernorm: it has hooks "
+        "(forward_hooks), which a replacement would not run")]
 
 
 def test_strict_changes_nothing_and_the_kind_is_selected():
@@ -285,6 +292,17 @@ def test_a_fused_model_pickles_checkpoints_and_copies():
     # the checkpointed forward is the rewritten one (the original's is the decorated one)
     assert calls == [type(layer).forward.__wrapped__]
     assert calls[0] is not LlamaDecoderLayer.forward.__wrapped__
+
+
+def test_a_fused_layer_compiles_without_graph_breaks():
+    original = tiny("llama").eval()
+    patched = copy.deepcopy(original)
+    patch_model(patched, include="residual")
+    x = randn((2, 7, 64), seed=2, dtype=torch.float32)
+    position = patched.model.rotary_emb(x, torch.arange(7)[None])
+    compiled = torch.compile(patched.model.layers[0], backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, position_embeddings=position),
+                               original.model.layers[0](x, position_embeddings=position))
 
 
 def test_gpt2_cross_attention_runs_the_original_forward():

@@ -335,6 +335,9 @@ def plan(planner, layer, name: str) -> None:
         return
     problem = _unfusable(layer, family)
     norm = layer._modules[family.norm]
+    if problem is None and patching._unswappable(norm) is not None:
+        # the fused forward computes the norm without calling it
+        problem = f"its norm {family.norm}: {patching._unswappable(norm)}"
     replacement = None
     if problem is None:
         replacement, problem = _norm_replacement(planner, norm, f"{name}.{family.norm}")
