@@ -47,15 +47,18 @@ PROBE_KEYWORD = "probe_keyword"
 @dataclass(frozen=True)
 class Family:
     """A layer structure whose residual add before `norm` is fused: the names of its children
-    (`children` all present, `optional` may be), the children whose output is a tuple (HF's
-    attention: output and weights), the arguments passed to none of its sublayers (`unused`),
-    those that send the forward on a path the rewrite does not cover when set (`original_if`:
-    the original forward runs then), and the rewritten forward."""
+    (`children` all present, `optional` may be; `norms` probed as themselves, the others by
+    stand-ins; `pairs` return a tuple, as HF's attention its output and weights), how many
+    tensors its forward takes first (`inputs`: the hidden state, and the residual where it is
+    passed in), the arguments passed to none of its sublayers (`unused`), those that send the
+    forward on a path the rewrite does not cover when set (`original_if`: the original forward
+    runs then), and the rewritten forward."""
 
     name: str
     children: tuple[str, ...]
     norm: str
     forward: Callable
+    inputs: int = 1
     optional: tuple[str, ...] = ()
     norms: tuple[str, ...] = ()
     pairs: tuple[str, ...] = ()
@@ -218,7 +221,7 @@ FAMILIES = (
            unused=("encoder_hidden_states", "encoder_attention_mask"),
            original_if=("encoder_hidden_states",)),
     Family("post-norm output", ("dense", "dropout", "LayerNorm"), "LayerNorm", _output_forward,
-           norms=("LayerNorm",)),
+           inputs=2, norms=("LayerNorm",)),
 )
 
 
@@ -369,12 +372,11 @@ def _unfusable(layer, family) -> str | None:
     parameters = list(signature.parameters.values())[1:]
     if any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return "its forward takes *args, which the rewritten forward would not pass on"
-    named = [p for p in parameters if p.kind is not p.VAR_KEYWORD]
-    needed = 2 if family.forward is _output_forward else 1
-    if len(named) < needed or (family.forward is _output_forward and len(named) != 2):
-        return (f"its forward takes {', '.join(p.name for p in named) or 'no argument'}, not "
-                f"the {'hidden state and the residual' if needed == 2 else 'hidden state'} "
-                "first")
+    named = [p.name for p in parameters if p.kind is not p.VAR_KEYWORD]
+    # the hidden state first; with a residual passed in, the two alone
+    if len(named) < family.inputs or (family.inputs == 2 and len(named) != 2):
+        what = "the hidden state and the residual" if family.inputs == 2 else "the hidden state"
+        return f"its forward takes {', '.join(named) or 'no argument'}, not {what} first"
     return None
 
 
@@ -430,7 +432,8 @@ def _fusion(planner, rules, family, replacement):
 
 def _difference(layer, family, fusion, dtype, device) -> str | None:
     """How the rewritten forward differs from `layer`'s on the probe, or None."""
-    width = fusion.shape[-1] if fusion.shape else patching.PROBE_WIDTH
+    tail = fusion.shape or (patching.PROBE_WIDTH,)
+    width = tail[-1]
     fused = fused_class(type(layer), fusion)
     with patching._probing(device):
         noise, done = patching._Noise(), {}
@@ -447,10 +450,9 @@ def _difference(layer, family, fusion, dtype, device) -> str | None:
         rewritten = copy.copy(original)
         rewritten.__class__ = fused
         generator = torch.Generator().manual_seed(patching.SEED)
-        shape = (*PROBE_ROWS, width)
-        inputs = [torch.randn(shape, generator=generator, dtype=torch.float64).to(
-            device=device, dtype=dtype) for _ in range(2 if family.forward is _output_forward
-                                                        else 1)]
+        inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
+                              dtype=torch.float64).to(device=device, dtype=dtype)
+                  for _ in range(family.inputs)]
         kwargs = _probe_keywords(type(layer), family)
         for training in (False, True):
             runs = []
@@ -486,8 +488,7 @@ def _probe_keywords(cls, family) -> dict[str, Any]:
     unset, and one more keyword where the forward takes **kwargs."""
     signature = inspect.signature(cls.forward)
     parameters = list(signature.parameters.values())[1:]
-    inputs = 2 if family.forward is _output_forward else 1
-    kwargs = {p.name: _Sentinel(p.name) for p in parameters[inputs:]
+    kwargs = {p.name: _Sentinel(p.name) for p in parameters[family.inputs:]
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in
               family.unused}
     if any(p.kind is p.VAR_KEYWORD for p in parameters):

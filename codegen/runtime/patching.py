@@ -2,7 +2,8 @@
 
 The rule table (`generated/patch.py`, one row per `Replaces` a spec declares) says which
 generated op may stand in for what: a norm or an activation module found by class name, a gated
-MLP `down(act(gate(x)) * up(x))` found by its structure, a Hugging Face causal-LM loss. A
+MLP `down(act(gate(x)) * up(x))` found by its structure, a Hugging Face causal-LM loss, the
+residual add before a norm inside a transformer layer (codegen/runtime/patch_layers.py). A
 candidate is swapped only if its replacement computes the same outputs as the module on a small
 deterministic probe input, once with the module's own tensors and once with perturbed copies
 of them (so that a weight of ones or zeros cannot hide how the weight is used). The
