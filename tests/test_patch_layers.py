@@ -232,6 +232,25 @@ def test_a_layer_that_computes_otherwise_is_left_with_the_reason():
         patch_model(layers(LlamaDecoderLayer, ScaledResidual), include="residual", strict=True)
 
 
+@pytest.mark.parametrize("multiplier", [1.0, 0.22])
+def test_granite_residual_multiplier_decides(multiplier):
+    """Granite's layer has LLaMA's children and scales each sublayer's output before its add:
+    by 1 it computes what LLaMA's does, by 0.22 (as its checkpoints) it does not."""
+    config = transformers.GraniteConfig(hidden_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2,
+                                        intermediate_size=128, vocab_size=VOCAB,
+                                        residual_multiplier=multiplier)
+    model = transformers.GraniteModel(config)
+    report = patch_model(model, include="residual")
+    if multiplier == 1.0:
+        assert report == {"GraniteDecoderLayer": 1} and report.skipped == []
+    else:
+        [(name, old, reason)] = report.skipped
+        assert (name, old) == ("layers.0", "GraniteDecoderLayer") and report == {}
+        assert reason.startswith("GraniteDecoderLayer(add_rms_norm into "
+                                 "post_attention_layernorm) differs by "), reason
+
+
 def test_an_instance_forward_or_a_hooked_norm_is_a_reason_to_skip():
     model = layers(LlamaDecoderLayer)
     model[0].forward = model[0].forward
