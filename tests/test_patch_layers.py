@@ -313,6 +313,20 @@ def test_a_fused_model_pickles_checkpoints_and_copies():
     assert calls[0] is not LlamaDecoderLayer.forward.__wrapped__
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_probing_leaves_rng_and_modes_and_generation_uses_the_cache(kind):
+    original = tiny(kind).eval()
+    patched = copy.deepcopy(original).train()
+    state = torch.get_rng_state()
+    assert patch_model(patched, include="residual") == {LAYERS[kind]: 2}
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(module.training for module in patched.modules())
+    # the cache passes through the rewritten forward to the attention, step after step
+    tokens = [model.eval().generate(TOKENS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+              for model in (original, patched)]
+    assert torch.equal(tokens[1], tokens[0]) and tokens[0].shape == (2, 11)
+
+
 def test_a_fused_layer_compiles_without_graph_breaks():
     original = tiny("llama").eval()
     patched = copy.deepcopy(original)
