@@ -75,7 +75,10 @@ class Replaces:
     `kind`: None for what the API implies ("norm" for a normalized-shape API, "activation" for
     an elementwise API of one input); "mlp": the gated MLP `down(act(gate(x)) * up(x))` whose
     `act(gate) * up` this op (inputs gate, up) computes; "loss": a Hugging Face causal-LM
-    model's loss, computed by this row loss. `tries`: values of the API's options tried in
+    model's loss, computed by this row loss; "residual": the residual add before a norm inside a
+    transformer layer of a known structure (the pattern is of the layer's class name), fused
+    with that norm by this add + norm op, whose parameters are those of the norm's own swap.
+    `tries`: values of the API's options tried in
     turn (the first the probe accepts is kept), such as an offset a parameter may carry."""
 
     pattern: str
@@ -84,7 +87,7 @@ class Replaces:
 
 
 #: what Replaces.kind may name besides None
-REPLACES_KINDS = ("mlp", "loss")
+REPLACES_KINDS = ("mlp", "loss", "residual")
 
 
 @dataclass(frozen=True)
@@ -569,6 +572,9 @@ def replaces_mismatches(api) -> list[str]:
                             "(gate, up) and no other arguments")
         elif kind == "loss" and not isinstance(api, RowLossAPI):
             problems.append(f"{where}: kind 'loss' needs a row-loss API")
+        elif kind == "residual" and not (isinstance(api, NormalizedShapeAPI) and api.residual):
+            problems.append(f"{where}: kind 'residual' needs a normalized-shape API with a "
+                            "residual input")
         for name, values in rule.tries:
             if name not in options:
                 problems.append(f"{where}: tries '{name}', which is not one of the API's options")

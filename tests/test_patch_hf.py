@@ -91,13 +91,14 @@ def exact_reference(model: torch.nn.Module) -> torch.nn.Module:
     return exact
 
 
-EXPECTED = {"bert": {"LayerNorm": 5, "GELUActivation": 2},
-            "gpt2": {"LayerNorm": 5, "NewGELUActivation": 2},
-            "llama": {"LlamaRMSNorm": 5, "LlamaMLP": 2},
-            "mistral": {"MistralRMSNorm": 5, "MistralMLP": 2},
-            "qwen2": {"Qwen2RMSNorm": 5, "Qwen2MLP": 2},
-            "qwen3": {"Qwen3RMSNorm": 9, "Qwen3MLP": 2},  # q_norm and k_norm too
-            "gemma": {"GemmaRMSNorm": 5, "GELUTanh": 2}}
+EXPECTED = {"bert": {"LayerNorm": 5, "GELUActivation": 2, "BertSelfOutput": 2, "BertOutput": 2},
+            "gpt2": {"LayerNorm": 5, "NewGELUActivation": 2, "GPT2Block": 2},
+            "llama": {"LlamaRMSNorm": 5, "LlamaMLP": 2, "LlamaDecoderLayer": 2},
+            "mistral": {"MistralRMSNorm": 5, "MistralMLP": 2, "MistralDecoderLayer": 2},
+            "qwen2": {"Qwen2RMSNorm": 5, "Qwen2MLP": 2, "Qwen2DecoderLayer": 2},
+            # q_norm and k_norm too
+            "qwen3": {"Qwen3RMSNorm": 9, "Qwen3MLP": 2, "Qwen3DecoderLayer": 2},
+            "gemma": {"GemmaRMSNorm": 5, "GELUTanh": 2, "GemmaDecoderLayer": 2}}
 
 
 @pytest.mark.parametrize("kind", sorted(EXPECTED))

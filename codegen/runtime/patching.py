@@ -2,7 +2,8 @@
 
 The rule table (`generated/patch.py`, one row per `Replaces` a spec declares) says which
 generated op may stand in for what: a norm or an activation module found by class name, a gated
-MLP `down(act(gate(x)) * up(x))` found by its structure, a Hugging Face causal-LM loss. A
+MLP `down(act(gate(x)) * up(x))` found by its structure, a Hugging Face causal-LM loss, the
+residual add before a norm inside a transformer layer (codegen/runtime/patch_layers.py). A
 candidate is swapped only if its replacement computes the same outputs as the module on a small
 deterministic probe input, once with the module's own tensors and once with perturbed copies
 of them (so that a weight of ones or zeros cannot hide how the weight is used). The
@@ -31,12 +32,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from codegen.runtime import dispatch, linear_loss
+from codegen.runtime import dispatch, linear_loss, patch_layers
 
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
-KINDS = ("norm", "activation", "mlp", "loss")
+KINDS = ("norm", "activation", "mlp", "residual", "loss")
 #: the kinds swapped unless `include` says otherwise (a loss only when asked for)
-DEFAULT_KINDS = ("norm", "activation", "mlp")
+DEFAULT_KINDS = ("norm", "activation", "mlp", "residual")
 #: where a module keeps its eps, in the order looked up
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 #: eps values tried (after the op's default) for a norm that keeps none as an attribute
@@ -289,6 +290,8 @@ class _Planner:
                 self.assignments.append((parent, name, child, new))
             elif not isinstance(child, self.own):
                 self.visit(child, prefix + name + ".")
+                # after its children: a layer's fused add reuses its norm's proven swap
+                patch_layers.plan(self, child, prefix + name)
 
     def replacement(self, module, name):
         """What replaces `module`, or None (its skip recorded where it is a candidate)."""

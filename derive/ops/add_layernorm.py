@@ -7,7 +7,7 @@ kernel (the engine sees s as a second output with its own upstream gradient).
 
 import sympy
 
-from derive.api import NormalizedShapeAPI, Param
+from derive.api import NormalizedShapeAPI, Param, Replaces
 from derive.spec import OpSpec
 
 
@@ -37,6 +37,8 @@ def spec() -> OpSpec:
         torch_module="torch.nn.LayerNorm",
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
         residual="residual", call_params=("input_bias",),
+        # the add before a norm inside a transformer layer, with the norm's own parameters
+        replaces=(Replaces("*", kind="residual"),),
         reference="dispatch.normalized(torch.nn.functional.layer_norm, "
                   "dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, "
                   "eps, prenorm=prenorm)",

@@ -6,7 +6,7 @@ into dx inside the same backward kernel.
 
 import sympy
 
-from derive.api import NormalizedShapeAPI, Option, Param
+from derive.api import NormalizedShapeAPI, Option, Param, Replaces
 from derive.spec import OpSpec
 
 
@@ -34,6 +34,8 @@ def spec() -> OpSpec:
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),), residual="residual",
         call_params=("input_bias",),
+        # the add before a norm inside a transformer layer, with the norm's own parameters
+        replaces=(Replaces("*", kind="residual"),),
         reference="dispatch.normalized(torch.nn.functional.rms_norm, "
                   "dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, "
                   "prenorm=prenorm)",

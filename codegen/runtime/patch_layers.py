@@ -1,0 +1,496 @@
+"""The "residual" kind of `patch_model()`: the residual add before a norm inside a transformer
+layer, fused with that norm into one add + norm call (`prenorm=True` where the sum is carried on).
+
+A layer is a candidate where its children have the names of a known structure (`FAMILIES`):
+a pre-norm decoder layer (LLaMA, Mistral, Qwen2/3, Phi-3, Gemma), Gemma 2/3's layer with its
+extra norms, a GPT-2 block, BERT's attention and feed-forward outputs. Its forward is replaced,
+on the instance's class, by one that calls the same submodules with the same arguments and
+computes `norm(x + residual)` (and the sum) by the generated add + norm op the rule table pairs
+with the norm's own swap (`add_rms_norm` with an `RMSNorm`, `add_layer_norm` with a
+`LayerNorm`), with the configuration the norm's probe proved (eps, weight offset, weight, bias).
+
+The rewrite is proven by behaviour, as every swap: on a probe copy of the layer whose attention,
+MLP, dropout and dense children are deterministic stand-ins (nonlinear maps of the hidden state
+that record how they are called) and whose norms hold perturbed copies of their weights, the
+original forward and the rewritten one must give the same output, call every stand-in with the
+same arguments, in training and in eval mode. A layer that computes anything else (a scaled
+residual, another order) is left in place with the reason.
+
+The layer object stays the same: its class becomes a subclass of its own class (same name,
+`isinstance` holds, Hugging Face's gradient checkpointing wraps it as the original), whose
+forward reads the norm's tensors from the norm child at each call, so the state_dict, the
+Parameters and any later swap of the child's tensors are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# patching imports this module: its names are looked up at call time
+from codegen.runtime import patching
+
+#: the kind `patch_model(include=..., exclude=...)` names
+KIND = "residual"
+#: shape of a layer probe's hidden state (batch, sequence, width)
+PROBE_ROWS = (2, 3)
+#: keyword of the probe's extra argument, where a forward takes **kwargs (passed on, unread)
+PROBE_KEYWORD = "probe_keyword"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A layer structure whose residual add before `norm` is fused: the names of its children
+    (`children` all present, `optional` may be; `norms` probed as themselves, the others by
+    stand-ins; `pairs` return a tuple, as HF's attention its output and weights), how many
+    tensors its forward takes first (`inputs`: the hidden state, and the residual where it is
+    passed in), the arguments passed to none of its sublayers (`unused`), those that send the
+    forward on a path the rewrite does not cover when set (`original_if`: the original forward
+    runs then), and the rewritten forward."""
+
+    name: str
+    children: tuple[str, ...]
+    norm: str
+    forward: Callable
+    inputs: int = 1
+    optional: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()
+    pairs: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
+    original_if: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How a fused layer computes `norm(x + residual)`: the add + norm `function`, the norm
+    child it reads its tensors from (`tensors`: the function's parameter names, each read from
+    the child or None where the norm carries none), its `options` (eps, offset, memory) and the
+    normalized shape (None: the input's last dim)."""
+
+    family: Family
+    function: Callable
+    norm: str
+    tensors: tuple[tuple[str, bool], ...]
+    options: tuple[tuple[str, Any], ...]
+    shape: tuple[int, ...] | None
+
+    def __call__(self, layer, x, residual, prenorm=True):
+        norm = layer._modules[self.norm]
+        tensors = {name: getattr(norm, name) if carried else None
+                   for name, carried in self.tensors}
+        shape = self.shape if self.shape is not None else x.shape[-1:]
+        return self.function(x, residual, shape, **tensors, **dict(self.options),
+                             prenorm=prenorm)
+
+    def label(self, layer_class: str) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options if k != "eps" and v)
+        return f"{layer_class}({self.function.__name__} into {self.norm}{options})"
+
+
+class _Arguments:
+    """The named parameters of a forward, bound the way Python binds a call, in plain dict
+    operations (which torch.compile traces, where `inspect.Signature.bind` would break the
+    graph)."""
+
+    def __init__(self, signature: inspect.Signature, qualname: str):
+        parameters = list(signature.parameters.values())[1:]  # self
+        kinds = inspect.Parameter
+        self.qualname = qualname
+        self.names = tuple(p.name for p in parameters
+                           if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD))
+        self.positional = sum(p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+                              for p in parameters)
+        self.keywords = frozenset(p.name for p in parameters
+                                  if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY))
+        self.defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+        self.var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
+        self.var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in parameters)
+
+    def bind(self, args, kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(named arguments, defaults filled in; the **kwargs), or TypeError as Python's."""
+        if len(args) > self.positional:
+            raise TypeError(f"{self.qualname}() takes {self.positional + 1} positional "
+                            f"arguments but {len(args) + 1} were given")
+        values = dict(zip(self.names[:len(args)], args, strict=True))
+        extra = {}
+        for key, value in kwargs.items():
+            if key in values and key in self.keywords:
+                raise TypeError(f"{self.qualname}() got multiple values for argument '{key}'")
+            if key in self.keywords:
+                values[key] = value
+            elif self.var_keyword:
+                extra[key] = value
+            else:
+                raise TypeError(f"{self.qualname}() got an unexpected keyword argument '{key}'")
+        for name in self.names:
+            if name not in values:
+                if name not in self.defaults:
+                    raise TypeError(f"{self.qualname}() missing required argument: '{name}'")
+                values[name] = self.defaults[name]
+        return values, extra
+
+
+def _sublayer_arguments(layer, family, args, kwargs):
+    """The layer's hidden state and the keyword arguments its attention gets: every named
+    argument after the hidden state (defaults included) but the family's unused ones, then the
+    **kwargs, as the original forward passes them on."""
+    values, extra = type(layer)._residual_arguments.bind(args, kwargs)
+    names = type(layer)._residual_arguments.names
+    rest = {name: values[name] for name in names[1:] if name not in family.unused}
+    rest.update(extra)
+    return values[names[0]], values, rest
+
+
+def _prenorm_forward(layer, fusion, args, kwargs):
+    """LLaMA's decoder layer (and Phi-3's, with its dropouts):
+    `h = x + attn(ln_1(x)); return h + mlp(ln_2(h))`, the first add fused with ln_2."""
+    modules = layer._modules
+    hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
+    residual = hidden
+    hidden = modules["input_layernorm"](hidden)
+    hidden, _ = modules["self_attn"](hidden_states=hidden, **rest)
+    if "resid_attn_dropout" in modules:
+        hidden = modules["resid_attn_dropout"](hidden)
+    hidden, residual = fusion(layer, hidden, residual)
+    hidden = modules["mlp"](hidden)
+    if "resid_mlp_dropout" in modules:
+        hidden = modules["resid_mlp_dropout"](hidden)
+    return residual + hidden
+
+
+def _sandwich_forward(layer, fusion, args, kwargs):
+    """Gemma 2/3's decoder layer: `h = x + post_ln(attn(ln(x)));
+    return h + post_ff_ln(mlp(pre_ff_ln(h)))`, the first add fused with pre_ff_ln."""
+    modules = layer._modules
+    hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
+    residual = hidden
+    hidden = modules["input_layernorm"](hidden)
+    hidden, _ = modules["self_attn"](hidden_states=hidden, **rest)
+    hidden = modules["post_attention_layernorm"](hidden)
+    hidden, residual = fusion(layer, hidden, residual)
+    hidden = modules["mlp"](hidden)
+    hidden = modules["post_feedforward_layernorm"](hidden)
+    return residual + hidden
+
+
+def _gpt2_forward(layer, fusion, args, kwargs):
+    """GPT-2's block: `h = attn(ln_1(x)) + x; return h + mlp(ln_2(h))`, the first add fused with
+    ln_2; with encoder states (cross-attention) the original forward runs."""
+    modules = layer._modules
+    hidden, values, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
+    if any(values.get(name) is not None for name in fusion.family.original_if):
+        return type(layer)._residual_original.forward(layer, *args, **kwargs)
+    residual = hidden
+    hidden = modules["ln_1"](hidden)
+    attn_output, _ = modules["attn"](hidden, **rest)
+    hidden, residual = fusion(layer, attn_output, residual)
+    return residual + modules["mlp"](hidden)
+
+
+def _output_forward(layer, fusion, args, kwargs):
+    """BERT's attention and feed-forward outputs: `LayerNorm(dropout(dense(h)) + input)`."""
+    modules = layer._modules
+    values, _ = type(layer)._residual_arguments.bind(args, kwargs)
+    hidden, input_tensor = (values[name] for name in type(layer)._residual_arguments.names)
+    hidden = modules["dropout"](modules["dense"](hidden))
+    return fusion(layer, hidden, input_tensor, prenorm=False)
+
+
+#: the layer structures whose residual add is fused, first match first
+FAMILIES = (
+    Family("pre-norm decoder layer",
+           ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
+           "post_attention_layernorm", _prenorm_forward,
+           optional=("resid_attn_dropout", "resid_mlp_dropout"),
+           norms=("input_layernorm", "post_attention_layernorm"), pairs=("self_attn",)),
+    Family("sandwich-norm decoder layer",
+           ("input_layernorm", "self_attn", "post_attention_layernorm",
+            "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+           "pre_feedforward_layernorm", _sandwich_forward,
+           norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"), pairs=("self_attn",)),
+    Family("GPT-2 block", ("ln_1", "attn", "ln_2", "mlp"), "ln_2", _gpt2_forward,
+           optional=("crossattention", "ln_cross_attn"), norms=("ln_1", "ln_2", "ln_cross_attn"),
+           pairs=("attn", "crossattention"),
+           unused=("encoder_hidden_states", "encoder_attention_mask"),
+           original_if=("encoder_hidden_states",)),
+    Family("post-norm output", ("dense", "dropout", "LayerNorm"), "LayerNorm", _output_forward,
+           inputs=2, norms=("LayerNorm",)),
+)
+
+
+def family_of(layer) -> Family | None:
+    """The structure `layer`'s children have, or None."""
+    names = {name for name, child in layer._modules.items() if child is not None}
+    for family in FAMILIES:
+        if set(family.children) <= names <= set(family.children) | set(family.optional):
+            return family
+    return None
+
+
+_CLASSES: dict[tuple[type, Fusion], type] = {}
+
+
+def fused_class(original: type, fusion: Fusion) -> type:
+    """The subclass of `original` whose forward is `fusion.family.forward` (one per class and
+    fusion): same name and signature, so that what looks a layer up by its class name (device
+    maps, wrapping policies) still finds it; pickled as the original class and the fusion."""
+    key = (original, fusion)
+    cls = _CLASSES.get(key)
+    if cls is not None:
+        return cls
+    signature = inspect.signature(original.forward)
+
+    def forward(self, *args, **kwargs):
+        return fusion.family.forward(self, fusion, args, kwargs)
+
+    forward.__signature__ = signature
+    forward.__doc__ = original.forward.__doc__
+    forward.__qualname__ = f"{original.__qualname__}.forward"
+    namespace = {
+        "forward": forward, "__module__": original.__module__,
+        "__qualname__": original.__qualname__, "__doc__": original.__doc__,
+        "_residual_fusion": fusion, "_residual_original": original,
+        "_residual_arguments": _Arguments(signature, forward.__qualname__),
+        "__reduce_ex__": _reduce_ex,
+    }
+    cls = type(original.__name__, (original,), namespace)
+    _CLASSES[key] = cls
+    return cls
+
+
+def _reduce_ex(self, protocol):
+    # pickle (torch.save of a whole model) finds a class by its module and name, which lead to
+    # the original class: rebuild the fused one from it and the fusion instead
+    cls = type(self)
+    return _rebuild, (cls._residual_original, cls._residual_fusion), self.__getstate__()
+
+
+def _rebuild(original, fusion):
+    cls = fused_class(original, fusion)
+    return cls.__new__(cls)
+
+
+class _StandIn(torch.nn.Module):
+    """A deterministic nonlinear map of the hidden state to `width` columns, standing in for
+    an attention, an MLP, a dropout or a dense layer in a layer's probe; it records how it is
+    called (the arguments besides the hidden state, by identity), and returns (output, None)
+    where the child it stands for returns a pair."""
+
+    def __init__(self, seed: int, width: int, pair: bool, dtype, device):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.index = torch.randint(0, 1 << 30, (width,), generator=generator).to(device)
+        self.scale = (torch.randn(width, generator=generator, dtype=torch.float64) + 1.0).to(
+            device=device, dtype=dtype)
+        self.shift = torch.randn(width, generator=generator, dtype=torch.float64).to(
+            device=device, dtype=dtype)
+        self.pair = pair
+        self.calls: list[str] = []
+
+    def forward(self, *args, **kwargs):
+        if args:
+            hidden, args = args[0], ("x", *map(_token, args[1:]))
+        else:
+            hidden, args = kwargs.pop("hidden_states"), ("hidden_states=x",)
+        self.calls.append(", ".join([*args, *sorted(f"{k}={_token(v)}"
+                                                    for k, v in kwargs.items())]))
+        columns = hidden[..., self.index % hidden.shape[-1]]
+        output = torch.tanh(columns * self.scale + self.shift)
+        return (output, None) if self.pair else output
+
+
+class _Sentinel:
+    """A probe argument that stands for whatever the caller would pass (a mask, a cache)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def _token(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    return repr(value) if value is None or isinstance(value, (_Sentinel, bool, int, float,
+                                                                     str)) \
+        else f"{type(value).__name__} at {id(value):#x}"
+
+
+def plan(planner, layer, name: str) -> None:
+    """Plan the fusion of `layer`'s residual add (its children already planned), recording the
+    swap or the skip in `planner` (a `patching._Planner`)."""
+    family = family_of(layer)
+    class_name = type(layer).__name__
+    if (family is None or "_residual_fusion" in type(layer).__dict__
+            or not planner.selection.allows(KIND, class_name)):
+        return
+    rules = [r for r in planner.rules if r.kind == KIND
+             and fnmatch.fnmatchcase(class_name, r.pattern)]
+    if not rules:
+        return
+    problem = _unfusable(layer, family)
+    norm = layer._modules[family.norm]
+    if problem is None and patching._unswappable(norm) is not None:
+        # the fused forward computes the norm without calling it
+        problem = f"its norm {family.norm}: {patching._unswappable(norm)}"
+    replacement = None
+    if problem is None:
+        replacement, problem = _norm_replacement(planner, norm, f"{name}.{family.norm}")
+    fusion = None
+    if problem is None:
+        fusion, problem = _fusion(planner, rules, family, replacement)
+    if problem is None:
+        dtype, device = patching._placement(norm, planner.default)
+        if device.type == "meta":
+            problem = patching._META
+        else:
+            problem = _difference(layer, family, fusion, dtype, device)
+    if problem is not None:
+        planner.skip(layer, name, problem)
+        return
+    new = fused_class(type(layer), fusion)
+    planner.assignments.append((layer, "__class__", type(layer), new))
+    planner.swapped.append(patching.Swap(name, class_name, fusion.label(class_name)))
+
+
+def _unfusable(layer, family) -> str | None:
+    """Why the forward of `layer` cannot be rewritten whatever it computes, or None."""
+    if "forward" in layer.__dict__:
+        return "its forward is replaced on the instance, which the rewritten forward would not do"
+    try:
+        signature = inspect.signature(type(layer).forward)
+    except (TypeError, ValueError) as error:
+        return f"its forward's signature cannot be read ({error})"
+    parameters = list(signature.parameters.values())[1:]
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return "its forward takes *args, which the rewritten forward would not pass on"
+    named = [p.name for p in parameters if p.kind is not p.VAR_KEYWORD]
+    # the hidden state first; with a residual passed in, the two alone
+    if len(named) < family.inputs or (family.inputs == 2 and len(named) != 2):
+        what = "the hidden state and the residual" if family.inputs == 2 else "the hidden state"
+        return f"its forward takes {', '.join(named) or 'no argument'}, not {what} first"
+    return None
+
+
+def _norm_replacement(planner, norm, name):
+    """The generated norm the norm probe proves for `norm` (whatever include and exclude say of
+    norms), or None and why."""
+    if isinstance(norm, planner.own):
+        return norm, None
+    swapped = planner.done.get(id(norm))
+    if swapped is not None:
+        return swapped, None
+    probe = copy.copy(planner)
+    probe.selection = patching._Selection(("norm",), None, False)
+    probe.swapped, probe.skipped, probe.strict, probe.assignments = [], [], False, []
+    new = probe.replacement(norm, name)
+    if new is not None:
+        return new, None
+    reasons = "; ".join(skip.reason for skip in probe.skipped)
+    return None, (f"its norm {name.rsplit('.', 1)[-1]} ({type(norm).__name__}) "
+                  + (f"has no generated twin: {reasons}" if reasons
+                     else "is no candidate of any norm rule"))
+
+
+def _fusion(planner, rules, family, replacement):
+    """The fusion that computes `norm(x + residual)` with `replacement`'s configuration: by the
+    residual rule whose parameters are those of the rule that built the replacement."""
+    if isinstance(replacement, patching.LastDimNorm):
+        norm_rules = [r for r in planner.rules if r.kind == "norm"
+                      and r.function is replacement._function]
+        shape, eps = None, replacement.eps
+        offsets = dict(replacement.options)
+    else:
+        norm_rules = [r for r in planner.rules if r.kind == "norm"
+                      and r.module is type(replacement)]
+        shape, eps = tuple(replacement.normalized_shape), replacement.eps
+        offsets = {offset: getattr(replacement, offset) for rule in norm_rules
+                   for _, _, offset in rule.params if offset}
+    params = {rule.params for rule in norm_rules}
+    matching = [r for r in rules if r.params in params]
+    if not matching:
+        return None, (f"no add + norm op takes the parameters of its norm's "
+                      f"{type(replacement).__name__}")
+    rule = matching[0]
+    tensors = tuple((param, getattr(replacement, param, None) is not None)
+                    for param, _, _ in rule.params)
+    options = [("eps", eps)]
+    options += [(offset, float(offsets.get(offset, 0.0))) for _, _, offset in rule.params
+                if offset]
+    if planner.memory is not None and planner.memory in rule.memory:
+        options.append(("memory", planner.memory))
+    return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape), None
+
+
+def _difference(layer, family, fusion, dtype, device) -> str | None:
+    """How the rewritten forward differs from `layer`'s on the probe, or None."""
+    tail = fusion.shape or (patching.PROBE_WIDTH,)
+    width = tail[-1]
+    fused = fused_class(type(layer), fusion)
+    with patching._probing(device):
+        noise, done = patching._Noise(), {}
+        stand_ins = {}
+        for index, (child_name, child) in enumerate(layer._modules.items()):
+            if child is not None and child_name not in family.norms:
+                stand_ins[child_name] = _StandIn(patching.SEED + index, width,
+                                                 child_name in family.pairs, dtype, device)
+                done[id(child)] = stand_ins[child_name]
+        try:
+            original = patching._twin(layer, noise, done)
+        except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
+            return f"it cannot be copied to be probed: {patching._error(error)}"
+        rewritten = copy.copy(original)
+        rewritten.__class__ = fused
+        generator = torch.Generator().manual_seed(patching.SEED)
+        inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
+                              dtype=torch.float64).to(device=device, dtype=dtype)
+                  for _ in range(family.inputs)]
+        kwargs = _probe_keywords(type(layer), family)
+        for training in (False, True):
+            runs = []
+            for twin in (original, rewritten):
+                twin.train(training)
+                for stand_in in stand_ins.values():
+                    stand_in.calls.clear()
+                try:
+                    output = twin(*inputs, **kwargs)
+                except Exception as error:  # noqa: BLE001
+                    which = "its forward" if twin is original else "the rewritten forward"
+                    return f"{which} raised on the probe input: {patching._error(error)}"
+                runs.append((output, {n: list(s.calls) for n, s in stand_ins.items()}))
+            (reference, calls), (output, fused_calls) = runs
+            mode = "training" if training else "eval"
+            problem = patching._difference(reference, output, None, dtype, False)
+            if problem is not None:
+                return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)"
+            for child_name in stand_ins:
+                if calls[child_name] != fused_calls[child_name]:
+                    return (f"its forward calls {_calls(child_name, calls[child_name])}, the "
+                            f"rewritten one {_calls(child_name, fused_calls[child_name])} (in "
+                            f"{mode} mode)")
+    return None
+
+
+def _calls(name: str, calls: list[str]) -> str:
+    return " then ".join(f"{name}({call})" for call in calls) or f"no {name}"
+
+
+def _probe_keywords(cls, family) -> dict[str, Any]:
+    """A sentinel for every named argument after the input(s) but those the family leaves
+    unset, and one more keyword where the forward takes **kwargs."""
+    signature = inspect.signature(cls.forward)
+    parameters = list(signature.parameters.values())[1:]
+    kwargs = {p.name: _Sentinel(p.name) for p in parameters[family.inputs:]
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in
+              family.unused}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        kwargs[PROBE_KEYWORD] = _Sentinel(PROBE_KEYWORD)
+    return kwargs
