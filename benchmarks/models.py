@@ -1,7 +1,7 @@
 """Whole Hugging Face models: a training step of the model as it is, patched with
 `generated.patch.patch_model`, patched by Liger-Kernel, and under torch.compile.
 
-    python -m benchmarks.models [--models gpt2,bert,llama] [--sizes small,large]
+    python -m benchmarks.models [--models gpt2,bert,llama,qwen2,gemma] [--sizes small,large]
                                 [--variants eager,patched,liger] [--steps 10]
                                 [--budget-s 220] [--timeout-s 300] [--out FILE.json]
                                 [--cpu-smoke [--jobs N]]
@@ -17,17 +17,25 @@ Models, randomly initialised from a config (seed 0; no download), bf16, attn_imp
 | bert | large | 1024 | 8 | 16 | 16 x 512 |
 | llama | small | 1024 | 4 | 16 | 1 x 256 |
 | llama | large | 2048 | 8 | 32 | 2 x 2048 |
+| qwen2 | small | 1024 | 4 | 16 | 1 x 256 |
+| qwen2 | large | 1536 | 8 | 12 | 2 x 2048 |
+| gemma | small | 1024 | 4 | 8 | 1 x 256 |
+| gemma | large | 2048 | 8 | 8 | 2 x 2048 |
 
 gpt2: GPT2LMHeadModel, vocabulary 50257. bert: BertForMaskedLM, vocabulary 30522, 15% of the
 positions labelled. llama: LlamaForCausalLM, vocabulary 32000, 4 key-value heads, intermediate
-2.75 x hidden.
+2.75 x hidden. qwen2: Qwen2ForCausalLM, vocabulary 151936, 2 key-value heads, intermediate
+5.5 x hidden. gemma: GemmaForCausalLM, vocabulary 256000, 1 key-value head, head dim 256,
+intermediate 8 x hidden, tanh-GELU MLP.
 
 A step is `model(input_ids=..., labels=...).loss.backward()` from gradients set to None (no
 optimizer). Variants:
 
 - eager: the model as transformers builds it;
-- patched: after `generated.patch.patch_model(model)`, each op choosing between its kernels
-  and torch's expression of it by its measured size (codegen/runtime/dispatch.py);
+- patched: after `generated.patch.patch_model(model, loss=True)` (a causal LM's training loss
+  from its hidden states through `linear_cross_entropy`, as Liger's fused linear
+  cross-entropy), each op choosing between its kernels and torch's expression of it by its
+  measured size (codegen/runtime/dispatch.py);
 - patched-kernels, patched-kernels-compiled: the same with the kernels at every size
   (`VJPFORGE_DISPATCH=kernels`), eager and under `torch.compile(model)`;
 - liger: after Liger-Kernel's `apply_liger_kernel_to_<model type>(model=model)` with its
@@ -69,7 +77,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("gpt2", "bert", "llama")
+MODELS = ("gpt2", "bert", "llama", "qwen2", "gemma")
 SIZE_NAMES = ("small", "large")
 VARIANTS = ("eager", "patched", "liger", "compiled", "patched-compiled", "reduce-overhead",
             "patched-reduce-overhead", "patched-kernels", "patched-kernels-compiled")
@@ -102,6 +110,10 @@ SIZES = {
     ("bert", "large"): Size(1024, 8, 16, 512, 16, 30522),
     ("llama", "small"): Size(1024, 4, 1, 256, 16, 32000),
     ("llama", "large"): Size(2048, 8, 2, 2048, 32, 32000),
+    ("qwen2", "small"): Size(1024, 4, 1, 256, 16, 151936),
+    ("qwen2", "large"): Size(1536, 8, 2, 2048, 12, 151936),
+    ("gemma", "small"): Size(1024, 4, 1, 256, 8, 256000),
+    ("gemma", "large"): Size(2048, 8, 2, 2048, 8, 256000),
 }
 SMOKE_SIZE = Size(64, 2, 2, 16, 2, 256)
 LIGER_FUNCTION = "apply_liger_kernel_to_{}"
@@ -134,6 +146,22 @@ def build_model(model: str, size: Size, device):
             num_attention_heads=size.heads, num_key_value_heads=min(4, size.heads),
             max_position_embeddings=max(2048, size.seq), **common)
         cls = transformers.LlamaForCausalLM
+    elif model == "qwen2":
+        config = transformers.Qwen2Config(
+            vocab_size=size.vocab, hidden_size=size.hidden,
+            intermediate_size=int(5.5 * size.hidden), num_hidden_layers=size.layers,
+            num_attention_heads=size.heads, num_key_value_heads=2,
+            max_position_embeddings=max(2048, size.seq), **common)
+        cls = transformers.Qwen2ForCausalLM
+    elif model == "gemma":
+        config = transformers.GemmaConfig(
+            vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=8 * size.hidden,
+            num_hidden_layers=size.layers, num_attention_heads=size.heads,
+            num_key_value_heads=1,
+            head_dim=256 if size.hidden >= 1024 else size.hidden // size.heads,
+            hidden_activation="gelu_pytorch_tanh", max_position_embeddings=max(2048, size.seq),
+            **common)
+        cls = transformers.GemmaForCausalLM
     else:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     torch.manual_seed(0)
@@ -180,7 +208,7 @@ def prepare(variant: str, model_name: str, model) -> dict:
     if variant.startswith("patched"):
         from generated.patch import patch_model
 
-        report = patch_model(model)
+        report = patch_model(model, loss=True)
         done["swapped"] = _swap_counts(report)
         if skipped := _skipped(report):
             done["not_swapped"] = skipped
