@@ -81,6 +81,12 @@ def formula(expr: sympy.Expr) -> str:
     return sympy.sstr(expr, order="lex").replace("**", "^")
 
 
+def _exact_matters(expr: sympy.Expr) -> bool:
+    """Whether expr holds an exponential or a division (a negative power) of a non-number."""
+    return expr.has(sympy.exp) or any(
+        p.exp.is_negative and not p.base.is_number for p in expr.atoms(sympy.Pow))
+
+
 def typed(absent: str) -> str:
     """An absent tensor's number as a scalar of the accumulator's dtype: a bare Python float is
     fp32 in Triton wherever no tensor sets the type (tl.where(mask, 1.0, 0.0) and the mean of it
@@ -124,8 +130,9 @@ class KernelContext:
         self.optional_elements = {t.name: self.printer(t.absent)
                                   for t in kernel.tensors("element") if t.optional}
         self.first = next(t.name for t in kernel.tensors("element") if not t.optional)
-        #: whether the kernel takes an exponential (and so decides which: `helpers.exp`)
-        self.exact_exp = any(sympy.sympify(e).has(sympy.exp) for e in kernel.expressions())
+        #: whether the kernel takes an exponential or a quotient (and so decides which form:
+        #: `helpers.exp`, `helpers.div`)
+        self.exact = any(_exact_matters(sympy.sympify(e)) for e in kernel.expressions())
         self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
         self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]

@@ -42,6 +42,8 @@ class Dialect:
     rsqrt: str = ""
     #: an exponential, `{}` its argument (empty: the `functions` entry)
     exp: str = ""
+    #: a quotient, `{}` its numerator and denominator (empty: `/`)
+    divide: str = ""
 
 
 TRITON = Dialect(
@@ -58,8 +60,9 @@ TRITON = Dialect(
     # correctly rounded unless the kernel is compiled for its row width (generated modules:
     # `helpers.rsqrt`, FIXED_N)
     rsqrt="helpers.rsqrt({}, FIXED_N)",
-    # exact or fast by the kernel's element dtype (the kernel template's EXACT_EXP)
-    exp="helpers.exp({}, EXACT_EXP)",
+    # exact or fast by the kernel's element dtype (the kernel template's EXACT)
+    exp="helpers.exp({}, EXACT)",
+    divide="helpers.div({}, {}, EXACT)",
 )
 
 TORCH = Dialect(
@@ -201,12 +204,31 @@ class KernelPrinter:
         varying = [f for f in numerator if self._varies_expr(f)]
         invariant_den = [f for f in denominator if not self._varies_expr(f)]
         varying_den = [f for f in denominator if self._varies_expr(f)]
+        if self.dialect.divide:
+            # quotients as calls: the row-invariant one at row shape, then the elementwise
+            # factors, then each elementwise divisor (x / den per element, as torch divides,
+            # not x times a reciprocal: one rounding)
+            # (a bare reciprocal of a row value divides the elementwise factors instead)
+            alone = not invariant and varying
+            source = self._quotient(self._product(invariant, []), [] if alone else invariant_den)
+            product = self._product(varying, [])
+            if product is not None:
+                source = product if source is None else f"{source} * {product}"
+            divisors = (invariant_den if alone else []) + varying_den
+            return (self._quotient(source, divisors) or "1.0"), (
+                _ATOM if divisors or (invariant_den and not varying) else _MUL)
         source = self._product(invariant, invariant_den)
         if varying or varying_den:
             tail = self._product(varying, varying_den, leading=source is None)
             source = tail if source is None else f"{source} * {tail}" if varying else \
                 f"{source}{tail}"
         return (source or "1.0"), _MUL
+
+    def _quotient(self, source: str | None, denominator: list[sympy.Expr]) -> str | None:
+        """source divided by each factor of denominator through the dialect's `divide`."""
+        for factor in sorted(denominator, key=sympy.default_sort_key):
+            source = self.dialect.divide.format(source or "1.0", self._print(factor)[0])
+        return source
 
     def _product(self, numerator: list[sympy.Expr], denominator: list[sympy.Expr],
                  leading: bool = True) -> str | None:
@@ -229,6 +251,8 @@ class KernelPrinter:
             if 1 <= abs(power) <= 4:
                 repeated = " * ".join([self._wrap(base, _UNARY)] * abs(power))
                 if power < 0:
+                    if self.dialect.divide:
+                        return self.dialect.divide.format("1.0", repeated), _ATOM
                     return f"1.0 / ({repeated})" if abs(power) > 1 else \
                         f"1.0 / {self._wrap(base, _UNARY)}", _MUL
                 return repeated, (_MUL if power > 1 else _ATOM)
@@ -239,6 +263,8 @@ class KernelPrinter:
             if exponent < 0:
                 if not integer and self.dialect.rsqrt:
                     return self.dialect.rsqrt.format(self._print(base)[0]), _ATOM
+                if self.dialect.divide:
+                    return self.dialect.divide.format("1.0", source), _ATOM
                 return (f"1.0 / ({source})" if integer else f"1.0 / {root}"), _MUL
             return source, (_MUL if integer else _ATOM)
         raise PrintError(f"the {self.dialect.name} printer has no rule for the power {expr}: "

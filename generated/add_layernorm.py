@@ -51,6 +51,10 @@ def _add_layernorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_strid
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -131,6 +135,10 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -257,6 +265,10 @@ def _add_layernorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -292,7 +304,7 @@ def _add_layernorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -336,6 +348,10 @@ def _add_layernorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -375,7 +391,7 @@ def _add_layernorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
-            common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+            common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -428,6 +444,10 @@ def _add_layernorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -478,7 +498,7 @@ def _add_layernorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -523,6 +543,10 @@ def _add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidual_out_p
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -558,7 +582,7 @@ def _add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidual_out_p
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -604,6 +628,10 @@ def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_p
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -655,7 +683,7 @@ def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_p
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
-            common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+            common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -710,6 +738,10 @@ def _add_layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, dresidual_out
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -764,7 +796,7 @@ def _add_layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, dresidual_out
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -806,6 +838,10 @@ def _add_layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -844,7 +880,7 @@ def _add_layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -887,6 +923,10 @@ def _add_layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -933,7 +973,7 @@ def _add_layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
-            common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+            common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -986,6 +1026,10 @@ def _add_layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -1039,7 +1083,7 @@ def _add_layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+        common_1 = dresidual_out + rstd * dy * weight - helpers.div(rstd * sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(rstd * sum_dy_weight, N, EXACT)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1

@@ -45,6 +45,10 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -114,6 +118,10 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -190,6 +198,10 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -223,7 +235,7 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
@@ -260,6 +272,10 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -296,7 +312,7 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+            common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -340,6 +356,10 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -387,7 +407,7 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
@@ -424,6 +444,10 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -458,7 +482,7 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_1 = dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -496,6 +520,10 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -533,7 +561,7 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_0 = weight + weight_offset  # common_0 = weight + weight_offset
             x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
-            common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+            common_1 = dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -577,6 +605,10 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -625,7 +657,7 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_1 = dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1

@@ -39,6 +39,10 @@ def _bias_dropout_add_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_st
     store y = y
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -70,7 +74,7 @@ def _bias_dropout_add_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_st
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         z = bias + x  # z = bias + x
         keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
-        kept = 1.0 / (1.0 - p) * keep * z  # kept = keep*z/(-p + 1)
+        kept = helpers.div(keep * z, 1.0 - p, EXACT)  # kept = keep*z/(-p + 1)
         y = kept + residual  # y = kept + residual
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -94,6 +98,10 @@ def _bias_dropout_add_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_st
     store y = y
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
@@ -118,7 +126,7 @@ def _bias_dropout_add_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_st
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
-            kept = 1.0 / (1.0 - p) * keep * z  # kept = keep*z/(-p + 1)
+            kept = helpers.div(keep * z, 1.0 - p, EXACT)  # kept = keep*z/(-p + 1)
             y = kept + residual  # y = kept + residual
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -141,6 +149,10 @@ def _bias_dropout_add_bwd_default_per(dy_ptr, dy_row_stride, bias_ptr, seed_ptr,
     store dbias = common_0 (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -163,7 +175,7 @@ def _bias_dropout_add_bwd_default_per(dy_ptr, dy_row_stride, bias_ptr, seed_ptr,
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
-        common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
+        common_0 = helpers.div(dy * keep, 1.0 - p, EXACT)  # common_0 = dy*keep/(-p + 1)
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_0  # dbias = common_0
@@ -190,6 +202,10 @@ def _bias_dropout_add_bwd_default_red(dy_ptr, dy_row_stride, bias_ptr, seed_ptr,
     store dbias = common_0 (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     p = tl.cast(p_high, ACC) + tl.cast(p_low, ACC)
     seed = tl.load(seed_ptr)
@@ -205,7 +221,7 @@ def _bias_dropout_add_bwd_default_red(dy_ptr, dy_row_stride, bias_ptr, seed_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             keep = tl.where((p <= u), 1.0, 0.0)  # keep = Piecewise((1, p <= u), (0, True))
-            common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
+            common_0 = helpers.div(dy * keep, 1.0 - p, EXACT)  # common_0 = dy*keep/(-p + 1)
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics

@@ -62,9 +62,10 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     store weight_mean = weight_mean (if STORE_WEIGHT_MEAN)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -102,7 +103,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         weight_mean = tl.sum(tl.where(mask, weight, 0.0), axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
-        e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
+        e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         target_gap = tl.sum(tl.where(mask, weight * (target_logit - x), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
@@ -152,9 +153,10 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     store weight_mean = weight_mean (if STORE_WEIGHT_MEAN)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
@@ -192,7 +194,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 target_gap_acc += tl.where(mask, weight * (target_logit - x), 0.0)
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
-                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT_EXP), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
             weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
@@ -233,7 +235,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 else:
                     weight = tl.full([], 1.0, ACC)
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-                e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
+                e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
                 denominator_acc += tl.where(mask, e, 0.0)
                 target_gap_acc += tl.where(mask, weight * (target_logit - x), 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
@@ -268,9 +270,10 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)) + e*factor/denominator), True))
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -301,8 +304,8 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-        e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + tl.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
+        e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -323,9 +326,10 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)) + e*factor/denominator), True))
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
@@ -350,8 +354,8 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
                 weight = tl.full([], 1.0, ACC)
             key = cols
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + tl.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
+            e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, store_row_max,

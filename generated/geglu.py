@@ -103,9 +103,10 @@ def _geglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_
     store dup = activation*dy
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -130,7 +131,7 @@ def _geglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_
         common_1 = 0.5 * gate  # common_1 = gate/2
         common_2 = 1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1)  # common_2 = erf(sqrt(2)*common_1) + 1
         activation = common_1 * common_2  # activation = common_1*common_2
-        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * helpers.exp(-0.5 * gate * gate, EXACT_EXP))).to(dgate_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * helpers.exp(-0.5 * gate * gate, EXACT))).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
@@ -151,9 +152,10 @@ def _geglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_
     store dup = activation*dy
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -169,7 +171,7 @@ def _geglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_
             common_1 = 0.5 * gate  # common_1 = gate/2
             common_2 = 1.0 + tl.math.erf((tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * common_1)  # common_2 = erf(sqrt(2)*common_1) + 1
             activation = common_1 * common_2  # activation = common_1*common_2
-            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * helpers.exp(-0.5 * gate * gate, EXACT_EXP))).to(dgate_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (0.5 * dy * up * (common_2 + (tl.full([], 0.7978845834732056, ACC) + tl.full([], -2.2670340160679814e-08, ACC)) * gate * helpers.exp(-0.5 * gate * gate, EXACT))).to(dgate_ptr.dtype.element_ty), mask=mask)
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (activation * dy).to(dup_ptr.dtype.element_ty), mask=mask)
 
 

@@ -113,9 +113,10 @@ def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
     store dbias = common_1 (Σ over rows)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -141,7 +142,7 @@ def _gelu_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT_EXP))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_1  # dbias = common_1
@@ -167,9 +168,10 @@ def _gelu_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
     store dbias = common_1 (Σ over rows)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -187,7 +189,7 @@ def _gelu_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr, 
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = bias + x  # z = bias + x
             common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-            common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT_EXP))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+            common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DBIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -215,9 +217,10 @@ def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr
     store dbias = common_1 (Σ over rows)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -250,7 +253,7 @@ def _gelu_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, bias_ptr
         x_next = tl.load(x_ptr + next_offsets * x_row_stride + cols, mask=next_mask, other=0.0)
         z = bias + x  # z = bias + x
         common_0 = (tl.full([], 1.4142135381698608, ACC) + tl.full([], 2.4203234305630872e-08, ACC)) * z  # common_0 = sqrt(2)*z
-        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT_EXP))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
+        common_1 = 0.5 * dy * (1.0 + tl.math.erf(0.5 * common_0) + (tl.full([], 0.564189612865448, ACC) + tl.full([], -2.9317691718766525e-08, ACC)) * common_0 * helpers.exp(-0.5 * z * z, EXACT))  # common_1 = dy*(common_0*exp(-z^2/2)/sqrt(pi) + erf(common_0/2) + 1)/2
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DBIAS:
             dbias_acc += common_1  # dbias = common_1

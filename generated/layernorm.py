@@ -40,6 +40,10 @@ def _layernorm_fwd_per(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -100,6 +104,10 @@ def _layernorm_fwd_red(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -182,6 +190,10 @@ def _layernorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -211,7 +223,7 @@ def _layernorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
@@ -244,6 +256,10 @@ def _layernorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -279,7 +295,7 @@ def _layernorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -319,6 +335,10 @@ def _layernorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, wei
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -360,7 +380,7 @@ def _layernorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, wei
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
@@ -394,6 +414,10 @@ def _layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -423,7 +447,7 @@ def _layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
@@ -458,6 +482,10 @@ def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -505,7 +533,7 @@ def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -547,6 +575,10 @@ def _layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, x_ptr, x_row_stri
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -592,7 +624,7 @@ def _layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, x_ptr, x_row_stri
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
@@ -624,6 +656,10 @@ def _layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -656,7 +692,7 @@ def _layernorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
         x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:
@@ -689,6 +725,10 @@ def _layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -731,7 +771,7 @@ def _layernorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = (y - bias) * helpers.guarded_reciprocal(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -771,6 +811,10 @@ def _layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, 
     store dbias = dy (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -815,7 +859,7 @@ def _layernorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, 
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * weight - helpers.div(sum_dy_weight_x_hat, N, EXACT) * x_hat - helpers.div(sum_dy_weight, N, EXACT))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
         if STORE_DBIAS:

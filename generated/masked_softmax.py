@@ -56,9 +56,10 @@ def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_m
     store p = p (if STORE_P)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     col0 = 0
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -85,11 +86,11 @@ def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_m
         z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
         row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
         row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
-        e = helpers.exp(z - row_max, EXACT_EXP)  # e = exp(-row_max + z)
+        e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = helpers.guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-        y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)
+        y = helpers.div(keep * p, 1.0 - dropout_p, EXACT)  # y = keep*p/(-dropout_p + 1)
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_P:
             tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
@@ -127,9 +128,10 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
     store p = p (if STORE_P)
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
@@ -159,7 +161,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
-                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT_EXP), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
             row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
@@ -193,7 +195,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-                e = helpers.exp(z - row_max, EXACT_EXP)  # e = exp(-row_max + z)
+                e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -209,10 +211,10 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
-            e = helpers.exp(z - row_max, EXACT_EXP)  # e = exp(-row_max + z)
+            e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
             p = helpers.guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-            y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)
+            y = helpers.div(keep * p, 1.0 - dropout_p, EXACT)  # y = keep*p/(-dropout_p + 1)
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
             if STORE_P:
                 tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
@@ -238,6 +240,10 @@ def _masked_softmax_bwd_default_per(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
     store dx = Piecewise((p*scale*(dy*keep - sum_dy_keep_p)/(1 - dropout_p), key <= query + window), (0, True))
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -266,7 +272,7 @@ def _masked_softmax_bwd_default_per(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
         sum_dy_keep_p = tl.sum(dy * keep * p, axis=1)[:, None]  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((key <= query + window), scale / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((key <= query + window), helpers.div(scale, 1.0 - dropout_p, EXACT) * p * (dy * keep - sum_dy_keep_p), 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -290,6 +296,10 @@ def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
     store dx = Piecewise((p*scale*(dy*keep - sum_dy_keep_p)/(1 - dropout_p), key <= query + window), (0, True))
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     scale = tl.cast(scale_high, ACC) + tl.cast(scale_low, ACC)
     window = tl.cast(window_high, ACC) + tl.cast(window_low, ACC)
@@ -322,7 +332,7 @@ def _masked_softmax_bwd_default_red(dy_ptr, dy_row_stride, p_ptr, p_row_stride, 
             p = tl.load(p_ptr + offsets * p_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((key <= query + window), scale / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((key <= query + window), helpers.div(scale, 1.0 - dropout_p, EXACT) * p * (dy * keep - sum_dy_keep_p), 0.0)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed, row_shape,

@@ -40,6 +40,10 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -91,6 +95,10 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     store rstd = rstd (if STORE_RSTD)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
@@ -141,6 +149,10 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -168,7 +180,7 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * x  # x_hat = rstd*x
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -194,6 +206,10 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -226,7 +242,7 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -256,6 +272,10 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -294,7 +314,7 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -320,6 +340,10 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -348,7 +372,7 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:
@@ -375,6 +399,10 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
@@ -408,7 +436,7 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_0 = weight + weight_offset  # common_0 = weight + weight_offset
             x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -439,6 +467,10 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
     store dweight = dy*x_hat (Σ over rows)
     """
     pid = tl.program_id(0)
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -478,7 +510,7 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += dy * x_hat  # dweight = dy*x_hat
     if STORE_DWEIGHT:

@@ -35,9 +35,10 @@ def _softmax_fwd_per(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
     store p = p
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -56,9 +57,9 @@ def _softmax_fwd_per(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
         row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
-        e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
+        e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        p = 1.0 / denominator * e  # p = e/denominator
+        p = helpers.div(e, denominator, EXACT)  # p = e/denominator
         tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,9 +82,10 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
     store p = p
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -100,7 +102,7 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
-                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT_EXP), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
             row_max = row_max_shift  # row_max = 1 * max_j(x), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
@@ -120,7 +122,7 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
                 col_mask = helpers.below(cols, N, EVEN)
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
-                e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
+                e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
                 denominator_acc += tl.where(mask, e, 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -128,8 +130,8 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
             col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(x - row_max, EXACT_EXP)  # e = exp(-row_max + x)
-            p = 1.0 / denominator * e  # p = e/denominator
+            e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
+            p = helpers.div(e, denominator, EXACT)  # p = e/denominator
             tl.store(p_ptr + offsets * p_row_stride + cols, (p).to(p_ptr.dtype.element_ty), mask=mask)
 
 

@@ -34,9 +34,10 @@ def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
     store y = y
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = gate_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = gate_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -55,8 +56,8 @@ def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
         mask = row_mask & col_mask
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        e = helpers.exp(-gate, EXACT_EXP)  # e = exp(-gate)
-        s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+        e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+        s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
         y = gate * s * up  # y = gate*s*up
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -76,9 +77,10 @@ def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
     store y = y
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = gate_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = gate_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -90,8 +92,8 @@ def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
             mask = row_mask & col_mask
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(-gate, EXACT_EXP)  # e = exp(-gate)
-            s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+            e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+            s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
             y = gate * s * up  # y = gate*s*up
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -112,9 +114,10 @@ def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
     store dup = common_0*gate
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -136,8 +139,8 @@ def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        e = helpers.exp(-gate, EXACT_EXP)  # e = exp(-gate)
-        s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+        e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+        s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
         common_0 = dy * s  # common_0 = dy*s
         tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (common_0 * up * (1.0 + gate * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate).to(dup_ptr.dtype.element_ty), mask=mask)
@@ -160,9 +163,10 @@ def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
     store dup = common_0*gate
     """
     pid = tl.program_id(0)
-    # fp32 elements take the exponential within 2 ulps; 16-bit ones, whose rounding hides the
-    # fast one's |v| · 2^-24 relative error, the fast one (`helpers.exp`)
-    EXACT_EXP: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
+    # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
+    # `helpers.div`)
+    EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -175,8 +179,8 @@ def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(-gate, EXACT_EXP)  # e = exp(-gate)
-            s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+            e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+            s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
             common_0 = dy * s  # common_0 = dy*s
             tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (common_0 * up * (1.0 + gate * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
             tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate).to(dup_ptr.dtype.element_ty), mask=mask)

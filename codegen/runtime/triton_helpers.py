@@ -136,6 +136,23 @@ def exp(v, EXACT: tl.constexpr):
 
 
 @triton.jit
+def div(a, b, EXACT: tl.constexpr):
+    """a / b. Compiled fp32 takes, EXACT, the correctly rounded quotient, as torch's CUDA ops
+    divide; else Triton's `/` (div.full.f32: within 2 ulps, a few instructions fewer), whose
+    error a 16-bit result's rounding hides. An fp32 softmax's p = e / sum two ulps off shows
+    in its backward, p · (dp - Σ dp·p), where p ≈ 1 cancels."""
+    q = a / b
+    if _FAST and EXACT:
+        if q.dtype == tl.float32:
+            # either side may be a number or an integer (a mean's width): at the quotient's type
+            return tl.math.div_rn(tl.cast(a, tl.float32), tl.cast(b, tl.float32))
+        else:
+            return q
+    else:
+        return q
+
+
+@triton.jit
 def tanh(v):
     """tanh(v) = sign(v) · (1 - e) / (1 + e), e = exp(-2|v|) <= 1: saturates to ±1 for large |v|,
     never NaN, and within a few ulps everywhere. For |v| > 0.55 (e < 1/3) as 1 - 2e / (1 + e),
