@@ -564,9 +564,11 @@ def replaces_mismatches(api) -> list[str]:
             problems.append(f"{where}: a {api.kind} API implies no kind of swap; name one of "
                             f"{', '.join(REPLACES_KINDS)}")
         elif kind == "mlp" and not (isinstance(api, ElementwiseAPI) and len(api.inputs) == 2
-                                    and not api.call_params and not api.options):
+                                    and not api.call_params and not api.switches
+                                    and api.dropout is None):
+            # options are left at their defaults in a swapped MLP
             problems.append(f"{where}: kind 'mlp' needs an elementwise API of two inputs "
-                            "(gate, up) and no other arguments")
+                            "(gate, up), no call_params, switches or dropout")
         elif kind == "loss" and not isinstance(api, RowLossAPI):
             problems.append(f"{where}: kind 'loss' needs a row-loss API")
         for name, values in rule.tries:

@@ -11,6 +11,7 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     loss: *ForCausalLM -> generated.cross_entropy.cross_entropy
     loss: *LMHeadModel -> generated.cross_entropy.cross_entropy
     mlp: any module of that structure -> generated.geglu.geglu
+    mlp: any module of that structure -> generated.geglu_tanh.geglu_tanh
     activation: *GELU* -> generated.gelu.GELU
     activation: *GELU* -> generated.gelu_tanh.GELUTanh
     norm: *LayerNorm -> generated.layernorm.LayerNorm
@@ -23,6 +24,7 @@ from codegen.runtime import patching
 from codegen.runtime.patching import PatchError, PatchReport  # noqa: F401 (the public names)
 from generated import cross_entropy
 from generated import geglu
+from generated import geglu_tanh
 from generated import gelu
 from generated import gelu_tanh
 from generated import layernorm
@@ -39,6 +41,9 @@ RULES = (
     ),
     patching.Rule(
         "mlp", "*", None, geglu.geglu,
+    ),
+    patching.Rule(
+        "mlp", "*", None, geglu_tanh.geglu_tanh,
     ),
     patching.Rule(
         "activation", "*GELU*", gelu.GELU, gelu.gelu,
