@@ -28,6 +28,8 @@ class Option:
     module_only: bool = False  # a constructor argument only (an init value)
     #: a range the value must lie in: "probability" is [0, 1)
     check: str | None = None
+    #: what the option does, for the function's docstring (an elementwise API's)
+    doc: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ class NormalizedShapeAPI:
     call_params: tuple[str, ...] = ()
     #: modules of other libraries this module stands in for in patch_model(), first match wins
     replaces: tuple[Replaces, ...] = ()
+    #: the function and module take `in_place=False`: with True, the kernels' backward writes
+    #: the input's gradient into the output gradient's memory wherever autograd hands that
+    #: gradient to this backward alone (codegen/runtime/launch.py `overwritable`)
+    in_place: bool = False
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
@@ -235,7 +241,7 @@ KINDS = (NormalizedShapeAPI, DimAPI, ElementwiseAPI, RowLossAPI, ReductionAPI)
 #: of that name would be a duplicate argument of the generated code
 _OWN_ARGUMENTS = {
     "normalized_shape": {"input", "normalized_shape", "eps", "memory", "prenorm",
-                         "residual_in_fp32", "elementwise_affine", "device", "dtype"},
+                         "residual_in_fp32", "elementwise_affine", "device", "dtype", "in_place"},
     "dim": {"input", "dim"},
     "elementwise": {"training", "seed"},
     "row_loss": {"input", "weight", "size_average", "reduce", "reduction", "class_dim"},

@@ -571,6 +571,8 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     """`torch.nn.functional.silu(gate) * up` in one kernel each way, over the last dim.
 
     `up`: same shape as `gate`.
+    `gate_multiplier` (default 1.0): scales the gate before the activation: silu(gate * gate_multiplier) * up.
+    `down_multiplier` (default 1.0): scales the result (Falcon-H1's multiplier of its down projection's output).
     Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
     torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); gate, up kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the

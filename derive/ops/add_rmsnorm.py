@@ -34,6 +34,8 @@ def spec() -> OpSpec:
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),), residual="residual",
         call_params=("input_bias",),
+        # Liger's in_place: dx written into dy's memory where that is safe
+        in_place=True,
         reference="dispatch.normalized(torch.nn.functional.rms_norm, "
                   "dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, "
                   "prenorm=prenorm)",

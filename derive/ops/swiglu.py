@@ -29,8 +29,12 @@ def spec() -> OpSpec:
     op.api = ElementwiseAPI(function="swiglu", module="SwiGLU",
                             torch_function="torch.nn.functional.silu(gate) * up",
                             inputs=("gate", "up"),
-                            options=(Option("gate_multiplier", 1.0),
-                                     Option("down_multiplier", 1.0)),
+                            options=(Option("gate_multiplier", 1.0,
+                                            doc="scales the gate before the activation: "
+                                                "silu(gate * gate_multiplier) * up."),
+                                     Option("down_multiplier", 1.0,
+                                            doc="scales the result (Falcon-H1's multiplier "
+                                                "of its down projection's output).")),
                             reference="torch.nn.functional.silu(gate) * up",
                             reference_when="gate_multiplier == 1 and down_multiplier == 1",
                             # LLaMA's, Mistral's, Qwen's MLP: down(silu(gate(x)) * up(x))
