@@ -20,8 +20,8 @@ Ops (bf16 by default) and their torch equivalents:
   the normalized output and the sum), softmax (torch.softmax), masked_softmax (scale 0.125,
   an additive padding mask broadcast over the rows, dropout 0.1: F.dropout(torch.softmax(x *
   scale + mask)), gelu (exact), gelu_tanh, swiglu (F.silu(gate) * up), geglu (F.gelu(gate) *
-  up), bias_dropout_add (residual + F.dropout(x + bias), p 0.1), cross_entropy (mean,
-  ignore_index -100 on 5% of the targets).
+  up), geglu_tanh (F.gelu(gate, approximate="tanh") * up), bias_dropout_add (residual +
+  F.dropout(x + bias), p 0.1), cross_entropy (mean, ignore_index -100 on 5% of the targets).
 Shapes: 32x1024 and 8x512x1024; cross_entropy 32x32000 and 4096x32000 (rows x vocabulary).
 
 Prints a markdown table per mode and writes every record to `--out` as JSON. `--cpu-smoke` runs
@@ -50,6 +50,7 @@ from generated.add_rmsnorm import add_rms_norm
 from generated.bias_dropout_add import bias_dropout_add
 from generated.cross_entropy import cross_entropy
 from generated.geglu import geglu
+from generated.geglu_tanh import geglu_tanh
 from generated.gelu import gelu
 from generated.gelu_tanh import gelu_tanh
 from generated.layernorm import layer_norm
@@ -173,6 +174,8 @@ def cases(smoke: bool) -> Iterator[Case]:
                    lambda x: F.gelu(x, approximate="tanh"))
         yield Case("swiglu", shape, two, swiglu, lambda gate, up: F.silu(gate) * up)
         yield Case("geglu", shape, two, geglu, lambda gate, up: F.gelu(gate) * up)
+        yield Case("geglu_tanh", shape, two, geglu_tanh,
+                   lambda gate, up: F.gelu(gate, approximate="tanh") * up)
         yield Case("bias_dropout_add", shape, bda,
                    lambda x, residual, bias: bias_dropout_add(x, residual, bias=bias, p=DROPOUT),
                    lambda x, residual, bias: residual + F.dropout(x + bias, DROPOUT))

@@ -699,6 +699,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     env = environment()
     params = list(module.params)
     extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
+    # a flag of the call the backward reads (ctx.in_place)
+    extras += ["in_place"] * bool(getattr(module.api, "in_place", False))
     function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
     gradient_of = dict(module.gradients)
     fwd = KernelContext(forward, TRITON, backward=False)

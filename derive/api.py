@@ -28,6 +28,8 @@ class Option:
     module_only: bool = False  # a constructor argument only (an init value)
     #: a range the value must lie in: "probability" is [0, 1)
     check: str | None = None
+    #: what the option does, for the function's docstring (an elementwise API's)
+    doc: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class NormalizedShapeAPI:
     call_params: tuple[str, ...] = ()
     #: modules of other libraries this module stands in for in patch_model(), first match wins
     replaces: tuple[Replaces, ...] = ()
+    #: the function and module take `in_place=False`: with True, the kernels' backward writes
+    #: the input's gradient into the output gradient's memory wherever autograd hands that
+    #: gradient to this backward alone (codegen/runtime/launch.py `overwritable`)
+    in_place: bool = False
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
@@ -238,7 +244,7 @@ KINDS = (NormalizedShapeAPI, DimAPI, ElementwiseAPI, RowLossAPI, ReductionAPI)
 #: of that name would be a duplicate argument of the generated code
 _OWN_ARGUMENTS = {
     "normalized_shape": {"input", "normalized_shape", "eps", "memory", "prenorm",
-                         "residual_in_fp32", "elementwise_affine", "device", "dtype"},
+                         "residual_in_fp32", "elementwise_affine", "device", "dtype", "in_place"},
     "dim": {"input", "dim"},
     "elementwise": {"training", "seed"},
     "row_loss": {"input", "weight", "size_average", "reduce", "reduction", "class_dim"},
@@ -567,9 +573,11 @@ def replaces_mismatches(api) -> list[str]:
             problems.append(f"{where}: a {api.kind} API implies no kind of swap; name one of "
                             f"{', '.join(REPLACES_KINDS)}")
         elif kind == "mlp" and not (isinstance(api, ElementwiseAPI) and len(api.inputs) == 2
-                                    and not api.call_params and not api.options):
+                                    and not api.call_params and not api.switches
+                                    and api.dropout is None):
+            # options are left at their defaults in a swapped MLP
             problems.append(f"{where}: kind 'mlp' needs an elementwise API of two inputs "
-                            "(gate, up) and no other arguments")
+                            "(gate, up), no call_params, switches or dropout")
         elif kind == "loss" and not isinstance(api, RowLossAPI):
             problems.append(f"{where}: kind 'loss' needs a row-loss API")
         elif kind == "residual" and not (isinstance(api, NormalizedShapeAPI) and api.residual):

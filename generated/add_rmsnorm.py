@@ -867,7 +867,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
 
 
 def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, store_dinput_bias, store_dweight):
+        weight_offset, store_dinput_bias, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
@@ -877,7 +877,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -906,8 +906,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
@@ -999,7 +998,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+        return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
     dinput_bias, dweight, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1008,7 +1007,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
 
 
 def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset,
-        store_dinput_bias, store_dweight):
+        store_dinput_bias, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
@@ -1018,7 +1017,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -1047,8 +1046,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
@@ -1140,7 +1138,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+        return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
     dinput_bias, dweight, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1155,7 +1153,7 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, in_place, want_residual_out, residual_out_dtype):
         y, residual_out, rstd, = _add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset,
             store_residual_out=True,
@@ -1167,13 +1165,17 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.in_place = in_place
         return y, residual_out
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         residual_out, rstd, input_bias, weight, = ctx.saved_tensors
+        # the kernels write the input's gradient into dy's memory where no one else holds it
+        overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        into = dy if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1190,9 +1192,10 @@ class _DefaultFunction(torch.autograd.Function):
                 ctx.weight_offset,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
+                into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None
+        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1202,7 +1205,7 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, in_place, want_residual_out, residual_out_dtype):
         y, residual_out, rstd, = _add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset,
             store_residual_out=want_residual_out,
@@ -1214,13 +1217,17 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.in_place = in_place
         return y, residual_out
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         y, rstd, input_bias, weight, = ctx.saved_tensors
+        # the kernels write the input's gradient into dy's memory where no one else holds it
+        overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        into = dy if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_invertible(
@@ -1228,9 +1235,10 @@ class _InvertibleFunction(torch.autograd.Function):
             ctx.weight_offset,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
+            into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None
+        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1440,6 +1448,7 @@ def add_rms_norm(
     residual_in_fp32=False,
     weight_offset=0.0,
     memory="default",
+    in_place=False,
 ):
     """`torch.nn.functional.rms_norm(input + input_bias + residual, ...)` in one kernel each way.
 
@@ -1460,6 +1469,12 @@ def add_rms_norm(
         "default": saves residual_out, rstd. Keeps the sum and the row statistic.
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = y / (weight_offset + weight).
     With no gradient needed, nothing is saved whatever the mode.
+
+    in_place (keyword-only): the kernels' backward writes the input gradient into the memory of
+    the output's gradient, saving that allocation, wherever autograd hands the gradient to this
+    backward alone; elsewhere (a gradient that also flows into another branch, as an add's two
+    inputs share one, a gradient the caller passed and keeps, a view, another dtype, a
+    backward autograd records) it allocates as without. The values are the same either way.
     """
     if memory == "default" and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
@@ -1478,6 +1493,8 @@ def add_rms_norm(
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
+    if not isinstance(in_place, bool):
+        raise TypeError(f"add_rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
     function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
@@ -1491,7 +1508,7 @@ def add_rms_norm(
             x, residual, input_bias, weight, eps, weight_offset, memory, prenorm, residual_in_fp32
         )
     elif checks.needs_grad(x, residual, input_bias, weight):
-        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, prenorm, residual_out_dtype)
+        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, in_place, prenorm, residual_out_dtype)
     else:
         outputs = _add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset,
@@ -1521,6 +1538,7 @@ class AddRMSNorm(torch.nn.Module):
         residual_in_fp32=False,
         weight_offset=0.0,
         memory="default",
+        in_place=False,
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -1534,6 +1552,9 @@ class AddRMSNorm(torch.nn.Module):
         self.weight_offset = checks.check_real("AddRMSNorm", "weight_offset", weight_offset)
         checks.check_choice("AddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
+        if not isinstance(in_place, bool):
+            raise TypeError(f"AddRMSNorm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
+        self.in_place = in_place
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
@@ -1548,7 +1569,7 @@ class AddRMSNorm(torch.nn.Module):
     def forward(self, input, residual=None, input_bias=None):
         return add_rms_norm(
             input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, input_bias=input_bias,
-            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, memory=self.memory,
+            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, memory=self.memory, in_place=self.in_place,
         )
 
     def extra_repr(self):
@@ -1568,6 +1589,8 @@ class AddRMSNorm(torch.nn.Module):
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
+        ) + (
+            ", in_place=True" if self.in_place else ""
         )
 
 

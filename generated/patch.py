@@ -14,6 +14,7 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     loss: *ForCausalLM -> generated.cross_entropy.cross_entropy
     loss: *LMHeadModel -> generated.cross_entropy.cross_entropy
     mlp: any module of that structure -> generated.geglu.geglu
+    mlp: any module of that structure -> generated.geglu_tanh.geglu_tanh
     activation: *GELU* -> generated.gelu.GELU
     activation: *GELU* -> generated.gelu_tanh.GELUTanh
     norm: *LayerNorm -> generated.layernorm.LayerNorm
@@ -28,6 +29,7 @@ from generated import add_layernorm
 from generated import add_rmsnorm
 from generated import cross_entropy
 from generated import geglu
+from generated import geglu_tanh
 from generated import gelu
 from generated import gelu_tanh
 from generated import layernorm
@@ -54,6 +56,9 @@ RULES = (
     ),
     patching.Rule(
         "mlp", "*", None, geglu.geglu,
+    ),
+    patching.Rule(
+        "mlp", "*", None, geglu_tanh.geglu_tanh,
     ),
     patching.Rule(
         "activation", "*GELU*", gelu.GELU, gelu.gelu,

@@ -674,7 +674,7 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
     return y, rstd,
 
 
-def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight):
+def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight)
@@ -684,7 +684,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight):
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight)
+            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into=into)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -706,8 +706,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
@@ -788,14 +787,14 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight):
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight)
+        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into=into)
     dweight, = launch.column_sums(
         (dweight_partial, weight),
     )
     return dx, dweight,
 
 
-def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight):
+def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight)
@@ -805,7 +804,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight):
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight)
+            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, into=into)
     dy_stride = dy.stride(0)
     y_stride = y.stride(0)
     plan = key = None
@@ -827,8 +826,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dx = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
@@ -909,7 +907,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight):
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight)
+        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, into=into)
     dweight, = launch.column_sums(
         (dweight_partial, weight),
     )
@@ -923,7 +921,7 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset):
+    def forward(ctx, x, weight, eps, weight_offset, in_place):
         y, rstd, = _rmsnorm_fwd(
             x, weight, eps, weight_offset,
             store_rstd=True,
@@ -933,12 +931,16 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.in_place = in_place
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight, = ctx.saved_tensors
+        # the kernels write the input's gradient into dy's memory where no one else holds it
+        overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        into = dy if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -953,9 +955,10 @@ class _DefaultFunction(torch.autograd.Function):
                 dy, x, weight, rstd,
                 ctx.weight_offset,
                 store_dweight=weight is not None and ctx.needs_input_grad[1],
+                into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, None, None
+        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -965,7 +968,7 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset):
+    def forward(ctx, x, weight, eps, weight_offset, in_place):
         y, rstd, = _rmsnorm_fwd(
             x, weight, eps, weight_offset,
             store_rstd=True,
@@ -975,21 +978,26 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.in_place = in_place
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, rstd, weight, = ctx.saved_tensors
+        # the kernels write the input's gradient into dy's memory where no one else holds it
+        overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        into = dy if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, = _rmsnorm_bwd_invertible(
             dy, y, weight, rstd,
             ctx.weight_offset,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
+            into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, None, None
+        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1164,6 +1172,7 @@ def rms_norm(
     *,
     weight_offset=0.0,
     memory="default",
+    in_place=False,
 ):
     """Same arguments, defaults and result as `torch.nn.functional.rms_norm`.
 
@@ -1177,6 +1186,12 @@ def rms_norm(
         "default": saves x, rstd. Keeps the input and the row statistic.
         "invertible": saves y, rstd. Keeps the output instead of the input; x_hat is recovered as y / (weight_offset + weight) with the divisor clamped below.
     With no gradient needed, nothing is saved whatever the mode.
+
+    in_place (keyword-only): the kernels' backward writes the input gradient into the memory of
+    the output's gradient, saving that allocation, wherever autograd hands the gradient to this
+    backward alone; elsewhere (a gradient that also flows into another branch, as an add's two
+    inputs share one, a gradient the caller passed and keeps, a view, another dtype, a
+    backward autograd records) it allocates as without. The values are the same either way.
     """
     if memory == "default" and weight_offset == 0 and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
@@ -1190,6 +1205,8 @@ def rms_norm(
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
+    if not isinstance(in_place, bool):
+        raise TypeError(f"rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
@@ -1200,7 +1217,7 @@ def rms_norm(
             x, weight, eps, weight_offset, memory
         )
     elif checks.needs_grad(x, weight):
-        outputs = function.apply(x, weight, eps, weight_offset),
+        outputs = function.apply(x, weight, eps, weight_offset, in_place),
     else:
         outputs = _rmsnorm_fwd(
             x, weight, eps, weight_offset,
@@ -1224,6 +1241,7 @@ class RMSNorm(torch.nn.Module):
         *,
         weight_offset=0.0,
         memory="default",
+        in_place=False,
     ):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -1235,6 +1253,9 @@ class RMSNorm(torch.nn.Module):
         self.weight_offset = checks.check_real("RMSNorm", "weight_offset", weight_offset)
         checks.check_choice("RMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
+        if not isinstance(in_place, bool):
+            raise TypeError(f"RMSNorm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
+        self.in_place = in_place
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
@@ -1247,7 +1268,7 @@ class RMSNorm(torch.nn.Module):
             torch.nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, input):
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, memory=self.memory)
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, memory=self.memory, in_place=self.in_place)
 
     def extra_repr(self):
         # what the installed torch shows of torch.nn.RMSNorm built alike (on the meta device:
@@ -1262,6 +1283,8 @@ class RMSNorm(torch.nn.Module):
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
+        ) + (
+            ", in_place=True" if self.in_place else ""
         )
 
 

@@ -3,9 +3,12 @@
 # Do NOT modify by hand: edit the spec or the templates and run `derive`.
 """SwiGLU: y = silu(gate) * up = gate * sigmoid(gate) * up (LLaMA's MLP activation).
 
-Only the two inputs are saved; the activation is recomputed in the backward. The sigmoid is
-written through e = exp(-gate) so the engine's pivot turns its derivative into s * (1 - s),
-finite for any gate (never exp(-gate) / (1 + exp(-gate))**2, which is inf / inf far left).
+`gate_multiplier` and `down_multiplier` scale the gate before the activation and the result
+(Falcon-H1's MLP: up * silu(gate * gate_multiplier), its down projection's output times
+down_multiplier, which a bias-free projection lets in here); 1 by default, where they change
+nothing. Only the two inputs are saved; the activation is recomputed in the backward. The
+sigmoid is written through e = exp(-gate_scaled) so the engine's pivot turns its derivative into
+s * (1 - s), finite for any gate (never exp(-g) / (1 + exp(-g))**2, which is inf / inf far left).
 
 The backward is derived symbolically; see docs/ops/swiglu.md for every step.
 """
@@ -21,16 +24,18 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride, M, N,
+def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride,
+        gate_multiplier_high, gate_multiplier_low, down_multiplier_high, down_multiplier_low, M, N,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_swiglu_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     epilogue: load gate, up
-      e = exp(-gate)
+      gate_scaled = gate*gate_multiplier
+      e = exp(-gate_scaled)
       s = 1/(e + 1)
-      y = gate*s*up
+      y = down_multiplier*gate_scaled*s*up
     store y = y
     """
     pid = tl.program_id(0)
@@ -48,6 +53,8 @@ def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
         y_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = helpers.below(cols, N, EVEN)
+    gate_multiplier = tl.cast(gate_multiplier_high, ACC) + tl.cast(gate_multiplier_low, ACC)
+    down_multiplier = tl.cast(down_multiplier_high, ACC) + tl.cast(down_multiplier_low, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -56,14 +63,16 @@ def _swiglu_fwd_per(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
         mask = row_mask & col_mask
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+        gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+        e = helpers.exp(-gate_scaled, EXACT)  # e = exp(-gate_scaled)
         s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
-        y = gate * s * up  # y = gate*s*up
+        y = down_multiplier * gate_scaled * s * up  # y = down_multiplier*gate_scaled*s*up
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride, M, N,
+def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_row_stride,
+        gate_multiplier_high, gate_multiplier_low, down_multiplier_high, down_multiplier_low, M, N,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -71,9 +80,10 @@ def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
     BLOCK_N columns.
 
     epilogue: load gate, up
-      e = exp(-gate)
+      gate_scaled = gate*gate_multiplier
+      e = exp(-gate_scaled)
       s = 1/(e + 1)
-      y = gate*s*up
+      y = down_multiplier*gate_scaled*s*up
     store y = y
     """
     pid = tl.program_id(0)
@@ -82,6 +92,8 @@ def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
     # `helpers.div`)
     EXACT: tl.constexpr = gate_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
+    gate_multiplier = tl.cast(gate_multiplier_high, ACC) + tl.cast(gate_multiplier_low, ACC)
+    down_multiplier = tl.cast(down_multiplier_high, ACC) + tl.cast(down_multiplier_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -92,26 +104,29 @@ def _swiglu_fwd_red(gate_ptr, gate_row_stride, up_ptr, up_row_stride, y_ptr, y_r
             mask = row_mask & col_mask
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+            gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+            e = helpers.exp(-gate_scaled, EXACT)  # e = exp(-gate_scaled)
             s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
-            y = gate * s * up  # y = gate*s*up
+            y = down_multiplier * gate_scaled * s * up  # y = down_multiplier*gate_scaled*s*up
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr,
-        up_row_stride, dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, M, N,
-        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
-        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+        up_row_stride, dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, gate_multiplier_high,
+        gate_multiplier_low, down_multiplier_high, down_multiplier_low, M, N, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_swiglu_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     epilogue: load dy, gate, up
-      e = exp(-gate)
+      gate_scaled = gate*gate_multiplier
+      e = exp(-gate_scaled)
       s = 1/(e + 1)
-      common_0 = dy*s
-    store dgate = common_0*up*(gate*(1 - s) + 1)
-    store dup = common_0*gate
+      common_0 = down_multiplier*dy*s
+    store dgate = common_0*gate_multiplier*up*(gate_scaled*(1 - s) + 1)
+    store dup = common_0*gate_scaled
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -130,6 +145,8 @@ def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
         dup_row_stride = FIXED_N
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = helpers.below(cols, N, EVEN)
+    gate_multiplier = tl.cast(gate_multiplier_high, ACC) + tl.cast(gate_multiplier_low, ACC)
+    down_multiplier = tl.cast(down_multiplier_high, ACC) + tl.cast(down_multiplier_low, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
                               num_stages=STAGES):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -139,28 +156,31 @@ def _swiglu_bwd_default_per(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+        gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+        e = helpers.exp(-gate_scaled, EXACT)  # e = exp(-gate_scaled)
         s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
-        common_0 = dy * s  # common_0 = dy*s
-        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (common_0 * up * (1.0 + gate * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
-        tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate).to(dup_ptr.dtype.element_ty), mask=mask)
+        common_0 = down_multiplier * dy * s  # common_0 = down_multiplier*dy*s
+        tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (gate_multiplier * common_0 * up * (1.0 + gate_scaled * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
+        tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate_scaled).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr,
-        up_row_stride, dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, M, N,
-        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
-        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+        up_row_stride, dgate_ptr, dgate_row_stride, dup_ptr, dup_row_stride, gate_multiplier_high,
+        gate_multiplier_low, down_multiplier_high, down_multiplier_low, M, N, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_swiglu_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns.
 
     epilogue: load dy, gate, up
-      e = exp(-gate)
+      gate_scaled = gate*gate_multiplier
+      e = exp(-gate_scaled)
       s = 1/(e + 1)
-      common_0 = dy*s
-    store dgate = common_0*up*(gate*(1 - s) + 1)
-    store dup = common_0*gate
+      common_0 = down_multiplier*dy*s
+    store dgate = common_0*gate_multiplier*up*(gate_scaled*(1 - s) + 1)
+    store dup = common_0*gate_scaled
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -168,6 +188,8 @@ def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
     programs = tl.num_programs(0)
+    gate_multiplier = tl.cast(gate_multiplier_high, ACC) + tl.cast(gate_multiplier_low, ACC)
+    down_multiplier = tl.cast(down_multiplier_high, ACC) + tl.cast(down_multiplier_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -179,28 +201,32 @@ def _swiglu_bwd_default_red(dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             gate = tl.load(gate_ptr + offsets * gate_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             up = tl.load(up_ptr + offsets * up_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(-gate, EXACT)  # e = exp(-gate)
+            gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+            e = helpers.exp(-gate_scaled, EXACT)  # e = exp(-gate_scaled)
             s = helpers.div(1.0, (1.0 + e), EXACT)  # s = 1/(e + 1)
-            common_0 = dy * s  # common_0 = dy*s
-            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (common_0 * up * (1.0 + gate * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
-            tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate).to(dup_ptr.dtype.element_ty), mask=mask)
+            common_0 = down_multiplier * dy * s  # common_0 = down_multiplier*dy*s
+            tl.store(dgate_ptr + offsets * dgate_row_stride + cols, (gate_multiplier * common_0 * up * (1.0 + gate_scaled * (1.0 - s))).to(dgate_ptr.dtype.element_ty), mask=mask)
+            tl.store(dup_ptr + offsets * dup_row_stride + cols, (common_0 * gate_scaled).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def _swiglu_fwd_torch(gate, up):
+def _swiglu_fwd_torch(gate, up, gate_multiplier, down_multiplier):
     """_swiglu_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = gate.dtype
     acc = launch.accumulator(dtype)
     M, N = gate.shape
     gate = gate.to(acc)
     up = up.to(acc)
-    e = torch.exp(-gate)  # e = exp(-gate)
+    gate_multiplier = torch.tensor(gate_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    down_multiplier = torch.tensor(down_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+    e = torch.exp(-gate_scaled)  # e = exp(-gate_scaled)
     s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
-    y = gate * s * up  # y = gate*s*up
+    y = down_multiplier * gate_scaled * s * up  # y = down_multiplier*gate_scaled*s*up
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
 
 
-def _swiglu_bwd_default_torch(dy, gate, up):
+def _swiglu_bwd_default_torch(dy, gate, up, gate_multiplier, down_multiplier):
     """_swiglu_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -208,31 +234,34 @@ def _swiglu_bwd_default_torch(dy, gate, up):
     dy = dy.to(acc)
     gate = gate.to(acc)
     up = up.to(acc)
-    e = torch.exp(-gate)  # e = exp(-gate)
+    gate_multiplier = torch.tensor(gate_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    down_multiplier = torch.tensor(down_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+    e = torch.exp(-gate_scaled)  # e = exp(-gate_scaled)
     s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
-    common_0 = dy * s  # common_0 = dy*s
-    dgate = torch.broadcast_to(common_0 * up * (1.0 + gate * (1.0 - s)), (M, N)).to(dtype).contiguous()
-    dup = torch.broadcast_to(common_0 * gate, (M, N)).to(dtype).contiguous()
+    common_0 = down_multiplier * dy * s  # common_0 = down_multiplier*dy*s
+    dgate = torch.broadcast_to(gate_multiplier * common_0 * up * (1.0 + gate_scaled * (1.0 - s)), (M, N)).to(dtype).contiguous()
+    dup = torch.broadcast_to(common_0 * gate_scaled, (M, N)).to(dtype).contiguous()
     return dgate, dup,
 
 
-def _swiglu_fwd(gate, up):
+def _swiglu_fwd(gate, up, gate_multiplier, down_multiplier):
     M, N = gate.shape
     if M == 0 or N == 0 or not launch.use_triton(gate):
-        return _swiglu_fwd_torch(gate, up)
+        return _swiglu_fwd_torch(gate, up, gate_multiplier, down_multiplier)
     acc = launch.accumulator(gate.dtype)
     device = gate.device
     if gate.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _swiglu_fwd(gate, up)
+            return _swiglu_fwd(gate, up, gate_multiplier, down_multiplier)
     fold = SCHEDULES.constants.fold_block_n
     if fold and N % fold and not M * N % fold and gate.stride(0) == N and up.stride(0) == N:
         # elementwise only, on contiguous rows: read as rows of `fold` columns, which tile the
         # blocks that padded rows of N would not
         folded = (M * N // fold, fold)
-        outputs = _swiglu_fwd(gate.view(folded), up.view(folded))
+        outputs = _swiglu_fwd(gate.view(folded), up.view(folded), gate_multiplier, down_multiplier)
         return tuple(t.view(M, N) if t is not None else None for t in outputs)
     gate_stride = gate.stride(0)
     up_stride = up.stride(0)
@@ -263,6 +292,8 @@ def _swiglu_fwd(gate, up):
             gate_ptr, gate_stride,
             up_ptr, up_stride,
             y_ptr, N,
+            *launch.fp32_pair(gate_multiplier),
+            *launch.fp32_pair(down_multiplier),
             M, N,
             *plan.tail,
         )
@@ -272,6 +303,8 @@ def _swiglu_fwd(gate, up):
             gate, gate_stride,
             up, up_stride,
             y, N,
+            *launch.fp32_pair(gate_multiplier),
+            *launch.fp32_pair(down_multiplier),
             M, N,
         )
         constexprs = dict(
@@ -298,23 +331,23 @@ def _swiglu_fwd(gate, up):
     return y,
 
 
-def _swiglu_bwd_default(dy, gate, up):
+def _swiglu_bwd_default(dy, gate, up, gate_multiplier, down_multiplier):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _swiglu_bwd_default_torch(dy, gate, up)
+        return _swiglu_bwd_default_torch(dy, gate, up, gate_multiplier, down_multiplier)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _swiglu_bwd_default(dy, gate, up)
+            return _swiglu_bwd_default(dy, gate, up, gate_multiplier, down_multiplier)
     fold = SCHEDULES.constants.fold_block_n
     if fold and N % fold and not M * N % fold and dy.stride(0) == N and gate.stride(0) == N and up.stride(0) == N:
         # elementwise only, on contiguous rows: read as rows of `fold` columns, which tile the
         # blocks that padded rows of N would not
         folded = (M * N // fold, fold)
-        outputs = _swiglu_bwd_default(dy.view(folded), gate.view(folded), up.view(folded))
+        outputs = _swiglu_bwd_default(dy.view(folded), gate.view(folded), up.view(folded), gate_multiplier, down_multiplier)
         return tuple(t.view(M, N) if t is not None else None for t in outputs)
     dy_stride = dy.stride(0)
     gate_stride = gate.stride(0)
@@ -354,6 +387,8 @@ def _swiglu_bwd_default(dy, gate, up):
             up_ptr, up_stride,
             dgate_ptr, N,
             dup_ptr, N,
+            *launch.fp32_pair(gate_multiplier),
+            *launch.fp32_pair(down_multiplier),
             M, N,
             *plan.tail,
         )
@@ -365,6 +400,8 @@ def _swiglu_bwd_default(dy, gate, up):
             up, up_stride,
             dgate, N,
             dup, N,
+            *launch.fp32_pair(gate_multiplier),
+            *launch.fp32_pair(down_multiplier),
             M, N,
         )
         constexprs = dict(
@@ -398,13 +435,15 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, gate_multiplier, down_multiplier):
         y, = _swiglu_fwd(
-            gate, up,
+            gate, up, gate_multiplier, down_multiplier,
         )
         ctx.save_for_backward(gate, up)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
+        ctx.gate_multiplier = gate_multiplier
+        ctx.down_multiplier = down_multiplier
         return y
 
     @staticmethod
@@ -416,13 +455,17 @@ class _DefaultFunction(torch.autograd.Function):
             # differentiable torch ops, reading saved values that carry autograd's graph
             dgate, dup, = _swiglu_bwd_default_torch(
                 dy, gate, up,
+                ctx.gate_multiplier,
+                ctx.down_multiplier,
             )
         else:
             dgate, dup, = _swiglu_bwd_default(
                 dy, gate, up,
+                ctx.gate_multiplier,
+                ctx.down_multiplier,
             )
         needs = ctx.needs_input_grad
-        return dgate if needs[0] else None, dup if needs[1] else None
+        return dgate if needs[0] else None, dup if needs[1] else None, None, None
 
 
 _FUNCTIONS = {
@@ -441,11 +484,13 @@ def _swiglu_stores(memory):
 def _swiglu_op(
     gate: torch.Tensor,
     up: torch.Tensor,
+    gate_multiplier: float,
+    down_multiplier: float,
     memory: str,
 ) -> list[torch.Tensor]:
     stores = _swiglu_stores(memory)
     outputs = _swiglu_fwd(
-        gate, up,
+        gate, up, gate_multiplier, down_multiplier,
     )
     return [t if t is not None else gate.new_empty(0) for t in outputs]
 
@@ -454,6 +499,8 @@ def _swiglu_op(
 def _(
     gate,
     up,
+    gate_multiplier,
+    down_multiplier,
     memory,
 ):
     stores = _swiglu_stores(memory)
@@ -470,8 +517,10 @@ def _swiglu_backward_default_op(
     dy: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
+    gate_multiplier: float,
+    down_multiplier: float,
 ) -> list[torch.Tensor]:
-    outputs = _swiglu_bwd_default(dy, gate, up)
+    outputs = _swiglu_bwd_default(dy, gate, up, gate_multiplier, down_multiplier)
     named = dict(zip(['dgate', 'dup'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dgate', 'dup']]
 
@@ -481,6 +530,8 @@ def _(
     dy,
     gate,
     up,
+    gate_multiplier,
+    down_multiplier,
 ):
     return [
         dy.new_empty(dy.shape),
@@ -489,13 +540,15 @@ def _(
 
 
 def _swiglu_setup_context(ctx, inputs, output):
-    gate, up, memory, = inputs
+    gate, up, gate_multiplier, down_multiplier, memory, = inputs
     y, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
     ctx.set_materialize_grads(False)
     ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
+    ctx.gate_multiplier = gate_multiplier
+    ctx.down_multiplier = down_multiplier
     if memory == "default":
         ctx.save_for_backward(gate, up)
 
@@ -510,12 +563,16 @@ def _swiglu_backward(ctx, grads):
             # the backward autograd can record, as the autograd Function's
             dgate, dup, = _swiglu_bwd_default_torch(
                 dy, gate, up,
+                ctx.gate_multiplier,
+                ctx.down_multiplier,
             )
         else:
             dgate, dup, = torch.ops.vjpforge.swiglu_backward_default(
                 dy, gate, up,
+                ctx.gate_multiplier,
+                ctx.down_multiplier,
             )
-        gradients = [dgate, dup]
+        gradients = [dgate, dup, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 
 
@@ -526,16 +583,18 @@ torch.library.register_autograd(
 
 
 
-def swiglu(gate, up):
+def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     """`torch.nn.functional.silu(gate) * up` in one kernel each way, over the last dim.
 
     `up`: same shape as `gate`.
+    `gate_multiplier` (default 1.0): scales the gate before the activation: silu(gate * gate_multiplier) * up.
+    `down_multiplier` (default 1.0): scales the result (Falcon-H1's multiplier of its down projection's output).
     Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
     torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); gate, up kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if DISPATCH.to_torch(gate):
+    if gate_multiplier == 1 and down_multiplier == 1 and DISPATCH.to_torch(gate):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.silu(gate) * up
 
@@ -548,24 +607,34 @@ def swiglu(gate, up):
     rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
+    gate_multiplier = checks.check_option("swiglu", "gate_multiplier", gate_multiplier, None)
+    down_multiplier = checks.check_option("swiglu", "down_multiplier", down_multiplier, None)
     gate = launch.rows((rows, columns), gate)
     up = launch.rows((rows, columns), up)
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
-        outputs = torch.ops.vjpforge.swiglu(gate, up, "default")
+        outputs = torch.ops.vjpforge.swiglu(gate, up, gate_multiplier, down_multiplier, "default")
     elif checks.needs_grad(gate, up):
-        outputs = function.apply(gate, up),
+        outputs = function.apply(gate, up, gate_multiplier, down_multiplier),
     else:
-        outputs = _swiglu_fwd(gate, up)
+        outputs = _swiglu_fwd(gate, up, gate_multiplier, down_multiplier)
     return launch.shaped(outputs[0], shape)
 
 
 class SwiGLU(torch.nn.Module):
-    """`swiglu` as a module (no parameters of its own)."""
+    """`swiglu` as a module (no parameters of its own; `gate_multiplier`, `down_multiplier`, fixed at construction)."""
+
+    def __init__(self, gate_multiplier=1.0, down_multiplier=1.0):
+        super().__init__()
+        self.gate_multiplier = checks.check_option("SwiGLU", "gate_multiplier", gate_multiplier, None)
+        self.down_multiplier = checks.check_option("SwiGLU", "down_multiplier", down_multiplier, None)
+
+    def extra_repr(self):
+        return ", ".join(f"{name}={getattr(self, name)}" for name in ("gate_multiplier", "down_multiplier", ))
 
     def forward(self, gate, up):
-        return swiglu(gate, up)
+        return swiglu(gate, up, gate_multiplier=self.gate_multiplier, down_multiplier=self.down_multiplier)
 
 
 #: when a call runs torch's expression of this op instead of the kernels

@@ -50,7 +50,8 @@ def op_cases():
     cases.append(("softmax", torch.ops.vjpforge.softmax.default, (x, "default")))
     cases.append(("gelu", torch.ops.vjpforge.gelu.default, (x, input_bias, "default")))
     cases.append(("gelu_tanh", torch.ops.vjpforge.gelu_tanh.default, (x, None, "default")))
-    cases.append(("swiglu", torch.ops.vjpforge.swiglu.default, (x, residual, "default")))
+    cases.append(("swiglu", torch.ops.vjpforge.swiglu.default,
+                  (x, residual, 0.5, 1.5, "default")))
     cases.append(("geglu", torch.ops.vjpforge.geglu.default, (x, residual, "default")))
     seed = torch.tensor(7)
     cases.append(("bias_dropout_add", torch.ops.vjpforge.bias_dropout_add.default,

@@ -78,6 +78,8 @@ def test_rows_fold_into_rows_of_the_fold_width(device, variant):
     forward = getattr(module, f"_{variant}_fwd")
     backward = getattr(module, f"_{variant}_bwd_default")
     gate, up, dy = (randn((6, 96), seed=seed, device=device) * 2 for seed in (1, 2, 3))
+    # swiglu's launchers take its gate and down multipliers too
+    scalars = (1.0, 1.0) if variant == "swiglu" else ()
     wide = randn((6, 128), seed=4, device=device)
     strided = wide[:, :96]  # rows 128 apart: no fold
     widths = []
@@ -92,8 +94,9 @@ def test_rows_fold_into_rows_of_the_fold_width(device, variant):
         widths.clear()
         results = []
         with seam.override(fold_block_n=fold, choose=recorded):
-            for launcher, args in ((forward, (gate, up)), (backward, (dy, gate, up)),
-                                   (forward, (strided, up))):
+            for launcher, args in ((forward, (gate, up, *scalars)),
+                                   (backward, (dy, gate, up, *scalars)),
+                                   (forward, (strided, up, *scalars))):
                 seam.forget()  # each launch chooses: none takes an earlier one's schedule
                 results += launcher(*args)
         return results, list(widths)

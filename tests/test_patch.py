@@ -12,7 +12,7 @@ from reference import randn
 
 from codegen.runtime import patching
 from derive.api import ElementwiseAPI, NormalizedShapeAPI, Param, Replaces, replaces_mismatches
-from generated import gelu, gelu_tanh, layernorm, rmsnorm, swiglu
+from generated import geglu_tanh, gelu, gelu_tanh, layernorm, rmsnorm, swiglu
 from generated.patch import PatchError, PatchReport, patch_model
 
 H = 64
@@ -317,18 +317,60 @@ def test_gated_mlp_activation_decides_the_op(torch_path):
     report, new = swap_one(copy.deepcopy(original))
     assert report.swapped[0].new == "GatedMLP(geglu, gate=w1, up=w3)"
     assert_same_outputs(original, new, shape=(3, 4, H))
-    # the tanh GELU is not geglu's (the exact one): the MLP stays, its GELU is swapped
-    report, new = swap_one(GatedMLP(torch.nn.GELU(approximate="tanh")))
-    assert isinstance(new, GatedMLP) and isinstance(new.act, gelu_tanh.GELUTanh)
+    # the tanh GELU is not geglu's exact one: geglu(approximate="tanh")'s kernels take it
+    torch.manual_seed(0)
+    original = GatedMLP(torch.nn.GELU(approximate="tanh"))
+    report, new = swap_one(copy.deepcopy(original))
+    assert report.swapped[0].new == "GatedMLP(geglu_tanh, gate=w1, up=w3)"
+    assert new._function is geglu_tanh.geglu_tanh
+    assert_same_outputs(original, new, shape=(3, 4, H))
+    # a module of that structure computing something else is left, with the reason: the
+    # activation is none of the gated ops'
+    report, new = swap_one(GatedMLP(torch.nn.ReLU()))
+    assert isinstance(new, GatedMLP)
     [(name, kind, reason)] = report.skipped
     assert (name, kind) == ("0", "GatedMLP")
-    assert reason.startswith("its activation act (GELU) does not compute the activation of geglu "
+    assert reason.startswith("its activation act (ReLU) does not compute the activation of geglu "
                              "(differs by "), reason
-    assert "; nor of swiglu (differs by " in reason
-    # a module of that structure computing something else is left, with the reason
-    report, new = swap_one(GatedMLP(torch.nn.ReLU()))
-    assert isinstance(new, GatedMLP) and "does not compute the activation of" in \
-        report.skipped[0].reason
+    assert "; nor of geglu_tanh (differs by " in reason and "; nor of swiglu (differs by " in reason
+
+
+class FusedMLP(torch.nn.Module):
+    """Phi-3's MLP: one Linear computes gate and up (its two halves), with a dropout before down
+    as T5's."""
+
+    def __init__(self, *, up_first=False):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(H, 4 * H, bias=True)
+        self.act = torch.nn.SiLU()
+        self.drop = torch.nn.Dropout(0.5)
+        self.down = torch.nn.Linear(2 * H, H)
+        self.up_first = up_first
+
+    def forward(self, x):
+        first, second = self.gate_up(x).chunk(2, dim=-1)
+        gate, up = (second, first) if self.up_first else (first, second)
+        return self.down(self.drop(self.act(gate) * up))
+
+
+@pytest.mark.parametrize("up_first", [False, True])
+def test_a_fused_gate_up_mlp_is_split_in_halves(torch_path, up_first):
+    torch.manual_seed(0)
+    original = FusedMLP(up_first=up_first).eval()
+    report, new = swap_one(copy.deepcopy(original).train())
+    half = "gate=gate_up[1], up=gate_up[0]" if up_first else "gate=gate_up[0], up=gate_up[1]"
+    assert report.swapped == [("0", "FusedMLP", f"GatedMLP(swiglu, {half})")]
+    assert [n for n, _ in new.named_children()] == ["gate_up", "drop", "down"]
+    assert new.training and new.drop.training  # probed in eval mode, the model's mode kept
+    assert_same_outputs(original, new.eval(), shape=(3, 4, H))
+    # the dropout is applied where the module applies it: in training, the same mask
+    original.train(), new.train()
+    x = randn((3, 4, H), seed=5, dtype=torch.float32)
+    torch.manual_seed(1)
+    expected = original(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(new(x), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(expected, original.eval()(x))  # the mask did drop values
 
 
 def test_replaces_mismatches_name_the_rule():
@@ -341,8 +383,8 @@ def test_replaces_mismatches_name_the_rule():
     glu = ElementwiseAPI("f", "M", "t", inputs=("gate",), replaces=(Replaces("*", kind="mlp"),
                                                                      Replaces("*", kind="moe")))
     assert replaces_mismatches(glu) == [
-        "Replaces('*'): kind 'mlp' needs an elementwise API of two inputs (gate, up) and no "
-        "other arguments",
+        "Replaces('*'): kind 'mlp' needs an elementwise API of two inputs (gate, up), no "
+        "call_params, switches or dropout",
         "Replaces('*'): kind must be None or one of mlp, loss, residual, got 'moe'"]
 
 

@@ -21,7 +21,10 @@ DECODERS = {"llama": (transformers.LlamaConfig, transformers.LlamaModel),
             "mistral": (transformers.MistralConfig, transformers.MistralModel),
             "qwen2": (transformers.Qwen2Config, transformers.Qwen2Model),
             "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model),
-            "gemma": (transformers.GemmaConfig, transformers.GemmaModel)}
+            "gemma": (transformers.GemmaConfig, transformers.GemmaModel),
+            "gemma2": (transformers.Gemma2Config, transformers.Gemma2Model),
+            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3TextModel),
+            "phi3": (transformers.Phi3Config, transformers.Phi3Model)}
 
 
 @pytest.fixture(autouse=True)
@@ -41,10 +44,17 @@ def tiny(kind: str, causal_lm: bool = False) -> torch.nn.Module:
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
                                          eos_token_id=0, vocab_size=VOCAB)
         return (transformers.GPT2LMHeadModel if causal_lm else transformers.GPT2Model)(config)
+    if kind == "t5":
+        # T5 v1.1's gated MLP: gelu_new (the tanh GELU) on wi_0, times wi_1, dropout, wo
+        config = transformers.T5Config(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+                                       feed_forward_proj="gated-gelu", vocab_size=VOCAB,
+                                       dropout_rate=0.0)  # its attention drops functionally
+        return transformers.T5EncoderModel(config)
     config_class, model_class = DECODERS[kind]
+    # token ids within the tiny vocabulary (Phi-3's defaults are 32000)
     config = config_class(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                          vocab_size=VOCAB)
+                          vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if causal_lm:
         model_class = getattr(transformers, model_class.__name__.replace("Model", "ForCausalLM"))
     return model_class(config)
@@ -68,8 +78,8 @@ def hidden_loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor):
 
 
 class ExactRMSNorm(torch.nn.Module):
-    """An RMSNorm computed in the input's dtype: HF's RMSNorms upcast to float32 even from
-    float64, so the unpatched model itself is only fp32-accurate."""
+    """An RMSNorm computed in the input's dtype: HF's RMSNorms (and T5LayerNorm's mean square)
+    upcast to float32 even from float64, so the unpatched model itself is only fp32-accurate."""
 
     def __init__(self, module: torch.nn.Module, offset: float):
         super().__init__()
@@ -81,11 +91,16 @@ class ExactRMSNorm(torch.nn.Module):
         return x * rstd * (self.offset + self.weight)
 
 
+def upcasts(module: torch.nn.Module) -> bool:
+    """An RMS norm of HF's, which computes in float32."""
+    return type(module).__name__.endswith("RMSNorm") or type(module).__name__ == "T5LayerNorm"
+
+
 def exact_reference(model: torch.nn.Module) -> torch.nn.Module:
     exact = copy.deepcopy(model)
     for parent in list(exact.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__.endswith("RMSNorm"):
+            if upcasts(child):
                 offset = 1.0 if type(child).__name__.startswith("Gemma") else 0.0
                 setattr(parent, name, ExactRMSNorm(child, offset))
     return exact
@@ -98,7 +113,26 @@ EXPECTED = {"bert": {"LayerNorm": 5, "GELUActivation": 2, "BertSelfOutput": 2, "
             "qwen2": {"Qwen2RMSNorm": 5, "Qwen2MLP": 2, "Qwen2DecoderLayer": 2},
             # q_norm and k_norm too
             "qwen3": {"Qwen3RMSNorm": 9, "Qwen3MLP": 2, "Qwen3DecoderLayer": 2},
-            "gemma": {"GemmaRMSNorm": 5, "GELUTanh": 2, "GemmaDecoderLayer": 2}}
+            "gemma": {"GemmaRMSNorm": 5, "GemmaMLP": 2, "GemmaDecoderLayer": 2},
+            # pre- and post-feedforward norms
+            "gemma2": {"Gemma2RMSNorm": 9, "Gemma2MLP": 2, "Gemma2DecoderLayer": 2},
+            # and q_norm, k_norm
+            "gemma3": {"Gemma3RMSNorm": 13, "Gemma3MLP": 2, "Gemma3DecoderLayer": 2},
+            "phi3": {"Phi3RMSNorm": 5, "Phi3MLP": 2, "Phi3DecoderLayer": 2},
+            "t5": {"T5LayerNorm": 5, "T5DenseGatedActDense": 2}}
+#: the gated MLPs and what computes their activation
+MLPS = {"llama": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_proj, up=up_proj)"),
+        "mistral": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_proj, up=up_proj)"),
+        "qwen2": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_proj, up=up_proj)"),
+        "qwen3": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_proj, up=up_proj)"),
+        # the tanh GELU: geglu(approximate="tanh"), whose kernels are geglu_tanh's
+        "gemma": ("layers.{}.mlp", "GatedMLP(geglu_tanh, gate=gate_proj, up=up_proj)"),
+        "gemma2": ("layers.{}.mlp", "GatedMLP(geglu_tanh, gate=gate_proj, up=up_proj)"),
+        "gemma3": ("layers.{}.mlp", "GatedMLP(geglu_tanh, gate=gate_proj, up=up_proj)"),
+        # one Linear computes gate and up: its first half is the gate
+        "phi3": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_up_proj[0], up=gate_up_proj[1])"),
+        "t5": ("encoder.block.{}.layer.1.DenseReluDense", "GatedMLP(geglu_tanh, gate=wi_0, "
+               "up=wi_1)")}
 
 
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
@@ -112,19 +146,15 @@ def test_patched_hf_model_matches(kind):
         assert patched.get_parameter(name) is not parameter  # a copy of the model ...
     for name, parameter in patched.named_parameters():  # ... whose Parameters are all in use
         assert parameter.shape == original.get_parameter(name).shape
-    if kind in ("llama", "mistral", "qwen2", "qwen3"):
-        assert all(type(patched.get_submodule(f"layers.{i}.mlp")) is patching.GatedMLP
+    if kind in MLPS:
+        where, new = MLPS[kind]
+        assert [s.new for s in report.swapped if s.name in (where.format(0), where.format(1))] \
+            == [new, new]
+        assert all(type(patched.get_submodule(where.format(i))) is patching.GatedMLP
                    for i in range(2))
-    if kind == "gemma":
-        # GemmaMLP's tanh GELU is not geglu's exact one: the report says so
-        assert [s[:2] for s in report.skipped] == [(f"layers.{i}.mlp", "GemmaMLP")
-                                                   for i in range(2)]
-        assert report.skipped[0].reason.startswith(
-            "its activation act_fn (GELUTanh) does not compute the activation of geglu")
-    else:
-        assert report.skipped == []
+    assert report.skipped == []
     tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-    if any(type(m).__name__.endswith("RMSNorm") for m in original.modules()):
+    if any(upcasts(m) for m in original.modules()):
         # HF's own model agrees with the exact one to its fp32 upcast, no better
         hf_loss, _ = hidden_loss_and_grads(original, tokens)
         original = exact_reference(original)

@@ -19,9 +19,11 @@ from reference import (
     force_looped,
     gradcheck,
     norm_inputs,
+    randn,
 )
 
-from generated import rmsnorm
+from codegen.runtime import launch
+from generated import add_rmsnorm, rmsnorm
 
 OP = rmsnorm  # for the `schedule` fixture
 
@@ -182,3 +184,90 @@ def test_module_reset_parameters():
 def test_module_loads_torch_state_dict(device, config):
     shape, kwargs = MODULE_CONFIGS[config]
     assert_loads_torch_state_dict(rmsnorm.RMSNorm, torch.nn.RMSNorm, shape, device, **kwargs)
+
+
+def in_place_grads(device, memory, build_loss, in_place):
+    """The gradients of x, weight and r (a residual) of build_loss(y, r), y = rms_norm(x), and
+    the address of y's gradient, recorded by a hook."""
+    x, w = (t.detach().requires_grad_() for t in inputs((6, 37), device))
+    r = randn((6, 37), seed=5, device=device).requires_grad_()
+    # made before y: autograd reaches its backward after y's
+    r = r * 3
+    y = rmsnorm.rms_norm(x, (37,), w, memory=memory, in_place=in_place)
+    addresses = []
+    y.register_hook(lambda g: addresses.append(g.data_ptr()))
+    r.retain_grad()
+    build_loss(y, r).backward()
+    return [x.grad, w.grad, r.grad], addresses[0]
+
+
+UPSTREAMS = {
+    # a gradient of its own (a product's): overwritten
+    "own": (lambda y, r: (y * randn(y.shape, seed=7, device=y.device)).sum() + (r * r).sum(),
+            True),
+    # y + r: the add hands one gradient to both branches, and r's backward runs after y's
+    "shared": (lambda y, r: ((y + r) * randn(y.shape, seed=7, device=y.device)).sum(), False),
+    # sum(): an expanded gradient of stride 0
+    "expanded": (lambda y, r: y.sum() + r.sum(), False),
+}
+
+
+@pytest.mark.parametrize("memory", ["default", "invertible"])
+@pytest.mark.parametrize("upstream", sorted(UPSTREAMS))
+def test_in_place_backward_writes_dx_where_safe(device, memory, upstream):
+    build_loss, overwritten = UPSTREAMS[upstream]
+    expected, _ = in_place_grads(device, memory, build_loss, False)
+    got, address = in_place_grads(device, memory, build_loss, True)
+    for g, e in zip(got, expected, strict=True):
+        assert g is not None and torch.equal(g, e)
+    # the kernels write dx where dy was (x's leaf gradient takes that tensor); the torch path
+    # allocates
+    in_place = overwritten and launch.use_triton(got[0])
+    assert (got[0].data_ptr() == address) == in_place
+
+
+def test_in_place_keeps_a_gradient_the_caller_holds(device):
+    x, w = (t.detach().requires_grad_() for t in inputs((6, 37), device))
+    y = rmsnorm.rms_norm(x, (37,), w, in_place=True)
+    upstream = randn((6, 37), seed=7, device=device)
+    kept = upstream.clone()
+    dx, dw = torch.autograd.grad(y, (x, w), upstream)
+    assert torch.equal(upstream, kept)
+    expected = torch.autograd.grad(rmsnorm.rms_norm(x, (37,), w), (x, w), upstream)
+    assert torch.equal(dx, expected[0]) and torch.equal(dw, expected[1])
+
+
+def test_in_place_argument():
+    with pytest.raises(TypeError, match=r"rms_norm\(\): argument 'in_place' must be bool, got int"):
+        rmsnorm.rms_norm(randn((2, 8)), (8,), in_place=1)
+    with pytest.raises(TypeError, match=r"RMSNorm\(\): argument 'in_place' must be bool"):
+        rmsnorm.RMSNorm(8, in_place="yes")
+    module = rmsnorm.RMSNorm(8, in_place=True)
+    assert module.in_place and repr(module) == "RMSNorm((8,), eps=None, elementwise_affine=True, " \
+                                               "in_place=True)"
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_add_rms_norm_in_place(device, prenorm):
+    def run(in_place):
+        x, w = (t.detach().requires_grad_() for t in inputs((6, 37), device))
+        residual = randn((6, 37), seed=5, device=device).requires_grad_()
+        out = add_rmsnorm.add_rms_norm(x, residual, (37,), w, prenorm=prenorm,
+                                       in_place=in_place)
+        y, stream = out if prenorm else (out, None)
+        addresses = []
+        y.register_hook(lambda g: addresses.append(g.data_ptr()))
+        loss = (y * randn(y.shape, seed=7, device=device)).sum()
+        if prenorm:
+            loss = loss + (stream * randn(y.shape, seed=8, device=device)).sum()
+        loss.backward()
+        return [x.grad, residual.grad, w.grad], addresses[0]
+
+    expected, _ = run(False)
+    got, address = run(True)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    # x's and residual's gradient is one tensor, which the kernels wrote where y's was: one
+    # of the leaves takes it
+    taken = address in (got[0].data_ptr(), got[1].data_ptr())
+    assert taken == launch.use_triton(got[0])

@@ -67,6 +67,20 @@ def rows(shape, tensor: torch.Tensor) -> torch.Tensor:
     return viewed if viewed.stride(-1) == 1 or viewed.numel() == 0 else viewed.contiguous()
 
 
+def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool:
+    """Whether a backward may write its result into `tensor`, an upstream gradient: autograd
+    handed it to this backward alone (its only reference: not a gradient that also flows into
+    another branch, as the two inputs of an add share one, nor one the caller passed and
+    keeps), it is no view into another tensor's memory, not differentiated itself, and it holds
+    exactly the result's contiguous rows of the result's dtype."""
+    use_count = getattr(tensor, "_use_count", None)
+    if tensor is None or use_count is None or tensor.requires_grad or tensor._base is not None:
+        return False
+    return (use_count() == 1 and tensor.dtype == dtype and tensor.is_contiguous()
+            and tensor.numel() == math.prod(shape) and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
 def shaped(tensor: torch.Tensor, shape) -> torch.Tensor:
     """tensor.reshape(shape), skipped when it has that shape already (host time)."""
     return tensor if tensor.shape == shape else tensor.reshape(shape)

@@ -139,24 +139,48 @@ class PatchReport(Mapping):
 
 class GatedMLP(torch.nn.Module):
     """`down(function(gate(x), up(x)))`: a gated MLP whose activation and product are one
-    generated op. Its Linear layers are those of the module it replaced, under their names, so
-    the state_dict and every Parameter are kept."""
+    generated op. Its Linear layers (and a dropout before `down`, if the MLP had one) are those
+    of the module it replaced, under their names, so the state_dict and every Parameter are
+    kept. `half`: where one Linear computes both (Phi-3's `gate_up_proj`, gate and up its name),
+    which half of its output is the gate (0: the first)."""
 
     def __init__(self, function: Callable, layers: list[tuple[str, torch.nn.Module]],
-                 gate: str, up: str, down: str):
+                 gate: str, up: str, down: str, *, half: int | None = None,
+                 dropout: str | None = None):
         super().__init__()
         for name, layer in layers:
             self.add_module(name, layer)
         self._function = function
         self._roles = (gate, up, down)
+        self._half = half
+        self._dropout = dropout
 
     def forward(self, input):
         gate, up, down = (self._modules[name] for name in self._roles)
-        return down(self._function(gate(input), up(input)))
+        if self._half is None:
+            hidden = self._function(gate(input), up(input))
+        else:
+            halves = gate(input).chunk(2, dim=-1)
+            hidden = self._function(halves[self._half], halves[1 - self._half])
+        if self._dropout is not None:
+            hidden = self._modules[self._dropout](hidden)
+        weight = getattr(down, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point() \
+                and weight.dtype != hidden.dtype:
+            # the down projection's input in its weight's dtype, as T5 does for an fp32 `wo`
+            hidden = hidden.to(weight.dtype)
+        return down(hidden)
 
     def extra_repr(self) -> str:
         gate, up, down = self._roles
-        return f"{down}({self._function.__name__}({gate}(x), {up}(x)))"
+        if self._half is None:
+            inner = f"{self._function.__name__}({gate}(x), {up}(x))"
+        else:
+            order = "gate, up" if self._half == 0 else "up, gate"
+            inner = f"{self._function.__name__}({order} = {gate}(x).chunk(2, -1))"
+        if self._dropout is not None:
+            inner = f"{self._dropout}({inner})"
+        return f"{down}({inner})"
 
 
 class LastDimNorm(torch.nn.Module):
@@ -339,7 +363,7 @@ class _Planner:
             tail, scales = tail or (PROBE_WIDTH,), NORM_SCALES
         return self.prove(module, name, candidates, tail, scales, dtype, device)
 
-    def swap_mlp(self, module, name, rules, act_name, act, layouts):
+    def swap_mlp(self, module, name, rules, act_name, act, layouts, dropout):
         problem = _unswappable(module)
         if problem is None and _unswappable(act) is not None:
             problem = f"its activation {act_name}: {_unswappable(act)}"
@@ -359,23 +383,26 @@ class _Planner:
         if not matching:
             return self.skip(module, name, f"its activation {act_name} ({type(act).__name__}) "
                              "does not compute the activation of " + "; nor of ".join(problems))
-        layers = [(n, m) for n, m in module.named_children() if n != act_name]
-        candidates = [_Candidate(f"GatedMLP({rule.function.__name__}, gate={gate}, up={up})",
-                                 functools.partial(_build_mlp, rule.function, gate, up, down,
-                                                   [n for n, _ in layers]))
-                      for rule in matching for gate, up, down in layouts]
-        width = module._modules[layouts[0][0]].in_features
-        return self.prove(module, name, candidates, (width,), MLP_SCALES, dtype, device)
+        layers = [n for n, _ in module.named_children() if n != act_name]
+        candidates = [_Candidate(f"GatedMLP({rule.function.__name__}, {layout.label})",
+                                 functools.partial(_build_mlp, rule.function, layout, layers,
+                                                   dropout))
+                      for rule in matching for layout in layouts]
+        width = module._modules[layouts[0].down].out_features
+        # a dropout draws its mask from the RNG: the probe compares the MLPs without it
+        return self.prove(module, name, candidates, (width,), MLP_SCALES, dtype, device,
+                          evaluate=dropout is not None)
 
-    def prove(self, module, name, candidates, tail, scales, dtype, device):
+    def prove(self, module, name, candidates, tail, scales, dtype, device, evaluate=False):
         if device.type == "meta":
             return self.skip(module, name, _META)
-        winner, reason = _prove(module, candidates, tail, scales, dtype, device)
+        winner, reason = _prove(module, candidates, tail, scales, dtype, device, evaluate)
         if winner is None:
             return self.skip(module, name, reason)
         new = winner.build(module)
         self.swapped.append(Swap(name, type(module).__name__, winner.label))
         return new
+
 
     def skip(self, module, name, reason, old=None):
         """Record why `module` (of class `old`, its class name by default) is left in place,
@@ -588,18 +615,38 @@ def _build_activation(rule, module):
     return rule.module().train(module.training)
 
 
+class _Layout(NamedTuple):
+    """Which Linear layers of a gated MLP play which role: gate and up are one layer's name
+    where it computes both, `half` then the half of its output that is the gate."""
+
+    gate: str
+    up: str
+    down: str
+    half: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.half is None:
+            return f"gate={self.gate}, up={self.up}"
+        return f"gate={self.gate}[{self.half}], up={self.up}[{1 - self.half}]"
+
+
 def _mlp_structure(module):
-    """(activation name, activation, [(gate, up, down) names]) where `module` has the structure
-    of a gated MLP: three Linear layers whose shapes fit `down(act(gate(x)) * up(x))`, one
-    activation module holding no tensor, a forward of one input; else None."""
+    """(activation name, activation, layouts, dropout name or None) where `module` has the
+    structure of a gated MLP: three Linear layers whose shapes fit `down(act(gate(x)) * up(x))`
+    (or two, the first computing gate and up as the halves of its output, as Phi-3's
+    `gate_up_proj`), one activation module holding no tensor, at most one Dropout (applied
+    before `down`, as T5's; the probe tells), a forward of one input; else None."""
     children = list(module.named_children())
     linears = [(n, m) for n, m in children if isinstance(m, torch.nn.Linear)]
-    others = [(n, m) for n, m in children if not isinstance(m, torch.nn.Linear)]
-    if len(linears) != 3 or len(others) != 1 or _persistent_tensors(module):
+    dropouts = [n for n, m in children if isinstance(m, torch.nn.Dropout)]
+    others = [(n, m) for n, m in children
+              if not isinstance(m, (torch.nn.Linear, torch.nn.Dropout))]
+    if len(linears) not in (2, 3) or len(others) != 1 or len(dropouts) > 1 \
+            or _persistent_tensors(module):
         return None
     act_name, act = others[0]
-    if (isinstance(act, torch.nn.Dropout) or any(True for _ in act.children())
-            or _persistent_tensors(act)):
+    if any(True for _ in act.children()) or _persistent_tensors(act):
         return None
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
@@ -607,15 +654,23 @@ def _mlp_structure(module):
         return None
     if len([p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]) != 1:
         return None
-    layouts = [(gate, up, down) for (gate, g), (up, u), (down, d) in itertools.permutations(linears)
-               if g.in_features == u.in_features == d.out_features
-               and g.out_features == u.out_features == d.in_features]
-    return (act_name, act, layouts) if layouts else None
+    if len(linears) == 3:
+        layouts = [_Layout(gate, up, down)
+                   for (gate, g), (up, u), (down, d) in itertools.permutations(linears)
+                   if g.in_features == u.in_features == d.out_features
+                   and g.out_features == u.out_features == d.in_features]
+    else:
+        layouts = [_Layout(both, both, down, half)
+                   for (both, b), (down, d) in itertools.permutations(linears)
+                   if b.in_features == d.out_features and b.out_features == 2 * d.in_features
+                   for half in (0, 1)]
+    return (act_name, act, layouts, dropouts[0] if dropouts else None) if layouts else None
 
 
-def _build_mlp(function, gate, up, down, layer_names, module):
-    return GatedMLP(function, [(n, module._modules[n]) for n in layer_names], gate, up,
-                    down).train(module.training)
+def _build_mlp(function, layout, layer_names, dropout, module):
+    return GatedMLP(function, [(n, module._modules[n]) for n in layer_names], layout.gate,
+                    layout.up, layout.down, half=layout.half,
+                    dropout=dropout).train(module.training)
 
 
 @contextlib.contextmanager
@@ -649,9 +704,10 @@ def _probe_input(tail, scales, dtype, device) -> torch.Tensor:
     return x.reshape(shape).to(device=device, dtype=dtype)
 
 
-def _prove(module, candidates, tail, scales, dtype, device):
+def _prove(module, candidates, tail, scales, dtype, device, evaluate=False):
     """The first candidate whose outputs match the module's on the probe, with the module's
-    tensors and with perturbed ones; else None and why each failed."""
+    tensors and with perturbed ones; else None and why each failed. `evaluate`: the copies
+    probed (and the candidates built from them) are in eval mode."""
     with _probing(device):
         x = _probe_input(tail, scales, dtype, device)
         perturb = any(t.is_floating_point() for t in itertools.chain(module.parameters(),
@@ -660,6 +716,8 @@ def _prove(module, candidates, tail, scales, dtype, device):
         for noise, note in ((None, ""), (_Noise(), " with perturbed parameters"))[:1 + perturb]:
             try:
                 twin = _twin(module, noise, {})
+                if evaluate:
+                    twin.eval()  # the copies' own training flags: the module keeps its
             except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
                 return None, f"it cannot be copied to be probed{note}: {_error(error)}"
             try:

@@ -36,6 +36,8 @@ def spec() -> OpSpec:
         call_params=("input_bias",),
         # the add before a norm inside a transformer layer, with the norm's own parameters
         replaces=(Replaces("*", kind="residual"),),
+        # Liger's in_place: dx written into dy's memory where that is safe
+        in_place=True,
         reference="dispatch.normalized(torch.nn.functional.rms_norm, "
                   "dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, "
                   "prenorm=prenorm)",

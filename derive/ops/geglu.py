@@ -1,9 +1,10 @@
-"""GeGLU: y = gelu(gate) * up with the exact (erf) GELU. Only the inputs are saved; the
-activation is recomputed in the backward."""
+"""GeGLU: y = gelu(gate) * up with the exact (erf) GELU; approximate="tanh" computes it with the
+tanh GELU (geglu_tanh's kernels). Only the inputs are saved; the activation is recomputed in the
+backward."""
 
 import sympy
 
-from derive.api import ElementwiseAPI, Replaces
+from derive.api import ElementwiseAPI, Replaces, Variant
 from derive.spec import OpSpec
 
 
@@ -18,7 +19,10 @@ def spec() -> OpSpec:
                             torch_function="torch.nn.functional.gelu(gate) * up",
                             inputs=("gate", "up"),
                             reference="torch.nn.functional.gelu(gate) * up",
+                            # torch's gelu(approximate="tanh") is the tanh GELU: geglu_tanh's op
+                            variant=Variant("approximate", (("none", None),
+                                                            ("tanh", "geglu_tanh"))),
                             # an MLP down(gelu(gate(x)) * up(x)) with the exact GELU; the probe
-                            # turns down the tanh GELU (Gemma's)
+                            # turns down the tanh GELU (geglu_tanh's rule takes that)
                             replaces=(Replaces("*", kind="mlp"),))
     return op

@@ -8,13 +8,17 @@ from derive.api import ElementwiseAPI, Replaces
 from derive.spec import OpSpec
 
 
+def tanh_argument(z):
+    """What the tanh approximation takes: sqrt(2 / pi) * (z + 0.044715 z^3), as torch's."""
+    return sympy.sqrt(2 / sympy.pi) * (z + sympy.Rational(44715, 10**6) * z**3)
+
+
 def spec() -> OpSpec:
     op = OpSpec("gelu_tanh", doc=__doc__)
     x = op.input("x")
     bias = op.column_param("bias", absent=0)
     z = op.element("z", x + bias)
-    inner = sympy.sqrt(2 / sympy.pi) * (z + sympy.Rational(44715, 10**6) * z**3)
-    t = op.element("t", sympy.tanh(inner))
+    t = op.element("t", sympy.tanh(tanh_argument(z)))
     op.output(op.element("y", z * (1 + t) / 2))
     op.save(x)
     op.api = ElementwiseAPI(

@@ -30,6 +30,8 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),),
+        # Liger's in_place: dx written into dy's memory where that is safe
+        in_place=True,
         # torch's rms_norm scales by the weight alone: (offset + weight) rounded to a 16-bit
         # weight's dtype would not be the kernels' fp32 scale
         reference="torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)",
