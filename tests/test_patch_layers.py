@@ -303,7 +303,11 @@ def test_a_fused_model_pickles_checkpoints_and_copies():
     assert_same(original, restored, 1e-5, training=False)
     # Hugging Face's checkpointing wraps the rewritten forward as the original one
     for model in (original, patched):
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        # transformers 5.24 names it activation_checkpointing_enable, earlier ones
+        # gradient_checkpointing_enable
+        enable = (getattr(model, "activation_checkpointing_enable", None)
+                  or model.gradient_checkpointing_enable)
+        enable({"use_reentrant": False})
     calls, checkpoint = [], layer._gradient_checkpointing_func
     layer._gradient_checkpointing_func = lambda *args, **kwargs: (
         calls.append(args[0].func), checkpoint(*args, **kwargs))[1]
