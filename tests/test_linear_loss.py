@@ -114,10 +114,13 @@ def test_logits_are_held_a_chunk_at_a_time(monkeypatch):
         assert seen == [(4, V), (4, V), (4, V), (3, V)] * passes
 
 
-def test_default_chunk_takes_about_the_input_memory():
+def test_default_chunk_takes_about_the_input_memory_above_a_floor():
     # Liger-Kernel's example: 16384 rows of 4096 features, 32000 classes: 2048 rows a chunk
     assert linear_loss.chunk_rows("f", 16384, 4096, 32000, None) == 2048
-    assert linear_loss.chunk_rows("f", 15, 8, 37, None) == 4  # 15 / ceil(37 / 8), rounded up
+    # 15 / ceil(37 / 8) = 4, raised to the floor of MIN_CHUNK_ROWS, never past the rows
+    assert linear_loss.chunk_rows("f", 15, 8, 37, None) == 15
+    assert linear_loss.chunk_rows("f", 4096, 1536, 151936, None) == linear_loss.MIN_CHUNK_ROWS
+    assert linear_loss.chunk_rows("f", 8192, 1536, 151936, None) == 1024  # 83 -> 1024
     assert linear_loss.chunk_rows("f", 3, 64, 10, None) == 3  # never past the rows
     assert linear_loss.chunk_rows("f", 15, 8, 37, 100) == 15
 
