@@ -328,8 +328,9 @@ class KernelContext:
             for c in map(self._column, p.columns):
                 load = (f"{p.name}_{c['name']} = tl.load({c['name']}_ptr + {p.index}, "
                         f"mask={mask}, other=0.0).to(ACC)")
-                lines += ([f"if {c['flag']}:", f"    {load}", "else:",
-                           f"    {p.name}_{c['name']} = {typed(c['absent'])}"] if c["flag"] else [load])
+                absent = f"    {p.name}_{c['name']} = {typed(c['absent'])}"
+                lines += ([f"if {c['flag']}:", f"    {load}", "else:", absent] if c["flag"]
+                          else [load])
             read = set(p.loads) | set(p.columns)
             gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
                                         for s in p.body.free_symbols if s.name in read})
