@@ -103,9 +103,12 @@ class KernelContext:
         # whether the call has it (`OpSpec.scalar(absent=...)`)
         self.switches = [{"name": name, "flag": f"HAS_{name.upper()}", "absent": repr(float(value))}
                          for name, value in kernel.switches]
-        self.printer = KernelPrinter(dialect, element.__contains__,
-                                     {(name, value): f"HAS_{name.upper()}"
-                                      for name, value in kernel.switches})
+        first = next(t.name for t in kernel.tensors("element") if not t.optional)
+        self.printer = KernelPrinter(
+            dialect, element.__contains__,
+            {(name, value): f"HAS_{name.upper()}" for name, value in kernel.switches},
+            f"torch.full((), {{}}, dtype=acc, device={first}.device)" if dialect is TORCH
+            else "{}")
         # values that are 0 where the mask is off: plain element inputs load as 0 there
         self._zero_masked = {t.name for t in kernel.tensors("element") if not t.optional}
         self._element_exprs = {a.name: a.expr for p in (*kernel.passes, kernel.epilogue)

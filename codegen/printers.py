@@ -97,9 +97,13 @@ class KernelPrinter:
     """Prints one expression; `varies(name)` says whether a symbol changes along the row."""
 
     def __init__(self, dialect: Dialect, varies: Callable[[str], bool],
-                 switches: Mapping[tuple[str, sympy.Expr], str] | None = None):
+                 switches: Mapping[tuple[str, sympy.Expr], str] | None = None,
+                 constant: str = "{}"):
         self.dialect = dialect
         self.varies = varies
+        #: how a branch of a switch that is a number prints (`{}` the number): the torch path
+        #: makes it a tensor, as a value it stores must be
+        self.constant = constant
         #: (scalar, the value it takes when off) -> the flag that says it is on: a Piecewise
         #: condition Eq(scalar, value) prints as a Python conditional on the flag (a constexpr
         #: in a kernel), chosen at compile time
@@ -116,9 +120,14 @@ class KernelPrinter:
                 # chosen, the terms they drop gone: with it off, the expression the spec would
                 # have without it), picked by the flag at compile time
                 truth = {c: isinstance(c, sympy.Eq) for c in off}
-                return (f"({self(expr.xreplace({c: not t for c, t in truth.items()}))} "
-                        f"if {flag} else {self(expr.xreplace(truth))})")
+                on, off_expr = expr.xreplace({c: not t for c, t in truth.items()}), \
+                    expr.xreplace(truth)
+                return f"({self._branch(on)} if {flag} else {self._branch(off_expr)})"
         return self._print(expr)[0]
+
+    def _branch(self, expr: sympy.Expr) -> str:
+        source = self(expr)
+        return self.constant.format(source) if expr.is_number else source
 
     # Each _print_* returns (source, binding strength).
     def _print(self, expr: sympy.Expr) -> tuple[str, int]:

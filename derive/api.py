@@ -31,6 +31,8 @@ class Option:
     #: a range the value must lie in: "probability" is [0, 1), "unit" [0, 1], "positive"
     #: (0, inf), "finite" any finite number, "integer" an integer
     check: str | None = None
+    #: what the option does, for the function's docstring (a row-loss API's lists them)
+    doc: str = ""
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,8 @@ class RowLossAPI:
     #: `return_<name>=True` (after the options) returns (loss, <name>), <name> reduced as the
     #: loss is and never differentiated (a z-loss term, for logging)
     returns: tuple[str, ...] = ()
+    #: what each of `returns` is, for the function's docstring: (name, text) pairs
+    returns_doc: tuple[tuple[str, str], ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
 

@@ -425,7 +425,7 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     target_gap = (weight * (target_logit - z)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-    z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+    z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
     loss = torch.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
     z_loss = torch.broadcast_to(z_loss, (M, 1)).reshape(M).contiguous() if store_z_loss else None
@@ -458,7 +458,7 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     weight_mean = weight_mean.to(acc)[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-    common_1 = (torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+    common_1 = (torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
     z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
@@ -497,7 +497,7 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    common_1 = (torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+    common_1 = (torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
     dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
@@ -954,6 +954,17 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     weight[c] * (logsumexp - input[c]), and the mean divides the sum by the sum of the counted
     rows' weight[target] (NaN where that is 0, as torch). Not differentiated (a weight that
     requires grad is refused, as torch's).
+    `lse_square_scale` (default 0.0): the z-loss (PaLM's, as Liger-Kernel's): each counted row
+    adds lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits with softcap),
+    which keeps the logits' normaliser near 1; its gradient is derived with the rest. With class
+    weights the mean divides it, as the rest of the loss, by the counted rows' weight sum
+    (Liger-Kernel: by their count). A finite number; 0 turns it off.
+    `softcap` (default None): logit softcapping (Gemma 2's final logits): the logits become
+    softcap * tanh(input / softcap) before anything else, the gradient taken through the tanh. A
+    finite number > 0, or None (off).
+    `return_z_loss=True` returns (loss, z_loss): the z-loss term alone, lse_square_scale *
+    logsumexp^2 per counted row (0 in ignored rows), for logging, as Liger-Kernel's. It is
+    reduced as the loss is and never differentiated (a gradient reaching it is dropped).
     reduction: "none" (a loss per row, shape of `target`), "mean" or "sum";
     `size_average` and `reduce`, torch's legacy arguments, set it as torch's do (and warn).
     Losses are computed and reduced in fp32 (fp64 for fp64 input) and returned in the input's

@@ -70,9 +70,21 @@ def spec() -> OpSpec:
         target="target", ignore="ignore_index", weight="weight",
         options=(Option("ignore_index", -100, check="integer"),
                  Option("label_smoothing", 0.0, check="unit"),
-                 Option("lse_square_scale", 0.0, check="finite"),
-                 Option("softcap", None, check="positive")),
+                 Option("lse_square_scale", 0.0, check="finite", doc=(
+                     "the z-loss (PaLM's, as Liger-Kernel's): each counted row adds "
+                     "lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits "
+                     "with softcap), which keeps the logits' normaliser near 1; its gradient is "
+                     "derived with the rest. With class weights the mean divides it, as the "
+                     "rest of the loss, by the counted rows' weight sum (Liger-Kernel: by their "
+                     "count). A finite number; 0 turns it off.")),
+                 Option("softcap", None, check="positive", doc=(
+                     "logit softcapping (Gemma 2's final logits): the logits become "
+                     "softcap * tanh(input / softcap) before anything else, the gradient taken "
+                     "through the tanh. A finite number > 0, or None (off)."))),
         returns=("z_loss",),
+        returns_doc=(("z_loss", "the z-loss term alone, lse_square_scale * "
+                                "logsumexp^2 per counted row (0 in ignored rows), for "
+                                "logging, as Liger-Kernel's."),),
         # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel)
         replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss")))
     return op
