@@ -33,6 +33,9 @@ class Option:
     check: str | None = None
     #: what the option does, for the function's docstring (a row-loss API's lists them)
     doc: str = ""
+    #: an option beyond the torch function's arguments: keyword-only in a row-loss API's
+    #: function and module, after torch's (whose signature is then kept as it is)
+    keyword_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ class ElementwiseAPI:
 @dataclass(frozen=True)
 class RowLossAPI:
     """`function(input, target, weight=None, size_average=None, <ignore>=..., reduce=None,
-    reduction="mean", <options>, *, class_dim=None)` as torch.nn.functional.cross_entropy: one
+    reduction="mean", <options>, *, <keyword_only options>, return_<name>=False,
+    class_dim=None)` as torch.nn.functional.cross_entropy: one
     loss per row of the class dim (dim 1 of an input of 2 or more dims, as torch's; the last
     with class_dim=-1) with an integer class `target` per row; rows whose target is the `ignore`
     option weigh 0 and do not count in the mean. `weight`, if the spec takes class weights:
@@ -299,6 +303,9 @@ def api_mismatches(spec) -> list[str]:
         if o.check not in CHECKS:
             problems.append(f"option '{o.name}' has check={o.check!r}; checks are "
                             + ", ".join(map(repr, CHECKS)))
+        if o.keyword_only and not isinstance(api, RowLossAPI):
+            problems.append(f"option '{o.name}' is keyword_only, which only a RowLossAPI "
+                            "reads (the other kinds' options are keyword-only already)")
         if o.module_only and not isinstance(api, NormalizedShapeAPI):
             problems.append(f"option '{o.name}' is module_only, which only a "
                             "NormalizedShapeAPI's scalar parameter init can use")

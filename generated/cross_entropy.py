@@ -939,7 +939,7 @@ torch.library.register_autograd(
 
 
 
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None, return_z_loss=False, *, class_dim=None):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, class_dim=None):
     """`torch.nn.functional.cross_entropy`: one loss per row of the class dim, one kernel each way.
 
     torch's layout: the classes along dim 1 of an input of 2 or more dims ((N, C) or
@@ -1011,7 +1011,7 @@ class CrossEntropyLoss(torch.nn.Module):
     """`cross_entropy` as a module, like torch.nn.CrossEntropyLoss: `weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None, return_z_loss=False, *, class_dim=None):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, class_dim=None):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = losses.legacy_reduction(size_average, reduce)

@@ -70,14 +70,14 @@ def spec() -> OpSpec:
         target="target", ignore="ignore_index", weight="weight",
         options=(Option("ignore_index", -100, check="integer"),
                  Option("label_smoothing", 0.0, check="unit"),
-                 Option("lse_square_scale", 0.0, check="finite", doc=(
+                 Option("lse_square_scale", 0.0, check="finite", keyword_only=True, doc=(
                      "the z-loss (PaLM's, as Liger-Kernel's): each counted row adds "
                      "lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits "
                      "with softcap), which keeps the logits' normaliser near 1; its gradient is "
                      "derived with the rest. With class weights the mean divides it, as the "
                      "rest of the loss, by the counted rows' weight sum (Liger-Kernel: by their "
                      "count). A finite number; 0 turns it off.")),
-                 Option("softcap", None, check="positive", doc=(
+                 Option("softcap", None, check="positive", keyword_only=True, doc=(
                      "logit softcapping (Gemma 2's final logits): the logits become "
                      "softcap * tanh(input / softcap) before anything else, the gradient taken "
                      "through the tanh. A finite number > 0, or None (off)."))),
