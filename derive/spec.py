@@ -193,6 +193,10 @@ class OpSpec:
         if node_absent is not None and not (node_absent.is_number and node_absent.is_finite):
             raise SpecError(f"{_caller_location()}: scalar '{name}': absent must be a finite "
                             f"number, got {absent!r}")
+        if node_absent is not None and positive and not node_absent > 0:
+            # SymPy would read Eq(name, absent) as False: the scalar could never be off
+            raise SpecError(f"{_caller_location()}: scalar '{name}' is declared positive, so it "
+                            f"cannot take its absent value {absent!r}")
         return self._declare(name, Kind.SCALAR, Level.SCALAR, positive=positive,
                              absent=node_absent)
 

@@ -232,3 +232,5 @@ def test_spec_errors():
                for p in api_mismatches(loss_spec(returns=())))
     with pytest.raises(SpecError, match="absent must be a finite number"):
         OpSpec("bad").scalar("s", absent=float("inf"))
+    with pytest.raises(SpecError, match="declared positive, so it cannot take its absent value"):
+        OpSpec("bad").scalar("s", positive=True, absent=0)
