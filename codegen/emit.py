@@ -75,6 +75,8 @@ class ModuleSpec:
     row_shape: bool = False
     #: element inputs given broadcastable to the first input (never differentiated)
     broadcast_inputs: tuple[str, ...] = ()
+    #: outputs never differentiated (returned on request; their gradient is dropped)
+    undifferentiated: tuple[str, ...] = ()
 
 
 def formula(expr: sympy.Expr) -> str:
@@ -111,7 +113,16 @@ class KernelContext:
         self.generated = dict(kernel.generated)
         element |= {name for name, kind in kernel.generated if kind != "row_index"}
         self._element = element  # the printer reads it: names added later vary per element
-        self.printer = KernelPrinter(dialect, element.__contains__)
+        # scalars that may be off: a constexpr flag each (HAS_<NAME>), the kernel compiled for
+        # whether the call has it (`OpSpec.scalar(absent=...)`)
+        self.switches = [{"name": name, "flag": f"HAS_{name.upper()}", "absent": repr(float(value))}
+                         for name, value in kernel.switches]
+        first = next(t.name for t in kernel.tensors("element") if not t.optional)
+        self.printer = KernelPrinter(
+            dialect, element.__contains__,
+            {(name, value): f"HAS_{name.upper()}" for name, value in kernel.switches},
+            f"torch.full((), {{}}, dtype=acc, device={first}.device)" if dialect is TORCH
+            else "{}")
         # values that are 0 where the mask is off: plain element inputs load as 0 there
         self._zero_masked = {t.name for t in kernel.tensors("element") if not t.optional}
         self._element_exprs = {a.name: a.expr for p in (*kernel.passes, kernel.epilogue)
@@ -614,6 +625,7 @@ class KernelContext:
     def flag_args(self) -> list[str]:
         """The constexpr flags of every kernel form: optional inputs given, outputs stored."""
         return ([f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
+                + [f"{s['flag']}: tl.constexpr" for s in self.switches]
                 + [f"{c['flag']}: tl.constexpr" for c in self.column_inputs if c["flag"]]
                 + [f"{s['flag']}: tl.constexpr" for s in self.flagged_stores])
 
@@ -705,6 +717,11 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
     gradient_of = dict(module.gradients)
     fwd = KernelContext(forward, TRITON, backward=False)
+    # optional outputs (those after the first) are stored when asked for (want_<name>); element
+    # ones may take another dtype (<name>_dtype; the custom op's <name>_fp32)
+    dtyped = [s["name"] for s in fwd.element_stores if s["name"] in module.outputs[1:]]
+    extra_args = [arg for name in module.outputs[1:]
+                  for arg in (f"want_{name}", *[f"{name}_dtype"] * (name in dtyped))]
     modes = []
     emitted: set[str] = set()  # recorded kernels already in the module
     for mode, saved, doc in module.modes:
@@ -733,7 +750,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "returns": ", ".join(
                 [f"{gradient_of[a]} if needs[{i}] else None" if a in gradient_of else "None"
                  for i, a in enumerate(function_args)]
-                + ["None"] * (2 * len(module.outputs[1:]))),
+                + ["None"] * len(extra_args)),
         })
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
@@ -746,13 +763,16 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "upstream": module.upstream,
         "function_args": function_args,
         "optional_outputs": list(module.outputs[1:]),
+        "dtyped_outputs": dtyped,
+        # Function.backward's arguments: a gradient per output (those of undifferentiated
+        # outputs dropped)
+        "output_grads": [upstream_symbol(name).name for name in module.outputs],
         "extra_flags": [arg for name in module.outputs[1:]
-                        for arg in (f"want_{name}", f"{name}_fp32")],
+                        for arg in (f"want_{name}", *[f"{name}_fp32"] * (name in dtyped))],
         "function_tensors": [*(name for name, _ in module.gradients)],
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
-        "extra_args": [arg for name in module.outputs[1:]
-                       for arg in (f"want_{name}", f"{name}_dtype")],
+        "extra_args": extra_args,
         "fwd_torch": KernelContext(forward, TORCH),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),

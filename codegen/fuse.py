@@ -204,9 +204,16 @@ def picks(kernel: Kernel) -> tuple[Kernel, tuple[Pick, ...]]:
     found: list[Pick] = []
     passes = []
     for step in kernel.passes:
+        # element values of the pass, in terms of what the kernel reads: a one-hot sum of one
+        # (capped logits) is that value at the row's column, computed from the gathered inputs
+        elements: dict[str, sympy.Expr] = {}
+        for a in step.assigns:
+            if a.level == "element":
+                elements[a.name] = _inlined(a.expr, elements)
         kept = []
         for r in step.reductions:
-            pick = _pick(r, index, rows, known, plain, columns)
+            pick = _pick(replace(r, body=_inlined(r.body, elements)), index, rows, known, plain,
+                         columns)
             if pick is None:
                 kept.append(r)
             else:
@@ -218,6 +225,11 @@ def picks(kernel: Kernel) -> tuple[Kernel, tuple[Pick, ...]]:
     if not found:
         return kernel, ()
     return replace(kernel, passes=tuple(passes)), tuple(found)
+
+
+def _inlined(expr: sympy.Expr, elements: dict[str, sympy.Expr]) -> sympy.Expr:
+    """`expr` with the element values named in `elements` replaced by their definitions."""
+    return expr.xreplace({s: elements[s.name] for s in expr.free_symbols if s.name in elements})
 
 
 def _pick(r: RowReduce, index: set[str], rows: set[str], known: set[str],

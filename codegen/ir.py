@@ -79,6 +79,9 @@ class Kernel:
     aliases: tuple[tuple[str, str], ...] = ()  # (output, the stored output it equals)
     #: values made in the kernel: (name, "column_index" | "row_index" | "random")
     generated: tuple[tuple[str, str], ...] = ()
+    #: scalars that may be off, and the value each then takes: a constexpr flag says whether
+    #: it is (its Piecewise branches on that value are chosen at compile time)
+    switches: tuple[tuple[str, sympy.Expr], ...] = ()
 
     def tensors(self, level: str) -> tuple[Tensor, ...]:
         return tuple(t for t in self.inputs if t.level == level)

@@ -43,7 +43,7 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     element_stores = [s for s in stores if s.level in ("element", "column")]
     assigns, loads = _element_work([s.expr for s in element_stores], definitions, order, levels)
     epilogue_assigns, rewritten = _share_subexpressions(
-        assigns, [s.expr for s in element_stores], levels)
+        assigns, [s.expr for s in element_stores], levels, graph.scalar_absent)
     by_name = {s.name: expr for s, expr in zip(element_stores, rewritten, strict=True)}
     final_stores = tuple(Store(s.name, by_name.get(s.name, s.expr), s.level, s.flag, s.like)
                          for s in stores)
@@ -60,8 +60,9 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     generated = tuple((n, kind) for n, kind in graph.generated if n in needed)
     element_inputs = {t.name for t in inputs if t.level == "element"}
     final_stores, aliases = _alias_identical(final_stores, element_inputs)
+    switches = tuple((s, value) for s, value in graph.scalar_absent if s in graph.scalars)
     return Kernel(name, inputs, outputs, graph.scalars, prologue, tuple(passes), epilogue,
-                  final_stores, aliases, generated)
+                  final_stores, aliases, generated, switches)
 
 
 def _alias_identical(stores: tuple[Store, ...], element_inputs: set[str]
@@ -153,7 +154,9 @@ def _element_work(exprs: list[sympy.Expr], definitions: dict[str, Definition],
 
 
 def _share_subexpressions(assigns: tuple[Assign, ...], exprs: list[sympy.Expr],
-                          levels: dict[str, str]) -> tuple[tuple[Assign, ...], list[sympy.Expr]]:
+                          levels: dict[str, str],
+                          switches: tuple[tuple[str, sympy.Expr], ...] = ()
+                          ) -> tuple[tuple[Assign, ...], list[sympy.Expr]]:
     """Common subexpression elimination over the epilogue: its element definitions and its
     outputs together, so that a value the backward prints again inside an output (GeGLU's
     erf(sqrt(2)*gate/2), in the activation it recomputes and in the activation's derivative)
@@ -175,6 +178,7 @@ def _share_subexpressions(assigns: tuple[Assign, ...], exprs: list[sympy.Expr],
         else:
             inline[symbol] = expr
     reduced = [e.xreplace(inline) for e in reduced]
+    temporaries = _switched_off(temporaries, reduced, switches)
     # sympy orders the temporaries so that each follows those it uses; a temporary goes before
     # the first definition that uses it, directly or through a later temporary
     result: list[Assign] = []
@@ -193,3 +197,43 @@ def _share_subexpressions(assigns: tuple[Assign, ...], exprs: list[sympy.Expr],
     outputs = reduced[len(assigns):]
     place({s.name for e in outputs for s in e.free_symbols})
     return tuple(result), outputs
+
+
+def _switched_off(temporaries: list[Assign], uses: list[sympy.Expr],
+                  switches: tuple[tuple[str, sympy.Expr], ...]) -> list[Assign]:
+    """Temporaries of a scalar that may be off (`OpSpec.scalar(absent=...)`) that are read only
+    where it is on, computed only there: `t = Piecewise((0, Eq(s, absent)), (t, True))`, whose
+    branch the kernel's constexpr picks. A temporary shared by the branches of a switch (the
+    tanh of capped logits and of their derivative) would otherwise be computed, and thrown
+    away, for every element of a call with the scalar off."""
+    result = []
+    for index, temporary in enumerate(temporaries):
+        expr = temporary.expr
+        symbol = sympy.Symbol(temporary.name, real=True)
+        readers = uses + [t.expr for t in temporaries[index + 1:]]
+        for name, absent in switches:
+            scalar = next((s for s in expr.free_symbols if s.name == name), None)
+            if scalar is None:
+                continue
+            off = sympy.Eq(scalar, absent)
+            if not any(_read_when(e, symbol, off) for e in readers):
+                expr = sympy.Piecewise((0, off), (expr, True))
+        result.append(Assign(temporary.name, expr, temporary.level))
+    return result
+
+
+def _read_when(expr: sympy.Basic, symbol: sympy.Symbol, off: sympy.Basic) -> bool:
+    """Whether `expr` may read `symbol` where condition `off` holds (the branches of a
+    Piecewise that `off` rules out are skipped; others are assumed reachable)."""
+    if expr == symbol:
+        return True
+    if isinstance(expr, sympy.Piecewise):
+        for value, condition in expr.args:
+            if condition == off:
+                return _read_when(value, symbol, off)  # off: this branch, never a later one
+            if condition == sympy.Not(off):
+                continue
+            if _read_when(value, symbol, off) or _read_when(condition, symbol, off):
+                return True
+        return False
+    return any(_read_when(arg, symbol, off) for arg in expr.args)

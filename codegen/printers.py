@@ -103,12 +103,38 @@ def _summation_rank(term: sympy.Expr) -> int:
 class KernelPrinter:
     """Prints one expression; `varies(name)` says whether a symbol changes along the row."""
 
-    def __init__(self, dialect: Dialect, varies: Callable[[str], bool]):
+    def __init__(self, dialect: Dialect, varies: Callable[[str], bool],
+                 switches: Mapping[tuple[str, sympy.Expr], str] | None = None,
+                 constant: str = "{}"):
         self.dialect = dialect
         self.varies = varies
+        #: how a branch of a switch that is a number prints (`{}` the number): the torch path
+        #: makes it a tensor, as a value it stores must be
+        self.constant = constant
+        #: (scalar, the value it takes when off) -> the flag that says it is on: a Piecewise
+        #: condition Eq(scalar, value) prints as a Python conditional on the flag (a constexpr
+        #: in a kernel), chosen at compile time
+        self.switches = dict(switches or {})
 
     def __call__(self, expr: sympy.Expr) -> str:
-        return self._print(sympy.sympify(expr))[0]
+        expr = sympy.sympify(expr)
+        for (name, value), flag in self.switches.items():
+            off = [c for c in expr.atoms(sympy.Eq, sympy.Ne)
+                   if any(getattr(a, "name", None) == name for a in c.args)
+                   and value in c.args]
+            if off:
+                # the expression as the spec reads with the scalar on, and off (its branches
+                # chosen, the terms they drop gone: with it off, the expression the spec would
+                # have without it), picked by the flag at compile time
+                truth = {c: isinstance(c, sympy.Eq) for c in off}
+                on, off_expr = expr.xreplace({c: not t for c, t in truth.items()}), \
+                    expr.xreplace(truth)
+                return f"({self._branch(on)} if {flag} else {self._branch(off_expr)})"
+        return self._print(expr)[0]
+
+    def _branch(self, expr: sympy.Expr) -> str:
+        source = self(expr)
+        return self.constant.format(source) if expr.is_number else source
 
     # Each _print_* returns (source, binding strength).
     def _print(self, expr: sympy.Expr) -> tuple[str, int]:

@@ -24,12 +24,18 @@ class Option:
     """A keyword-only scalar option of the function and the module (beyond torch's API)."""
 
     name: str
-    default: float
+    #: None: the option is off unless given; its scalar must be declared absent=0 (the value
+    #: the kernels then read) and its check "positive", so that no value given means off
+    default: float | None
     module_only: bool = False  # a constructor argument only (an init value)
-    #: a range the value must lie in: "probability" is [0, 1)
+    #: a range the value must lie in: "probability" is [0, 1), "unit" [0, 1], "positive"
+    #: (0, inf), "finite" any finite number, "integer" an integer
     check: str | None = None
-    #: what the option does, for the function's docstring (an elementwise API's)
+    #: what the option does, for the function's docstring (elementwise and row-loss APIs)
     doc: str = ""
+    #: an option beyond the torch function's arguments: keyword-only in a row-loss API's
+    #: function and module, after torch's (whose signature is then kept as it is)
+    keyword_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,8 @@ class ElementwiseAPI:
 @dataclass(frozen=True)
 class RowLossAPI:
     """`function(input, target, weight=None, size_average=None, <ignore>=..., reduce=None,
-    reduction="mean", <options>, *, class_dim=None)` as torch.nn.functional.cross_entropy: one
+    reduction="mean", <options>, *, <keyword_only options>, return_<name>=False,
+    class_dim=None)` as torch.nn.functional.cross_entropy: one
     loss per row of the class dim (dim 1 of an input of 2 or more dims, as torch's; the last
     with class_dim=-1) with an integer class `target` per row; rows whose target is the `ignore`
     option weigh 0 and do not count in the mean. `weight`, if the spec takes class weights:
@@ -201,6 +208,12 @@ class RowLossAPI:
     ignore: str
     weight: str | None = None
     options: tuple[Option, ...] = ()
+    #: per-row outputs of the spec declared grad=False that the function returns on request:
+    #: `return_<name>=True` (after the options) returns (loss, <name>), <name> reduced as the
+    #: loss is and never differentiated (a z-loss term, for logging)
+    returns: tuple[str, ...] = ()
+    #: what each of `returns` is, for the function's docstring: (name, text) pairs
+    returns_doc: tuple[tuple[str, str], ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
 
@@ -257,7 +270,7 @@ _GLOBALS = {"math", "numbers", "Optional", "torch", "triton", "tl", "checks", "l
             "dispatch", "DISPATCH"}
 
 #: the values of Option.check (codegen/runtime/checks.py check_option)
-CHECKS = (None, "probability", "unit", "integer")
+CHECKS = (None, "probability", "unit", "integer", "positive", "finite")
 
 
 def api_mismatches(spec) -> list[str]:
@@ -283,14 +296,23 @@ def api_mismatches(spec) -> list[str]:
     problems = _names(api, set(kinds))
     if not inputs:
         problems.append("the spec declares no input (op.input(...)), which every API takes")
+    absent = {n.name: n.absent for n in spec.nodes if n.kind is Kind.SCALAR}
     for o in all_options:
-        if isinstance(o.default, bool) or not isinstance(o.default, (int, float)) \
+        if o.default is None:
+            if o.check != "positive" or absent.get(o.name) != 0:
+                problems.append(f"option '{o.name}' defaults to None (off), which needs "
+                                "check='positive' and its scalar declared absent=0 (the "
+                                "value the kernels read when it is off)")
+        elif isinstance(o.default, bool) or not isinstance(o.default, (int, float)) \
                 or o.default != o.default or abs(o.default) == float("inf"):
             problems.append(f"option '{o.name}' needs a finite number as its default, got "
                             f"{o.default!r}")
         if o.check not in CHECKS:
             problems.append(f"option '{o.name}' has check={o.check!r}; checks are "
                             + ", ".join(map(repr, CHECKS)))
+        if o.keyword_only and not isinstance(api, RowLossAPI):
+            problems.append(f"option '{o.name}' is keyword_only, which only a RowLossAPI "
+                            "reads (the other kinds' options are keyword-only already)")
         if o.module_only and not isinstance(api, NormalizedShapeAPI):
             problems.append(f"option '{o.name}' is module_only, which only a "
                             "NormalizedShapeAPI's scalar parameter init can use")
@@ -380,7 +402,17 @@ def api_mismatches(spec) -> list[str]:
             problems.append("RowLossAPI takes one input and no parameters besides its weight; "
                             f"the spec declares inputs {', '.join(inputs)} and parameters "
                             f"{', '.join(params) or 'none'}")
-        problems += _outputs(outputs, Level.ROW, 1)
+        returned = [spec.node(name) for name in spec.undifferentiated]
+        problems += _outputs([n for n in outputs if n.name not in spec.undifferentiated],
+                             Level.ROW, 1)
+        for name in api.returns:
+            if name not in spec.undifferentiated or spec.node(name).level is not Level.ROW:
+                problems.append(f"returns '{name}' is not a per-row output of the spec "
+                                "declared grad=False")
+        for node in returned:
+            if node.name not in api.returns:
+                problems.append(f"output '{node.name}' (grad=False) is not in the API's "
+                                "returns")
     elif isinstance(api, ReductionAPI):
         if len(inputs) != 1 or params:
             problems.append("ReductionAPI takes one input and no parameters; the spec declares "
@@ -391,6 +423,9 @@ def api_mismatches(spec) -> list[str]:
         if n.kind is Kind.COLUMN_PARAM and not n.grad and n.name != getattr(api, "weight", None):
             problems.append(f"column_param '{n.name}' is declared grad=False, which only a "
                             "RowLossAPI takes (as its weight=)")
+    if spec.undifferentiated and not isinstance(api, RowLossAPI):
+        problems.append(f"outputs declared grad=False ({', '.join(spec.undifferentiated)}) are "
+                        "returned only by a RowLossAPI (its returns=)")
     target = getattr(api, "target", None)
     for name in row_inputs:
         if name != target:
@@ -459,6 +494,7 @@ def _names(api, values: set[str]) -> list[str]:
         problems.append(f"function and module are both named '{api.function}'")
     arguments = list(getattr(api, "inputs", ())) + list(getattr(api, "call_params", ()))
     arguments += [o.name for o in getattr(api, "options", ())]
+    arguments += [f"return_{name}" for name in getattr(api, "returns", ())]
     arguments += [s.name for s in getattr(api, "switches", ())]
     arguments += [p.flag for p in getattr(api, "params", ()) if p.flag]
     if getattr(api, "variant", None) is not None:

@@ -156,8 +156,9 @@ def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
         upstream=tuple(s.name for s in derivation.reverse.upstream.values()),
         gradients=tuple((n.name, gradient_name(n.name)) for n in differentiable_nodes(spec)),
         row_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.ROW_INPUT),
-        row_upstream=tuple(upstream_symbol(name).name for name in spec.outputs
+        row_upstream=tuple(upstream_symbol(name).name for name in spec.differentiated
                            if spec.node(name).level is Level.ROW),
+        undifferentiated=tuple(spec.undifferentiated),
         seeded=any(n.kind is Kind.RANDOM for n in spec.nodes),
         row_shape=any(n.broadcast or (n.kind is Kind.INDEX and n.level is Level.ROW)
                       for n in spec.nodes),

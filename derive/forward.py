@@ -55,6 +55,8 @@ def extras(spec: OpSpec) -> dict[str, tuple]:
         "broadcast_inputs": tuple(n.name for n in spec.nodes if n.broadcast),
         "integer_inputs": tuple(n.name for n in spec.nodes
                                 if n.integer and n.kind is Kind.ROW_INPUT),
+        "scalar_absent": tuple((n.name, n.absent) for n in spec.nodes
+                               if n.kind is Kind.SCALAR and n.absent is not None),
     }
 
 

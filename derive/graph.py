@@ -56,6 +56,9 @@ class RowGraph:
     broadcast_inputs: tuple[str, ...] = ()
     #: row inputs that stay integers (class indices)
     integer_inputs: tuple[str, ...] = ()
+    #: scalars that may be off and the value each then takes (the kernels are compiled for
+    #: whether it is)
+    scalar_absent: tuple[tuple[str, sympy.Expr], ...] = ()
 
     def describe(self) -> str:
         lines = [f"reads elements {', '.join(self.element_inputs) or '-'}; "

@@ -48,7 +48,7 @@ class RecordedBackward:
 def carries_graph(spec: OpSpec, name: str) -> bool:
     """Whether autograd differentiates through a saved value: an input (class indices and
     other row inputs included, which have no gradient) or an output of the op."""
-    return spec.node(name).kind in (Kind.INPUT, Kind.ROW_INPUT) or name in spec.outputs
+    return spec.node(name).kind in (Kind.INPUT, Kind.ROW_INPUT) or name in spec.differentiated
 
 
 def recorded_backwards(spec: OpSpec) -> dict[str, RecordedBackward | None]:

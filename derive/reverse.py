@@ -56,7 +56,8 @@ def upstream_symbol(output: str) -> sympy.Symbol:
 
 def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
     """Walk the forward definitions backwards, keeping an adjoint for every node."""
-    upstream = {name: upstream_symbol(name) for name in spec.outputs}
+    upstream = {name: upstream_symbol(name) for name in spec.outputs
+                if name not in spec.undifferentiated}
     for name, symbol in upstream.items():
         algebra.levels[symbol] = spec.node(name).level
     adjoint: dict[str, sympy.Expr] = defaultdict(lambda: sympy.Integer(0))

@@ -103,6 +103,8 @@ class OpSpec:
     doc: str = ""
     nodes: list[Node] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    #: outputs never differentiated (`output(..., grad=False)`), the last of `outputs`
+    undifferentiated: list[str] = field(default_factory=list)
     modes: dict[str, list[str]] = field(default_factory=dict)
     mode_docs: dict[str, str] = field(default_factory=dict)
     api: Any = None
@@ -177,9 +179,26 @@ class OpSpec:
         all rows and columns (DyT's alpha)."""
         return self._declare(name, Kind.SCALAR_PARAM, Level.SCALAR)
 
-    def scalar(self, name: str, positive: bool = False) -> sympy.Symbol:
-        """A constant of the call, not differentiated (eps, a scale)."""
-        return self._declare(name, Kind.SCALAR, Level.SCALAR, positive=positive)
+    def scalar(self, name: str, positive: bool = False,
+               absent: float | None = None) -> sympy.Symbol:
+        """A constant of the call, not differentiated (eps, a scale).
+
+        `absent` declares a scalar that may be off (an option whose default turns a feature
+        off): the value it then takes. The kernels are compiled for whether it is: every
+        Piecewise branch on `Eq(name, absent)` (or `Ne`) is chosen at compile time, so a call
+        with the scalar off runs the kernels as if the spec never had it (no select, nothing
+        computed per element for it).
+        """
+        node_absent = None if absent is None else sympy.sympify(absent)
+        if node_absent is not None and not (node_absent.is_number and node_absent.is_finite):
+            raise SpecError(f"{_caller_location()}: scalar '{name}': absent must be a finite "
+                            f"number, got {absent!r}")
+        if node_absent is not None and positive and not node_absent > 0:
+            # SymPy would read Eq(name, absent) as False: the scalar could never be off
+            raise SpecError(f"{_caller_location()}: scalar '{name}' is declared positive, so it "
+                            f"cannot take its absent value {absent!r}")
+        return self._declare(name, Kind.SCALAR, Level.SCALAR, positive=positive,
+                             absent=node_absent)
 
     def element(self, name: str, expr: Any, positive: bool = False) -> sympy.Symbol:
         """An elementwise definition over the generic element j."""
@@ -212,16 +231,36 @@ class OpSpec:
         does not depend on it."""
         return self._reduce(name, "max", body, False)
 
-    def output(self, *symbols: sympy.Symbol) -> None:
+    def output(self, *symbols: sympy.Symbol, grad: bool = True) -> None:
         """The results returned by the forward, in order: elementwise values, or one value per
-        row (a loss)."""
+        row (a loss).
+
+        `grad=False` declares outputs that are never differentiated: values the call returns
+        on request besides its result (a loss's z-loss term, for logging), whose gradient,
+        if any reaches them, is dropped. They come after every differentiated output."""
         for symbol in symbols:
             node = self.node_of(symbol, "output")
             if node.level not in (Level.ELEMENT, Level.ROW) or not node.is_definition:
                 raise self._error(node.name, "output() takes elementwise or per-row "
                                              f"definitions; got {node.level.value}-level "
                                              f"{node.kind.value} '{node.name}'")
+            if node.name in self.outputs:
+                raise self._error(node.name, f"'{node.name}' is an output already")
+            if grad and self.undifferentiated:
+                raise self._error(node.name, f"the differentiated output '{node.name}' must "
+                                             "come before the outputs declared grad=False ("
+                                             f"{', '.join(self.undifferentiated)})")
+            if not grad and not self.outputs:
+                raise self._error(node.name, "the first output is the op's result and is "
+                                             "differentiated: declare it without grad=False")
             self.outputs.append(node.name)
+            if not grad:
+                self.undifferentiated.append(node.name)
+
+    @property
+    def differentiated(self) -> list[str]:
+        """The outputs a backward takes an upstream gradient of."""
+        return [name for name in self.outputs if name not in self.undifferentiated]
 
     def save(self, *symbols: sympy.Symbol, mode: str = "default", doc: str = "") -> None:
         """What the forward keeps for the backward (inputs, elementwise values, row scalars).

@@ -14,6 +14,13 @@ loss does not depend on it); the softmax is never stored: the backward recompute
 exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
 gradient (torch gives them none either).
 
+Two options of large-vocabulary training, both off by default (the kernels are then compiled
+without them): `softcap` caps the logits first, z = softcap * tanh(x / softcap) (Gemma 2's
+final logit softcapping), every term above then taken over z (the target's, from its one
+gathered logit). `lse_square_scale` adds the z-loss, lse_square_scale *
+logsumexp(z)^2, to each counted row's loss (PaLM's auxiliary loss, as Liger-Kernel's), its
+logsumexp the one the loss already has: no further pass over the logits.
+
 The backward is derived symbolically; see docs/ops/cross_entropy.md for every step.
 """
 
@@ -30,9 +37,11 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 
 @triton.jit
-def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, row_max_ptr,
-        denominator_ptr, target_weight_ptr, weight_mean_ptr, ignore_index_high, ignore_index_low,
-        label_smoothing_high, label_smoothing_low, M, N, HAS_WEIGHT: tl.constexpr,
+def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, z_loss_ptr,
+        row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, ignore_index_high,
+        ignore_index_low, label_smoothing_high, label_smoothing_low, lse_square_scale_high,
+        lse_square_scale_low, softcap_high, softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
         STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr,
         STORE_TARGET_WEIGHT: tl.constexpr, STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
@@ -42,20 +51,23 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 
     key = column index
     pass 1: load key, weight, x
-      row_max = 1 * max_j(x)
-      target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+      z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+      row_max = 1 * max_j(z)
+      target_logit = 1 * sum_j(Piecewise((z, Eq(key, target)), (0, True)))
       target_weight = 1 * sum_j(Piecewise((weight, Eq(key, target)), (0, True)))
       weight_mean = 1/N * sum_j(weight)
       factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-      part_row_max_target_logit = row_max - target_logit
     pass 2: load weight, x
-      e = exp(-row_max + x)
+      z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+      e = exp(-row_max + z)
       denominator = 1 * sum_j(e)
-      target_gap = 1/N * sum_j(weight*(target_logit - x))
+      target_gap = 1/N * sum_j(weight*(target_logit - z))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-      loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
+      z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     epilogue: load -
     store loss = loss
+    store z_loss = z_loss (if STORE_Z_LOSS)
     store row_max = row_max (if STORE_ROW_MAX)
     store denominator = denominator (if STORE_DENOMINATOR)
     store target_weight = target_weight (if STORE_TARGET_WEIGHT)
@@ -76,6 +88,8 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     col_mask = helpers.below(cols, N, EVEN)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
+    lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
+    softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -89,7 +103,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         target_logit_mask = row_mask & (target >= 0) & (target < N)
         target_logit_x = tl.load(x_ptr + offsets * x_row_stride + target, mask=target_logit_mask, other=0.0).to(ACC)
-        target_logit = tl.where(target_logit_mask, target_logit_x, 0.0)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
+        target_logit = tl.where(target_logit_mask, (softcap * helpers.tanh(helpers.div(target_logit_x, softcap, EXACT)) if HAS_SOFTCAP else target_logit_x), 0.0)  # target_logit = 1 * (Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True)) at column target): a one-hot sum over the row, read as one element
         target_weight_mask = row_mask & (target >= 0) & (target < N)
         if HAS_WEIGHT:
             target_weight_weight = tl.load(weight_ptr + target, mask=target_weight_mask, other=0.0).to(ACC)
@@ -98,17 +112,20 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         target_weight = tl.where(target_weight_mask, target_weight_weight, 0.0)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
-        row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
+        z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+        row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
         row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
         weight_mean = tl.sum(tl.where(mask, weight, 0.0), axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-        part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
-        e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
+        e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        target_gap = tl.sum(tl.where(mask, weight * (target_logit - x), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
+        target_gap = tl.sum(tl.where(mask, weight * (target_logit - z), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-        loss = tl.where((ignore_index == target), 0.0, smoothed + factor * (part_row_max_target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
+        z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+        loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
+        if STORE_Z_LOSS:
+            tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
         if STORE_DENOMINATOR:
@@ -120,9 +137,11 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 
 
 @triton.jit
-def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, row_max_ptr,
-        denominator_ptr, target_weight_ptr, weight_mean_ptr, ignore_index_high, ignore_index_low,
-        label_smoothing_high, label_smoothing_low, M, N, HAS_WEIGHT: tl.constexpr,
+def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, z_loss_ptr,
+        row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, ignore_index_high,
+        ignore_index_low, label_smoothing_high, label_smoothing_low, lse_square_scale_high,
+        lse_square_scale_low, softcap_high, softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
         STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr,
         STORE_TARGET_WEIGHT: tl.constexpr, STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
@@ -133,20 +152,23 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 
     key = column index
     pass 1: load key, weight, x
-      row_max = 1 * max_j(x)
-      target_logit = 1 * sum_j(Piecewise((x, Eq(key, target)), (0, True)))
+      z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+      row_max = 1 * max_j(z)
+      target_logit = 1 * sum_j(Piecewise((z, Eq(key, target)), (0, True)))
       target_weight = 1 * sum_j(Piecewise((weight, Eq(key, target)), (0, True)))
       weight_mean = 1/N * sum_j(weight)
       factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-      part_row_max_target_logit = row_max - target_logit
     pass 2: load weight, x
-      e = exp(-row_max + x)
+      z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+      e = exp(-row_max + z)
       denominator = 1 * sum_j(e)
-      target_gap = 1/N * sum_j(weight*(target_logit - x))
+      target_gap = 1/N * sum_j(weight*(target_logit - z))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-      loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
+      z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     epilogue: load -
     store loss = loss
+    store z_loss = z_loss (if STORE_Z_LOSS)
     store row_max = row_max (if STORE_ROW_MAX)
     store denominator = denominator (if STORE_DENOMINATOR)
     store target_weight = target_weight (if STORE_TARGET_WEIGHT)
@@ -160,6 +182,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
+    lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
+    softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -167,7 +191,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         target_logit_mask = row_mask & (target >= 0) & (target < N)
         target_logit_x = tl.load(x_ptr + offsets * x_row_stride + target, mask=target_logit_mask, other=0.0).to(ACC)
-        target_logit = tl.where(target_logit_mask, target_logit_x, 0.0)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
+        target_logit = tl.where(target_logit_mask, (softcap * helpers.tanh(helpers.div(target_logit_x, softcap, EXACT)) if HAS_SOFTCAP else target_logit_x), 0.0)  # target_logit = 1 * (Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True)) at column target): a one-hot sum over the row, read as one element
         target_weight_mask = row_mask & (target >= 0) & (target < N)
         if HAS_WEIGHT:
             target_weight_weight = tl.load(weight_ptr + target, mask=target_weight_mask, other=0.0).to(ACC)
@@ -190,20 +214,21 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                     weight = tl.full([], 1.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
+                z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
                 weight_mean_acc += tl.where(mask, weight, 0.0)
-                target_gap_acc += tl.where(mask, weight * (target_logit - x), 0.0)
-                row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None])
+                target_gap_acc += tl.where(mask, weight * (target_logit - z), 0.0)
+                row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
-                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
+                denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
             weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
-            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
-            row_max = row_max_shift  # row_max = 1 * max_j(x), infinities made finite
-            denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
+            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+            row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
+            denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-            part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-            loss = tl.where((ignore_index == target), 0.0, smoothed + factor * (part_row_max_target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
+            z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+            loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             weight_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -217,13 +242,13 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                     weight = tl.full([], 1.0, ACC)
                 key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
-                row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
+                z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+                row_max_acc = tl.maximum(row_max_acc, tl.where(mask, z, float("-inf")))
                 weight_mean_acc += tl.where(mask, weight, 0.0)
-            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
+            row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
             row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
             weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-            part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -235,14 +260,18 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 else:
                     weight = tl.full([], 1.0, ACC)
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-                e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
+                z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+                e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
-                target_gap_acc += tl.where(mask, weight * (target_logit - x), 0.0)
+                target_gap_acc += tl.where(mask, weight * (target_logit - z), 0.0)
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
+            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-            loss = tl.where((ignore_index == target), 0.0, smoothed + factor * (part_row_max_target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
+            z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+            loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
+        if STORE_Z_LOSS:
+            tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
         if STORE_DENOMINATOR:
@@ -256,18 +285,21 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 @triton.jit
 def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, target_ptr,
         row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr, dx_row_stride,
-        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low, M, N,
-        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
-        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
-        FIXED_N: tl.constexpr):
+        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low,
+        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N,
+        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     key = column index
     factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     epilogue: load key, weight, x
-      e = exp(-row_max + x)
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)) + e*factor/denominator), True))
+      common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+      z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
+      e = exp(-row_max + z)
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*(row_max + log(denominator))/denominator, True)) + factor/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -285,6 +317,8 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     col_mask = helpers.below(cols, N, EVEN)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
+    lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
+    softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -304,26 +338,31 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-        e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
+        common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+        z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
+        e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, target_ptr,
         row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr, dx_row_stride,
-        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low, M, N,
-        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
-        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
-        FIXED_N: tl.constexpr):
+        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low,
+        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N,
+        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
+        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns.
 
     key = column index
     factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     epilogue: load key, weight, x
-      e = exp(-row_max + x)
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)) + e*factor/denominator), True))
+      common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+      z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
+      e = exp(-row_max + z)
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*(row_max + log(denominator))/denominator, True)) + factor/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -333,6 +372,8 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     programs = tl.num_programs(0)
     ignore_index = tl.cast(ignore_index_high, ACC) + tl.cast(ignore_index_low, ACC)
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
+    lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
+    softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -354,27 +395,34 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
                 weight = tl.full([], 1.0, ACC)
             key = cols
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
-            e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))).to(dx_ptr.dtype.element_ty), mask=mask)
+            common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+            z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
+            e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, store_row_max,
-        store_denominator, store_target_weight, store_weight_mean):
+def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale,
+        softcap, store_z_loss, store_row_max, store_denominator, store_target_weight,
+        store_weight_mean):
     """_cross_entropy_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     target_logit_mask = (target >= 0) & (target < N)
     if N:
         target_logit_at = target.clamp(0, N - 1)
         target_logit_x = torch.gather(x, 1, target_logit_at)
-        target_logit = torch.where(target_logit_mask, target_logit_x, 0.0).to(acc)  # target_logit = 1 * (x at column target): a one-hot sum over the row, read as one element
+        target_logit = torch.where(target_logit_mask, (softcap * torch.tanh(target_logit_x / softcap) if HAS_SOFTCAP else target_logit_x), 0.0).to(acc)  # target_logit = 1 * (Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True)) at column target): a one-hot sum over the row, read as one element
     else:
         target_logit = torch.zeros((M, 1), dtype=acc, device=x.device)
     target_weight_mask = (target >= 0) & (target < N)
@@ -384,34 +432,40 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, s
         target_weight = torch.where(target_weight_mask, target_weight_weight, 0.0).to(acc)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
     else:
         target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
-    row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
+    z = (softcap * torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+    row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
     row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-    part_row_max_target_logit = row_max - target_logit  # part_row_max_target_logit = row_max - target_logit
-    e = torch.exp(x - row_max)  # e = exp(-row_max + x)
+    e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    target_gap = (weight * (target_logit - x)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - x))
+    target_gap = (weight * (target_logit - z)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-    loss = torch.where((ignore_index == target), 0.0, smoothed + factor * (part_row_max_target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(part_row_max_target_logit + log(denominator)) + smoothed, True))
+    z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+    loss = torch.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
+    z_loss = torch.broadcast_to(z_loss, (M, 1)).reshape(M).contiguous() if store_z_loss else None
     row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M).contiguous() if store_row_max else None
     denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M).contiguous() if store_denominator else None
     target_weight = torch.broadcast_to(target_weight, (M, 1)).reshape(M).contiguous() if store_target_weight else None
     weight_mean = torch.broadcast_to(weight_mean, (M, 1)).reshape(M).contiguous() if store_weight_mean else None
-    return loss, row_max, denominator, target_weight, weight_mean,
+    return loss, z_loss, row_max, denominator, target_weight, weight_mean,
 
 
 def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing):
+        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap):
     """_cross_entropy_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dloss = dloss.to(acc)[:, None]
     target = target[:, None]
     row_max = row_max.to(acc)[:, None]
@@ -420,13 +474,15 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     weight_mean = weight_mean.to(acc)[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-    e = torch.exp(x - row_max)  # e = exp(-row_max + x)
-    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc), (M, N)).to(dtype).contiguous()
+    common_1 = (torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+    z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
+    e = torch.exp(z - row_max)  # e = exp(-row_max + z)
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
 def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_index,
-        label_smoothing):
+        label_smoothing, lse_square_scale, softcap):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = x.dtype
@@ -434,8 +490,12 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     M, N = x.shape
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dloss = dloss.to(acc)[:, None]
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
@@ -446,28 +506,30 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
         target_weight = torch.where(target_weight_mask, target_weight_weight, 0.0).to(acc)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
     else:
         target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
-    row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
+    z = (softcap * torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+    row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
     row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-    e = torch.exp(x - row_max)  # e = exp(-row_max + x)
+    e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    dx = torch.broadcast_to(torch.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc), (M, N)).to(dtype).contiguous()
+    common_1 = (torch.tanh(1.0 / softcap * x) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + (factor / denominator + 2.0 * lse_square_scale * (row_max + torch.log(denominator)) / denominator) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (factor / denominator * e + torch.where((label_smoothing == 0.0), 0.0, -label_smoothing / N * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
-def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_row_max,
-        store_denominator, store_target_weight, store_weight_mean):
+def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+        store_z_loss, store_row_max, store_denominator, store_target_weight, store_weight_mean):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, store_row_max, store_denominator, store_target_weight, store_weight_mean)
+        return _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_row_max, store_denominator, store_target_weight, store_weight_mean)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_row_max, store_denominator, store_target_weight, store_weight_mean)
+            return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_row_max, store_denominator, store_target_weight, store_weight_mean)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -481,26 +543,31 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_r
             weight is not None and weight.dtype, weight_ptr & 15,
             target.dtype, target_ptr & 15,
             x_stride,
+            store_z_loss,
             store_row_max,
             store_denominator,
             store_target_weight,
             store_weight_mean,
+            lse_square_scale != 0.0,
+            softcap != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
     loss = torch.empty((M,), dtype=acc, device=device)
+    z_loss = torch.empty((M,), dtype=acc, device=device) if store_z_loss else None
     row_max = torch.empty((M,), dtype=acc, device=device) if store_row_max else None
     denominator = torch.empty((M,), dtype=acc, device=device) if store_denominator else None
     target_weight = torch.empty((M,), dtype=acc, device=device) if store_target_weight else None
     weight_mean = torch.empty((M,), dtype=acc, device=device) if store_weight_mean else None
     if plan:
         loss_ptr = loss.data_ptr()
+        z_loss_ptr = z_loss.data_ptr() if store_z_loss else 0
         row_max_ptr = row_max.data_ptr() if store_row_max else 0
         denominator_ptr = denominator.data_ptr() if store_denominator else 0
         target_weight_ptr = target_weight.data_ptr() if store_target_weight else 0
         weight_mean_ptr = weight_mean.data_ptr() if store_weight_mean else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (loss_ptr | row_max_ptr | denominator_ptr | target_weight_ptr | weight_mean_ptr) & 15:
+        if (loss_ptr | z_loss_ptr | row_max_ptr | denominator_ptr | target_weight_ptr | weight_mean_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -509,12 +576,15 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_r
             weight_ptr,
             target_ptr,
             loss_ptr,
+            z_loss_ptr,
             row_max_ptr,
             denominator_ptr,
             target_weight_ptr,
             weight_mean_ptr,
             *launch.fp32_pair(ignore_index),
             *launch.fp32_pair(label_smoothing),
+            *launch.fp32_pair(lse_square_scale),
+            *launch.fp32_pair(softcap),
             M, N,
             *plan.tail,
         )
@@ -525,16 +595,22 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_r
             weight if weight is not None else x,
             target,
             loss,
+            z_loss if z_loss is not None else x,
             row_max if row_max is not None else x,
             denominator if denominator is not None else x,
             target_weight if target_weight is not None else x,
             weight_mean if weight_mean is not None else x,
             *launch.fp32_pair(ignore_index),
             *launch.fp32_pair(label_smoothing),
+            *launch.fp32_pair(lse_square_scale),
+            *launch.fp32_pair(softcap),
             M, N,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
+            HAS_LSE_SQUARE_SCALE=lse_square_scale != 0.0,
+            HAS_SOFTCAP=softcap != 0.0,
+            STORE_Z_LOSS=store_z_loss,
             STORE_ROW_MAX=store_row_max,
             STORE_DENOMINATOR=store_denominator,
             STORE_TARGET_WEIGHT=store_target_weight,
@@ -560,21 +636,21 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_r
         with launch.ieee(device):
             compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
-    return loss, row_max, denominator, target_weight, weight_mean,
+    return loss, z_loss, row_max, denominator, target_weight, weight_mean,
 
 
 def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing):
+        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing)
+        return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing)
+            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -598,6 +674,8 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             target_weight.dtype, target_weight_ptr & 15,
             weight_mean.dtype, weight_mean_ptr & 15,
             x_stride,
+            lse_square_scale != 0.0,
+            softcap != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 1, x.element_size(), device)
@@ -622,6 +700,8 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             dx_ptr, N,
             *launch.fp32_pair(ignore_index),
             *launch.fp32_pair(label_smoothing),
+            *launch.fp32_pair(lse_square_scale),
+            *launch.fp32_pair(softcap),
             M, N,
             *plan.tail,
         )
@@ -639,10 +719,14 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             dx, N,
             *launch.fp32_pair(ignore_index),
             *launch.fp32_pair(label_smoothing),
+            *launch.fp32_pair(lse_square_scale),
+            *launch.fp32_pair(softcap),
             M, N,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
+            HAS_LSE_SQUARE_SCALE=lse_square_scale != 0.0,
+            HAS_SOFTCAP=softcap != 0.0,
             ACC=launch.TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
@@ -673,23 +757,28 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, label_smoothing):
-        loss, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd(
-            x, weight, target, ignore_index, label_smoothing,
+    def forward(ctx, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss):
+        loss, z_loss, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd(
+            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+            store_z_loss=want_z_loss,
             store_row_max=True,
             store_denominator=True,
             store_target_weight=True,
             store_weight_mean=True,
         )
+        if z_loss is not None:
+            ctx.mark_non_differentiable(z_loss)  # never differentiated (`output(grad=False)`)
         ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.ignore_index = ignore_index
         ctx.label_smoothing = label_smoothing
-        return loss
+        ctx.lse_square_scale = lse_square_scale
+        ctx.softcap = softcap
+        return loss, z_loss
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, dz_loss):
         x, target, row_max, denominator, target_weight, weight_mean, weight, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
@@ -699,15 +788,19 @@ class _DefaultFunction(torch.autograd.Function):
                 x, weight, dloss, target,
                 ctx.ignore_index,
                 ctx.label_smoothing,
+                ctx.lse_square_scale,
+                ctx.softcap,
             )
         else:
             dx, = _cross_entropy_bwd_default(
                 x, weight, dloss, target, row_max, denominator, target_weight, weight_mean,
                 ctx.ignore_index,
                 ctx.label_smoothing,
+                ctx.lse_square_scale,
+                ctx.softcap,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, None, None, None, None
+        return dx if needs[0] else None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -715,10 +808,10 @@ _FUNCTIONS = {
 }
 
 
-def _cross_entropy_stores(memory):
+def _cross_entropy_stores(memory, want_z_loss):
     """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
     if memory == "default":
-        return {"row_max": True, "denominator": True, "target_weight": True, "weight_mean": True, }
+        return {"z_loss": want_z_loss, "row_max": True, "denominator": True, "target_weight": True, "weight_mean": True, }
     raise ValueError(f"vjpforge::cross_entropy: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
 
 
@@ -729,11 +822,15 @@ def _cross_entropy_op(
     target: torch.Tensor,
     ignore_index: float,
     label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
     memory: str,
+    want_z_loss: bool,
 ) -> list[torch.Tensor]:
-    stores = _cross_entropy_stores(memory)
+    stores = _cross_entropy_stores(memory, want_z_loss)
     outputs = _cross_entropy_fwd(
-        x, weight, target, ignore_index, label_smoothing,
+        x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+        store_z_loss=stores["z_loss"],
         store_row_max=stores["row_max"],
         store_denominator=stores["denominator"],
         store_target_weight=stores["target_weight"],
@@ -749,14 +846,18 @@ def _(
     target,
     ignore_index,
     label_smoothing,
+    lse_square_scale,
+    softcap,
     memory,
+    want_z_loss,
 ):
-    stores = _cross_entropy_stores(memory)
+    stores = _cross_entropy_stores(memory, want_z_loss)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     empty = x.new_empty(0)
     return [
         x.new_empty((M,), dtype=acc),
+        x.new_empty((M,), dtype=acc) if stores["z_loss"] else empty,
         x.new_empty((M,), dtype=acc) if stores["row_max"] else empty,
         x.new_empty((M,), dtype=acc) if stores["denominator"] else empty,
         x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty,
@@ -776,8 +877,10 @@ def _cross_entropy_backward_default_op(
     weight_mean: torch.Tensor,
     ignore_index: float,
     label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
 ) -> list[torch.Tensor]:
-    outputs = _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing)
+    outputs = _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
     named = dict(zip(['dx'], outputs))
     return [named[name] if named[name] is not None else x.new_empty(0) for name in ['dx']]
 
@@ -794,6 +897,8 @@ def _(
     weight_mean,
     ignore_index,
     label_smoothing,
+    lse_square_scale,
+    softcap,
 ):
     return [
         x.new_empty(x.shape),
@@ -801,8 +906,8 @@ def _(
 
 
 def _cross_entropy_setup_context(ctx, inputs, output):
-    x, weight, target, ignore_index, label_smoothing, memory, = inputs
-    loss, row_max, denominator, target_weight, weight_mean, = output
+    x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, memory, want_z_loss, = inputs
+    loss, z_loss, row_max, denominator, target_weight, weight_mean, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -810,6 +915,8 @@ def _cross_entropy_setup_context(ctx, inputs, output):
     ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.ignore_index = ignore_index
     ctx.label_smoothing = label_smoothing
+    ctx.lse_square_scale = lse_square_scale
+    ctx.softcap = softcap
     if memory == "default":
         ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, weight)
 
@@ -826,16 +933,20 @@ def _cross_entropy_backward(ctx, grads):
                 x, weight, dloss, target,
                 ctx.ignore_index,
                 ctx.label_smoothing,
+                ctx.lse_square_scale,
+                ctx.softcap,
             )
         else:
             dx, = torch.ops.vjpforge.cross_entropy_backward_default(
                 x, weight, dloss, target, row_max, denominator, target_weight, weight_mean,
                 ctx.ignore_index,
                 ctx.label_smoothing,
+                ctx.lse_square_scale,
+                ctx.softcap,
             )
-        gradients = [dx, None, None, None, None]
+        gradients = [dx, None, None, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    return *gradients, None, None, 
 
 
 torch.library.register_autograd(
@@ -844,7 +955,7 @@ torch.library.register_autograd(
 
 
 
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, class_dim=None):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, class_dim=None):
     """`torch.nn.functional.cross_entropy`: one loss per row of the class dim, one kernel each way.
 
     torch's layout: the classes along dim 1 of an input of 2 or more dims ((N, C) or
@@ -859,6 +970,17 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     weight[c] * (logsumexp - input[c]), and the mean divides the sum by the sum of the counted
     rows' weight[target] (NaN where that is 0, as torch). Not differentiated (a weight that
     requires grad is refused, as torch's).
+    `lse_square_scale` (default 0.0): the z-loss (PaLM's, as Liger-Kernel's): each counted row
+    adds lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits with softcap),
+    which keeps the logits' normaliser near 1; its gradient is derived with the rest. With class
+    weights the mean divides it, as the rest of the loss, by the counted rows' weight sum
+    (Liger-Kernel: by their count). A finite number; 0 turns it off.
+    `softcap` (default None): logit softcapping (Gemma 2's final logits): the logits become
+    softcap * tanh(input / softcap) before anything else, the gradient taken through the tanh. A
+    finite number > 0, or None (off).
+    `return_z_loss=True` returns (loss, z_loss): the z-loss term alone, lse_square_scale *
+    logsumexp^2 per counted row (0 in ignored rows), for logging, as Liger-Kernel's. It is
+    reduced as the loss is and never differentiated (a gradient reaching it is dropped).
     reduction: "none" (a loss per row, shape of `target`), "mean" or "sum";
     `size_average` and `reduce`, torch's legacy arguments, set it as torch's do (and warn).
     Losses are computed and reduced in fp32 (fp64 for fp64 input) and returned in the input's
@@ -872,8 +994,13 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if size_average is not None or reduce is not None:
         reduction = losses.legacy_reduction(size_average, reduce)
     checks.check_input("cross_entropy", input, "input")
+    losses.check_flag("cross_entropy", "return_z_loss", return_z_loss)
     ignore_index = checks.check_option("cross_entropy", "ignore_index", ignore_index, "integer")
     label_smoothing = checks.check_option("cross_entropy", "label_smoothing", label_smoothing, "unit")
+    lse_square_scale = checks.check_option("cross_entropy", "lse_square_scale", lse_square_scale, "finite")
+    softcap = checks.check_option("cross_entropy", "softcap", softcap, "positive")
+    if softcap is None:
+        softcap = 0.0  # off: the kernels are compiled without it
     losses.check_reduction("cross_entropy", reduction)
     input, target = losses.classes_last("cross_entropy", input, target, "target", class_dim)
     weight = losses.check_weight("cross_entropy", weight, input)
@@ -884,66 +1011,63 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
-        outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, "default")
+        outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, "default", return_z_loss)
     elif checks.needs_grad(x):
-        outputs = function.apply(x, target, weight, ignore_index, label_smoothing),
+        outputs = function.apply(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, return_z_loss)
     else:
-        outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_row_max=False, store_denominator=False, store_target_weight=False, store_weight_mean=False)
-    loss = outputs[0]
-    if reduction == "none":
-        return loss.reshape(shape[:-1]).to(input.dtype)
-    if reduction == "sum":
-        return loss.sum().to(input.dtype)
-    if counted is None:
-        # under torch.compile, or no rows: torch's ops
-        counted = losses.count_rows(target, ignore_index, weight, loss.dtype)
-        # all rows ignored: a NaN mean, as torch, but zero (not NaN) gradients, as torch
-        return losses.mean_and_scale(loss, counted)[0].to(input.dtype)
-    return losses.CountedMean.apply(loss, counted, input.dtype)
+        outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=return_z_loss, store_row_max=False, store_denominator=False, store_target_weight=False, store_weight_mean=False)
+    results = [losses.reduce_rows(outputs[0], reduction, shape, counted, target, ignore_index, weight, input.dtype)]
+    if return_z_loss:
+        # reduced as the loss, never differentiated
+        results.append(losses.reduce_rows(outputs[1].detach(), reduction, shape, counted, target, ignore_index, weight, input.dtype))
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 class CrossEntropyLoss(torch.nn.Module):
     """`cross_entropy` as a module, like torch.nn.CrossEntropyLoss: `weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, class_dim=None):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, class_dim=None):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = losses.legacy_reduction(size_average, reduce)
         self.register_buffer("weight", weight)
         self.ignore_index = int(checks.check_option("CrossEntropyLoss", "ignore_index", ignore_index, "integer"))
         self.label_smoothing = checks.check_option("CrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
+        self.lse_square_scale = checks.check_option("CrossEntropyLoss", "lse_square_scale", lse_square_scale, "finite")
+        self.softcap = checks.check_option("CrossEntropyLoss", "softcap", softcap, "positive")
         self.reduction = losses.check_reduction("CrossEntropyLoss", reduction)
+        self.return_z_loss = losses.check_flag("CrossEntropyLoss", "return_z_loss", return_z_loss)
         self.class_dim = class_dim
 
     def extra_repr(self):
         # the options that differ from their defaults, values as Python writes them: a module
         # built with the defaults prints as torch's (CrossEntropyLoss())
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean", "class_dim": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "return_z_loss": False, "class_dim": None}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, target):
-        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, reduction=self.reduction, class_dim=self.class_dim)
+        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, return_z_loss=self.return_z_loss, class_dim=self.class_dim)
 
 
-def _linear_kernels(weight, ignore_index, label_smoothing):
+def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, softcap):
     """This module's kernels, one call's options bound, as `linear_cross_entropy` runs them on each
     chunk of logits (codegen/runtime/linear_loss.py's `Kernels`)."""
 
     def forward(x, target, saving):
-        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
+        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=False, store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
 
     def backward(x, target, outputs, dloss):
-        loss, row_max, denominator, target_weight, weight_mean, = outputs
-        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing)[0]
+        loss, z_loss, row_max, denominator, target_weight, weight_mean, = outputs
+        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)[0]
 
     return linear_loss.Kernels(forward, backward)
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
-def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, class_weight=None, chunk_size=None, out_dtype=None):
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, out_dtype=None):
     """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
     ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
     into a buffer that every chunk reuses, then this module's loss kernels (and, where a
@@ -957,7 +1081,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     class: the mean divides by the counted rows' weights).
 
     `chunk_size`: rows per chunk. By default a chunk's logits take about the memory of
-    `input`: rows / ceil(V / H), rounded up to a power of two. At most two chunks of logits
+    `input` (rows / ceil(V / H)), but at least 1024 rows, rounded up to a power of two. At most two chunks of logits
     exist at once (the logits and their gradient), plus d input (the input's size) and d weight
     (fp32: 4 bytes per element of `weight`). With reduction "mean" or "sum" the gradients are
     computed in the forward, where the logits are at hand, and scaled by the incoming gradient
@@ -970,6 +1094,10 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     """
     ignore_index = checks.check_option("linear_cross_entropy", "ignore_index", ignore_index, "integer")
     label_smoothing = checks.check_option("linear_cross_entropy", "label_smoothing", label_smoothing, "unit")
+    lse_square_scale = checks.check_option("linear_cross_entropy", "lse_square_scale", lse_square_scale, "finite")
+    softcap = checks.check_option("linear_cross_entropy", "softcap", softcap, "positive")
+    if softcap is None:
+        softcap = 0.0  # off: the kernels are compiled without it
     losses.check_reduction("linear_cross_entropy", reduction)
     input, weight, bias, dtype = linear_loss.check_linear("linear_cross_entropy", input, weight, bias)
     dtype = linear_loss.check_out_dtype("linear_cross_entropy", out_dtype, dtype)
@@ -978,7 +1106,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     target, counted = losses.check_target("linear_cross_entropy", "target", target, logits, ignore_index, class_weight)
     if counted is None and reduction == "mean":  # no rows: torch's ops count
         counted = losses.count_rows(target.reshape(-1), ignore_index, class_weight, launch.accumulator(input.dtype))
-    kernels = _linear_kernels(class_weight, ignore_index, label_smoothing)
+    kernels = _linear_kernels(class_weight, ignore_index, label_smoothing, lse_square_scale, softcap)
     return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels)
 
 
@@ -987,22 +1115,24 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     a linear layer's outputs without its logits held whole; `class_weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, class_weight=None, chunk_size=None):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = int(checks.check_option("LinearCrossEntropyLoss", "ignore_index", ignore_index, "integer"))
         self.label_smoothing = checks.check_option("LinearCrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
+        self.lse_square_scale = checks.check_option("LinearCrossEntropyLoss", "lse_square_scale", lse_square_scale, "finite")
+        self.softcap = checks.check_option("LinearCrossEntropyLoss", "softcap", softcap, "positive")
         self.reduction = losses.check_reduction("LinearCrossEntropyLoss", reduction)
         self.chunk_size = linear_loss.check_chunk_size("LinearCrossEntropyLoss", chunk_size)
 
     def extra_repr(self):
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean", "chunk_size": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "chunk_size": None}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, weight, target, bias=None):
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size)
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -61,10 +61,13 @@ def op_cases():
                   (x, mask, 0.5, 0.0, 0.2, seed, [1, 1, 4], "default")))
     target = torch.tensor([3, -100, 0, N - 1])
     cases.append(("cross_entropy", torch.ops.vjpforge.cross_entropy.default,
-                  (x, None, target, -100.0, 0.1, "default")))
+                  (x, None, target, -100.0, 0.1, 0.0, 0.0, "default", False)))
     class_weight = (randn((N,), seed=7) + 2).detach()  # class weights: never differentiated
     cases.append(("cross_entropy-weight", torch.ops.vjpforge.cross_entropy.default,
-                  (x, class_weight, target, -100.0, 0.1, "default")))
+                  (x, class_weight, target, -100.0, 0.1, 0.0, 0.0, "default", False)))
+    # z-loss and softcap on, the z-loss returned too
+    cases.append(("cross_entropy-z_loss-softcap", torch.ops.vjpforge.cross_entropy.default,
+                  (x, class_weight, target, -100.0, 0.1, 0.125, 3.0, "default", True)))
     return cases
 
 

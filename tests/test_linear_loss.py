@@ -15,7 +15,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from codegen.runtime import linear_loss
 from generated import cross_entropy as cross_entropy_module
-from generated.cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+from generated.cross_entropy import LinearCrossEntropyLoss, cross_entropy, linear_cross_entropy
 from generated.patch import patch_model
 
 OP = cross_entropy_module  # for the `schedule` fixture
@@ -342,3 +342,21 @@ def test_a_forward_that_changes_the_logits_keeps_the_logits_route(torch_path):
     [(_, _, reason)] = patch_model(model, include="loss").skipped
     assert reason.endswith("its lm_head has forward_hooks of its own, which would see the "
                            "stand-in for the logits"), reason
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_softcap_and_z_loss_pass_through(device, reduction):
+    """The loss's own options beyond torch's (Gemma 2's logit softcap, the z-loss) reach every
+    chunk: the results of cross_entropy on the whole logits with the same options."""
+    options = {"softcap": 3.0, "lse_square_scale": 1e-2, "label_smoothing": 0.1}
+    x, weight, b, target, _ = case(torch.float64, device)
+    ours = loss_and_grads(lambda x, w, b: linear_cross_entropy(
+        x, w, target, b, reduction=reduction, chunk_size=4, **options), x, weight, b)
+    exact = loss_and_grads(lambda x, w, b: cross_entropy(
+        F.linear(x, w, b), target, reduction=reduction, class_dim=-1, **options), x, weight, b)
+    torch.testing.assert_close(ours[0], exact[0], **TOL[torch.float64])
+    for got, want in zip(ours[1], exact[1], strict=True):
+        torch.testing.assert_close(got, want, **TOL[torch.float64])
+    # and they change the loss: the options were not dropped on the way
+    plain = linear_cross_entropy(x, weight, target, b, reduction=reduction, chunk_size=4)
+    assert not torch.allclose(plain, ours[0])

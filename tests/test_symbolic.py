@@ -82,8 +82,8 @@ def test_derived_vjp_equals_transposed_jacobian(name: str) -> None:
               for s in (values if isinstance(values, list) else [values])}
     # Transposed Jacobian applied to the upstream gradient, by plain differentiation.
     pairing = sum(upstream["d" + out][j] * elements[out][j]
-                  for out in spec.outputs if out in elements for j in range(ROW_LENGTH))
-    pairing += sum(upstream["d" + out] * rows[out] for out in spec.outputs if out in rows)
+                  for out in spec.differentiated if out in elements for j in range(ROW_LENGTH))
+    pairing += sum(upstream["d" + out] * rows[out] for out in spec.differentiated if out in rows)
     # The derived backward, evaluated from what the forward saved.
     for mode, backward in derivation.backwards.items():
         check_mode(spec, backward, rows, elements, upstream, pairing, point, mode)

@@ -302,12 +302,15 @@ def test_cross_entropy_signatures_are_torch_s():
         return [(p.name, p.default, p.kind) for p in inspect.signature(function).parameters.values()
                 if p.name not in skip]
 
-    assert parameters(cross_entropy, ("class_dim",)) == parameters(F.cross_entropy)
-    assert parameters(CrossEntropyLoss.__init__, ("class_dim",)) == parameters(
+    extras = {"lse_square_scale": 0.0, "softcap": None, "return_z_loss": False,
+              "class_dim": None}
+    assert parameters(cross_entropy, extras) == parameters(F.cross_entropy)
+    assert parameters(CrossEntropyLoss.__init__, extras) == parameters(
         torch.nn.CrossEntropyLoss.__init__)
     for function in (cross_entropy, CrossEntropyLoss.__init__):
-        extra = inspect.signature(function).parameters["class_dim"]
-        assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is None
+        for name, default in extras.items():
+            extra = inspect.signature(function).parameters[name]
+            assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default == default
 
 
 def test_cross_entropy_module_holds_weight_as_torch():

@@ -272,6 +272,8 @@ def needs_grad(*tensors):
 
 
 def check_option(function, name, value, check):
+    if value is None and check == "positive":
+        return None  # the option is off (the kernels read its scalar's absent value, 0)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}"
@@ -283,6 +285,12 @@ def check_option(function, name, value, check):
         )
     if check == "unit" and not 0.0 <= value <= 1.0:
         raise OptionError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
+    if check == "positive" and not 0.0 < value < float("inf"):
+        raise OptionError(
+            f"{function}(): argument '{name}' must be a finite number > 0 or None, got {value}"
+        )
+    if check == "finite" and not math.isfinite(value):
+        raise OptionError(f"{function}(): argument '{name}' must be finite, got {value}")
     if check == "integer" and not value.is_integer():
         raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
     return value

@@ -133,6 +133,33 @@ class CountedMean(torch.autograd.Function):
         return torch.mul(grad, scale).expand(ctx.rows), None, None
 
 
+def reduce_rows(loss, reduction, shape, counted, target, ignore_index, weight, dtype):
+    """Per-row losses (fp32, or fp64) reduced as torch's loss: "none" in the rows' shape
+    (`shape` without its class dim), "sum", or "mean" over the counted rows (`counted`: their
+    count or weight sum, None under torch.compile or for no rows, then counted here); in
+    `dtype`."""
+    if reduction == "none":
+        return loss.reshape(shape[:-1]).to(dtype)
+    if reduction == "sum":
+        return loss.sum().to(dtype)
+    if counted is None:
+        # under torch.compile, or no rows: torch's ops
+        counted = count_rows(target, ignore_index, weight, loss.dtype)
+        # all rows ignored: a NaN mean, as torch, but zero (not NaN) gradients, as torch
+        return mean_and_scale(loss, counted)[0].to(dtype)
+    return CountedMean.apply(loss, counted, dtype)
+
+
+def check_flag(function, name, value):
+    """A bool argument (return_z_loss): 0, 1 and other truthy values are refused, as torch's
+    bool arguments refuse them."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a bool, got {type(value).__name__}"
+        )
+    return value
+
+
 def legacy_reduction(size_average, reduce):
     """torch's reading of the legacy `size_average` and `reduce` arguments (either not None):
     the reduction they mean, with torch's deprecation warning."""

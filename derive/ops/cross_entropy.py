@@ -10,6 +10,13 @@ three digits of an O(1) loss). The row max is a stabiliser of logsumexp (the eng
 loss does not depend on it); the softmax is never stored: the backward recomputes
 exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
 gradient (torch gives them none either).
+
+Two options of large-vocabulary training, both off by default (the kernels are then compiled
+without them): `softcap` caps the logits first, z = softcap * tanh(x / softcap) (Gemma 2's
+final logit softcapping), every term above then taken over z (the target's, from its one
+gathered logit). `lse_square_scale` adds the z-loss, lse_square_scale *
+logsumexp(z)^2, to each counted row's loss (PaLM's auxiliary loss, as Liger-Kernel's), its
+logsumexp the one the loss already has: no further pass over the logits.
 """
 
 import sympy
@@ -25,34 +32,59 @@ def spec() -> OpSpec:
     weight = op.column_param("weight", absent=1, grad=False)
     ignore_index = op.scalar("ignore_index")
     smoothing = op.scalar("label_smoothing")
+    z_scale = op.scalar("lse_square_scale", absent=0)
+    softcap = op.scalar("softcap", absent=0)
     key = op.column_index("key")
-    row_max = op.row_max("row_max", x)
-    e = op.element("e", sympy.exp(x - row_max), positive=True)
+    # the capped logits; tanh saturates to ±1 (helpers.tanh), so they stay within ±softcap
+    z = op.element("z", sympy.Piecewise((x, sympy.Eq(softcap, 0)),
+                                        (softcap * sympy.tanh(x / softcap), True)))
+    row_max = op.row_max("row_max", z)
+    e = op.element("e", sympy.exp(z - row_max), positive=True)
     denominator = op.row_sum("denominator", e, positive=True)
-    target_logit = op.row_sum("target_logit", sympy.Piecewise((x, sympy.Eq(key, target)),
+    target_logit = op.row_sum("target_logit", sympy.Piecewise((z, sympy.Eq(key, target)),
                                                               (0, True)))
     target_weight = op.row_sum("target_weight", sympy.Piecewise((weight, sympy.Eq(key, target)),
                                                                 (0, True)))
     weight_mean = op.row_mean("weight_mean", weight)
-    target_gap = op.row_mean("target_gap", weight * (target_logit - x))
+    target_gap = op.row_mean("target_gap", weight * (target_logit - z))
     # smoothing = 0 drops the term (a -inf logit is allowed, as in torch); an ignored row is
     # selected away, not multiplied by 0, so NaN logits there give a loss of 0, as in torch
     smoothed = op.row("smoothed", sympy.Piecewise((0, sympy.Eq(smoothing, 0)),
                                                   (smoothing * target_gap, True)))
-    nll = sympy.log(denominator) + row_max - target_logit
+    lse = sympy.log(denominator) + row_max
+    nll = lse - target_logit
+    # the z-loss term alone, 0 in an ignored row (returned on request, for logging)
+    z_loss = op.row("z_loss", sympy.Piecewise(
+        (0, sympy.Eq(z_scale, 0) | sympy.Eq(target, ignore_index)), (z_scale * lse**2, True)))
     # without weights the factor is 1 + smoothing * (1 - 1): exactly 1
     factor = op.row("factor", target_weight + smoothing * (weight_mean - target_weight))
     loss = op.row("loss", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)),
-        (nll * factor + smoothed, True)))
+        (nll * factor + smoothed + z_loss, True)))
     op.output(loss)
+    op.output(z_loss, grad=False)  # returned on request (return_z_loss=True), for logging
     op.save(x, target, row_max, denominator, target_weight, weight_mean)
     op.api = RowLossAPI(
         function="cross_entropy", module="CrossEntropyLoss",
         torch_function="torch.nn.functional.cross_entropy",
         target="target", ignore="ignore_index", weight="weight",
         options=(Option("ignore_index", -100, check="integer"),
-                 Option("label_smoothing", 0.0, check="unit")),
+                 Option("label_smoothing", 0.0, check="unit"),
+                 Option("lse_square_scale", 0.0, check="finite", keyword_only=True, doc=(
+                     "the z-loss (PaLM's, as Liger-Kernel's): each counted row adds "
+                     "lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits "
+                     "with softcap), which keeps the logits' normaliser near 1; its gradient is "
+                     "derived with the rest. With class weights the mean divides it, as the "
+                     "rest of the loss, by the counted rows' weight sum (Liger-Kernel: by their "
+                     "count). A finite number; 0 turns it off.")),
+                 Option("softcap", None, check="positive", keyword_only=True, doc=(
+                     "logit softcapping (Gemma 2's final logits): the logits become "
+                     "softcap * tanh(input / softcap) before anything else, the gradient taken "
+                     "through the tanh. A finite number > 0, or None (off)."))),
+        returns=("z_loss",),
+        returns_doc=(("z_loss", "the z-loss term alone, lse_square_scale * "
+                                "logsumexp^2 per counted row (0 in ignored rows), for "
+                                "logging, as Liger-Kernel's."),),
         # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel)
         replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss")))
     return op

@@ -1,0 +1,236 @@
+"""Cross-entropy's large-vocabulary options (z-loss, logit softcapping, return_z_loss), each
+derived by the engine, against a plain-torch reference; and the spec-language pieces they
+use: scalars that may be off (compiled out), outputs never differentiated."""
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from reference import FP64_TOL, assert_low_precision_ok, assert_matches_torch, gradcheck, randn
+
+from codegen.printers import TORCH, KernelPrinter
+from codegen.runtime.checks import OptionError
+from derive.api import Option, RowLossAPI
+from derive.spec import OpSpec, SpecError
+from generated import cross_entropy as cross_entropy_module
+from generated.cross_entropy import CrossEntropyLoss, cross_entropy
+
+OP = cross_entropy_module  # for the `schedule` fixture
+V = 37  # classes: three column blocks of the looped schedule
+IGNORE = -100
+# (label_smoothing, lse_square_scale, softcap, class weights): each option alone and all of
+# them; values exact in fp32 (the kernels read scalars as fp32 pairs: fp64 tolerance holds)
+OPTIONS = [(0.0, 0.125, None, False), (0.0, 0.0, 2.5, True), (0.25, 0.0625, 4.0, True)]
+
+
+def targets(rows, device, *, ignored=(2,), seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, V, (rows,), generator=gen)
+    target[list(ignored)] = IGNORE
+    return target.to(device)
+
+
+def reference(x, target, weight=None, reduction="mean", label_smoothing=0.0,
+              lse_square_scale=0.0, softcap=None):
+    """(loss, z_loss) in plain torch: torch's cross-entropy of the capped logits plus the
+    z-loss of each counted row, reduced as torch's (a weighted mean divides by the counted
+    rows' weight sum)."""
+    z = x if softcap is None else softcap * torch.tanh(x / softcap)
+    loss = F.cross_entropy(z, target, weight, ignore_index=IGNORE, reduction="none",
+                           label_smoothing=label_smoothing)
+    counted = target != IGNORE
+    z_loss = torch.where(counted, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    if reduction == "none":
+        return loss + z_loss, z_loss
+    if reduction == "sum":
+        return (loss + z_loss).sum(), z_loss.sum()
+    kept = counted.sum() if weight is None else weight[target.clamp(min=0)][counted].sum()
+    return (loss + z_loss).sum() / kept, z_loss.sum() / kept
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["z_loss", "softcap_weighted", "all_weighted"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])  # "sum": test_torch_layout_and_module
+def test_matches_the_torch_reference(device, schedule, reduction, options):
+    smoothing, scale, softcap, weighted = options
+    target = targets(6, device)
+    weight = randn((V,), seed=4, device=device).abs() + 0.5 if weighted else None
+    kwargs = dict(reduction=reduction, label_smoothing=smoothing, lse_square_scale=scale,
+                  softcap=softcap)
+    x = randn((6, V), seed=1, device=device) * 4
+    assert_matches_torch(lambda x: cross_entropy(x, target, weight, **kwargs),
+                         lambda x: reference(x, target, weight, **kwargs)[0], [x])
+    loss, z_loss = cross_entropy(x, target, weight, return_z_loss=True, **kwargs)
+    want_loss, want_z = reference(x, target, weight, **kwargs)
+    torch.testing.assert_close(loss, want_loss, **FP64_TOL)
+    torch.testing.assert_close(z_loss, want_z, **FP64_TOL)
+
+
+def test_torch_layout_and_module(device):
+    # classes along dim 1 of (N, C, d): the options apply along the class dim, as the loss
+    x = randn((2, V, 3), seed=2, device=device) * 3
+    target = targets(6, device).reshape(2, 3)
+    options = dict(label_smoothing=0.25, lse_square_scale=0.125, softcap=4.0)
+    module = CrossEntropyLoss(reduction="sum", return_z_loss=True, **options)
+    assert module.extra_repr() == ("label_smoothing=0.25, lse_square_scale=0.125, "
+                                   "softcap=4.0, reduction='sum', return_z_loss=True")
+    loss, z_loss = module(x, target)
+    rows = x.movedim(1, -1).reshape(-1, V)
+    want_loss, want_z = reference(rows, target.reshape(-1), reduction="sum", **options)
+    torch.testing.assert_close(loss, want_loss, **FP64_TOL)
+    torch.testing.assert_close(z_loss, want_z, **FP64_TOL)
+    assert CrossEntropyLoss().extra_repr() == ""
+
+
+def test_gradcheck(device):
+    # finite differences of the derived backward, every option on (5 classes: 15 columns of
+    # the Jacobian, each a call)
+    target = torch.tensor([4, IGNORE, 0], device=device)
+    weight = randn((5,), seed=4, device=device).abs() + 0.5
+    gradcheck(lambda x: cross_entropy(x, target, weight, label_smoothing=0.25,
+                                      lse_square_scale=0.125, softcap=2.5),
+              [randn((3, 5), seed=1, device=device) * 3], fast=False)
+
+
+def test_double_backward_through_the_derived_backward():
+    # the backward autograd records (create_graph=True), the torch path
+    target = torch.tensor([4, IGNORE, 0])
+    x = (randn((3, 5), seed=1) * 3).requires_grad_()
+    assert torch.autograd.gradgradcheck(
+        lambda x: cross_entropy(x, target, lse_square_scale=0.125, softcap=2.5), (x,))
+
+
+def test_z_loss_is_returned_undifferentiated(device):
+    target = targets(6, device)
+    x = (randn((6, V), seed=1, device=device) * 3).requires_grad_()
+    options = dict(lse_square_scale=0.125, softcap=4.0)
+    loss, z_loss = cross_entropy(x, target, return_z_loss=True, **options)
+    assert not z_loss.requires_grad
+    got, = torch.autograd.grad(loss, x)
+    want, = torch.autograd.grad(cross_entropy(x, target, **options), x)
+    assert torch.equal(got, want)  # return_z_loss changes nothing in the loss or its gradient
+    # the z-loss of the rows, 0 in the ignored one; with the scale 0: zeros
+    rows = cross_entropy(x, target, reduction="none", return_z_loss=True, **options)[1]
+    assert rows[2] == 0 and (rows[[0, 1, 3, 4, 5]] > 0).all()
+    off = cross_entropy(x, target, reduction="none", return_z_loss=True)[1]
+    assert torch.equal(off, torch.zeros_like(off))
+    with torch.no_grad():
+        assert torch.equal(cross_entropy(x, target, return_z_loss=True, **options)[1], z_loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision(device, dtype):
+    target = targets(16, device, ignored=[3])
+    options = dict(label_smoothing=0.25, lse_square_scale=0.125, softcap=4.0)
+    assert_low_precision_ok(lambda x: cross_entropy(x, target, reduction="none", **options),
+                            lambda x: reference(x, target, reduction="none", **options)[0],
+                            [randn((16, V), seed=1, device=device) * 6], dtype)
+
+
+def test_large_logits_saturate_under_the_cap(device):
+    # logits far beyond the cap: tanh saturates to ±1, the loss and gradient stay finite
+    target = targets(4, device, ignored=())
+    x = randn((4, V), seed=3, device=device) * 1e4
+    options = dict(softcap=30.0, lse_square_scale=0.0625)
+    assert_matches_torch(lambda x: cross_entropy(x, target, **options),
+                         lambda x: reference(x, target, **options)[0], [x])
+
+
+def test_options_off_compute_nothing_for_them(monkeypatch):
+    # the torch path prints the same kernel IR: with softcap off no tanh is evaluated, on any
+    # element, forward or backward (the kernels' HAS_SOFTCAP constexpr picks the same branch)
+    target = targets(4, "cpu")
+    x = (randn((4, V), seed=1) * 3).requires_grad_()
+    want = cross_entropy(x, target, label_smoothing=0.25)
+    want_grad, = torch.autograd.grad(want, x)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("tanh evaluated with softcap off")
+
+    monkeypatch.setattr(torch, "tanh", refused)
+    got = cross_entropy(x, target, label_smoothing=0.25, lse_square_scale=0.0, softcap=None)
+    got_grad, = torch.autograd.grad(got, x)
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+
+
+def test_generated_kernels_specialise_on_the_switches():
+    # every kernel takes a constexpr per switched scalar, and reads it nowhere per element
+    # with the switch off: its per-element lines pick a branch with the flag, not tl.where
+    source = open(cross_entropy_module.__file__).read()
+    for flag in ("HAS_SOFTCAP: tl.constexpr", "HAS_LSE_SQUARE_SCALE: tl.constexpr"):
+        assert source.count(flag) == 4  # fwd and bwd, persistent and looped
+    assert "(softcap == 0.0)" not in source and "(lse_square_scale == 0.0)" not in source
+
+
+def test_printer_chooses_switched_branches_at_compile_time():
+    x, s = sympy.Symbol("x", real=True), sympy.Symbol("s", real=True)
+    expr = 1 + x * sympy.Piecewise((1, sympy.Eq(s, 0)), (sympy.tanh(x / s), True))
+    printer = KernelPrinter(TORCH, lambda name: name == "x", {("s", sympy.Integer(0)): "HAS_S"})
+    # off: the expression without the term (1 + x), not 1 + x * where(s == 0, 1, ...)
+    assert printer(expr) == "(1.0 + x * torch.tanh(1.0 / s * x) if HAS_S else 1.0 + x)"
+    plain = KernelPrinter(TORCH, lambda name: name == "x")
+    assert "torch.where((s == 0.0)" in plain(expr)
+
+
+BAD_OPTIONS = {
+    "softcap_zero": ({"softcap": 0.0}, OptionError, "argument 'softcap' must be a finite "
+                                                    r"number > 0 or None, got 0.0"),
+    "softcap_negative": ({"softcap": -2.0}, OptionError, "argument 'softcap' must be"),
+    "softcap_nan": ({"softcap": float("nan")}, OptionError, "argument 'softcap' must be"),
+    "softcap_inf": ({"softcap": float("inf")}, OptionError, "argument 'softcap' must be"),
+    "softcap_str": ({"softcap": "30"}, TypeError, "argument 'softcap' must be a real number"),
+    "scale_nan": ({"lse_square_scale": float("nan")}, OptionError,
+                  "argument 'lse_square_scale' must be finite, got nan"),
+    "scale_inf": ({"lse_square_scale": float("-inf")}, OptionError,
+                  "argument 'lse_square_scale' must be finite"),
+    "scale_none": ({"lse_square_scale": None}, TypeError,
+                   "argument 'lse_square_scale' must be a real number, got NoneType"),
+    "return_z_loss_int": ({"return_z_loss": 1}, TypeError,
+                          "argument 'return_z_loss' must be a bool, got int"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+def test_bad_options_are_refused(case):
+    options, error, match = BAD_OPTIONS[case]
+    x, target = randn((2, 5)), torch.tensor([0, 1])
+    with pytest.raises(error, match=match):
+        cross_entropy(x, target, **options)
+    with pytest.raises(error, match=match.replace("cross_entropy", "CrossEntropyLoss")):
+        CrossEntropyLoss(**options)
+
+
+def loss_spec(*, absent=0, undifferentiated_first=False, returns=("aux",), default=None):
+    op = OpSpec("toy_loss")
+    x = op.input("x")
+    op.row_input("target", integer=True)
+    op.scalar("ignore_index")
+    cap = op.scalar("cap", absent=absent)
+    total = op.row_sum("total", sympy.Piecewise((x, sympy.Eq(cap, 0)), (cap * x, True)))
+    aux = op.row("aux", total * total)
+    if undifferentiated_first:
+        op.output(aux, grad=False)
+    op.output(total)
+    op.output(aux, grad=False)
+    op.save(x)
+    op.api = RowLossAPI(function="toy", module="Toy", torch_function="toy", target="target",
+                        ignore="ignore_index",
+                        options=(Option("ignore_index", -100, check="integer"),
+                                 Option("cap", default, check="positive")),
+                        returns=returns)
+    return op
+
+
+def test_spec_errors():
+    from derive.api import api_mismatches
+
+    assert api_mismatches(loss_spec()) == []
+    with pytest.raises(SpecError, match="the first output is the op's result"):
+        loss_spec(undifferentiated_first=True)
+    assert any("defaults to None (off), which needs" in p
+               for p in api_mismatches(loss_spec(absent=None)))
+    assert any("output 'aux' (grad=False) is not in the API's returns" in p
+               for p in api_mismatches(loss_spec(returns=())))
+    with pytest.raises(SpecError, match="absent must be a finite number"):
+        OpSpec("bad").scalar("s", absent=float("inf"))
+    with pytest.raises(SpecError, match="declared positive, so it cannot take its absent value"):
+        OpSpec("bad").scalar("s", positive=True, absent=0)
