@@ -187,15 +187,20 @@ def _cross_entropy_calls(module, m: int, n: int, dtype: torch.dtype):
     generator = torch.Generator("cuda").manual_seed(0)
     x = torch.randn((m, n), generator=generator, device="cuda", dtype=dtype)
     target = torch.randint(0, n, (m,), generator=generator, device="cuda")
-    _loss, row_max, denominator = module._cross_entropy_fwd(x, target, -100, 0.0, True, True)
+    options = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0,
+               "softcap": 0.0}
+    stores = {"store_z_loss": False, "store_row_max": True, "store_denominator": True,
+              "store_target_weight": True, "store_weight_mean": True}
+    _loss, _z, row_max, denominator, target_weight, weight_mean = module._cross_entropy_fwd(
+        x, None, target, **options, **stores)
     dloss = torch.full((m,), 1.0 / m, device="cuda")
 
     def forward_call():
-        return module._cross_entropy_fwd(x, target, -100, 0.0, True, True)
+        return module._cross_entropy_fwd(x, None, target, **options, **stores)
 
     def backward_call():
-        return module._cross_entropy_bwd_default(x, dloss, target, row_max, denominator, -100,
-                                                 0.0)
+        return module._cross_entropy_bwd_default(x, None, dloss, target, row_max, denominator,
+                                                 target_weight, weight_mean, **options)
 
     return forward_call, backward_call, x.element_size()
 
