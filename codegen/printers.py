@@ -77,6 +77,9 @@ TORCH = Dialect(
     minimum="torch.minimum",
     split_constants=False,
     where_cast=".to(acc)",
+    # the Triton printer's quotients, the same roundings (an element divided, not multiplied by
+    # a rounded reciprocal): both paths compute the same values
+    divide="({}) / ({})",
 )
 
 # Binding strength, for parentheses: atoms bind tightest.

@@ -1114,7 +1114,7 @@ def _add_layernorm_fwd_torch(x, residual, input_bias, weight, bias, eps, store_r
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
     mean = (residual_out).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(residual_out)
     var = ((residual_out - mean) * (residual_out - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + residual_out)^2)
-    rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+    rstd = (1.0) / (torch.sqrt(eps + var))  # rstd = 1/sqrt(eps + var)
     x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
     y = bias + weight * x_hat  # y = bias + weight*x_hat
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
@@ -1141,7 +1141,7 @@ def _add_layernorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias
     x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    common_1 = dresidual_out + rstd * dy * weight - (rstd * sum_dy_weight_x_hat) / (N) * x_hat - (rstd * sum_dy_weight) / (N)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -1166,7 +1166,7 @@ def _add_layernorm_bwd_recompute_mean_torch(dy, dresidual_out, residual_out, inp
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    common_1 = dresidual_out + rstd * dy * weight - (rstd * sum_dy_weight_x_hat) / (N) * x_hat - (rstd * sum_dy_weight) / (N)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -1190,7 +1190,7 @@ def _add_layernorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight
     x_hat = (y - bias) * helpers.guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    common_1 = dresidual_out + rstd * dy * weight - (rstd * sum_dy_weight_x_hat) / (N) * x_hat - (rstd * sum_dy_weight) / (N)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -1215,10 +1215,10 @@ def _add_layernorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, i
     mean = (residual_out).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(residual_out)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     var = ((residual_out - mean) * (residual_out - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + residual_out)^2)
-    rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+    rstd = (1.0) / (torch.sqrt(eps + var))  # rstd = 1/sqrt(eps + var)
     x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    common_1 = dresidual_out + rstd * dy * weight - rstd * sum_dy_weight_x_hat / N * x_hat - rstd * sum_dy_weight / N  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
+    common_1 = dresidual_out + rstd * dy * weight - (rstd * sum_dy_weight_x_hat) / (N) * x_hat - (rstd * sum_dy_weight) / (N)  # common_1 = dresidual_out + dy*rstd*weight - rstd*sum_dy_weight/N - rstd*sum_dy_weight_x_hat*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None

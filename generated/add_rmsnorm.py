@@ -683,7 +683,7 @@ def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, 
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
+    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
@@ -707,7 +707,7 @@ def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, 
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -730,7 +730,7 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-    common_1 = dresidual_out + rstd * common_0 * dy - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    common_1 = dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -752,10 +752,10 @@ def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, inp
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
+    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - rstd * sum_dy_x_hat_weight_weight_offset / N * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None

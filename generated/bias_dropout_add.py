@@ -244,7 +244,7 @@ def _bias_dropout_add_fwd_torch(x, residual, bias, p, seed):
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     z = bias + x  # z = bias + x
     keep = torch.where((p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, p <= u), (0, True))
-    kept = 1.0 / (1.0 - p) * keep * z  # kept = keep*z/(-p + 1)
+    kept = (keep * z) / (1.0 - p)  # kept = keep*z/(-p + 1)
     y = kept + residual  # y = kept + residual
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
@@ -260,7 +260,7 @@ def _bias_dropout_add_bwd_default_torch(dy, bias, p, seed, store_dbias):
     p = torch.tensor(p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     keep = torch.where((p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, p <= u), (0, True))
-    common_0 = 1.0 / (1.0 - p) * dy * keep  # common_0 = dy*keep/(-p + 1)
+    common_0 = (dy * keep) / (1.0 - p)  # common_0 = dy*keep/(-p + 1)
     dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     dbias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dy, dbias,

@@ -881,7 +881,7 @@ def _layernorm_fwd_torch(x, weight, bias, eps, store_mean, store_rstd):
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean = (x).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(x)
     var = ((x - mean) * (x - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + x)^2)
-    rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+    rstd = (1.0) / (torch.sqrt(eps + var))  # rstd = 1/sqrt(eps + var)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     y = bias + weight * x_hat  # y = bias + weight*x_hat
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
@@ -904,7 +904,7 @@ def _layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, store_dweight,
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * weight - (sum_dy_weight_x_hat) / (N) * x_hat - (sum_dy_weight) / (N)), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,
@@ -924,7 +924,7 @@ def _layernorm_bwd_recompute_mean_torch(dy, x, weight, bias, rstd, store_dweight
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * weight - (sum_dy_weight_x_hat) / (N) * x_hat - (sum_dy_weight) / (N)), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,
@@ -943,7 +943,7 @@ def _layernorm_bwd_invertible_torch(dy, y, weight, bias, rstd, store_dweight, st
     x_hat = (y - bias) * helpers.guarded_reciprocal_torch(weight)  # x_hat = (-bias + y)*GuardedReciprocal(weight)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * weight - (sum_dy_weight_x_hat) / (N) * x_hat - (sum_dy_weight) / (N)), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,
@@ -963,10 +963,10 @@ def _layernorm_bwd_default_recorded_torch(dy, x, weight, bias, eps, store_dweigh
     mean = (x).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(x)
     sum_dy_weight = (dy * weight).sum(dim=-1, keepdim=True)  # sum_dy_weight = 1 * sum_j(dy*weight)
     var = ((x - mean) * (x - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + x)^2)
-    rstd = 1.0 / torch.sqrt(eps + var)  # rstd = 1/sqrt(eps + var)
+    rstd = (1.0) / (torch.sqrt(eps + var))  # rstd = 1/sqrt(eps + var)
     x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
     sum_dy_weight_x_hat = (dy * weight * x_hat).sum(dim=-1, keepdim=True)  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
-    dx = torch.broadcast_to(rstd * (dy * weight - sum_dy_weight_x_hat / N * x_hat - sum_dy_weight / N), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * weight - (sum_dy_weight_x_hat) / (N) * x_hat - (sum_dy_weight) / (N)), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     dbias = torch.broadcast_to(dy, (M, N)).sum(dim=0).to(bias.dtype) if store_dbias else None
     return dx, dweight, dbias,

@@ -356,7 +356,7 @@ def _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed,
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = helpers.guarded_reciprocal_torch(denominator) * e  # p = e*GuardedReciprocal(denominator)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-    y = 1.0 / (1.0 - dropout_p) * keep * p  # y = keep*p/(-dropout_p + 1)
+    y = (keep * p) / (1.0 - dropout_p)  # y = keep*p/(-dropout_p + 1)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     p = torch.broadcast_to(p, (M, N)).to(p_dtype or dtype).contiguous() if store_p else None
     return y, p,
@@ -377,7 +377,7 @@ def _masked_softmax_bwd_default_torch(dy, p, scale, window, dropout_p, seed, row
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
     sum_dy_keep_p = (dy * keep * p).sum(dim=-1, keepdim=True)  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
-    dx = torch.broadcast_to(torch.where((key <= query + window), scale / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0).to(acc), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(torch.where((key <= query + window), (scale) / (1.0 - dropout_p) * p * (dy * keep - sum_dy_keep_p), 0.0).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -400,7 +400,7 @@ def _masked_softmax_bwd_default_recorded_torch(dy, dp, p, scale, window, dropout
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
     sum_dp_p = (dp * p).sum(dim=-1, keepdim=True)  # sum_dp_p = 1 * sum_j(dp*p)
     sum_dy_keep_p = (dy * keep * p).sum(dim=-1, keepdim=True)  # sum_dy_keep_p = 1 * sum_j(dy*keep*p)
-    dx = torch.broadcast_to(torch.where((key <= query + window), scale * p * (dp + 1.0 / (1.0 - dropout_p) * dy * keep - sum_dp_p - sum_dy_keep_p / (1.0 - dropout_p)), 0.0).to(acc), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(torch.where((key <= query + window), scale * p * (dp + (dy * keep) / (1.0 - dropout_p) - sum_dp_p - (sum_dy_keep_p) / (1.0 - dropout_p)), 0.0).to(acc), (M, N)).to(dtype).contiguous()
     return dx,
 
 

@@ -527,7 +527,7 @@ def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd):
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
-    rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
+    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
     y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
@@ -547,7 +547,7 @@ def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
@@ -565,7 +565,7 @@ def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dwei
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-    dx = torch.broadcast_to(rstd * (common_0 * dy - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (common_0 * dy - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
@@ -582,10 +582,10 @@ def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, store
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
-    rstd = 1.0 / torch.sqrt(eps + mean_square)  # rstd = 1/sqrt(eps + mean_square)
+    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - sum_dy_x_hat_weight_weight_offset / N * x_hat), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 

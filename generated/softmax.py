@@ -267,7 +267,7 @@ def _softmax_fwd_torch(x):
     row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    p = 1.0 / denominator * e  # p = e/denominator
+    p = (e) / (denominator)  # p = e/denominator
     p = torch.broadcast_to(p, (M, N)).to(dtype).contiguous()
     return p,
 

@@ -220,7 +220,7 @@ def _swiglu_fwd_torch(gate, up, gate_multiplier, down_multiplier):
     down_multiplier = torch.tensor(down_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
     e = torch.exp(-gate_scaled)  # e = exp(-gate_scaled)
-    s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+    s = (1.0) / ((1.0 + e))  # s = 1/(e + 1)
     y = down_multiplier * gate_scaled * s * up  # y = down_multiplier*gate_scaled*s*up
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     return y,
@@ -238,7 +238,7 @@ def _swiglu_bwd_default_torch(dy, gate, up, gate_multiplier, down_multiplier):
     down_multiplier = torch.tensor(down_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
     e = torch.exp(-gate_scaled)  # e = exp(-gate_scaled)
-    s = 1.0 / (1.0 + e)  # s = 1/(e + 1)
+    s = (1.0) / ((1.0 + e))  # s = 1/(e + 1)
     common_0 = down_multiplier * dy * s  # common_0 = down_multiplier*dy*s
     dgate = torch.broadcast_to(gate_multiplier * common_0 * up * (1.0 + gate_scaled * (1.0 - s)), (M, N)).to(dtype).contiguous()
     dup = torch.broadcast_to(common_0 * gate_scaled, (M, N)).to(dtype).contiguous()
