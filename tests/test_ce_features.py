@@ -166,7 +166,7 @@ def test_printer_chooses_switched_branches_at_compile_time():
     expr = 1 + x * sympy.Piecewise((1, sympy.Eq(s, 0)), (sympy.tanh(x / s), True))
     printer = KernelPrinter(TORCH, lambda name: name == "x", {("s", sympy.Integer(0)): "HAS_S"})
     # off: the expression without the term (1 + x), not 1 + x * where(s == 0, 1, ...)
-    assert printer(expr) == "(1.0 + x * torch.tanh(1.0 / s * x) if HAS_S else 1.0 + x)"
+    assert printer(expr) == "(1.0 + x * torch.tanh((x) / (s)) if HAS_S else 1.0 + x)"
     plain = KernelPrinter(TORCH, lambda name: name == "x")
     assert "torch.where((s == 0.0)" in plain(expr)
 
