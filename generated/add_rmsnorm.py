@@ -1475,6 +1475,8 @@ def add_rms_norm(
     backward alone; elsewhere (a gradient that also flows into another branch, as an add's two
     inputs share one, a gradient the caller passed and keeps, a view, another dtype, a
     backward autograd records) it allocates as without. The values are the same either way.
+    torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
+    backward, so there it always allocates; torch 2.13's hands it over alone.
     """
     if memory == "default" and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
