@@ -151,3 +151,15 @@ def test_models_failures_are_records(capsys, monkeypatch):
     assert record["status"] == "error" and "model must be one of" in record["error"]
     record = models.run_child({**spec, "model": "llama"}, timeout_s=0.2)
     assert record["status"] == "timeout" and "--timeout-s" in record["error"]
+
+
+def test_linear_loss_cpu_smoke(capsys):
+    """The head + loss benchmark runs its variants and prints one row each, the chunk sizes
+    asked for included."""
+    from benchmarks import linear_loss
+
+    assert linear_loss.main(["--cpu-smoke", "--reps", "1", "--chunks", "default,4"]) == 0
+    rows = table_rows(capsys.readouterr().out, "| variant")
+    assert [row[0] for row in rows] == ["torch, logits whole", "ours, chunk default",
+                                        "ours, chunk 4"]
+    assert all(float(row[1]) > 0 and row[2] == "—" for row in rows)
