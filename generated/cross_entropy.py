@@ -640,7 +640,7 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
 
 
 def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap):
+        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
         return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
@@ -650,7 +650,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
+            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=into)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -679,8 +679,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 1, x.element_size(), device)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dx = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
+    dx = into if into is not None else torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
     if plan:
         dx_ptr = dx.data_ptr()
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
@@ -1061,7 +1060,8 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
 
     def backward(x, target, outputs, dloss):
         loss, z_loss, row_max, denominator, target_weight, weight_mean, = outputs
-        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)[0]
+        # d loss / d logits into the logits' own memory: the chunk's buffer is not read again
+        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=x)[0]
 
     return linear_loss.Kernels(forward, backward)
 

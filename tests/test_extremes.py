@@ -5,8 +5,10 @@ and small user specs, derived in-process, whose forms overflow or divide by 0 as
 The criterion, per element: where torch's fp32 value is finite, ours is finite and errs at most
 twice torch's error plus a few ulps (RTOL) of the value's scale: for an elementwise op the
 value itself (and for the gradient of the activation's argument the terms it is summed from,
-the upstream gradient times the other inputs), its row for a row op, the whole tensor for a
-parameter's gradient. Where the
+the upstream gradient times the other inputs), its row for a row op (for a softmax's gradient
+p·(dp − Σ dp·p) also the row's terms p·dp: where one entry dominates, the difference cancels
+and the rounding of Σ, at most an ulp of its terms, is the error any order of summation
+leaves), the whole tensor for a parameter's gradient. Where the
 fp64 reference is inf or NaN, ours is the inf or NaN torch gives. Where only torch's fp32 value
 is not finite (an intermediate overflowed: its layer_norm's variance at |x| = 1e30, its
 gelu_tanh backward's x² there), torch has no error to be within: ours may be any value but a
@@ -64,13 +66,16 @@ FP32_EPS = torch.finfo(torch.float32).eps
 class Case:
     """One op: `ours` and `theirs` take the same tensors (fp32, or fp64 for the reference);
     `inputs(magnitude)` makes them, the first `differentiable` of them differentiated.
-    `rowwise`: a row op (errors scale with the row), else an elementwise one."""
+    `rowwise`: a row op (errors scale with the row), else an elementwise one. `terms(output,
+    upstream)`, from the fp64 reference: the size of the terms the first input's gradient is
+    the difference of, where it cancels (a softmax's p·dp − p·Σ dp·p), added to its scale."""
 
     def __init__(self, ours: Callable, theirs: Callable, inputs: Callable[[float], list],
-                 differentiable: int = 1, rowwise: bool = True):
+                 differentiable: int = 1, rowwise: bool = True, terms: Callable | None = None):
         self.ours, self.theirs, self.inputs = ours, theirs, inputs
         self.differentiable = differentiable
         self.rowwise = rowwise
+        self.terms = terms
 
 
 def scaled(magnitude: float, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -132,20 +137,40 @@ def ce(smoothing: float) -> tuple[Callable, Callable]:
     return ours, at_infinity(theirs, through_logsumexp)
 
 
+class _AtPlusInfinity(torch.autograd.Function):
+    """y, with +inf where x is +inf and y is NaN; the gradient passes to y unchanged."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.where((x == math.inf) & y.isnan(), math.inf, y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def torch_gelu(x: torch.Tensor) -> torch.Tensor:
+    """torch's gelu, whose value at +inf is the limit +inf as torch's CUDA kernel gives (torch
+    2.11's vectorised CPU kernel gives NaN there, later CPU kernels +inf); its gradients are
+    torch's."""
+    return _AtPlusInfinity.apply(F.gelu(x), x)
+
+
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (WIDTH,), w, FP32_EPS)
 
 
 CASES = {
-    "gelu": Case(gelu.gelu, F.gelu, activation, rowwise=False),
+    "gelu": Case(gelu.gelu, torch_gelu, activation, rowwise=False),
     "gelu_tanh": Case(gelu_tanh.gelu_tanh, lambda x: F.gelu(x, approximate="tanh"), activation,
                       rowwise=False),
     "swiglu": Case(swiglu.swiglu, lambda g, u: F.silu(g) * u, glu, 2, rowwise=False),
-    "geglu": Case(geglu.geglu, lambda g, u: F.gelu(g) * u, glu, 2, rowwise=False),
+    "geglu": Case(geglu.geglu, lambda g, u: torch_gelu(g) * u, glu, 2, rowwise=False),
     "softmax": Case(softmax.softmax, at_infinity(lambda x: torch.softmax(x, -1),
-                                                 softmax_through_logsumexp), activation),
+                                                 softmax_through_logsumexp), activation,
+                    terms=lambda p, dp: p * dp),
     "masked_softmax": Case(lambda x: masked_softmax.masked_softmax(x, scale=0.5, causal=True),
-                           causal_softmax, attention_scores),
+                           causal_softmax, attention_scores, terms=lambda p, dp: 0.5 * p * dp),
     "cross_entropy": Case(*ce(0.0), activation),
     "cross_entropy_smoothed": Case(*ce(0.25), activation),
     "cross_entropy_shifted": Case(*ce(0.0), shifted_logits),
@@ -181,6 +206,9 @@ def scales(case: Case, tensors: list, exact: list[torch.Tensor]) -> list[torch.T
         magnitudes[1] = magnitudes[1] + exact[1].abs() * math.prod(
             others, start=torch.ones_like(exact[1]))
         return magnitudes
+    if case.terms is not None:
+        magnitudes[1] = magnitudes[1] + case.terms(exact[0], exact[1]).abs().nan_to_num(
+            0.0, 0.0, 0.0)
     result = []
     for index, magnitude in enumerate(magnitudes):
         whole = index > 0 and tensors[index - 1].dim() == 1

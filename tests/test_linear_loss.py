@@ -13,7 +13,7 @@ import transformers  # a declared test dependency (the `test` extra): import, ne
 from reference import FP64_TOL, randn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from codegen.runtime import linear_loss
+from codegen.runtime import launch, linear_loss
 from generated import cross_entropy as cross_entropy_module
 from generated.cross_entropy import LinearCrossEntropyLoss, cross_entropy, linear_cross_entropy
 from generated.patch import patch_model
@@ -185,6 +185,41 @@ def test_double_backward_is_refused(monkeypatch):
         loss = linear_cross_entropy(x, weight, target, b, reduction=reduction).sum()
         with pytest.raises(RuntimeError, match="double backward .* is not supported"):
             torch.autograd.grad(loss, x, create_graph=True)
+
+
+def test_a_second_backward_of_a_reduced_loss_is_refused_and_none_recomputes(monkeypatch):
+    """Reduced: the gradients computed in the forward are handed over by the first backward,
+    scaled in place (a d weight the size of the weight, never copied); a second backward says
+    so. "none" recomputes its chunks, so retain_graph works there as for torch's loss."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float64, "cpu")
+    x.requires_grad_()
+    for reduction in ("mean", "sum"):
+        loss = linear_cross_entropy(x, weight, target, b, reduction=reduction)
+        first, = torch.autograd.grad(3 * loss, x, retain_graph=True)
+        torch.testing.assert_close(first, 3 * torch.autograd.grad(
+            theirs(x, weight, b, target, reduction=reduction), x)[0], **FP64_TOL)
+        with pytest.raises(RuntimeError, match="second time .* not supported"):
+            torch.autograd.grad(loss, x)
+    loss = linear_cross_entropy(x, weight, target, b, reduction="none").sum()
+    first, = torch.autograd.grad(loss, x, retain_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(loss, x)[0], first, rtol=0, atol=0)
+
+
+def test_logit_gradients_overwrite_the_chunk_buffer(device):
+    """The loss kernels' backward writes d loss / d logits into the chunk's logits (the
+    buffer is not read again): no second (chunk, classes) buffer on the kernels' path."""
+    x, weight, b, target, _ = case(torch.float32, device)
+    target = target.reshape(-1)
+    kernels = cross_entropy_module._linear_kernels(None, -100, 0.0, 0.0, 0.0)
+    logits = F.linear(x.reshape(-1, H), weight, b).contiguous()
+    leaf = logits.clone().requires_grad_()
+    expected, = torch.autograd.grad(F.cross_entropy(leaf, target, reduction="sum"), leaf)
+    outputs = kernels.forward(logits, target, True)
+    upstream = torch.ones(logits.shape[0], dtype=torch.float32, device=device)
+    got = kernels.backward(logits, target, outputs, upstream)
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+    assert (got.data_ptr() == logits.data_ptr()) == launch.use_triton(logits)
 
 
 def test_errors_name_the_argument(monkeypatch):

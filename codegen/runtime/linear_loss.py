@@ -302,7 +302,9 @@ class _LinearLoss(torch.autograd.Function):
                      else torch.ones((), dtype=acc, device=x.device))
         loss, grads = _sweep(plan, x, weight, bias, target, dloss, needs)
         if ctx.now:
-            ctx.save_for_backward(*grads)
+            # not saved tensors: the backward scales them in place and hands them over (a
+            # weight's gradient as large as the weight, never copied)
+            ctx.grads = list(grads)
         else:
             ctx.save_for_backward(x, weight, bias, target)
         return _reduce(plan, loss, counted)
@@ -318,8 +320,17 @@ class _LinearLoss(torch.autograd.Function):
             )
         needs = ctx.needs_input_grad[:3]
         if ctx.now:
-            grads = [g * grad.to(g.dtype) if g is not None and need else None
-                     for g, need in zip(ctx.saved_tensors, needs, strict=True)]
+            if ctx.grads is None:
+                raise RuntimeError(
+                    f"{ctx.plan.function}: backward through the same loss a second time "
+                    "(retain_graph=True) is not supported with reduction 'mean' or 'sum': the "
+                    "gradients it computes in the forward are scaled in place and handed over "
+                    "by the first backward; use reduction='none' and reduce the losses, whose "
+                    "backward recomputes them"
+                )
+            grads, ctx.grads = ctx.grads, None
+            grads = [g.mul_(grad.to(g.dtype)) if g is not None and need else None
+                     for g, need in zip(grads, needs, strict=True)]
         else:
             x, weight, bias, target = ctx.saved_tensors
             _, grads = _sweep(ctx.plan, x, weight, bias, target, grad.reshape(-1), needs,
