@@ -100,12 +100,26 @@ def typed(absent: str) -> str:
 class KernelContext:
     """A Kernel with every expression printed in one dialect, as the templates read it."""
 
-    def __init__(self, kernel: Kernel, dialect: Dialect, backward: bool = True):
+    def __init__(self, kernel: Kernel, dialect: Dialect, backward: bool = True,
+                 windowed: bool = False):
         #: the derived formulas, as the kernels' docstrings state them
         self.formulas = kernel.formulas()
         # one-hot sums are read as one gathered element a row (codegen/fuse.py), by the Triton
         # kernels and the torch path alike
         kernel, self.picks = picks(kernel)
+        #: a window of the row: the launcher takes `col_start` and `row_length`, and the
+        #: (M, N) tensors it is given are columns col_start .. col_start + N of rows of
+        #: row_length columns (a linear loss's block of the classes, codegen/runtime/
+        #: linear_loss.py). Only where each element's value needs its row's values and its
+        #: own: no row reductions, no column or scalar sums, no gathered element (which may lie
+        #: outside the window), nothing drawn per element or read by row position
+        self.windowed = windowed and not (
+            any(p.reductions for p in kernel.passes) or kernel.stores_of("column")
+            or kernel.stores_of("scalar") or self.picks
+            or any(kind != "column_index" for _, kind in kernel.generated)
+            or any(t.broadcast for t in kernel.tensors("element")))
+        self.window_params = ["col_start=0", "row_length=None"] if self.windowed else []
+        self.window_args = ["col_start", "row_length"] if self.windowed else []
         self.dialect = dialect
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
         element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
@@ -123,6 +137,9 @@ class KernelContext:
             {(name, value): f"HAS_{name.upper()}" for name, value in kernel.switches},
             f"torch.full((), {{}}, dtype=acc, device={first}.device)" if dialect is TORCH
             else "{}")
+        if self.windowed:
+            # the formulas' row length is the whole row's, not the window's N
+            self.printer = _Renamed(self.printer, {ROW_LENGTH: "row_length"})
         # values that are 0 where the mask is off: plain element inputs load as 0 there
         self._zero_masked = {t.name for t in kernel.tensors("element") if not t.optional}
         self._element_exprs = {a.name: a.expr for p in (*kernel.passes, kernel.epilogue)
@@ -241,7 +258,8 @@ class KernelContext:
         lines = []
         for c in columns:
             name = c["name"]
-            load = f"{name} = tl.load({name}_ptr + cols, mask=col_mask, other=0.0).to(ACC)"
+            at = "col_start + cols" if self.windowed else "cols"
+            load = f"{name} = tl.load({name}_ptr + {at}, mask=col_mask, other=0.0).to(ACC)"
             if c["flag"]:
                 lines += [f"if {c['flag']}:", f"    {load}", "else:",
                           f"    {c['name']} = {typed(c['absent'])}"]
@@ -259,7 +277,7 @@ class KernelContext:
         for e in names:
             kind = self.generated.get(e)
             if kind == "column_index":
-                lines.append(f"{e} = cols")
+                lines.append(f"{e} = cols + col_start" if self.windowed else f"{e} = cols")
                 continue
             if kind == "random":
                 lines.append(f"{e} = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)")
@@ -688,7 +706,7 @@ class KernelContext:
         args += [f"{s['name']}_ptr" for s in self.row_stores]
         args += [f"{s['name']}_partial_ptr" for s in self.reduced_stores]
         args += [f"{name}_{part}" for name in self.scalars for part in ("high", "low")]
-        args += ["M", "N"] + ["D1", "D2"] * self.row_shape
+        args += ["M", "N"] + self.window_args + ["D1", "D2"] * self.row_shape
         # the split kernel's exchange buffers (the other kernels take them and leave them be)
         args += ["split_sums_ptr", "split_count_ptr"] * self.splittable
         args += self.flag_args()
@@ -700,6 +718,19 @@ class KernelContext:
         args += ["ONE_SWEEP: tl.constexpr"] * self.one_sweep
         return args + ["KEEP: tl.constexpr", "EVEN: tl.constexpr", "STRIDED: tl.constexpr",
                        "REVERSE: tl.constexpr", "LAST_FIRST: tl.constexpr", "FIXED_N: tl.constexpr"]
+
+
+class _Renamed:
+    """A printer that prints some symbols under other names."""
+
+    def __init__(self, printer: KernelPrinter, names: dict[str, str]):
+        self.printer, self.names = printer, names
+
+    def __call__(self, expr: sympy.Expr) -> str:
+        expr = sympy.sympify(expr)
+        return self.printer(expr.xreplace({s: sympy.Symbol(self.names[s.name], **s.assumptions0)
+                                           for s in expr.free_symbols
+                                           if s.name in self.names}))
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
@@ -737,8 +768,11 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "store_flags": {s.name: (True if s.name in saved else
                                      f"want_{s.name}" if s.name in module.outputs else False)
                             for s in forward.stores if s.flag},
-            "bwd": KernelContext(backward, TRITON),
-            "bwd_torch": KernelContext(backward, TORCH),
+            # a row loss's backward may run on a window of the row (its linear variant's
+            # blocks of classes)
+            "bwd": KernelContext(backward, TRITON, windowed=module.api.kind == "row_loss"),
+            "bwd_torch": KernelContext(backward, TORCH,
+                                       windowed=module.api.kind == "row_loss"),
             "gradients": gradients,
             # the gradient of each custom-op input, in the op's argument order
             "op_gradients": [gradient_of.get(name, "None") for name in fwd.inputs],

@@ -286,11 +286,12 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, target_ptr,
         row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr, dx_row_stride,
         ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low,
-        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N,
-        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
-        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N, col_start,
+        row_length, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     key = column index
@@ -320,7 +321,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
     softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
     if HAS_WEIGHT:
-        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        weight = tl.load(weight_ptr + col_start + cols, mask=col_mask, other=0.0).to(ACC)
     else:
         weight = tl.full([], 1.0, ACC)
     for row_block in tl.range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1,
@@ -336,23 +337,24 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         target_weight = tl.load(target_weight_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         weight_mean = tl.load(weight_mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        key = cols
+        key = cols + col_start
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
         z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, target_ptr,
         row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr, dx_row_stride,
         ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low,
-        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N,
-        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-        CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
-        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N, col_start,
+        row_length, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
+        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns.
 
@@ -390,15 +392,15 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
             col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             if HAS_WEIGHT:
-                weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+                weight = tl.load(weight_ptr + col_start + cols, mask=col_mask, other=0.0).to(ACC)
             else:
                 weight = tl.full([], 1.0, ACC)
-            key = cols
+            key = cols + col_start
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
             z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
             e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, N, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale,
@@ -453,13 +455,16 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
 
 
 def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap):
+        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=0,
+        row_length=None):
     """_cross_entropy_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
     M, N = x.shape
+    # columns col_start .. col_start + N of rows of row_length columns (KernelContext.windowed)
+    row_length = N if row_length is None else row_length
     x = x.to(acc)
-    weight = weight.to(acc) if weight is not None else 1.0
+    weight = weight[col_start:col_start + N].to(acc) if weight is not None else 1.0
     HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
@@ -472,12 +477,12 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     denominator = denominator.to(acc)[:, None]
     target_weight = target_weight.to(acc)[:, None]
     weight_mean = weight_mean.to(acc)[:, None]
-    key = torch.arange(N, device=x.device)[None, :]
+    key = torch.arange(col_start, col_start + N, device=x.device)[None, :]
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     common_1 = (torch.tanh((x) / (softcap)) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
     z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
-    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -640,17 +645,20 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
 
 
 def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=None):
+        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=0,
+        row_length=None, into=None):
     M, N = x.shape
+    # columns col_start .. col_start + N of rows of row_length columns (KernelContext.windowed)
+    row_length = N if row_length is None else row_length
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
+        return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start, row_length)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=into)
+            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=into, col_start=col_start, row_length=row_length)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -664,7 +672,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
         weight_mean_ptr = weight_mean.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
         key = (
-            "_cross_entropy_bwd_default", device.index, M, N,
+            "_cross_entropy_bwd_default", device.index, M, N, col_start, row_length,
             x.dtype, x_ptr & 15,
             weight is not None and weight.dtype, weight_ptr & 15,
             dloss.dtype, dloss_ptr & 15,
@@ -702,6 +710,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             *launch.fp32_pair(lse_square_scale),
             *launch.fp32_pair(softcap),
             M, N,
+            col_start, row_length,
             *plan.tail,
         )
     else:
@@ -721,6 +730,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             *launch.fp32_pair(lse_square_scale),
             *launch.fp32_pair(softcap),
             M, N,
+            col_start, row_length,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
@@ -1058,12 +1068,12 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
     def forward(x, target, saving):
         return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=False, store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
 
-    def backward(x, target, outputs, dloss):
+    def backward(x, target, outputs, dloss, col_start=0, row_length=None):
         loss, z_loss, row_max, denominator, target_weight, weight_mean, = outputs
         # d loss / d logits into the logits' own memory: the chunk's buffer is not read again
-        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=x)[0]
+        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=col_start, row_length=row_length, into=x)[0]
 
-    return linear_loss.Kernels(forward, backward)
+    return linear_loss.Kernels(forward, backward, windowed=True)
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
@@ -1081,12 +1091,16 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     class: the mean divides by the counted rows' weights).
 
     `chunk_size`: rows per chunk. By default a chunk's logits take about the memory of
-    `input` (rows / ceil(V / H)), but at least 1024 rows, rounded up to a power of two. At most two chunks of logits
-    exist at once (the logits and their gradient), plus d input (the input's size) and d weight
-    (fp32: 4 bytes per element of `weight`). With reduction "mean" or "sum" the gradients are
-    computed in the forward, where the logits are at hand, and scaled by the incoming gradient
-    in the backward; with "none" the backward computes each chunk's logits again. Double
-    backward is not supported (RuntimeError).
+    `input` (rows / ceil(V / H)), but at least 1024 rows, rounded up to a power of two; their
+    gradient overwrites them.
+    Where `weight` needs a gradient, the forward keeps four numbers a row, and the backward
+    computes the logits again a block of the classes at a time (a block takes a chunk's
+    memory): d weight is then one matmul per block over all the rows, rounded once, with no
+    fp32 copy of `weight`; d input sums the blocks in fp32 (4 bytes per element of `input`).
+    Otherwise, with reduction "mean" or "sum" the gradients are computed in the forward and
+    scaled in place by the incoming gradient in the backward (a second backward then raises);
+    with "none" the backward computes each chunk's logits again.
+    Double backward is not supported (RuntimeError).
 
     `out_dtype`: the dtype of the returned loss, by default the input's (float32 under
     autocast). The losses are computed in float32 (float64 for float64 input) whatever it is:

@@ -100,9 +100,9 @@ def test_logits_are_held_a_chunk_at_a_time(monkeypatch):
     kernels = cross_entropy_module._linear_kernels
 
     def recording(*args):
-        forward, backward = kernels(*args)
-        return linear_loss.Kernels(lambda x, *a: seen.append(x.shape) or forward(x, *a),
-                                   backward)
+        bound = kernels(*args)
+        return bound._replace(
+            forward=lambda x, *a: seen.append(x.shape) or bound.forward(x, *a))
 
     monkeypatch.setattr(cross_entropy_module, "_linear_kernels", recording)
     x, weight, b, target, _ = case(torch.float64, "cpu")
@@ -112,6 +112,39 @@ def test_logits_are_held_a_chunk_at_a_time(monkeypatch):
         loss = linear_cross_entropy(x, weight, target, b, reduction=reduction, chunk_size=4)
         loss.sum().backward()
         assert seen == [(4, V), (4, V), (4, V), (3, V)] * passes
+
+
+@pytest.mark.parametrize("smallest", [8, 16])  # one row chunk a block; two
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_blocks_of_classes(monkeypatch, reduction, smallest):
+    """Where d weight is wanted, the backward takes the classes a block at a time (the loss's
+    backward kernels on a window of the row: the column index and the row length are the
+    whole row's, so smoothing and class weights come out right), each block over the rows in
+    one chunk, or in two with d weight summed in fp32."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(linear_loss, "MIN_BLOCK_CLASSES", smallest)
+    seen = []
+    kernels = cross_entropy_module._linear_kernels
+
+    def recording(*args):
+        bound = kernels(*args)
+        assert bound.windowed
+
+        def backward(x, target, outputs, dloss, col_start=0, row_length=None):
+            seen.append((x.shape, col_start, row_length))
+            return bound.backward(x, target, outputs, dloss, col_start, row_length)
+
+        return bound._replace(backward=backward)
+
+    monkeypatch.setattr(cross_entropy_module, "_linear_kernels", recording)
+    assert_matches(torch.float64, "cpu", reduction, class_weight=True, label_smoothing=0.25)
+    # chunks of 4 rows: blocks of 4 * 37 // 15 = 9 classes (at least `smallest`), each over
+    # as many rows as 4 * 37 logits hold
+    block = max(9, smallest)
+    rows = min(15, 4 * V // block)
+    expected = [((min(rows, 15 - start), min(block, V - first)), first, V)
+                for first in range(0, V, block) for start in range(0, 15, rows)]
+    assert seen == expected
 
 
 def test_default_chunk_takes_about_the_input_memory_above_a_floor():

@@ -10,10 +10,19 @@ d input and its term of d weight (and a column sum its term of d bias). A genera
 supplies those kernels as `Kernels` (codegen/templates/api_linear_loss.py.j2); this module
 checks the linear layer's arguments and runs the chunks.
 
-With reduction "mean" or "sum" the gradients are computed in the forward, while the chunk's
-logits are at hand, at d loss = 1 (the mean's 1 / count per row), and the backward scales them
-by the incoming gradient: the logits are computed once. With "none" the incoming gradient is
-one per row, known only in the backward, which computes each chunk's logits again.
+Where d weight is wanted and the loss's backward kernels take a window of the row (a block of
+the classes, `Kernels.windowed`), the forward keeps each row's statistics and the backward
+goes over the classes a block at a time: the block's logits for the rows again, their
+gradient given the statistics, then d weight of the block as one matmul over all the rows
+(accumulated in fp32 by cuBLAS and rounded once, as torch's own d weight), d input summed
+over the blocks in fp32. No (classes, features) fp32 accumulator then exists: the price is
+the logits computed twice, one matmul more than the row chunks take.
+
+Otherwise (no d weight wanted, or kernels without windows), with reduction "mean" or "sum" the
+gradients are computed in the forward, while the chunk's logits are at hand, at d loss = 1
+(the mean's 1 / count per row), and the backward scales them by the incoming gradient: the
+logits are computed once. With "none" the incoming gradient is one per row, known only in the
+backward, which computes each chunk's logits again.
 """
 
 from __future__ import annotations
@@ -34,10 +43,13 @@ class Kernels(NamedTuple):
     """A row loss's generated kernels, its options bound. `forward(x, target, saving)`: the
     forward launcher's outputs for the (rows, classes) logits x, the per-row loss first and,
     with `saving`, the row statistics the backward reads; `backward(x, target, outputs,
-    dloss)`: d loss / d x (x's dtype) for the per-row upstream gradients dloss."""
+    dloss, col_start=0, row_length=None)`: d loss / d x (x's dtype, written over x) for the
+    per-row upstream gradients dloss; with `windowed`, x may be a block of the classes,
+    columns col_start .. col_start + x.shape[1] of rows of row_length."""
 
     forward: Callable
     backward: Callable
+    windowed: bool = False
 
 
 class Plan(NamedTuple):
@@ -286,6 +298,95 @@ def _accumulate(total, a, b):
         total.add_(torch.mm(a, b))
 
 
+#: the fewest classes a block of the blocked backward takes (its matmuls stay large)
+MIN_BLOCK_CLASSES = 1024
+
+
+def _statistics(plan, x, weight, bias, target):
+    """The blocked path's forward: one pass over the row chunks for the per-row losses and the
+    row statistics the loss's backward reads (each output of the forward kernels, whole)."""
+    rows, classes = x.shape[0], weight.shape[0]
+    buffer = torch.empty((min(plan.chunk, rows), classes), dtype=x.dtype, device=x.device)
+    transposed = weight.t()
+    parts = []
+    with torch.autocast(x.device.type, enabled=False):
+        for start in range(0, rows, plan.chunk):
+            stop = min(start + plan.chunk, rows)
+            logits = buffer[: stop - start]
+            _logits(x[start:stop], transposed, bias, logits)
+            parts.append(plan.kernels.forward(logits, target[start:stop], True))
+    outputs = [None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)]
+    return outputs[0], outputs
+
+
+def _logits(h, transposed, bias, out):
+    if bias is None:
+        torch.mm(h, transposed, out=out)
+    else:  # F.linear's own addmm: the bias added before the one rounding
+        torch.addmm(bias, h, transposed, out=out)
+
+
+def _blocked(plan, x, weight, bias, target, outputs, dloss, needs):
+    """The blocked path's backward: (d x, d weight, d bias) for the per-row upstream gradients
+    `dloss`, the classes a block at a time (module doc)."""
+    rows, features = x.shape
+    classes = weight.shape[0]
+    acc = launch.accumulator(x.dtype)
+    device = x.device
+    # a block's logits for every row take about the memory of a forward chunk's
+    # (at least MIN_BLOCK_CLASSES, a multiple of 128 where it is more), and as many rows as
+    # then fit that memory
+    block = max(plan.chunk * classes // max(rows, 1), min(MIN_BLOCK_CLASSES, classes))
+    if block >= classes:
+        block = classes
+    elif block >= 128:
+        block = block // 128 * 128
+    chunk = max(1, min(rows, plan.chunk * classes // block))
+    grad_x = torch.zeros((rows, features), dtype=acc, device=device) if needs[0] else None
+    grad_weight = torch.empty_like(weight)
+    grad_bias = torch.zeros(classes, dtype=acc, device=device) \
+        if bias is not None and needs[2] else None
+    buffer = torch.empty((chunk, min(block, classes)), dtype=x.dtype, device=device)
+    # d weight of a block summed over row chunks (where one chunk does not hold every row)
+    partial = torch.empty((min(block, classes), features), dtype=acc, device=device) \
+        if chunk < rows else None
+    with torch.autocast(device.type, enabled=False):
+        for first in range(0, classes, block):
+            last = min(first + block, classes)
+            w = weight[first:last]
+            b = bias[first:last] if bias is not None else None
+            for start in range(0, rows, chunk):
+                stop = min(start + chunk, rows)
+                h = x[start:stop]
+                logits = buffer[: stop - start, : last - first]
+                _logits(h, w.t(), b, logits)
+                dlogits = plan.kernels.backward(
+                    logits, target[start:stop], [o[start:stop] if o is not None else None
+                                                 for o in outputs],
+                    dloss[start:stop], first, classes)
+                if grad_x is not None:
+                    _accumulate(grad_x[start:stop], dlogits, w)
+                if partial is None:
+                    torch.mm(dlogits.t(), h, out=grad_weight[first:last])
+                elif start == 0:
+                    _product(partial[: last - first], dlogits.t(), h)
+                else:
+                    _accumulate(partial[: last - first], dlogits.t(), h)
+                if grad_bias is not None:
+                    grad_bias[first:last] += dlogits.sum(0, dtype=acc)
+            if partial is not None:
+                grad_weight[first:last] = partial[: last - first]
+    return (grad_x.to(x.dtype) if grad_x is not None else None,
+            grad_weight if needs[1] else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None)
+
+
+def _product(out, a, b):
+    """out = a @ b, out at a higher precision than a and b where they are 16-bit."""
+    out.zero_()
+    _accumulate(out, a, b)
+
+
 class _LinearLoss(torch.autograd.Function):
     """The chunked loss, differentiable in x, weight and bias (the target and the class weights
     get no gradient, as cross_entropy's)."""
@@ -294,6 +395,12 @@ class _LinearLoss(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, counted, plan):
         needs = ctx.needs_input_grad[:3]
         ctx.plan = plan
+        ctx.blocked = needs[1] and plan.kernels.windowed
+        if ctx.blocked:
+            loss, outputs = _statistics(plan, x, weight, bias, target)
+            ctx.outputs = outputs
+            ctx.save_for_backward(x, weight, bias, target, counted)
+            return _reduce(plan, loss, counted)
         ctx.now = plan.reduction != "none"
         dloss = None
         if ctx.now:
@@ -319,6 +426,20 @@ class _LinearLoss(torch.autograd.Function):
                 "instead"
             )
         needs = ctx.needs_input_grad[:3]
+        if ctx.blocked:
+            x, weight, bias, target, counted = ctx.saved_tensors
+            plan = ctx.plan
+            acc = launch.accumulator(x.dtype)
+            grad = grad.to(acc)
+            if plan.reduction == "none":
+                dloss = grad.reshape(-1)
+            elif plan.reduction == "sum":
+                dloss = grad.expand(x.shape[0])
+            else:
+                dloss = (grad * _mean_scale(counted, acc, x.device)).expand(x.shape[0])
+            grads = _blocked(plan, x, weight, bias, target, ctx.outputs, dloss.contiguous(),
+                             needs)
+            return *grads, None, None, None
         if ctx.now:
             if ctx.grads is None:
                 raise RuntimeError(
