@@ -114,7 +114,7 @@ def causal_softmax(x: torch.Tensor) -> torch.Tensor:
     """torch.softmax of x / 2 with the keys after the query masked out (-inf whatever x holds
     there), a row with no live key 0 with a 0 gradient (torch gives NaN there; masked_softmax
     documents 0, as attention kernels do); a row holding +inf through logsumexp."""
-    future = torch.ones(ROWS, WIDTH, dtype=torch.bool).triu(1)
+    future = torch.ones(ROWS, WIDTH, dtype=torch.bool, device=x.device).triu(1)
     z = (x * 0.5).masked_fill(future, -math.inf)
     dead = z.amax(-1, keepdim=True) == -math.inf
     live = at_infinity(lambda t: torch.softmax(t, -1), softmax_through_logsumexp)

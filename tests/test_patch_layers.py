@@ -312,9 +312,12 @@ def test_a_fused_model_pickles_checkpoints_and_copies():
     layer._gradient_checkpointing_func = lambda *args, **kwargs: (
         calls.append(args[0].func), checkpoint(*args, **kwargs))[1]
     assert_same(original, patched, 1e-5, training=True)
-    # the checkpointed forward is the rewritten one (the original's is the decorated one)
-    assert calls == [type(layer).forward.__wrapped__]
-    assert calls[0] is not LlamaDecoderLayer.forward.__wrapped__
+    assert calls  # the layer ran checkpointed
+    if hasattr(LlamaDecoderLayer.forward, "__wrapped__"):
+        # transformers 5.24 checkpoints the forward itself, undecorated: the rewritten one
+        # (earlier ones checkpoint Module.__call__, which calls it)
+        assert calls == [type(layer).forward.__wrapped__]
+        assert calls[0] is not LlamaDecoderLayer.forward.__wrapped__
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
