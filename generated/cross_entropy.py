@@ -1091,7 +1091,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     class: the mean divides by the counted rows' weights).
 
     `chunk_size`: rows per chunk. By default a chunk's logits take about the memory of
-    `input` (rows / ceil(V / H)), but at least 1024 rows, rounded up to a power of two; their
+    `input` (rows / ceil(V / H), rounded up to a power of two), but at least 128 MiB; their
     gradient overwrites them.
     Where `weight` needs a gradient, the forward keeps four numbers a row, and the backward
     computes the logits again a block of the classes at a time (a block takes a chunk's

@@ -149,13 +149,16 @@ def test_blocks_of_classes(monkeypatch, reduction, smallest):
 
 def test_default_chunk_takes_about_the_input_memory_above_a_floor():
     # Liger-Kernel's example: 16384 rows of 4096 features, 32000 classes: 2048 rows a chunk
-    assert linear_loss.chunk_rows("f", 16384, 4096, 32000, None) == 2048
-    # 15 / ceil(37 / 8) = 4, raised to the floor of MIN_CHUNK_ROWS, never past the rows
-    assert linear_loss.chunk_rows("f", 15, 8, 37, None) == 15
-    assert linear_loss.chunk_rows("f", 4096, 1536, 151936, None) == linear_loss.MIN_CHUNK_ROWS
-    assert linear_loss.chunk_rows("f", 8192, 1536, 151936, None) == 1024  # 83 -> 1024
-    assert linear_loss.chunk_rows("f", 3, 64, 10, None) == 3  # never past the rows
+    # hold the input's memory; 128 MiB of bf16 logits take 2098 rows, 2176 in steps of 128
+    assert linear_loss.chunk_rows("f", 16384, 4096, 32000, None) == 2176
+    assert linear_loss.chunk_rows("f", 16384, 4096, 32000, None, 4) == 2048  # fp32: 1049
+    assert linear_loss.chunk_rows("f", 65536, 4096, 32000, None) == 8192  # the input's
+    # Qwen2's head: 4096 / 99 -> 64 rows, raised to 442 -> 512; Gemma's: 263 -> 384
+    assert linear_loss.chunk_rows("f", 4096, 1536, 151936, None) == 512
+    assert linear_loss.chunk_rows("f", 4096, 2048, 256000, None) == 384
+    assert linear_loss.chunk_rows("f", 15, 8, 37, None) == 15  # never past the rows
     assert linear_loss.chunk_rows("f", 15, 8, 37, 100) == 15
+    assert linear_loss.chunk_rows("f", 15, 8, 37, 4) == 4
 
 
 def test_only_the_gradients_asked_for(monkeypatch):

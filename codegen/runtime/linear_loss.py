@@ -174,23 +174,28 @@ def check_chunk_size(function, chunk_size):
     return int(chunk_size)
 
 
-#: the fewest rows a default chunk takes: every chunk adds its d logits^T @ h into the whole
-#: (classes, features) fp32 d weight (a read and a write of it) and launches five kernels, so
-#: small chunks cost more than their logits save. Forward + backward of 4096 rows, bf16, H200
-#: (`loss` of a 1536 x 151936 head): 68.8 ms at Liger's 64-row chunks, 14.0 at 512, 11.9 at
-#: 1024 (peak +0.27 GiB over 64), 10.5 at 4096 (+1.9 GiB); torch's logits-whole 15.1 ms
-MIN_CHUNK_ROWS = 1024
+#: the least memory a default chunk's logits take: a chunk of few rows makes a skinny matmul
+#: and, in the blocked backward, narrow blocks of classes. Forward + backward of 4096 rows,
+#: bf16, H100 (`python -m benchmarks.linear_loss`): a 1536 x 151936 head 13.2 ms in 256-row
+#: chunks (78 MB of logits), 12.0 in 512 (156 MB), 12.1 in 1024; a 2048 x 32000 head 9.7 ms in
+#: 256-row chunks (16 MB), 5.4 in 512, 4.0 in 1024 (66 MB); torch's logits-whole 17.9, 4.6
+MIN_CHUNK_BYTES = 128 << 20
+#: a floor's rows are a multiple of this
+CHUNK_ROWS_STEP = 128
 
 
-def chunk_rows(function, rows, features, classes, chunk_size):
+def chunk_rows(function, rows, features, classes, chunk_size, itemsize=2):
     """Rows per chunk. By default a chunk's logits take about the input's memory (the rows over
-    ceil(classes / features)), but at least MIN_CHUNK_ROWS rows, rounded up to a power of two
-    (so that calls of nearby sizes share the kernels' compiled plans); `chunk_size` sets it."""
+    ceil(classes / features), rounded up to a power of two, so that calls of nearby sizes
+    share the kernels' compiled plans), but at least MIN_CHUNK_BYTES of `itemsize`-byte
+    logits; `chunk_size` sets it."""
     chunk_size = check_chunk_size(function, chunk_size)
     if chunk_size is not None:
         return max(1, min(chunk_size, rows))
     factor = triton.cdiv(classes, max(features, 1))
-    chunk = triton.next_power_of_2(max(triton.cdiv(rows, max(factor, 1)), MIN_CHUNK_ROWS))
+    floor = triton.cdiv(triton.cdiv(MIN_CHUNK_BYTES, max(classes * itemsize, 1)),
+                        CHUNK_ROWS_STEP) * CHUNK_ROWS_STEP
+    chunk = max(triton.next_power_of_2(triton.cdiv(rows, max(factor, 1))), floor)
     return max(1, min(chunk, rows))
 
 
@@ -203,7 +208,8 @@ def linear_loss(function, input, weight, bias, target, counted, reduction, chunk
     shape = input.shape[:-1]
     x = launch.rows((-1, features), input)
     target = target.reshape(-1).contiguous()
-    chunk = chunk_rows(function, x.shape[0], features, weight.shape[0], chunk_size)
+    chunk = chunk_rows(function, x.shape[0], features, weight.shape[0], chunk_size,
+                       x.element_size())
     plan = Plan(function, kernels, reduction, chunk, dtype)
     if checks.needs_grad(input, weight, bias):
         loss = _LinearLoss.apply(x, weight, bias, target, counted, plan)
