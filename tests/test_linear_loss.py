@@ -381,15 +381,31 @@ def test_causal_lm_training_loss_from_hidden_states(torch_path, kind):
     assert again.loss_function.__self__.model is again
 
 
-def test_softcapped_logits_keep_the_logits_route(torch_path):
-    model = tiny_causal_lm("gemma2")
-    report = patch_model(model, include="loss")
+def test_softcapped_logits_cap_in_the_loss(torch_path):
+    """Gemma 2 caps its logits before the loss: the routed forward sets the config's cap
+    aside and the loss takes it as its softcap; the loss and every gradient are the model's."""
+    original = tiny_causal_lm("gemma2", final_logit_softcapping=3.0)
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="loss")
     assert report.swapped == [("loss_function", "ForCausalLMLoss",
-                               "causal_lm_loss(cross_entropy)")]
-    [(name, kind, reason)] = report.skipped
-    assert (name, kind) == ("forward", "Gemma2ForCausalLM")
-    assert "final_logit_softcapping = 30.0" in reason
-    assert "forward" not in model.__dict__
+                               "linear_cross_entropy(hidden states, lm_head)")]
+    assert report.skipped == []
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels = tokens.clone()
+    labels[0, :3] = -100
+    out, grads = lm_step(original, tokens, labels)
+    patched_out, patched_grads = lm_step(patched, tokens, labels)
+    assert patched_out.logits is None
+    torch.testing.assert_close(patched_out.loss, out.loss, rtol=1e-6, atol=0)
+    for name in grads:
+        torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert patched.config.final_logit_softcapping == 3.0  # set back after each forward
+    patched.eval()
+    original.eval()
+    with torch.no_grad():  # eval: the model's own capped logits
+        torch.testing.assert_close(patched(input_ids=tokens).logits,
+                                   original(input_ids=tokens).logits)
 
 
 class ScaledLlamaForCausalLM(transformers.LlamaForCausalLM):

@@ -514,12 +514,17 @@ class CausalLMRoute:
     sum over `num_items_in_batch`) from the hidden states by `linear` (a chunked
     `linear_cross_entropy`), so the logits are never held whole; the output's `logits` are
     None. Any other call (no labels, eval mode) is the model's own, its loss computed by
-    `fallback` from the logits."""
+    `fallback` from the logits.
+
+    A model whose config sets `final_logit_softcapping` (Gemma 2's and 3's: the forward caps
+    the logits, cap·tanh(logits / cap), between lm_head and the loss) runs the routed forward
+    with the config's cap set aside, and the cap passes to `linear` as its `softcap`."""
 
     def __init__(self, model, linear, fallback):
         self.model, self.linear, self.fallback = model, linear, fallback
         self.forward = model.forward
         self.head = model.get_output_embeddings()
+        self.cap = _softcap(model)
         names = [p.name for p in inspect.signature(self.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.labels_at = names.index("labels") if "labels" in names else None
@@ -544,6 +549,9 @@ class CausalLMRoute:
 
         self.calls.append(call)
         head.forward = capture
+        config = self.model.config
+        if self.cap is not None:  # the loss caps instead (class doc)
+            config.final_logit_softcapping = None
         try:
             output = self.forward(*args, **kwargs)
         finally:
@@ -551,6 +559,8 @@ class CausalLMRoute:
                 del head.forward
             else:
                 head.forward = own
+            if self.cap is not None:
+                config.final_logit_softcapping = self.cap
             self.calls.pop()
         if call.placeholder is None:  # lm_head not called: nothing was computed in its place
             return output
@@ -575,6 +585,8 @@ class CausalLMRoute:
             shift_labels = labels[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
         options = {"ignore_index": ignore_index, "out_dtype": torch.float32}
+        if self.cap is not None:
+            options["softcap"] = self.cap
         weight, bias = self.head.weight, self.head.bias
         if num_items_in_batch is None:
             return self.linear(hidden, weight, shift_labels, bias, **options)
@@ -582,6 +594,12 @@ class CausalLMRoute:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss / num_items_in_batch
+
+
+def _softcap(model):
+    """The cap a model's forward puts on its logits before the loss (its config's
+    `final_logit_softcapping`), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
 
 def _without(output, placeholder):
@@ -622,10 +640,10 @@ def route_problem(model, linear, fallback, dtype, device) -> str | None:
     if vocab != head.out_features:
         return (f"its lm_head has {head.out_features} outputs, its config's vocab_size is "
                 f"{vocab}")
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
+    cap = _softcap(model)
+    if cap is not None and "softcap" not in inspect.signature(linear).parameters:
         return (f"its forward caps the logits (final_logit_softcapping = {cap}) between lm_head "
-                "and the loss")
+                "and the loss, and the loss takes no softcap")
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
