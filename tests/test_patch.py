@@ -335,6 +335,35 @@ def test_gated_mlp_activation_decides_the_op(torch_path):
     assert "; nor of geglu_tanh (differs by " in reason and "; nor of swiglu (differs by " in reason
 
 
+class MultipliedMLP(GatedMLP):
+    """Falcon-H1's MLP: the gate scaled before the activation, the result after down."""
+
+    def __init__(self, gate_multiplier, down_multiplier, bias=False):
+        super().__init__(torch.nn.SiLU(), bias=bias)
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+
+    def forward(self, x):
+        hidden = self.w3(x) * self.act(self.w1(x) * self.gate_multiplier)
+        return self.w2(hidden) * self.down_multiplier
+
+
+def test_a_gated_mlps_multipliers_pass_to_the_op(torch_path):
+    """Numbers the MLP holds under the names of the op's options are tried first: the probe
+    proves them (a down projection with a bias does not commute with the down multiplier)."""
+    torch.manual_seed(0)
+    original = MultipliedMLP(0.5, 1.5)
+    report, new = swap_one(copy.deepcopy(original))
+    assert report.swapped == [("0", "MultipliedMLP", "GatedMLP(swiglu, gate=w1, up=w3, "
+                               "gate_multiplier=0.5, down_multiplier=1.5)")]
+    # in fp64: the down multiplier scales down's input, not its output (a rounding apart)
+    assert_same_outputs(original.double(), new.double(), shape=(3, 4, H), dtype=torch.float64)
+    # multipliers of 1 change nothing: the op's defaults
+    report, _ = swap_one(MultipliedMLP(1.0, 1.0))
+    assert report.swapped[0].new == "GatedMLP(swiglu, gate=w1, up=w3)"
+    report, new = swap_one(MultipliedMLP(0.5, 1.5, bias=True))
+    assert isinstance(new, MultipliedMLP) and report.skipped[0].old == "MultipliedMLP"
+
+
 class FusedMLP(torch.nn.Module):
     """Phi-3's MLP: one Linear computes gate and up (its two halves), with a dropout before down
     as T5's."""

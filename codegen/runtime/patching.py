@@ -26,6 +26,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -146,7 +147,7 @@ class GatedMLP(torch.nn.Module):
 
     def __init__(self, function: Callable, layers: list[tuple[str, torch.nn.Module]],
                  gate: str, up: str, down: str, *, half: int | None = None,
-                 dropout: str | None = None):
+                 dropout: str | None = None, options: dict[str, Any] | None = None):
         super().__init__()
         for name, layer in layers:
             self.add_module(name, layer)
@@ -154,14 +155,16 @@ class GatedMLP(torch.nn.Module):
         self._roles = (gate, up, down)
         self._half = half
         self._dropout = dropout
+        #: the function's keyword options (Falcon-H1's gate and down multipliers)
+        self._options = dict(options or {})
 
     def forward(self, input):
         gate, up, down = (self._modules[name] for name in self._roles)
         if self._half is None:
-            hidden = self._function(gate(input), up(input))
+            hidden = self._function(gate(input), up(input), **self._options)
         else:
             halves = gate(input).chunk(2, dim=-1)
-            hidden = self._function(halves[self._half], halves[1 - self._half])
+            hidden = self._function(halves[self._half], halves[1 - self._half], **self._options)
         if self._dropout is not None:
             hidden = self._modules[self._dropout](hidden)
         weight = getattr(down, "weight", None)
@@ -178,6 +181,8 @@ class GatedMLP(torch.nn.Module):
         else:
             order = "gate, up" if self._half == 0 else "up, gate"
             inner = f"{self._function.__name__}({order} = {gate}(x).chunk(2, -1))"
+        if self._options:
+            inner = inner[:-1] + "".join(f", {k}={v!r}" for k, v in self._options.items()) + ")"
         if self._dropout is not None:
             inner = f"{self._dropout}({inner})"
         return f"{down}({inner})"
@@ -384,10 +389,12 @@ class _Planner:
             return self.skip(module, name, f"its activation {act_name} ({type(act).__name__}) "
                              "does not compute the activation of " + "; nor of ".join(problems))
         layers = [n for n, _ in module.named_children() if n != act_name]
-        candidates = [_Candidate(f"GatedMLP({rule.function.__name__}, {layout.label})",
+        candidates = [_Candidate(f"GatedMLP({rule.function.__name__}, {layout.label}"
+                                 + "".join(f", {k}={v!r}" for k, v in options.items()) + ")",
                                  functools.partial(_build_mlp, rule.function, layout, layers,
-                                                   dropout))
-                      for rule in matching for layout in layouts]
+                                                   dropout, options))
+                      for rule in matching for options in _mlp_options(module, rule.function)
+                      for layout in layouts]
         width = module._modules[layouts[0].down].out_features
         # a dropout draws its mask from the RNG: the probe compares the MLPs without it
         return self.prove(module, name, candidates, (width,), MLP_SCALES, dtype, device,
@@ -667,10 +674,25 @@ def _mlp_structure(module):
     return (act_name, act, layouts, dropouts[0] if dropouts else None) if layouts else None
 
 
-def _build_mlp(function, layout, layer_names, dropout, module):
+def _mlp_options(module, function) -> list[dict[str, float]]:
+    """The keyword options of a gated MLP's `function` to try, first with those the module
+    holds as numbers of the same names (Falcon-H1's `gate_multiplier` and `down_multiplier`,
+    which its forward applies), then none: the probe tells which computes the module."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return [{}]
+    held = {p.name: float(value) for p in parameters
+            if p.kind is p.KEYWORD_ONLY and isinstance(p.default, float)
+            and isinstance(value := getattr(module, p.name, None), numbers.Real)
+            and not isinstance(value, bool) and float(value) != p.default}
+    return [held, {}] if held else [{}]
+
+
+def _build_mlp(function, layout, layer_names, dropout, options, module):
     return GatedMLP(function, [(n, module._modules[n]) for n in layer_names], layout.gate,
-                    layout.up, layout.down, half=layout.half,
-                    dropout=dropout).train(module.training)
+                    layout.up, layout.down, half=layout.half, dropout=dropout,
+                    options=options).train(module.training)
 
 
 @contextlib.contextmanager
