@@ -364,8 +364,8 @@ API_MISMATCHES = {
         "x = op.input('x')\n    u = op.random('u')\n"
         "    op.output(op.element('y', x * u))\n    op.save(x)",
         "ElementwiseAPI(function='bad', module='Bad', torch_function='-')",
-        "random values are drawn from a seed, which only an ElementwiseAPI with dropout=... "
-        "takes"),
+        "random values are drawn from a seed, which only an ElementwiseAPI or a "
+        "NormalizedShapeAPI with dropout=... takes"),
 }
 
 
