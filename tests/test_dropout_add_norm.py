@@ -1,6 +1,6 @@
 """Dropout + residual add + LayerNorm: add_layer_norm(dropout_p=...) and the op that computes it
-with dropout on (dropout_add_layernorm), and BERT's outputs fused with their dropout by
-patch_model().
+with dropout on (dropout_add_layernorm), add_rms_norm's alike, and BERT's outputs and Phi-3's
+attention dropout fused with their add + norm by patch_model().
 
 torch draws its dropout mask from its own generator, so every comparison with dropout on uses
 the op's own keep mask in the reference: bias_dropout_add's for the same shape, p and seed (the
@@ -27,10 +27,11 @@ from reference import (
     select_path,
 )
 
-from codegen.runtime import patching
+from codegen.runtime import dispatch, patching
 from generated import add_layernorm
 from generated import dropout_add_layernorm as dal_module
 from generated.add_layernorm import AddLayerNorm, add_layer_norm
+from generated.add_rmsnorm import add_rms_norm
 from generated.bias_dropout_add import bias_dropout_add
 from generated.dropout_add_layernorm import dropout_add_layer_norm
 from generated.patch import RULES, patch_model
@@ -165,6 +166,19 @@ def test_unseeded_calls_draw_from_torch_generator(device):
     ones = torch.ones(8, N, device=device)
     assert_unseeded_calls_replay(
         lambda: add_layer_norm(ones, None, (N,), dropout_p=0.5, prenorm=True)[1], device)
+
+
+def test_torch_expression_runs_only_with_dropout_off():
+    # torch's dropout would draw another mask: forced to torch's expression, a call with dropout
+    # on still runs the kernels (the op's mask), one with dropout off runs torch's ops
+    x, residual, input_bias, weight, bias = inputs((3, N), "cpu")
+    with dispatch.forcing("torch"):
+        _, s = add_layer_norm(x, residual, (N,), weight, bias, input_bias=input_bias,
+                              dropout_p=0.3, seed=SEED, prenorm=True)
+        off = add_layer_norm(x, residual, (N,), weight, bias, input_bias=input_bias,
+                             dropout_p=0.3, training=False)
+    assert torch.equal(s, bias_dropout_add(x, residual, bias=input_bias, p=0.3, seed=SEED))
+    assert torch.equal(off, F.layer_norm(x + input_bias + residual, (N,), weight, bias))
 
 
 def test_the_dropout_op_alone(device):
@@ -305,6 +319,46 @@ def test_patched_bert_in_training_is_the_model_with_the_ops_mask(torch_path):
     # deterministic under torch's seed, and another seed draws other masks
     assert_same(logits_and_grads(patched, True), got, 0.0)
     assert not torch.equal(logits_and_grads(patched, True, seed=6)[0], got[0])
+
+
+def tiny_phi3(**config):
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                     vocab_size=VOCAB, pad_token_id=0, **config)
+    model = transformers.Phi3ForCausalLM(config)
+    with torch.no_grad():
+        for index, parameter in enumerate(model.parameters()):
+            parameter.add_(0.2 * randn(parameter.shape, seed=100 + index,
+                                       dtype=parameter.dtype))
+    return model
+
+
+def test_patched_phi3_fuses_its_attention_dropout_into_add_rms_norm(torch_path):
+    original = tiny_phi3(resid_pdrop=0.1)
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="residual")
+    assert [swap.new for swap in report.swapped] == [
+        "Phi3DecoderLayer(add_rms_norm into post_attention_layernorm, with resid_attn_dropout)"
+    ] * 2 and report.skipped == []
+    assert_same(logits_and_grads(patched, False), logits_and_grads(original, False), 1e-5)
+    # in training: the original whose resid_attn_dropout draws the op's mask (the MLP's dropout
+    # stays torch's in both, drawn from the same generator state)
+    for layer in original.model.layers:
+        layer.resid_attn_dropout = SeededDropout(layer.resid_attn_dropout.p)
+    assert_same(logits_and_grads(patched, True), logits_and_grads(original, True), 1e-5)
+
+
+def test_add_rms_norm_dropout_is_its_dropout_op(device):
+    x, residual, input_bias, weight, _ = inputs((3, N), device)
+    y, s = add_rms_norm(x, residual, (N,), weight, input_bias=input_bias, dropout_p=EXACT_P,
+                        seed=SEED, prenorm=True)
+    assert torch.equal(s, bias_dropout_add(x, residual, bias=input_bias, p=EXACT_P, seed=SEED))
+    torch.testing.assert_close(y, F.rms_norm(s, (N,), weight, torch.finfo(s.dtype).eps),
+                               rtol=1e-10, atol=1e-10)
+    off = add_rms_norm(x, residual, (N,), weight, input_bias=input_bias, dropout_p=EXACT_P,
+                       training=False)
+    assert torch.equal(off, add_rms_norm(x, residual, (N,), weight, input_bias=input_bias))
 
 
 def test_a_dropout_with_hooks_stays_unfused(torch_path):

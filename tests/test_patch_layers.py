@@ -160,7 +160,7 @@ def test_fused_layers_give_the_unpatched_logits_and_gradients(kind, dtype, train
     ("gemma3", transformers.Gemma3TextConfig,
      "Gemma3DecoderLayer(add_rms_norm into pre_feedforward_layernorm, weight_offset=1.0)"),
     ("phi3", transformers.Phi3Config,
-     "Phi3DecoderLayer(add_rms_norm into post_attention_layernorm)")])
+     "Phi3DecoderLayer(add_rms_norm into post_attention_layernorm, with resid_attn_dropout)")])
 def test_gemma_sandwich_and_phi3_layers(kind, config, label):
     """Gemma 2/3 add the normalised attention output to the residual, then normalise again
     before the MLP: that norm takes the add (with Gemma's weight offset of 1). Phi-3 drops out

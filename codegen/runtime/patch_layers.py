@@ -16,16 +16,16 @@ original forward and the rewritten one must give the same output, call every sta
 same arguments, in training and in eval mode. A layer that computes anything else (a scaled
 residual, another order) is left in place with the reason.
 
-Where the layer's dropout before the add is a plain `torch.nn.Dropout` (BERT's outputs) and the
-add + norm op takes a dropout probability (`add_layer_norm`'s `dropout_p`), the dropout is fused
+Where the layer's dropout before the add is a plain `torch.nn.Dropout` (BERT's outputs, Phi-3's
+`resid_attn_dropout`) and the add + norm op takes a dropout probability (`dropout_p`), it is fused
 too: one kernel each way for `norm(dropout(x) + residual)`, the child's `p` and training mode
 read at each call. Its mask is the op's own (from a seed drawn off torch's generator, as the op
 draws it), not torch's: that part is proven by behaviour on a second probe, whose dropout is the
 layer's own: in eval mode and in training with p = 0 the output is the original's; in training
 with p > 0 the elements whose gradient reaches the dropout's input are the kept ones, about
-1 - p of them, and the output and the gradients are those of torch's norm of the sum rebuilt
-from that mask. A dropout with hooks, or of another class, is called as it is (its layer is
-fused without it).
+1 - p of them, and the output and the gradients are those of the original forward whose
+dropout applies that mask. A dropout with hooks, or of another class, is called as it is (its
+layer is fused without it).
 
 The layer object stays the same: its class becomes a subclass of its own class (same name,
 `isinstance` holds, Hugging Face's gradient checkpointing wraps it as the original), whose
@@ -123,7 +123,7 @@ class Fusion:
         without hooks (any other is called as it is); else None."""
         if not self.dropout:
             return None
-        child = layer._modules[self.family.dropout[0]]
+        child = layer._modules.get(self.family.dropout[0])
         if type(child) is not torch.nn.Dropout or child._forward_hooks \
                 or child._forward_pre_hooks:
             return None
@@ -191,15 +191,17 @@ def _sublayer_arguments(layer, family, args, kwargs):
 
 def _prenorm_forward(layer, fusion, args, kwargs):
     """LLaMA's decoder layer (and Phi-3's, with its dropouts):
-    `h = x + attn(ln_1(x)); return h + mlp(ln_2(h))`, the first add fused with ln_2."""
+    `h = x + attn(ln_1(x)); return h + mlp(ln_2(h))`, the first add fused with ln_2 (and
+    Phi-3's resid_attn_dropout with it, where fused)."""
     modules = layer._modules
     hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
     residual = hidden
     hidden = modules["input_layernorm"](hidden)
     hidden, _ = modules["self_attn"](hidden_states=hidden, **rest)
-    if "resid_attn_dropout" in modules:
+    dropout = fusion.fused_dropout(layer)
+    if dropout is None and "resid_attn_dropout" in modules:
         hidden = modules["resid_attn_dropout"](hidden)
-    hidden, residual = fusion(layer, hidden, residual)
+    hidden, residual = fusion(layer, hidden, residual, dropout=dropout)
     hidden = modules["mlp"](hidden)
     if "resid_mlp_dropout" in modules:
         hidden = modules["resid_mlp_dropout"](hidden)
@@ -254,7 +256,8 @@ FAMILIES = (
            ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
            "post_attention_layernorm", _prenorm_forward,
            optional=("resid_attn_dropout", "resid_mlp_dropout"),
-           norms=("input_layernorm", "post_attention_layernorm"), pairs=("self_attn",)),
+           norms=("input_layernorm", "post_attention_layernorm"), pairs=("self_attn",),
+           dropout=("resid_attn_dropout", "self_attn")),
     Family("sandwich-norm decoder layer",
            ("input_layernorm", "self_attn", "post_attention_layernorm",
             "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
@@ -393,17 +396,19 @@ def plan(planner, layer, name: str) -> None:
     fusion = None
     if problem is None:
         fusion, problem = _fusion(planner, rules, family, replacement)
+    if problem is None and fusion.dropout and fusion.fused_dropout(layer) is None:
+        # no dropout child, or one of another class or with hooks: called as it is
+        fusion = dataclasses.replace(fusion, dropout=False)
     if problem is None:
         dtype, device = patching._placement(norm, planner.default)
         if device.type == "meta":
             problem = patching._META
         else:
             problem = _difference(layer, family, fusion, dtype, device)
-    if problem is None and fusion.dropout:
+    if problem is None and fusion.dropout and _dropout_difference(
+            layer, family, fusion, dtype, device) is not None:
         # the layer's own dropout, fused where the probe proves it; else called as it is
-        if fusion.fused_dropout(layer) is None or _dropout_difference(
-                layer, family, fusion, dtype, device) is not None:
-            fusion = dataclasses.replace(fusion, dropout=False)
+        fusion = dataclasses.replace(fusion, dropout=False)
     if problem is not None:
         planner.skip(layer, name, problem)
         return
@@ -541,10 +546,11 @@ def _difference(layer, family, fusion, dtype, device) -> str | None:
 
 def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
     """How the rewritten forward with the layer's dropout fused differs from the original, or
-    None: on a probe copy whose children but the norm and the dropout are stand-ins, in eval
+    None: on a probe copy whose children but the norms and the dropout are stand-ins, in eval
     mode and in training with p = 0 the outputs must agree; in training with p > 0 the kept
     elements (those whose gradient reaches the dropout's input) must be about 1 - p of them,
-    and the output and the gradients those of the norm of the sum rebuilt from that mask."""
+    and the output and the gradients those of the original forward whose dropout applies that
+    mask."""
     tail = fusion.shape or (patching.PROBE_WIDTH,)
     width = tail[-1]
     dropout_name, source = family.dropout
@@ -579,44 +585,63 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
                     mode = "training, p = 0" if training else "eval"
                     return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)"
             dropout.p = p
-            return _mask_difference(rewritten.train(True), stand_ins[source], fusion, inputs,
-                                    kwargs, p, dtype)
+            return _mask_difference(original, rewritten, dropout_name, stand_ins[source],
+                                    fusion, inputs, kwargs, p, dtype)
         except Exception as error:  # noqa: BLE001
             return f"the rewritten forward raised on the probe input: {patching._error(error)}"
 
 
-def _mask_difference(rewritten, source, fusion, inputs, kwargs, p, dtype) -> str | None:
+class _MaskDropout(torch.nn.Module):
+    """A dropout that applies a given keep mask, scaled by 1 / (1 - p), as torch's does."""
+
+    def __init__(self, kept: torch.Tensor, p: float):
+        super().__init__()
+        self.kept, self.p = kept, p
+
+    def forward(self, x):
+        return torch.where(self.kept, x / (1 - self.p), torch.zeros_like(x))
+
+
+def _mask_difference(original, rewritten, dropout_name, source, fusion, inputs, kwargs, p,
+                     dtype) -> str | None:
     """The fused dropout of `rewritten` (in training, at `p`) judged by its mask, read off
-    the gradient that reaches its input (the output of the stand-in `source`)."""
+    the gradient that reaches its input (the output of the stand-in `source`): about 1 - p of
+    the elements kept, and the output and the gradients those of the original forward whose
+    dropout applies that mask."""
     captured = []
-    handle = source.register_forward_hook(lambda module, args, output: captured.append(output))
-    leaves = [x.clone().requires_grad_() for x in inputs]
+    handle = source.register_forward_hook(lambda module, args, output: captured.append(
+        output[0] if isinstance(output, tuple) else output))
+    modules = original._modules  # the twins share their children
+    dropout = modules[dropout_name]
+    results = []
     try:
         with torch.enable_grad():
-            output = rewritten(*leaves, **kwargs)
-            dropped_in = captured[-1]
-            upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(
-                patching.SEED), dtype=torch.float64).to(output)
-            grads = torch.autograd.grad(output, [dropped_in, leaves[-1]], upstream)
-            kept = grads[0] != 0
-            count, n = int(kept.sum()), kept.numel()
-            if abs(count - n * (1 - p)) > BINOMIAL_SIGMAS * math.sqrt(n * p * (1 - p)):
-                return (f"the fused dropout kept {count} of {n} elements at p = {p} (in "
-                        "training mode)")
-            # the sum rebuilt from that mask, through torch's norm (the layer's own child)
-            value = dropped_in.detach().requires_grad_()
-            residual = leaves[-1].detach().requires_grad_()
-            total = torch.where(kept, value / (1 - p), torch.zeros_like(value)) + residual
-            reference = rewritten._modules[fusion.norm](total)
-            wanted = torch.autograd.grad(reference, [value, residual], upstream)
+            for twin in (rewritten, original):
+                leaves = [x.clone().requires_grad_() for x in inputs]
+                output = twin.train(True)(*leaves, **kwargs)
+                upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(
+                    patching.SEED), dtype=torch.float64).to(output)
+                grads = torch.autograd.grad(output, [captured[-1], *leaves], upstream)
+                results.append((output, grads))
+                if twin is rewritten:
+                    kept = grads[0] != 0
+                    count, n = int(kept.sum()), kept.numel()
+                    if abs(count - n * (1 - p)) > BINOMIAL_SIGMAS * math.sqrt(n * p * (1 - p)):
+                        return (f"the fused dropout kept {count} of {n} elements at p = {p} "
+                                "(in training mode)")
+                    modules[dropout_name] = _MaskDropout(kept, p)
     finally:
         handle.remove()
-    for what, got, want in (("output", output, reference), ("input gradient", grads[0],
-                            wanted[0]), ("residual gradient", grads[1], wanted[1])):
+        modules[dropout_name] = dropout
+    (output, grads), (reference, wanted) = results
+    names = ["output", "the dropout input's gradient"] + [f"input {i}'s gradient"
+                                                          for i in range(len(inputs))]
+    for what, got, want in zip(names, (output, *grads), (reference, *wanted), strict=True):
         problem = patching._difference(want.detach(), got.detach(), None, dtype, False)
         if problem is not None:
-            return (f"{fusion.label(type(rewritten).__name__)}: the {what} {problem} against "
-                    "the norm of the sum rebuilt from its dropout mask (in training mode)")
+            return (f"{fusion.label(type(original).__name__)}: {what} {problem} against the "
+                    "original forward whose dropout applies the fused one's mask (in training "
+                    "mode)")
     return None
 
 
