@@ -125,6 +125,16 @@ class NormalizedShapeAPI:
     #: the input's gradient into the output gradient's memory wherever autograd hands that
     #: gradient to this backward alone (codegen/runtime/launch.py `overwritable`)
     in_place: bool = False
+    #: the option that is a dropout probability on `input` (and its call_params) before the
+    #: residual is added: the function takes `training` and `seed` as an ElementwiseAPI with
+    #: dropout=... does, the module its training mode and `seed` at the call; outside training
+    #: the probability is 0 (an exact identity)
+    dropout: str | None = None
+    #: the op of derive/ops/ that computes a call with dropout on (p > 0 in training), whose
+    #: spec draws the mask and whose API takes the same arguments; this op's spec then has no
+    #: random values and no scalar for the probability, so that its kernels stay those of the
+    #: op without dropout (None: this spec draws the mask itself)
+    dropout_op: str | None = None
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
@@ -257,7 +267,8 @@ KINDS = (NormalizedShapeAPI, DimAPI, ElementwiseAPI, RowLossAPI, ReductionAPI)
 #: of that name would be a duplicate argument of the generated code
 _OWN_ARGUMENTS = {
     "normalized_shape": {"input", "normalized_shape", "eps", "memory", "prenorm",
-                         "residual_in_fp32", "elementwise_affine", "device", "dtype", "in_place"},
+                         "residual_in_fp32", "elementwise_affine", "device", "dtype", "in_place",
+                         "training", "seed"},
     "dim": {"input", "dim"},
     "elementwise": {"training", "seed"},
     "row_loss": {"input", "weight", "size_average", "reduce", "reduction", "class_dim"},
@@ -356,6 +367,17 @@ def api_mismatches(spec) -> list[str]:
             takes = "the input and the residual" if api.residual else "one input"
             problems.append(f"a NormalizedShapeAPI takes {takes}; the spec declares inputs "
                             f"{', '.join(inputs)}")
+        if api.dropout is not None:
+            if api.dropout not in options or not api.residual:
+                problems.append(f"dropout '{api.dropout}' must be one of the API's options, on "
+                                "an API with a residual (what is dropped is added to it)")
+            elif api.dropout_op is not None:
+                if api.dropout in scalars or any(n.kind is Kind.RANDOM for n in spec.nodes):
+                    problems.append(f"dropout_op '{api.dropout_op}' computes the calls with "
+                                    "dropout on; this spec draws no random values and has no "
+                                    f"scalar '{api.dropout}'")
+        elif api.dropout_op is not None:
+            problems.append(f"dropout_op '{api.dropout_op}' is given without dropout=...")
         problems += _outputs(outputs, Level.ELEMENT, 2 if api.residual else 1,
                              "the normalized value and the sum" if api.residual else None)
     elif isinstance(api, DimAPI):
@@ -433,7 +455,7 @@ def api_mismatches(spec) -> list[str]:
     nodes = spec.nodes
     if any(n.kind is Kind.RANDOM for n in nodes) and getattr(api, "dropout", None) is None:
         problems.append("random values are drawn from a seed, which only an ElementwiseAPI "
-                        "with dropout=... takes")
+                        "or a NormalizedShapeAPI with dropout=... takes")
     if not isinstance(api, ElementwiseAPI):
         for n in nodes:
             if n.broadcast or (n.kind is Kind.INDEX and n.level is Level.ROW):
@@ -453,8 +475,10 @@ def api_mismatches(spec) -> list[str]:
         if name not in given:
             problems.append(f"scalar '{name}' is set by no option of the API (options: "
                             f"{', '.join(sorted(given)) or 'none'}); add Option('{name}', ...)")
+    # a dropout option whose calls another op computes is passed on to it, read by no kernel
+    passed_on = {api.dropout} if getattr(api, "dropout_op", None) else set()
     for name in options:
-        if name not in scalars:
+        if name not in scalars and name not in passed_on:
             problems.append(f"option '{name}' is not a scalar of the spec (scalars: "
                             f"{', '.join(scalars) or 'none'})")
     return problems
@@ -569,6 +593,33 @@ def variant_mismatches(api, siblings: dict[str, object]) -> list[str]:
             if mine != theirs:
                 problems.append(f"{where}, whose {field} {theirs!r} differ from this op's "
                                 f"{mine!r}")
+    return problems
+
+
+def dropout_mismatches(api, siblings: dict[str, object]) -> list[str]:
+    """What in `api.dropout_op` does not match the op it names (`siblings`: op name -> that op's
+    API, None where no such op exists): the call is passed on to its function unchanged, so it
+    takes the same arguments and draws the mask itself."""
+    op = getattr(api, "dropout_op", None)
+    if op is None:
+        return []
+    other = siblings.get(op)
+    where = f"dropout_op '{op}'"
+    if other is None:
+        return [f"{where} is not an op of derive/ops/"]
+    if not isinstance(other, NormalizedShapeAPI) or other.dropout != api.dropout \
+            or other.dropout_op is not None:
+        return [f"{where} needs a NormalizedShapeAPI with dropout='{api.dropout}' and no "
+                "dropout_op of its own"]
+    problems = []
+    for field in ("params", "eps", "residual", "call_params", "in_place"):
+        if getattr(other, field) != getattr(api, field):
+            problems.append(f"{where}, whose {field} {getattr(other, field)!r} differ from this "
+                            f"op's {getattr(api, field)!r}")
+    mine = [(o.name, o.default) for o in api.options if not o.module_only]
+    theirs = [(o.name, o.default) for o in other.options if not o.module_only]
+    if mine != theirs:
+        problems.append(f"{where}, whose options {theirs!r} differ from this op's {mine!r}")
     return problems
 
 

@@ -15,7 +15,7 @@ from codegen.layers import render_layer, render_layer_page
 from codegen.lower import lower
 from codegen.printers import PrintError
 from derive.algebra import sorted_symbols
-from derive.api import variant_mismatches
+from derive.api import dropout_mismatches, variant_mismatches
 from derive.backward import differentiable_nodes, gradient_name
 from derive.blocks import check_ops, load_block
 from derive.docs import render_page
@@ -105,13 +105,15 @@ def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, st
 
 
 def variant_siblings(spec: OpSpec) -> dict[str, object]:
-    """The APIs of the ops of derive/ops/ that the values of the spec's Variant argument select
-    (op name -> API), checked against the spec's own API."""
+    """The APIs of the ops of derive/ops/ that the values of the spec's Variant argument select,
+    or that compute its calls with dropout on (op name -> API), checked against the spec's own
+    API."""
     variant = getattr(spec.api, "variant", None)
-    if variant is None:
-        return {}
+    dropout_op = getattr(spec.api, "dropout_op", None)
+    ops = [op for _, op in variant.others] if variant is not None else []
+    ops += [dropout_op] if dropout_op is not None else []
     siblings: dict[str, object] = {}
-    for _, op in variant.others:
+    for op in ops:
         path = OPS / f"{op}.py"
         siblings[op] = (load_spec(path, path.relative_to(ROOT).as_posix()).api
                         if path.is_file() else None)
@@ -119,6 +121,10 @@ def variant_siblings(spec: OpSpec) -> dict[str, object]:
     if problems:
         raise SpecError(f"{spec.api_where}: op.api ({type(spec.api).__name__}) does not match "
                         "the ops its variant selects: " + "; ".join(problems))
+    problems = dropout_mismatches(spec.api, siblings)
+    if problems:
+        raise SpecError(f"{spec.api_where}: op.api ({type(spec.api).__name__}) does not match "
+                        f"its dropout_op: " + "; ".join(problems))
     return siblings
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
+from generated import dropout_add_layernorm as _sibling_dropout_add_layernorm
 
 
 @triton.jit
@@ -2208,6 +2209,9 @@ def add_layer_norm(
     input_bias=None,
     prenorm=False,
     residual_in_fp32=False,
+    dropout_p=0.0,
+    training=True,
+    seed=None,
     memory="default",
 ):
     """`torch.nn.functional.layer_norm(input + input_bias + residual, ...)` in one kernel each way.
@@ -2224,6 +2228,17 @@ def add_layer_norm(
     them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
     path (the kernels under TRITON_INTERPRET=1).
 
+    `dropout_p` (keyword-only) is the probability of zeroing an element of `input` (plus
+    `input_bias`) before `residual` is added, in [0, 1); the kept ones are
+    scaled by 1 / (1 - dropout_p), as torch.nn.functional.dropout's. The keep mask comes from
+    `seed` (an int, or None to draw one from torch's generator on the input's device) and each
+    element's index, as bias_dropout_add's: the backward regenerates it, nothing is stored. The
+    same seed gives the same mask on the same device (and on the CPU torch path).
+    `training=False` or `dropout_p=0` turns dropout off exactly: the kernels
+    are then those without dropout, which draw nothing (with dropout on, those of
+    `dropout_add_layer_norm`). Torch's expression of the op (small CUDA calls,
+    codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
+
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/add_layernorm.md):
         "default": saves residual_out, mean, rstd. Keeps the sum and both statistics.
@@ -2231,10 +2246,30 @@ def add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
+    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
 
+    dropout_p = checks.check_option("add_layer_norm", "dropout_p", dropout_p, "probability")
+    if not isinstance(training, bool):
+        raise TypeError(f"add_layer_norm(): argument 'training' must be a bool, got {type(training).__name__}")
+    if training and dropout_p:
+        # dropout on: the kernels of generated/dropout_add_layernorm.py draw the mask; these draw nothing
+        return _sibling_dropout_add_layernorm.dropout_add_layer_norm(
+            input, residual, normalized_shape,
+            weight=weight,
+            bias=bias,
+            eps=eps,
+            input_bias=input_bias,
+            prenorm=prenorm,
+            residual_in_fp32=residual_in_fp32,
+            dropout_p=dropout_p,
+            training=training,
+            seed=seed,
+            memory=memory,
+        )
+    if seed is not None:
+        checks.seed("add_layer_norm", seed, input.device)  # checked as with dropout on
     checks.check_input("add_layer_norm", input)
     shape, columns = checks.check_normalized_shape("add_layer_norm", normalized_shape, input)
     residual = checks.check_like_input("add_layer_norm", "residual", residual, input)
@@ -2288,6 +2323,7 @@ class AddLayerNorm(torch.nn.Module):
         *,
         prenorm=False,
         residual_in_fp32=False,
+        dropout_p=0.0,
         memory="default",
     ):
         super().__init__()
@@ -2299,6 +2335,7 @@ class AddLayerNorm(torch.nn.Module):
         self.elementwise_affine = elementwise_affine
         self.prenorm = prenorm
         self.residual_in_fp32 = residual_in_fp32
+        self.dropout_p = checks.check_option("AddLayerNorm", "dropout_p", dropout_p, "probability")
         checks.check_choice("AddLayerNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if elementwise_affine:
@@ -2317,10 +2354,10 @@ class AddLayerNorm(torch.nn.Module):
         if self.bias is not None:
             torch.nn.init.zeros_(self.bias)
 
-    def forward(self, input, residual=None, input_bias=None):
+    def forward(self, input, residual=None, input_bias=None, seed=None):
         return add_layer_norm(
-            input, residual, self.normalized_shape, self.weight, self.bias, self.eps, input_bias=input_bias,
-            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, memory=self.memory,
+            input, residual, self.normalized_shape, self.weight, self.bias, self.eps, dropout_p=self.dropout_p, input_bias=input_bias,
+            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, training=self.training, seed=seed, memory=self.memory,
         )
 
     def extra_repr(self):
@@ -2337,6 +2374,8 @@ class AddLayerNorm(torch.nn.Module):
             ", prenorm=True" if self.prenorm else ""
         ) + (
             ", residual_in_fp32=True" if self.residual_in_fp32 else ""
+        ) + (
+            f", dropout_p={self.dropout_p}" if self.dropout_p != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         )

@@ -19,6 +19,7 @@ import triton.language as tl
 from codegen.runtime import checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
+from generated import dropout_add_rmsnorm as _sibling_dropout_add_rmsnorm
 
 
 @triton.jit
@@ -1447,6 +1448,9 @@ def add_rms_norm(
     prenorm=False,
     residual_in_fp32=False,
     weight_offset=0.0,
+    dropout_p=0.0,
+    training=True,
+    seed=None,
     memory="default",
     in_place=False,
 ):
@@ -1464,6 +1468,17 @@ def add_rms_norm(
     them). CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch
     path (the kernels under TRITON_INTERPRET=1).
 
+    `dropout_p` (keyword-only) is the probability of zeroing an element of `input` (plus
+    `input_bias`) before `residual` is added, in [0, 1); the kept ones are
+    scaled by 1 / (1 - dropout_p), as torch.nn.functional.dropout's. The keep mask comes from
+    `seed` (an int, or None to draw one from torch's generator on the input's device) and each
+    element's index, as bias_dropout_add's: the backward regenerates it, nothing is stored. The
+    same seed gives the same mask on the same device (and on the CPU torch path).
+    `training=False` or `dropout_p=0` turns dropout off exactly: the kernels
+    are then those without dropout, which draw nothing (with dropout on, those of
+    `dropout_add_rms_norm`). Torch's expression of the op (small CUDA calls,
+    codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
+
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/add_rmsnorm.md):
         "default": saves residual_out, rstd. Keeps the sum and the row statistic.
@@ -1478,10 +1493,31 @@ def add_rms_norm(
     torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
     backward, so there it always allocates; torch 2.13's hands it over alone.
     """
-    if memory == "default" and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
+    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
 
+    dropout_p = checks.check_option("add_rms_norm", "dropout_p", dropout_p, "probability")
+    if not isinstance(training, bool):
+        raise TypeError(f"add_rms_norm(): argument 'training' must be a bool, got {type(training).__name__}")
+    if training and dropout_p:
+        # dropout on: the kernels of generated/dropout_add_rmsnorm.py draw the mask; these draw nothing
+        return _sibling_dropout_add_rmsnorm.dropout_add_rms_norm(
+            input, residual, normalized_shape,
+            weight=weight,
+            eps=eps,
+            input_bias=input_bias,
+            prenorm=prenorm,
+            residual_in_fp32=residual_in_fp32,
+            weight_offset=weight_offset,
+            dropout_p=dropout_p,
+            training=training,
+            seed=seed,
+            memory=memory,
+            in_place=in_place,
+        )
+    if seed is not None:
+        checks.seed("add_rms_norm", seed, input.device)  # checked as with dropout on
     checks.check_input("add_rms_norm", input)
     shape, columns = checks.check_normalized_shape("add_rms_norm", normalized_shape, input)
     residual = checks.check_like_input("add_rms_norm", "residual", residual, input)
@@ -1539,6 +1575,7 @@ class AddRMSNorm(torch.nn.Module):
         prenorm=False,
         residual_in_fp32=False,
         weight_offset=0.0,
+        dropout_p=0.0,
         memory="default",
         in_place=False,
     ):
@@ -1552,6 +1589,7 @@ class AddRMSNorm(torch.nn.Module):
         self.prenorm = prenorm
         self.residual_in_fp32 = residual_in_fp32
         self.weight_offset = checks.check_real("AddRMSNorm", "weight_offset", weight_offset)
+        self.dropout_p = checks.check_option("AddRMSNorm", "dropout_p", dropout_p, "probability")
         checks.check_choice("AddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if not isinstance(in_place, bool):
@@ -1568,10 +1606,10 @@ class AddRMSNorm(torch.nn.Module):
             # the effective scale weight_offset + weight starts at 1
             torch.nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
-    def forward(self, input, residual=None, input_bias=None):
+    def forward(self, input, residual=None, input_bias=None, seed=None):
         return add_rms_norm(
-            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, input_bias=input_bias,
-            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, memory=self.memory, in_place=self.in_place,
+            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, dropout_p=self.dropout_p, input_bias=input_bias,
+            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, training=self.training, seed=seed, memory=self.memory, in_place=self.in_place,
         )
 
     def extra_repr(self):
@@ -1589,6 +1627,8 @@ class AddRMSNorm(torch.nn.Module):
             ", residual_in_fp32=True" if self.residual_in_fp32 else ""
         ) + (
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
+        ) + (
+            f", dropout_p={self.dropout_p}" if self.dropout_p != 0.0 else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         ) + (

@@ -364,8 +364,25 @@ API_MISMATCHES = {
         "x = op.input('x')\n    u = op.random('u')\n"
         "    op.output(op.element('y', x * u))\n    op.save(x)",
         "ElementwiseAPI(function='bad', module='Bad', torch_function='-')",
-        "random values are drawn from a seed, which only an ElementwiseAPI with dropout=... "
-        "takes"),
+        "random values are drawn from a seed, which only an ElementwiseAPI or a "
+        "NormalizedShapeAPI with dropout=... takes"),
+    "dropout before a norm without a residual": (
+        "x = op.input('x')\n    p = op.scalar('p')\n    u = op.random('u')\n"
+        "    op.output(op.element('y', x * u * p))\n    op.save(x)",
+        "NormalizedShapeAPI(function='bad', module='Bad', torch_function='-', "
+        "torch_module='-', params=(), eps=None, "
+        "options=(Option('p', 0.1, check='probability'),), dropout='p')",
+        "dropout 'p' must be one of the API's options, on an API with a residual (what is "
+        "dropped is added to it)"),
+    "dropout op and a mask of its own": (
+        "x = op.input('x')\n    r = op.input('r')\n    p = op.scalar('p')\n"
+        "    u = op.random('u')\n    y = op.element('y', x * u * p + r)\n"
+        "    op.output(y, op.element('s', x + r))\n    op.save(x)",
+        "NormalizedShapeAPI(function='bad', module='Bad', torch_function='-', "
+        "torch_module='-', params=(), eps=None, residual='r', "
+        "options=(Option('p', 0.1, check='probability'),), dropout='p', dropout_op='other')",
+        "dropout_op 'other' computes the calls with dropout on; this spec draws no random "
+        "values and has no scalar 'p'"),
 }
 
 

@@ -16,6 +16,17 @@ original forward and the rewritten one must give the same output, call every sta
 same arguments, in training and in eval mode. A layer that computes anything else (a scaled
 residual, another order) is left in place with the reason.
 
+Where the layer's dropout before the add is a plain `torch.nn.Dropout` (BERT's outputs, Phi-3's
+`resid_attn_dropout`) and the add + norm op takes a dropout probability (`dropout_p`), it is fused
+too: one kernel each way for `norm(dropout(x) + residual)`, the child's `p` and training mode
+read at each call. Its mask is the op's own (from a seed drawn off torch's generator, as the op
+draws it), not torch's: that part is proven by behaviour on a second probe, whose dropout is the
+layer's own: in eval mode and in training with p = 0 the output is the original's; in training
+with p > 0 the elements whose gradient reaches the dropout's input are the kept ones, about
+1 - p of them, and the output and the gradients are those of the original forward whose
+dropout applies that mask. A dropout with hooks, or of another class, is called as it is (its
+layer is fused without it).
+
 The layer object stays the same: its class becomes a subclass of its own class (same name,
 `isinstance` holds, Hugging Face's gradient checkpointing wraps it as the original), whose
 forward reads the norm's tensors from the norm child at each call, so the state_dict, the
@@ -25,8 +36,10 @@ Parameters and any later swap of the child's tensors are kept.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +55,13 @@ KIND = "residual"
 PROBE_ROWS = (2, 3)
 #: keyword of the probe's extra argument, where a forward takes **kwargs (passed on, unread)
 PROBE_KEYWORD = "probe_keyword"
+#: the keyword of an add + norm function that drops its input out before the add (it then takes
+#: `training` and `seed` too, as add_layer_norm)
+DROPOUT = "dropout_p"
+#: the probability a fused dropout is probed at where the layer's own is 0
+PROBE_DROPOUT = 0.5
+#: how far the probe's kept fraction may lie from 1 - p, in binomial standard deviations
+BINOMIAL_SIGMAS = 5
 
 
 @dataclass(frozen=True)
@@ -64,14 +84,18 @@ class Family:
     pairs: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()
     original_if: tuple[str, ...] = ()
+    #: the child that drops out the input of the add (a torch.nn.Dropout, fused where the add
+    #: + norm op takes a dropout) and the child whose output it drops
+    dropout: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
 class Fusion:
     """How a fused layer computes `norm(x + residual)`: the add + norm `function`, the norm
     child it reads its tensors from (`tensors`: the function's parameter names, each read from
-    the child or None where the norm carries none), its `options` (eps, offset, memory) and the
-    normalized shape (None: the input's last dim)."""
+    the child or None where the norm carries none), its `options` (eps, offset, memory), the
+    normalized shape (None: the input's last dim) and whether the family's dropout is fused
+    into the call (`dropout`)."""
 
     family: Family
     function: Callable
@@ -79,18 +103,36 @@ class Fusion:
     tensors: tuple[tuple[str, bool], ...]
     options: tuple[tuple[str, Any], ...]
     shape: tuple[int, ...] | None
+    dropout: bool = False
 
-    def __call__(self, layer, x, residual, prenorm=True):
+    def __call__(self, layer, x, residual, prenorm=True, dropout=None):
+        """`norm(x + residual)`, or `norm(dropout(x) + residual)` with `dropout` (a
+        torch.nn.Dropout: its p and training mode as they are now)."""
         norm = layer._modules[self.norm]
         tensors = {name: getattr(norm, name) if carried else None
                    for name, carried in self.tensors}
         shape = self.shape if self.shape is not None else x.shape[-1:]
+        if dropout is not None:
+            tensors[DROPOUT] = dropout.p
+            tensors["training"] = dropout.training
         return self.function(x, residual, shape, **tensors, **dict(self.options),
                              prenorm=prenorm)
 
+    def fused_dropout(self, layer):
+        """The family's dropout child where this call fuses it: a plain torch.nn.Dropout
+        without hooks (any other is called as it is); else None."""
+        if not self.dropout:
+            return None
+        child = layer._modules.get(self.family.dropout[0])
+        if type(child) is not torch.nn.Dropout or child._forward_hooks \
+                or child._forward_pre_hooks:
+            return None
+        return child
+
     def label(self, layer_class: str) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.options if k != "eps" and v)
-        return f"{layer_class}({self.function.__name__} into {self.norm}{options})"
+        fused = f", with {self.family.dropout[0]}" if self.dropout else ""
+        return f"{layer_class}({self.function.__name__} into {self.norm}{options}{fused})"
 
 
 class _Arguments:
@@ -149,15 +191,17 @@ def _sublayer_arguments(layer, family, args, kwargs):
 
 def _prenorm_forward(layer, fusion, args, kwargs):
     """LLaMA's decoder layer (and Phi-3's, with its dropouts):
-    `h = x + attn(ln_1(x)); return h + mlp(ln_2(h))`, the first add fused with ln_2."""
+    `h = x + attn(ln_1(x)); return h + mlp(ln_2(h))`, the first add fused with ln_2 (and
+    Phi-3's resid_attn_dropout with it, where fused)."""
     modules = layer._modules
     hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
     residual = hidden
     hidden = modules["input_layernorm"](hidden)
     hidden, _ = modules["self_attn"](hidden_states=hidden, **rest)
-    if "resid_attn_dropout" in modules:
+    dropout = fusion.fused_dropout(layer)
+    if dropout is None and "resid_attn_dropout" in modules:
         hidden = modules["resid_attn_dropout"](hidden)
-    hidden, residual = fusion(layer, hidden, residual)
+    hidden, residual = fusion(layer, hidden, residual, dropout=dropout)
     hidden = modules["mlp"](hidden)
     if "resid_mlp_dropout" in modules:
         hidden = modules["resid_mlp_dropout"](hidden)
@@ -198,7 +242,11 @@ def _output_forward(layer, fusion, args, kwargs):
     modules = layer._modules
     values, _ = type(layer)._residual_arguments.bind(args, kwargs)
     hidden, input_tensor = (values[name] for name in type(layer)._residual_arguments.names)
-    hidden = modules["dropout"](modules["dense"](hidden))
+    hidden = modules["dense"](hidden)
+    dropout = fusion.fused_dropout(layer)
+    if dropout is not None:
+        return fusion(layer, hidden, input_tensor, prenorm=False, dropout=dropout)
+    hidden = modules["dropout"](hidden)
     return fusion(layer, hidden, input_tensor, prenorm=False)
 
 
@@ -208,7 +256,8 @@ FAMILIES = (
            ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
            "post_attention_layernorm", _prenorm_forward,
            optional=("resid_attn_dropout", "resid_mlp_dropout"),
-           norms=("input_layernorm", "post_attention_layernorm"), pairs=("self_attn",)),
+           norms=("input_layernorm", "post_attention_layernorm"), pairs=("self_attn",),
+           dropout=("resid_attn_dropout", "self_attn")),
     Family("sandwich-norm decoder layer",
            ("input_layernorm", "self_attn", "post_attention_layernorm",
             "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
@@ -221,7 +270,7 @@ FAMILIES = (
            unused=("encoder_hidden_states", "encoder_attention_mask"),
            original_if=("encoder_hidden_states",)),
     Family("post-norm output", ("dense", "dropout", "LayerNorm"), "LayerNorm", _output_forward,
-           inputs=2, norms=("LayerNorm",)),
+           inputs=2, norms=("LayerNorm",), dropout=("dropout", "dense")),
 )
 
 
@@ -347,12 +396,19 @@ def plan(planner, layer, name: str) -> None:
     fusion = None
     if problem is None:
         fusion, problem = _fusion(planner, rules, family, replacement)
+    if problem is None and fusion.dropout and fusion.fused_dropout(layer) is None:
+        # no dropout child, or one of another class or with hooks: called as it is
+        fusion = dataclasses.replace(fusion, dropout=False)
     if problem is None:
         dtype, device = patching._placement(norm, planner.default)
         if device.type == "meta":
             problem = patching._META
         else:
             problem = _difference(layer, family, fusion, dtype, device)
+    if problem is None and fusion.dropout and _dropout_difference(
+            layer, family, fusion, dtype, device) is not None:
+        # the layer's own dropout, fused where the probe proves it; else called as it is
+        fusion = dataclasses.replace(fusion, dropout=False)
     if problem is not None:
         planner.skip(layer, name, problem)
         return
@@ -423,11 +479,20 @@ def _fusion(planner, rules, family, replacement):
     tensors = tuple((param, getattr(replacement, param, None) is not None)
                     for param, _, _ in rule.params)
     options = [("eps", eps)]
+    dropout = family.dropout is not None and DROPOUT in _keywords(rule.function)
     options += [(offset, float(offsets.get(offset, 0.0))) for _, _, offset in rule.params
                 if offset]
     if planner.memory is not None and planner.memory in rule.memory:
         options.append(("memory", planner.memory))
-    return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape), None
+    return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape,
+                  dropout), None
+
+
+def _keywords(function) -> set[str]:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _difference(layer, family, fusion, dtype, device) -> str | None:
@@ -476,6 +541,107 @@ def _difference(layer, family, fusion, dtype, device) -> str | None:
                     return (f"its forward calls {_calls(child_name, calls[child_name])}, the "
                             f"rewritten one {_calls(child_name, fused_calls[child_name])} (in "
                             f"{mode} mode)")
+    return None
+
+
+def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
+    """How the rewritten forward with the layer's dropout fused differs from the original, or
+    None: on a probe copy whose children but the norms and the dropout are stand-ins, in eval
+    mode and in training with p = 0 the outputs must agree; in training with p > 0 the kept
+    elements (those whose gradient reaches the dropout's input) must be about 1 - p of them,
+    and the output and the gradients those of the original forward whose dropout applies that
+    mask."""
+    tail = fusion.shape or (patching.PROBE_WIDTH,)
+    width = tail[-1]
+    dropout_name, source = family.dropout
+    fused = fused_class(type(layer), fusion)
+    with patching._probing(device):
+        noise, done, stand_ins = patching._Noise(), {}, {}
+        for index, (child_name, child) in enumerate(layer._modules.items()):
+            if child is not None and child_name not in family.norms + (dropout_name,):
+                stand_ins[child_name] = _StandIn(patching.SEED + index, width,
+                                                 child_name in family.pairs, dtype, device)
+                done[id(child)] = stand_ins[child_name]
+        try:
+            original = patching._twin(layer, noise, done)
+        except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
+            return f"it cannot be copied to be probed: {patching._error(error)}"
+        rewritten = copy.copy(original)
+        rewritten.__class__ = fused
+        dropout = original._modules[dropout_name]  # the twins share it
+        p = dropout.p or PROBE_DROPOUT
+        generator = torch.Generator().manual_seed(patching.SEED)
+        inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
+                              dtype=torch.float64).to(device=device, dtype=dtype)
+                  for _ in range(family.inputs)]
+        kwargs = _probe_keywords(type(layer), family)
+        try:
+            for training, probability in ((False, p), (True, 0.0)):
+                dropout.p = probability
+                outputs = [twin.train(training)(*inputs, **kwargs)
+                           for twin in (original, rewritten)]
+                problem = patching._difference(*outputs, None, dtype, False)
+                if problem is not None:
+                    mode = "training, p = 0" if training else "eval"
+                    return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)"
+            dropout.p = p
+            return _mask_difference(original, rewritten, dropout_name, stand_ins[source],
+                                    fusion, inputs, kwargs, p, dtype)
+        except Exception as error:  # noqa: BLE001
+            return f"the rewritten forward raised on the probe input: {patching._error(error)}"
+
+
+class _MaskDropout(torch.nn.Module):
+    """A dropout that applies a given keep mask, scaled by 1 / (1 - p), as torch's does."""
+
+    def __init__(self, kept: torch.Tensor, p: float):
+        super().__init__()
+        self.kept, self.p = kept, p
+
+    def forward(self, x):
+        return torch.where(self.kept, x / (1 - self.p), torch.zeros_like(x))
+
+
+def _mask_difference(original, rewritten, dropout_name, source, fusion, inputs, kwargs, p,
+                     dtype) -> str | None:
+    """The fused dropout of `rewritten` (in training, at `p`) judged by its mask, read off
+    the gradient that reaches its input (the output of the stand-in `source`): about 1 - p of
+    the elements kept, and the output and the gradients those of the original forward whose
+    dropout applies that mask."""
+    captured = []
+    handle = source.register_forward_hook(lambda module, args, output: captured.append(
+        output[0] if isinstance(output, tuple) else output))
+    modules = original._modules  # the twins share their children
+    dropout = modules[dropout_name]
+    results = []
+    try:
+        with torch.enable_grad():
+            for twin in (rewritten, original):
+                leaves = [x.clone().requires_grad_() for x in inputs]
+                output = twin.train(True)(*leaves, **kwargs)
+                upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(
+                    patching.SEED), dtype=torch.float64).to(output)
+                grads = torch.autograd.grad(output, [captured[-1], *leaves], upstream)
+                results.append((output, grads))
+                if twin is rewritten:
+                    kept = grads[0] != 0
+                    count, n = int(kept.sum()), kept.numel()
+                    if abs(count - n * (1 - p)) > BINOMIAL_SIGMAS * math.sqrt(n * p * (1 - p)):
+                        return (f"the fused dropout kept {count} of {n} elements at p = {p} "
+                                "(in training mode)")
+                    modules[dropout_name] = _MaskDropout(kept, p)
+    finally:
+        handle.remove()
+        modules[dropout_name] = dropout
+    (output, grads), (reference, wanted) = results
+    names = ["output", "the dropout input's gradient"] + [f"input {i}'s gradient"
+                                                          for i in range(len(inputs))]
+    for what, got, want in zip(names, (output, *grads), (reference, *wanted), strict=True):
+        problem = patching._difference(want.detach(), got.detach(), None, dtype, False)
+        if problem is not None:
+            return (f"{fusion.label(type(original).__name__)}: {what} {problem} against the "
+                    "original forward whose dropout applies the fused one's mask (in training "
+                    "mode)")
     return None
 
 

@@ -7,7 +7,7 @@ kernel (the engine sees s as a second output with its own upstream gradient).
 
 import sympy
 
-from derive.api import NormalizedShapeAPI, Param, Replaces
+from derive.api import NormalizedShapeAPI, Option, Param, Replaces
 from derive.spec import OpSpec
 
 
@@ -37,6 +37,10 @@ def spec() -> OpSpec:
         torch_module="torch.nn.LayerNorm",
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
         residual="residual", call_params=("input_bias",),
+        # dropout on input + input_bias: computed by the kernels of dropout_add_layernorm when
+        # on, so that these, without it, draw no random values
+        options=(Option("dropout_p", 0.0, check="probability"),), dropout="dropout_p",
+        dropout_op="dropout_add_layernorm",
         # the add before a norm inside a transformer layer, with the norm's own parameters
         replaces=(Replaces("*", kind="residual"),),
         reference="dispatch.normalized(torch.nn.functional.layer_norm, "

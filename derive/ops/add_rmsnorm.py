@@ -32,8 +32,11 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.rms_norm(input + input_bias + residual, ...)",
         torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
-        options=(Option("weight_offset", 0.0),), residual="residual",
-        call_params=("input_bias",),
+        options=(Option("weight_offset", 0.0), Option("dropout_p", 0.0, check="probability")),
+        residual="residual", call_params=("input_bias",),
+        # dropout on input + input_bias: computed by the kernels of dropout_add_rmsnorm when
+        # on, so that these, without it, draw no random values
+        dropout="dropout_p", dropout_op="dropout_add_rmsnorm",
         # the add before a norm inside a transformer layer, with the norm's own parameters
         replaces=(Replaces("*", kind="residual"),),
         # Liger's in_place: dx written into dy's memory where that is safe
