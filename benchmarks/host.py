@@ -17,7 +17,8 @@ For each op, shape and mode (`fwd`: the forward; `fwd+bwd`: the forward and
 Ops (bf16 by default) and their torch equivalents:
   layer_norm (F.layer_norm, weight and bias), rms_norm (F.rms_norm, weight, eps 1e-6),
   add_layer_norm / add_rms_norm with prenorm=True (x + r, then F.layer_norm / F.rms_norm;
-  the normalized output and the sum), softmax (torch.softmax), masked_softmax (scale 0.125,
+  the normalized output and the sum), dropout_add_layer_norm / dropout_add_rms_norm (the same
+  with dropout p 0.1 on the input first: F.dropout(x) + r), softmax (torch.softmax), masked_softmax (scale 0.125,
   an additive padding mask broadcast over the rows, dropout 0.1: F.dropout(torch.softmax(x *
   scale + mask)), gelu (exact), gelu_tanh, swiglu (F.silu(gate) * up), geglu (F.gelu(gate) *
   up), geglu_tanh (F.gelu(gate, approximate="tanh") * up), bias_dropout_add (residual +
@@ -49,6 +50,8 @@ from generated.add_layernorm import add_layer_norm
 from generated.add_rmsnorm import add_rms_norm
 from generated.bias_dropout_add import bias_dropout_add
 from generated.cross_entropy import cross_entropy
+from generated.dropout_add_layernorm import dropout_add_layer_norm
+from generated.dropout_add_rmsnorm import dropout_add_rms_norm
 from generated.geglu import geglu
 from generated.geglu_tanh import geglu_tanh
 from generated.gelu import gelu
@@ -122,6 +125,25 @@ def _ours_add_norm(rms: bool) -> Callable:
     return fn
 
 
+def _torch_dropout_add_norm(rms: bool) -> Callable:
+    def fn(x, residual, weight, bias=None):
+        total = F.dropout(x, DROPOUT) + residual
+        if rms:
+            return F.rms_norm(total, (x.shape[-1],), weight, EPS), total
+        return F.layer_norm(total, (x.shape[-1],), weight, bias, EPS), total
+    return fn
+
+
+def _ours_dropout_add_norm(rms: bool) -> Callable:
+    def fn(x, residual, weight, bias=None):
+        if rms:
+            return dropout_add_rms_norm(x, residual, (x.shape[-1],), weight, EPS, prenorm=True,
+                                        dropout_p=DROPOUT)
+        return dropout_add_layer_norm(x, residual, (x.shape[-1],), weight, bias, EPS,
+                                      prenorm=True, dropout_p=DROPOUT)
+    return fn
+
+
 def _targets(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     target = torch.randint(0, vocab, (rows,), device=device)
     target[::20] = -100
@@ -164,6 +186,11 @@ def cases(smoke: bool) -> Iterator[Case]:
                    _torch_add_norm(False))
         yield Case("add_rms_norm", shape, lambda d, t, add_norm=add_norm: add_norm(d, t, params=1),
                    _ours_add_norm(True), _torch_add_norm(True))
+        yield Case("dropout_add_layer_norm", shape, add_norm, _ours_dropout_add_norm(False),
+                   _torch_dropout_add_norm(False))
+        yield Case("dropout_add_rms_norm", shape,
+                   lambda d, t, add_norm=add_norm: add_norm(d, t, params=1),
+                   _ours_dropout_add_norm(True), _torch_dropout_add_norm(True))
         yield Case("softmax", shape, x_only, lambda x: softmax(x, -1),
                    lambda x: torch.softmax(x, -1))
         yield Case("masked_softmax", shape, masked,
