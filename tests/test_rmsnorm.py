@@ -288,6 +288,8 @@ def test_add_rms_norm_in_place(device, prenorm):
     for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)
     # x's and residual's gradient is one tensor, which the kernels wrote where y's was: one
-    # of the leaves takes it, where autograd hands the gradient over alone (module's test above)
-    taken = address in (got[0].data_ptr(), got[1].data_ptr())
-    assert taken == (launch.use_triton(got[0]) and gradient_handed_over(device))
+    # of the leaves takes it, where autograd hands the gradient over alone (module's test
+    # above). Only that direction is provable by addresses: where it is not taken, the leaf
+    # that gets a copy may be allocated after y's gradient is freed, at the same address.
+    if launch.use_triton(got[0]) and gradient_handed_over(device):
+        assert address in (got[0].data_ptr(), got[1].data_ptr())
