@@ -104,6 +104,9 @@ class Fusion:
     options: tuple[tuple[str, Any], ...]
     shape: tuple[int, ...] | None
     dropout: bool = False
+    #: why the family's dropout is not fused where it could have been (None: it is, or
+    #: the layer has no plain dropout child), for the report
+    unfused: str | None = None
 
     def __call__(self, layer, x, residual, prenorm=True, dropout=None):
         """`norm(x + residual)`, or `norm(dropout(x) + residual)` with `dropout` (a
@@ -132,6 +135,8 @@ class Fusion:
     def label(self, layer_class: str) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.options if k != "eps" and v)
         fused = f", with {self.family.dropout[0]}" if self.dropout else ""
+        if self.unfused is not None:
+            fused = f"; {self.family.dropout[0]} not fused: {self.unfused}"
         return f"{layer_class}({self.function.__name__} into {self.norm}{options}{fused})"
 
 
@@ -405,10 +410,12 @@ def plan(planner, layer, name: str) -> None:
             problem = patching._META
         else:
             problem = _difference(layer, family, fusion, dtype, device)
-    if problem is None and fusion.dropout and _dropout_difference(
-            layer, family, fusion, dtype, device) is not None:
-        # the layer's own dropout, fused where the probe proves it; else called as it is
-        fusion = dataclasses.replace(fusion, dropout=False)
+    if problem is None and fusion.dropout:
+        # the layer's own dropout, fused where the probe proves it; else called as it is,
+        # the report saying why
+        unfused = _dropout_difference(layer, family, fusion, dtype, device)
+        if unfused is not None:
+            fusion = dataclasses.replace(fusion, dropout=False, unfused=unfused)
     if problem is not None:
         planner.skip(layer, name, problem)
         return
@@ -550,11 +557,19 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
     mode and in training with p = 0 the outputs must agree; in training with p > 0 the kept
     elements (those whose gradient reaches the dropout's input) must be about 1 - p of them,
     and the output and the gradients those of the original forward whose dropout applies that
-    mask."""
+    mask.
+
+    A 16-bit layer is probed in float32: what this probe proves (which elements are dropped,
+    the 1 / (1 - p) scale, where the gradient goes) has no dtype of its own, and the fused
+    forward's 16-bit rounding was proven without dropout by `_difference`. In 16 bits the
+    gradient through a stand-in sums terms far larger than itself, so one rounding of the fused
+    op's (more exact) dropout gradient shows there as a difference of an ulp of those terms."""
     tail = fusion.shape or (patching.PROBE_WIDTH,)
     width = tail[-1]
     dropout_name, source = family.dropout
     fused = fused_class(type(layer), fusion)
+    if dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
     with patching._probing(device):
         noise, done, stand_ins = patching._Noise(), {}, {}
         for index, (child_name, child) in enumerate(layer._modules.items()):
@@ -563,7 +578,8 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
                                                  child_name in family.pairs, dtype, device)
                 done[id(child)] = stand_ins[child_name]
         try:
-            original = patching._twin(layer, noise, done)
+            # the twin's tensors are its own copies: casting them leaves the layer as it is
+            original = patching._twin(layer, noise, done).to(dtype)
         except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
             return f"it cannot be copied to be probed: {patching._error(error)}"
         rewritten = copy.copy(original)
