@@ -18,6 +18,20 @@ from generated.patch import PatchError, PatchReport, patch_model
 H = 64
 
 
+class ErfGELU(torch.nn.Module):
+    """The exact GELU spelled in torch ops (four kernels each way), as models' own often are."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.erf(x * 0.5**0.5))
+
+
+class TanhGELU(torch.nn.Module):
+    """The tanh GELU spelled in torch ops, as GPT-2's NewGELUActivation."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
+
+
 @pytest.fixture
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
@@ -147,11 +161,11 @@ def test_patch_keeps_parameters_and_options():
     # under the Triton interpreter: the probes run the kernels
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8, bias=False),
                                 torch.nn.RMSNorm(8, eps=1e-3), torch.nn.LayerNorm(8),
-                                torch.nn.GELU(), torch.nn.GELU(approximate="tanh"),
+                                ErfGELU(), TanhGELU(),
                                 torch.nn.RMSNorm(8, elementwise_affine=False))
     weight = model[1].weight
     report = patch_model(model, memory="invertible")
-    assert report == {"LayerNorm": 2, "RMSNorm": 2, "GELU": 2}
+    assert report == {"LayerNorm": 2, "RMSNorm": 2, "ErfGELU": 1, "TanhGELU": 1}
     assert isinstance(report, PatchReport) and report.skipped == []
     assert isinstance(model[4], gelu.GELU) and isinstance(model[5], gelu_tanh.GELUTanh)
     assert isinstance(model[1], layernorm.LayerNorm) and model[1].bias is None
@@ -165,13 +179,13 @@ def test_report_lists_swaps_and_skips(torch_path):
     model = torch.nn.Sequential(torch.nn.Linear(H, H))
     model.add_module("norm", torch.nn.LayerNorm(H, bias=False))
     model.add_module("scaled", hf("muse_spark", "MuseSparkTextInputScaledRMSNorm", H))
-    model.add_module("act", torch.nn.GELU(approximate="tanh"))
+    model.add_module("act", TanhGELU())
     report = patch_model(model)
     assert report.swapped == [("norm", "LayerNorm", "LayerNorm(bias=False)"),
-                              ("act", "GELU", "GELUTanh")]
+                              ("act", "TanhGELU", "GELUTanh")]
     assert [s[:2] for s in report.skipped] == [("scaled", "MuseSparkTextInputScaledRMSNorm")]
-    assert report.counts == {"LayerNorm": 1, "GELU": 1} == dict(report)
-    assert report["GELU"] == 1 and len(report) == 2 and "RMSNorm" not in report
+    assert report.counts == {"LayerNorm": 1, "TanhGELU": 1} == dict(report)
+    assert report["TanhGELU"] == 1 and len(report) == 2 and "RMSNorm" not in report
     assert str(report).splitlines()[0] == "swapped norm: LayerNorm -> LayerNorm(bias=False)"
     assert str(report).splitlines()[2].startswith(
         "skipped scaled (MuseSparkTextInputScaledRMSNorm): RMSNorm differs by ")
@@ -187,13 +201,30 @@ def test_strict_raises_on_the_first_skip_and_changes_nothing(torch_path):
     assert list(model) == before
 
 
+def test_one_op_activations_are_left_alone(torch_path):
+    """torch.nn.GELU (either form) and HF's GELUActivation run torch's gelu, one kernel each
+    way: nothing to fuse, so they stay, with the reason, and strict mode does not raise."""
+    from transformers.activations import GELUActivation
+
+    model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.GELU(approximate="tanh"),
+                                GELUActivation(), ErfGELU())
+    before = list(model)
+    report = patch_model(model, strict=True)
+    assert report == {"ErfGELU": 1} and isinstance(model[3], gelu.GELU)
+    assert list(model)[:3] == before[:3]
+    assert [(s.name, s.old) for s in report.skipped] == [
+        ("0", "GELU"), ("1", "GELU"), ("2", "GELUActivation")]
+    assert all(s.reason.startswith("it runs one torch op already (aten.gelu), one kernel each "
+                                   "way") for s in report.skipped)
+
+
 def test_include_and_exclude(torch_path):
     def model():
-        return torch.nn.Sequential(torch.nn.LayerNorm(H), torch.nn.RMSNorm(H), torch.nn.GELU())
+        return torch.nn.Sequential(torch.nn.LayerNorm(H), torch.nn.RMSNorm(H), ErfGELU())
 
     assert patch_model(model(), include="norm") == {"LayerNorm": 1, "RMSNorm": 1}
-    assert patch_model(model(), include=["activation", "RMS*"]) == {"RMSNorm": 1, "GELU": 1}
-    assert patch_model(model(), exclude=("LayerNorm",)) == {"RMSNorm": 1, "GELU": 1}
+    assert patch_model(model(), include=["activation", "RMS*"]) == {"RMSNorm": 1, "ErfGELU": 1}
+    assert patch_model(model(), exclude=("LayerNorm",)) == {"RMSNorm": 1, "ErfGELU": 1}
     assert patch_model(model(), include=["norm"], exclude=["RMS*"]) == {"LayerNorm": 1}
     assert patch_model(model(), exclude=["norm", "activation"]) == {}
     with pytest.raises(TypeError, match="argument 'include' must hold kinds .* got int"):

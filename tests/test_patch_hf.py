@@ -106,7 +106,7 @@ def exact_reference(model: torch.nn.Module) -> torch.nn.Module:
     return exact
 
 
-EXPECTED = {"bert": {"LayerNorm": 5, "GELUActivation": 2, "BertSelfOutput": 2, "BertOutput": 2},
+EXPECTED = {"bert": {"LayerNorm": 5, "BertSelfOutput": 2, "BertOutput": 2},
             "gpt2": {"LayerNorm": 5, "NewGELUActivation": 2, "GPT2Block": 2},
             "llama": {"LlamaRMSNorm": 5, "LlamaMLP": 2, "LlamaDecoderLayer": 2},
             "mistral": {"MistralRMSNorm": 5, "MistralMLP": 2, "MistralDecoderLayer": 2},
@@ -152,7 +152,10 @@ def test_patched_hf_model_matches(kind):
             == [new, new]
         assert all(type(patched.get_submodule(where.format(i))) is patching.GatedMLP
                    for i in range(2))
-    assert report.skipped == []
+    # BERT's GELUActivation is torch's one gelu op already: left alone, the report says why
+    assert [(s.old, s.reason.split(",")[0]) for s in report.skipped] == \
+        [("GELUActivation", "it runs one torch op already (aten.gelu)")] * (2 if kind == "bert"
+                                                                             else 0)
     tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     if any(upcasts(m) for m in original.modules()):
         # HF's own model agrees with the exact one to its fp32 upcast, no better

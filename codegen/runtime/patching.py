@@ -353,6 +353,11 @@ class _Planner:
             # an activation holds no dtype of its own: it is probed in fp32 (fp64 in an fp64
             # model), where what it computes shows, not how a low precision rounds it
             dtype = torch.promote_types(dtype, torch.float32)
+            single = _single_op(module, dtype, device) if device.type != "meta" else None
+            if single is not None:
+                return self.skip(module, name, f"it runs one torch op already ({single}), one "
+                                 "kernel each way: a swap would fuse nothing and add host time "
+                                 "to every call", needless=True)
             candidates = [_Candidate(r.module.__name__, functools.partial(_build_activation, r))
                           for r in rules]
             tail, scales = (PROBE_WIDTH,), None
@@ -411,11 +416,12 @@ class _Planner:
         return new
 
 
-    def skip(self, module, name, reason, old=None):
+    def skip(self, module, name, reason, old=None, needless=False):
         """Record why `module` (of class `old`, its class name by default) is left in place,
-        or raise with `strict`; return None."""
+        or raise with `strict` (but for a `needless` swap, one that could only be slower);
+        return None."""
         skip = Skip(name, old or type(module).__name__, reason)
-        if self.strict:
+        if self.strict and not needless:
             raise PatchError(f"patch_model(): {name} ({skip.old}) cannot be swapped: {reason}")
         self.skipped.append(skip)
         return None
@@ -708,6 +714,31 @@ def _probing(device: torch.device):
         fork = torch.random.fork_rng(devices=[index], device_type=device.type)
     with fork, torch.no_grad(), dispatch.forcing("kernels"):
         yield
+
+
+def _single_op(module, dtype, device) -> str | None:
+    """The torch op `module`'s forward runs on an activation's probe input where it runs just
+    one (torch.nn.GELU's aten.gelu: one kernel each way, at the copy ceiling, which the
+    generated kernel of the same activation can only match), else None (a composite such as
+    GPT-2's NewGELUActivation, eight ops, which the swap fuses into one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:  # views move no data
+                ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with _probing(device):
+        x = _probe_input((PROBE_WIDTH,), None, dtype, device)
+        try:
+            with Recorder():
+                module(x)
+        except Exception:  # noqa: BLE001 (the probe proper reports what fails)
+            return None
+    return ops[0] if len(ops) == 1 else None
 
 
 def _probe_input(tail, scales, dtype, device) -> torch.Tensor:
