@@ -34,8 +34,9 @@ optimizer). Variants:
 - eager: the model as transformers builds it;
 - patched: after `generated.patch.patch_model(model, loss=True)` (a causal LM's training loss
   from its hidden states through `linear_cross_entropy`, as Liger's fused linear
-  cross-entropy), each op choosing between its kernels and torch's expression of it by its
-  measured size (codegen/runtime/dispatch.py);
+  cross-entropy; BERT's masked-LM loss from its labelled rows' hidden states), each op
+  choosing between its kernels and torch's expression of it by its measured size
+  (codegen/runtime/dispatch.py);
 - patched-kernels, patched-kernels-compiled: the same with the kernels at every size
   (`VJPFORGE_DISPATCH=kernels`), eager and under `torch.compile(model)`;
 - liger: after Liger-Kernel's `apply_liger_kernel_to_<model type>(model=model)` with its

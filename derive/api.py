@@ -83,7 +83,8 @@ class Replaces:
     `kind`: None for what the API implies ("norm" for a normalized-shape API, "activation" for
     an elementwise API of one input); "mlp": the gated MLP `down(act(gate(x)) * up(x))` whose
     `act(gate) * up` this op (inputs gate, up) computes; "loss": a Hugging Face causal-LM
-    model's loss, computed by this row loss; "residual": the residual add before a norm inside a
+    model's loss, or the cross-entropy a masked LM's forward takes itself, computed by this row
+    loss; "residual": the residual add before a norm inside a
     transformer layer of a known structure (the pattern is of the layer's class name), fused
     with that norm by this add + norm op, whose parameters are those of the norm's own swap.
     `tries`: values of the API's options tried in

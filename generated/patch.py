@@ -13,6 +13,7 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     residual: a layer of a known structure -> generated.add_rmsnorm.add_rms_norm
     loss: *ForCausalLM -> generated.cross_entropy.cross_entropy
     loss: *LMHeadModel -> generated.cross_entropy.cross_entropy
+    loss: *ForMaskedLM -> generated.cross_entropy.cross_entropy
     mlp: any module of that structure -> generated.geglu.geglu
     mlp: any module of that structure -> generated.geglu_tanh.geglu_tanh
     activation: *GELU* -> generated.gelu.GELU
@@ -53,6 +54,9 @@ RULES = (
     ),
     patching.Rule(
         "loss", "*LMHeadModel", None, cross_entropy.cross_entropy,
+    ),
+    patching.Rule(
+        "loss", "*ForMaskedLM", None, cross_entropy.cross_entropy,
     ),
     patching.Rule(
         "mlp", "*", None, geglu.geglu,

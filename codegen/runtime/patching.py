@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from codegen.runtime import dispatch, linear_loss, patch_layers
+from codegen.runtime import dispatch, linear_loss, logits_route, patch_layers
 
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
 KINDS = ("norm", "activation", "mlp", "residual", "loss")
@@ -427,10 +427,13 @@ class _Planner:
         return None
 
     def visit_losses(self, model):
-        """Plan the loss swaps of the causal-LM models in `model` (itself included)."""
+        """Plan the loss swaps of the language models in `model` (itself included)."""
         rules = [r for r in self.rules if r.kind == "loss"]
         for prefix, module in model.named_modules():
             matching = [r for r in rules if fnmatch.fnmatchcase(type(module).__name__, r.pattern)]
+            if matching and not _calls_loss_function(module):
+                self.visit_logits_loss(module, prefix, matching)
+                continue
             if not matching or not isinstance(getattr(type(module), "loss_function", None),
                                               property):
                 continue
@@ -465,6 +468,37 @@ class _Planner:
                 problems.append(problem)
             else:
                 self.skip(module, name, "; ".join(dict.fromkeys(problems)), old)
+
+
+    def visit_logits_loss(self, module, prefix, rules):
+        """Plan the loss swap of a model whose forward takes the cross-entropy of its logits
+        itself (a masked LM's): the training loss from the labelled rows' hidden states
+        (codegen/runtime/logits_route.py)."""
+        name = f"{prefix}.forward" if prefix else "forward"
+        if logits_route.is_route(module.forward) or not self.selection.allows(
+                "loss", "CrossEntropyLoss"):
+            return
+        dtype, device = _placement(module, self.default)
+        problems = []
+        for rule in rules:
+            linear = linear_loss.linear_function(rule.function)
+            problem = logits_route.route_problem(module, linear, dtype, device)
+            if problem is None:
+                self.losses.append((module, functools.partial(logits_route.install,
+                                                              linear=linear)))
+                self.swapped.append(Swap(name, "CrossEntropyLoss", f"{linear.__name__}("
+                                         "labelled rows' hidden states, output embeddings)"))
+                return
+            problems.append(problem)
+        self.skip(module, name, "its training loss stays the logits': "
+                  + "; ".join(dict.fromkeys(problems)), "CrossEntropyLoss")
+
+
+def _calls_loss_function(module) -> bool:
+    """Whether the module's forward computes its loss through `self.loss_function`
+    (transformers' causal LMs) rather than by itself."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is None or "loss_function" in code.co_names
 
 
 _META = "it is on the meta device, where its outputs cannot be compared"

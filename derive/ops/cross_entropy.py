@@ -85,6 +85,7 @@ def spec() -> OpSpec:
         returns_doc=(("z_loss", "the z-loss term alone, lse_square_scale * "
                                 "logsumexp^2 per counted row (0 in ignored rows), for "
                                 "logging, as Liger-Kernel's."),),
-        # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel)
-        replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss")))
+        # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel) and masked LMs
+        replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss"),
+                  Replaces("*ForMaskedLM", kind="loss")))
     return op

@@ -1,0 +1,219 @@
+"""The training loss of a model whose own forward takes the cross-entropy of its output
+embeddings' logits (BERT's, RoBERTa's and ELECTRA's masked LMs:
+`CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))`), computed from the hidden states by a
+chunked linear loss on the labelled rows alone.
+
+A masked LM labels a few of its positions (BERT's recipe: 15%), but its head computes the
+logits of every position, three (tokens x hidden x vocabulary) matrix products forward and
+backward, and the loss reads and writes all of them in float32. The logits of an unlabelled row
+change neither the loss nor any gradient, so only the labelled rows need them.
+
+`patch_model(model, loss=True)` installs `LogitsRoute.model_forward` as such a model's
+`forward`. A training call given labels runs the model's own forward with the output
+embeddings returning `LazyLogits` in place of the logits: a tensor of their shape and dtype that
+holds no memory (every stride 0) and records the hidden states it stands for. Reshaping it
+gives another stand-in; `torch.nn.functional.cross_entropy` of it (which
+`torch.nn.CrossEntropyLoss` calls) is computed by the linear loss from the hidden states of the
+rows whose target is not `ignore_index`; any other use computes the real logits first (one
+matrix product, as the head would have) and applies to them, so nothing is ever wrong, only
+slower. The output's `logits` is that stand-in. Any other call (no labels, eval mode, under
+torch.compile) is the model's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+#: reshaping methods whose result is another stand-in (the rows keep their order)
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten,
+             torch.Tensor.contiguous, torch.reshape, torch.flatten}
+#: a probe's tokens and the flat positions left unlabelled
+PROBE_TOKENS = (2, 6)
+PROBE_UNLABELLED = (0, 2, 3, 7, 8, 11)
+
+
+class LazyLogits(torch.Tensor):
+    """The logits `weight`·hidden + `bias` of an output embedding, not computed (module doc)."""
+
+    @staticmethod
+    def __new__(cls, hidden, weight, bias, linear, shape, dtype):
+        placeholder = torch.zeros((), dtype=dtype, device=hidden.device).expand(shape)
+        stand_in = torch.Tensor._make_subclass(cls, placeholder)
+        stand_in.hidden, stand_in.weight, stand_in.bias = hidden, weight, bias
+        stand_in.linear = linear
+        return stand_in
+
+    def like(self, shape) -> LazyLogits:
+        """The same logits, reshaped."""
+        return LazyLogits(self.hidden, self.weight, self.bias, self.linear, shape, self.dtype)
+
+    def real(self) -> torch.Tensor:
+        """The logits themselves, in this stand-in's shape."""
+        logits = torch.nn.functional.linear(self.hidden, self.weight, self.bias)
+        return logits.reshape(self.shape)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "__get__" or func in (torch.Tensor.size,
+                                                                    torch.Tensor.dim):
+            # shape, dtype, device, ...: the stand-in's own, which are the logits'
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        first = args[0] if args else None
+        if func in _RESHAPES and isinstance(first, LazyLogits):
+            # the shape it would have, found on a tensor without memory
+            with torch._C.DisableTorchFunctionSubclass():
+                shape = func(torch.empty(first.shape, device="meta"), *args[1:], **kwargs).shape
+            if shape and shape[-1] == first.shape[-1]:
+                return first.like(shape)
+        if func is torch.nn.functional.cross_entropy and isinstance(first, LazyLogits):
+            loss = _routed_loss(*args, **kwargs)
+            if loss is not None:
+                return loss
+
+        def real(value):
+            if isinstance(value, LazyLogits):
+                return value.real()
+            if isinstance(value, (list, tuple)):
+                return type(value)(real(item) for item in value)
+            return value
+
+        return func(*real(args), **{k: real(v) for k, v in kwargs.items()})
+
+
+def _routed_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                 reduction="mean", label_smoothing=0.0):
+    """cross_entropy(input, target, ...) of a stand-in from its hidden states, or None where
+    the call is not one the linear loss takes (legacy size_average / reduce, class indices not
+    along the last dim, probabilities as targets)."""
+    linear = input.linear
+    if (size_average is not None or reduce is not None
+            or input.dim() != 2 or target.shape != input.shape[:1]
+            or target.is_floating_point()):
+        return None
+    hidden = input.hidden.reshape(-1, input.hidden.shape[-1])
+    target = target.to(hidden.device)
+    options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing,
+               "class_weight": weight, "reduction": reduction}
+    if reduction in ("mean", "sum"):
+        # the labelled rows alone: an ignored row adds nothing to the loss nor to a gradient,
+        # and a mean divides by the labelled rows (their weights) either way
+        rows = (target != ignore_index).nonzero().squeeze(1)
+        hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
+    return linear(hidden, input.weight, target, input.bias, **options)
+
+
+class LogitsRoute:
+    """What `install` sets on a model: its `forward` (module doc)."""
+
+    def __init__(self, model, linear):
+        self.model, self.linear = model, linear
+        self.forward = model.forward
+        self.head = model.get_output_embeddings()
+        names = [p.name for p in inspect.signature(self.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.labels_at = names.index("labels") if "labels" in names else None
+
+    def model_forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        if labels is None and self.labels_at is not None and len(args) > self.labels_at:
+            labels = args[self.labels_at]
+        if labels is None or not self.model.training or torch.compiler.is_compiling():
+            return self.forward(*args, **kwargs)
+        head = self.head
+        own = head.__dict__.get("forward")
+
+        def lazy(hidden):
+            shape = (*hidden.shape[:-1], head.out_features)
+            dtype = torch.result_type(hidden, head.weight)
+            return LazyLogits(hidden, head.weight, head.bias, self.linear, shape, dtype)
+
+        head.forward = lazy
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            if own is None:
+                del head.forward
+            else:
+                head.forward = own
+
+
+def install(model, linear):
+    """Route `model`'s training loss through `linear` (`LogitsRoute`)."""
+    model.forward = LogitsRoute(model, linear).model_forward
+
+
+def is_route(forward) -> bool:
+    """Whether a model's forward is one `install` set."""
+    return isinstance(getattr(forward, "__self__", None), LogitsRoute)
+
+
+def route_problem(model, linear, dtype, device) -> str | None:
+    """Why `model`'s training loss cannot be routed, or None: its structure, then a probe (a
+    training forward of a few tokens, some unlabelled, on a copy whose Parameters are
+    perturbed, whose loss and gradients must be the model's own, dropout's draws the same)."""
+    from codegen.runtime import patching  # patching imports this module
+
+    if linear is None:
+        return "no linear variant of the loss function exists"
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
+    hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
+             if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
+    if hooks:
+        return (f"its output embeddings have {' and '.join(hooks)} of their own, which would "
+                "see the stand-in for the logits")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "labels" not in parameters or "input_ids" not in parameters:
+        return "its forward takes no input_ids and labels"
+    if device.type == "meta":
+        return "it is on the meta device, where its outputs cannot be compared"
+    vocab = head.out_features
+    generator = torch.Generator().manual_seed(patching.SEED)
+    tokens = torch.randint(0, vocab, PROBE_TOKENS, generator=generator)
+    labels = tokens.clone()
+    labels.view(-1)[list(PROBE_UNLABELLED)] = -100
+    tokens, labels = tokens.to(device), labels.to(device)
+    if dtype in (torch.float16, torch.bfloat16):
+        # which rows and parameters the loss reaches has no dtype of its own, and the loss's
+        # 16-bit rounding is the cross-entropy kernels' (tested as such), whose gradients are
+        # more exact than a 16-bit log-softmax's: a 16-bit model is probed in float32
+        dtype = torch.float32
+    with patching._probing(device), torch.enable_grad():
+        # a copy with perturbed Parameters of its own, and a twin of it sharing them
+        plain = patching._twin(model, patching._Noise(), {}).to(dtype).train()
+        routed = patching._twin(plain, None, {}).train()
+        routed.forward = LogitsRoute(routed, linear).model_forward
+        results = []
+        for twin in (plain, routed):
+            torch.manual_seed(patching.SEED)  # the same dropout draws in both
+            try:
+                loss = twin(input_ids=tokens, labels=labels).loss
+            except Exception as error:  # noqa: BLE001 (any failure means: not proven)
+                return f"its forward raised on the probe: {patching._error(error)}"
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return "its forward returned no loss that has a gradient"
+            parameters = [p for p in twin.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(loss, parameters, allow_unused=True)
+            # one row of every gradient: judged at the scale of them all (a gradient that is 0
+            # but for rounding, as an attention key bias's, has no scale of its own)
+            reached = [g is not None for g in grads]
+            flat = torch.cat([g.reshape(-1) for g in grads if g is not None]).reshape(1, -1)
+            results.append((loss.reshape(1, -1), reached, flat))
+        (want, want_reached, want_grads), (got, got_reached, got_grads) = results
+        problem = patching._difference(want.detach(), got.detach(), None, dtype, False)
+        if problem is not None:
+            return f"the loss from the hidden states {problem}"
+        if want_reached != got_reached:
+            return "the loss from the hidden states reaches other parameters"
+        problem = patching._difference(want_grads, got_grads, None, dtype, False)
+        if problem is not None:
+            return f"the parameters' gradients {problem}"
+    return None
