@@ -109,39 +109,25 @@ def _padding_mask(shape: Sequence[int], device: torch.device, dtype: torch.dtype
     return mask
 
 
-def _torch_add_norm(rms: bool) -> Callable:
+def _torch_add_norm(rms: bool, p: float = 0.0) -> Callable:
+    """torch's (dropout +) add + norm, returning the normalized output and the sum."""
     def fn(x, residual, weight, bias=None):
-        total = x + residual
+        total = (F.dropout(x, p) if p else x) + residual
         if rms:
             return F.rms_norm(total, (x.shape[-1],), weight, EPS), total
         return F.layer_norm(total, (x.shape[-1],), weight, bias, EPS), total
     return fn
 
 
-def _ours_add_norm(rms: bool) -> Callable:
+def _ours_add_norm(rms: bool, p: float = 0.0) -> Callable:
+    """The generated (dropout +) add + norm, prenorm: the dropout ops where p > 0."""
     def fn(x, residual, weight, bias=None):
+        dropout = {"dropout_p": p} if p else {}
         if rms:
-            return add_rms_norm(x, residual, (x.shape[-1],), weight, EPS, prenorm=True)
-        return add_layer_norm(x, residual, (x.shape[-1],), weight, bias, EPS, prenorm=True)
-    return fn
-
-
-def _torch_dropout_add_norm(rms: bool) -> Callable:
-    def fn(x, residual, weight, bias=None):
-        total = F.dropout(x, DROPOUT) + residual
-        if rms:
-            return F.rms_norm(total, (x.shape[-1],), weight, EPS), total
-        return F.layer_norm(total, (x.shape[-1],), weight, bias, EPS), total
-    return fn
-
-
-def _ours_dropout_add_norm(rms: bool) -> Callable:
-    def fn(x, residual, weight, bias=None):
-        if rms:
-            return dropout_add_rms_norm(x, residual, (x.shape[-1],), weight, EPS, prenorm=True,
-                                        dropout_p=DROPOUT)
-        return dropout_add_layer_norm(x, residual, (x.shape[-1],), weight, bias, EPS,
-                                      prenorm=True, dropout_p=DROPOUT)
+            op = dropout_add_rms_norm if p else add_rms_norm
+            return op(x, residual, (x.shape[-1],), weight, EPS, prenorm=True, **dropout)
+        op = dropout_add_layer_norm if p else add_layer_norm
+        return op(x, residual, (x.shape[-1],), weight, bias, EPS, prenorm=True, **dropout)
     return fn
 
 
@@ -187,11 +173,11 @@ def cases(smoke: bool) -> Iterator[Case]:
                    _torch_add_norm(False))
         yield Case("add_rms_norm", shape, lambda d, t, add_norm=add_norm: add_norm(d, t, params=1),
                    _ours_add_norm(True), _torch_add_norm(True))
-        yield Case("dropout_add_layer_norm", shape, add_norm, _ours_dropout_add_norm(False),
-                   _torch_dropout_add_norm(False))
+        yield Case("dropout_add_layer_norm", shape, add_norm, _ours_add_norm(False, DROPOUT),
+                   _torch_add_norm(False, DROPOUT))
         yield Case("dropout_add_rms_norm", shape,
                    lambda d, t, add_norm=add_norm: add_norm(d, t, params=1),
-                   _ours_dropout_add_norm(True), _torch_dropout_add_norm(True))
+                   _ours_add_norm(True, DROPOUT), _torch_add_norm(True, DROPOUT))
         yield Case("softmax", shape, x_only, lambda x: softmax(x, -1),
                    lambda x: torch.softmax(x, -1))
         yield Case("masked_softmax", shape, masked,

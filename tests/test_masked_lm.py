@@ -161,8 +161,8 @@ def test_output_embeddings_with_a_hook_keep_the_models_loss(torch_path):
     assert report.swapped == []
     [(name, old, reason)] = report.skipped
     assert (name, old) == ("forward", "CrossEntropyLoss")
-    assert reason == ("its training loss stays the logits': its output embeddings have "
-                      "forward_hooks of their own, which would see the stand-in for the logits")
+    assert reason == ("its training loss stays the logits': its cls.predictions.decoder has "
+                      "forward_hooks of its own, which would see the stand-in for the logits")
 
 
 def test_loss_is_not_routed_unless_asked(torch_path):

@@ -621,20 +621,42 @@ def is_route(function) -> bool:
     return isinstance(getattr(function, "__self__", None), CausalLMRoute)
 
 
-def route_problem(model, linear, fallback, dtype, device) -> str | None:
-    """Why `model`'s training loss cannot be computed by `install`'s route, or None: its
-    structure, then a probe (a training forward of a few tokens, with and without
-    num_items_in_batch, whose loss must be the model's own, dropout's draws the same)."""
-    if linear is None:
-        return "no linear variant of the loss function exists"
+def structure_problem(model, device) -> str | None:
+    """Why `model`'s training loss cannot be routed from the hidden states whatever its
+    forward computes, or None: its output embeddings must be a plain torch.nn.Linear without
+    hooks or a forward of their own (named in the message by where the model holds them:
+    lm_head, cls.predictions.decoder, ...), its forward must take input_ids and labels, and it
+    must be where a probe can run."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
     hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
              if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
     if hooks:
-        return (f"its lm_head has {' and '.join(hooks)} of its own, which would see the "
+        where = next(name for name, module in model.named_modules() if module is head)
+        return (f"its {where} has {' and '.join(hooks)} of its own, which would see the "
                 "stand-in for the logits")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "labels" not in parameters or "input_ids" not in parameters:
+        return "its forward takes no input_ids and labels"
+    if device.type == "meta":
+        return "it is on the meta device, where its outputs cannot be compared"
+    return None
+
+
+def route_problem(model, linear, fallback, dtype, device) -> str | None:
+    """Why `model`'s training loss cannot be computed by `install`'s route, or None: its
+    structure, then a probe (a training forward of a few tokens, with and without
+    num_items_in_batch, whose loss must be the model's own, dropout's draws the same)."""
+    if linear is None:
+        return "no linear variant of the loss function exists"
+    problem = structure_problem(model, device)
+    if problem is not None:
+        return problem
+    head = model.get_output_embeddings()
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if vocab != head.out_features:
@@ -644,14 +666,6 @@ def route_problem(model, linear, fallback, dtype, device) -> str | None:
     if cap is not None and "softcap" not in inspect.signature(linear).parameters:
         return (f"its forward caps the logits (final_logit_softcapping = {cap}) between lm_head "
                 "and the loss, and the loss takes no softcap")
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "its forward's signature cannot be read"
-    if "labels" not in parameters or "input_ids" not in parameters:
-        return "its forward takes no input_ids and labels"
-    if device.type == "meta":
-        return "it is on the meta device, where its outputs cannot be compared"
     from codegen.runtime import patching  # patching imports this module
 
     generator = torch.Generator().manual_seed(patching.SEED)

@@ -26,6 +26,8 @@ import inspect
 
 import torch
 
+from codegen.runtime import linear_loss
+
 #: reshaping methods whose result is another stand-in (the rows keep their order)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten,
              torch.Tensor.contiguous, torch.reshape, torch.flatten}
@@ -159,23 +161,10 @@ def route_problem(model, linear, dtype, device) -> str | None:
 
     if linear is None:
         return "no linear variant of the loss function exists"
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
-    hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
-             if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
-    if hooks:
-        return (f"its output embeddings have {' and '.join(hooks)} of their own, which would "
-                "see the stand-in for the logits")
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "its forward's signature cannot be read"
-    if "labels" not in parameters or "input_ids" not in parameters:
-        return "its forward takes no input_ids and labels"
-    if device.type == "meta":
-        return "it is on the meta device, where its outputs cannot be compared"
-    vocab = head.out_features
+    problem = linear_loss.structure_problem(model, device)
+    if problem is not None:
+        return problem
+    vocab = model.get_output_embeddings().out_features
     generator = torch.Generator().manual_seed(patching.SEED)
     tokens = torch.randint(0, vocab, PROBE_TOKENS, generator=generator)
     labels = tokens.clone()
