@@ -67,6 +67,7 @@ def canonical(spec: OpSpec) -> OpSpec:
     nodes = _extract(nodes, levels, taken, _shared_functions)
     nodes = _extract(nodes, levels, taken, _normalised_parts)
     nodes = _extract(nodes, levels, taken, _input_scale_parts)
+    nodes = _partner_leaves(nodes, taken)
     return dataclasses.replace(spec, nodes=nodes, outputs=list(spec.outputs),
                                modes={k: list(v) for k, v in spec.modes.items()},
                                mode_docs=dict(spec.mode_docs))
@@ -153,6 +154,27 @@ def _softplus_argument(argument: sympy.Expr) -> sympy.Expr | None:
         if isinstance(other, sympy.exp) and not other.args[0].is_number:
             return other.args[0]
     return None
+
+
+def _partner_leaves(nodes: list[Node], taken: set[str]) -> list[Node]:
+    """A partner read of every element input the spec does not read across itself, where it
+    reads any: the adjoint of a partner read, moved to the partner column, reads every leaf
+    there (cos at j's partner, in rotary's dx). Never differentiated: the forward reads none."""
+    pairing = next((n.pairing for n in nodes if n.kind is Kind.PARTNER), None)
+    if pairing is None:
+        return nodes
+    read = {n.partner_of for n in nodes if n.kind is Kind.PARTNER}
+    added = []
+    for node in nodes:
+        if node.kind is not Kind.INPUT or node.name in read:
+            continue
+        name, index = f"{node.name}_partner", 2
+        while name in taken:
+            name, index = f"{node.name}_partner{index}", index + 1
+        taken.add(name)
+        added.append(Node(name, sympy.Symbol(name, real=True), Kind.PARTNER, Level.ELEMENT,
+                          where=node.where, grad=False, partner_of=node.name, pairing=pairing))
+    return nodes + added
 
 
 # ---------------------------------------------------------------------- refusals
