@@ -946,7 +946,8 @@ def _user_call(module: ModuleSpec) -> dict[str, Any]:
             keywords.append("prenorm=True")  # both outputs: the sum's gradient too
         if len(module.modes) > 1:
             keywords.append("memory=_memory")
-    elif api.kind == "elementwise":
+    elif api.kind in ("elementwise", "position_embedding"):
+        # a position-embedding API's own function is elementwise
         spec_inputs = dict(zip(api.inputs, module.inputs, strict=True))
         for public, name in spec_inputs.items():
             if name in module.broadcast_inputs:

@@ -20,6 +20,7 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     norm: *LayerNorm -> generated.layernorm.LayerNorm
     norm: *RMSNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0)
     norm: *LayerNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0)
+    rotary: *Attention -> generated.rotary.rotary
     mlp: any module of that structure -> generated.swiglu.swiglu
 """
 
@@ -34,6 +35,7 @@ from generated import gelu
 from generated import gelu_tanh
 from generated import layernorm
 from generated import rmsnorm
+from generated import rotary
 from generated import swiglu
 
 #: the rules, first match first: each row is what one spec's API declares (derive/ops/)
@@ -85,6 +87,9 @@ RULES = (
         tries=(("weight_offset", (0.0, 1.0, )), ),
         eps=None,
         memory=("default", "invertible", ),
+    ),
+    patching.Rule(
+        "rotary", "*Attention", None, rotary.rotary,
     ),
     patching.Rule(
         "mlp", "*", None, swiglu.swiglu,
