@@ -14,17 +14,17 @@ For each op, shape and mode (`fwd`: the forward; `fwd+bwd`: the forward and
   in it. Where host µs exceeds it by more than `HOST_BOUND` the call is host-bound ("host"),
   otherwise GPU-bound ("GPU").
 
-Ops (bf16 by default) and their torch equivalents:
-  layer_norm (F.layer_norm, weight and bias), rms_norm (F.rms_norm, weight, eps 1e-6),
-  add_layer_norm / add_rms_norm with prenorm=True (x + r, then F.layer_norm / F.rms_norm;
-  the normalized output and the sum), dropout_add_layer_norm / dropout_add_rms_norm (the same
-  with dropout p 0.1 on the input first: F.dropout(x) + r), softmax (torch.softmax), masked_softmax (scale 0.125,
-  an additive padding mask broadcast over the rows, dropout 0.1: F.dropout(torch.softmax(x *
-  scale + mask)), gelu (exact), gelu_tanh, swiglu (F.silu(gate) * up), geglu (F.gelu(gate) *
-  up), geglu_tanh (F.gelu(gate, approximate="tanh") * up), bias_dropout_add (residual +
-  F.dropout(x + bias), p 0.1), apply_rotary_pos_emb (transformers': q * cos + rotate_half(q) *
-  sin and the same of k, q of the shape's width in heads of 128, k a quarter as many heads, cos
-  and sin not differentiated), cross_entropy (mean, ignore_index -100 on 5% of the targets).
+Ops (bf16 by default) and their torch equivalents: layer_norm (F.layer_norm, weight and bias),
+  rms_norm (F.rms_norm, weight, eps 1e-6), add_layer_norm / add_rms_norm with prenorm=True (x + r,
+  then F.layer_norm / F.rms_norm; the normalized output and the sum), dropout_add_layer_norm /
+  dropout_add_rms_norm (the same with dropout p 0.1 on the input first: F.dropout(x) + r), softmax
+  (torch.softmax), masked_softmax (scale 0.125, an additive padding mask broadcast over the rows,
+  dropout 0.1: F.dropout(torch.softmax(x * scale + mask)), gelu (exact), gelu_tanh, swiglu
+  (F.silu(gate) * up), geglu (F.gelu(gate) * up), geglu_tanh (F.gelu(gate, approximate="tanh") *
+  up), bias_dropout_add (residual + F.dropout(x + bias), p 0.1), apply_rotary_pos_emb
+  (transformers': q * cos + rotate_half(q) * sin and the same of k, q of the shape's width in
+  heads of 128, k a quarter as many heads, cos and sin not differentiated), cross_entropy (mean,
+  ignore_index -100 on 5% of the targets).
 Shapes: 32x1024 and 8x512x1024; cross_entropy 32x32000 and 4096x32000 (rows x vocabulary).
 
 Prints a markdown table per mode and writes every record to `--out` as JSON. `--cpu-smoke` runs
