@@ -894,7 +894,9 @@ def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]
             kind = replaces_kind(api, rule)
             params = [p for p in getattr(api, "params", ()) if not p.scalar]
             rules.append({
-                "kind": kind, "pattern": rule.pattern, "op": op, "function": api.function,
+                "kind": kind, "pattern": rule.pattern, "op": op,
+                # a rotary embedding is computed by the API's Hugging Face-style function
+                "function": api.embed if kind == "rotary" else api.function,
                 # an MLP or a loss is computed by the function, not by the op's module
                 "module": api.module if kind in ("norm", "activation") else None,
                 "params": [(p.name, p.flag, p.offset) for p in params],
