@@ -21,6 +21,8 @@ proven; where neither stand-in agrees, the module is left with the reason.
 from __future__ import annotations
 
 import fnmatch
+import re
+import sys
 import types
 from collections.abc import Callable
 
@@ -94,7 +96,7 @@ def rebuilt_forward(chain: list[types.FunctionType], embed: Callable
     cell that held the old one holding the new); None where a wrapper holds its inner
     function otherwise than in a closure cell."""
     inner = chain[-1]
-    new = _copy(inner, {**inner.__globals__, GLOBAL: embed}, inner.__closure__)
+    new = _copy(inner, _globals(inner.__globals__, embed), inner.__closure__)
     old = inner
     for wrapper in reversed(chain[:-1]):
         cells, replaced = [], False
@@ -115,6 +117,26 @@ def rebuilt_forward(chain: list[types.FunctionType], embed: Callable
             rebuilt.__wrapped__ = new
         old, new = wrapper, rebuilt
     return new
+
+
+_GLOBALS: dict[tuple[int, Callable], dict] = {}
+
+
+def _globals(original: dict, embed: Callable) -> dict:
+    """A copy of a modeling module's globals in which GLOBAL is `embed`: the namespace of a
+    module of its own, registered under a name of its own (one per module and embed), since
+    torch.compile finds the globals of a function it inlines by their module's `__name__`; under
+    the original's name it would read, and guard on, the original apply_rotary_pos_emb."""
+    key = (id(original), embed)
+    if key not in _GLOBALS:
+        name = f"_vjpforge_rotary_{len(_GLOBALS)}_" + re.sub(
+            r"\W", "_", str(original.get("__name__", "module")))
+        module = types.ModuleType(name)
+        module.__dict__.update(original)
+        module.__dict__.update({"__name__": name, GLOBAL: embed})
+        sys.modules[name] = module
+        _GLOBALS[key] = module.__dict__
+    return _GLOBALS[key]
 
 
 _CLASSES: dict[tuple[type, Callable], type] = {}
