@@ -25,7 +25,7 @@ from derive.reverse import upstream_symbol
 TEMPLATES = Path(__file__).parent / "templates"
 
 #: the column a partner read loads, per pairing (derive/spec.py PAIRINGS), as Triton source
-PARTNER_COLUMNS = {"half": "(cols + N // 2) % N", "interleaved": "cols ^ 1"}
+PARTNER_COLUMNS = {"half": "(cols + N // 2) % N", "interleaved": "(cols ^ 1)"}
 
 
 def environment() -> jinja2.Environment:

@@ -36,6 +36,7 @@ from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
 SUPPORTED_FUNCTIONS = (
     "exp", "log", "sqrt (and x**r for rational r)", "tanh", "erf", "sin", "cos",
     "sinh", "cosh", "Abs", "Max", "Min", "Heaviside", "sign", "Piecewise",
+    "Mod (of the column index by an integer)",
 )
 
 _SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.erf, sympy.sin, sympy.cos)

@@ -414,7 +414,7 @@ def test_replaces_mismatches_name_the_rule():
     assert replaces_mismatches(glu) == [
         "Replaces('*'): kind 'mlp' needs an elementwise API of two inputs (gate, up), no "
         "call_params, switches or dropout",
-        "Replaces('*'): kind must be None or one of mlp, loss, residual, got 'moe'"]
+        "Replaces('*'): kind must be None or one of mlp, loss, residual, rotary, got 'moe'"]
 
 
 def test_patch_rejects_non_modules():
