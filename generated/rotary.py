@@ -528,6 +528,10 @@ def rotary(input, cos, sin):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return input * cos + torch.cat((-input[..., input.shape[-1] // 2:], input[..., :input.shape[-1] // 2]), dim=-1) * sin
+
     checks.check_input("rotary", input, "input")
     checks.check_pairing("rotary", "input", input, "half")
     if cos is None:
@@ -587,6 +591,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         raise TypeError(f"apply_rotary_pos_emb(): argument 'sin' must be a torch.Tensor, got {type(sin).__name__}")
     sin = sin.unsqueeze(unsqueeze_dim)
     return rotary(q, cos, sin), rotary(k, cos, sin)
+
+
+#: when a call runs torch's expression of this op instead of the kernels
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("rotary")
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

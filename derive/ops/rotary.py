@@ -29,6 +29,10 @@ def spec() -> OpSpec:
         torch_function="input * cos + rotate_half(input) * sin",
         inputs=("input", "cos", "sin"),
         embed="apply_rotary_pos_emb", embedded=("q", "k"),
+        # torch's expression: never run until a crossover is measured for this op
+        # (codegen/runtime/dispatch.py; no "dispatch" entry: the kernels at every size)
+        reference="input * cos + torch.cat((-input[..., input.shape[-1] // 2:], "
+                  "input[..., :input.shape[-1] // 2]), dim=-1) * sin",
         # the attention modules of LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3 (whose forward
         # calls its modeling module's apply_rotary_pos_emb)
         replaces=(Replaces("*Attention", kind="rotary"),))
