@@ -21,7 +21,6 @@ proven; where neither stand-in agrees, the module is left with the reason.
 from __future__ import annotations
 
 import fnmatch
-import re
 import sys
 import types
 from collections.abc import Callable
@@ -129,8 +128,8 @@ def _globals(original: dict, embed: Callable) -> dict:
     the original's name it would read, and guard on, the original apply_rotary_pos_emb."""
     key = (id(original), embed)
     if key not in _GLOBALS:
-        name = f"_vjpforge_rotary_{len(_GLOBALS)}_" + re.sub(
-            r"\W", "_", str(original.get("__name__", "module")))
+        name = f"_vjpforge_rotary_{len(_GLOBALS)}_" + "".join(
+            c if c.isalnum() else "_" for c in str(original.get("__name__", "module")))
         module = types.ModuleType(name)
         module.__dict__.update(original)
         module.__dict__.update({"__name__": name, GLOBAL: embed})
