@@ -510,10 +510,12 @@ def api_mismatches(spec) -> list[str]:
 def _position_problems(api: PositionEmbeddingAPI, spec) -> list[str]:
     """A position-embedding API's tables are the spec's broadcast inputs, passed as they are:
     no parameters, options, switches or dropout beside them."""
+    from derive.spec import Kind  # the spec module imports nothing from here
+
     problems = []
     tables = api.inputs[1:]
     broadcast = {n.name for n in spec.nodes if n.broadcast}
-    spec_inputs = [n.name for n in spec.nodes if n.kind.value == "input"]
+    spec_inputs = [n.name for n in spec.nodes if n.kind is Kind.INPUT]
     if not tables or any(name not in broadcast for name in spec_inputs[1:]):
         problems.append("a PositionEmbeddingAPI's tables (the inputs after the first) must be "
                         "inputs of the spec declared broadcast=True")

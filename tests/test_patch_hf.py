@@ -289,13 +289,19 @@ def test_a_rotary_model_pickles_compiles_and_generates():
     generated = [model.generate(tokens, max_new_tokens=4, do_sample=False, pad_token_id=0)
                  for model in (original, patched)]
     assert torch.equal(generated[1], generated[0]) and generated[0].shape == (2, 11)
+    # with every other kind swapped too (the layer's fused add, its norms and MLP): one graph
+    everything = copy.deepcopy(original)
+    assert patch_model(everything)["LlamaAttention"] == 2
     x = randn((2, 7, 64), seed=2, dtype=torch.float32)
     position = patched.model.rotary_emb(x, torch.arange(7)[None])
-    compiled = torch.compile(patched.model.layers[0].self_attn, backend="aot_eager",
-                             fullgraph=True)
-    torch.testing.assert_close(compiled(x, position_embeddings=position)[0],
-                               original.model.layers[0].self_attn(
-                                   x, position_embeddings=position)[0])
+    for model, layer in ((patched, patched.model.layers[0].self_attn),
+                         (everything, everything.model.layers[0])):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        output = compiled(x, position_embeddings=position)
+        wanted = (original.model.layers[0].self_attn if model is patched
+                  else original.model.layers[0])(x, position_embeddings=position)
+        torch.testing.assert_close(output[0] if isinstance(output, tuple) else output,
+                                   wanted[0] if isinstance(wanted, tuple) else wanted)
 
 
 def lm_outputs(model, tokens, labels, **kwargs):

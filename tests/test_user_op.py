@@ -390,6 +390,13 @@ API_MISMATCHES = {
         "options=(Option('p', 0.1, check='probability'),), dropout='p')",
         "dropout 'p' must be one of the API's options, on an API with a residual (what is "
         "dropped is added to it)"),
+    "position tables that are not broadcast": (
+        "x = op.input('x')\n    c = op.input('c', grad=False)\n"
+        "    op.output(op.element('y', x * c))\n    op.save(x, c)",
+        "PositionEmbeddingAPI(function='bad', module='Bad', torch_function='-', "
+        "inputs=('input', 'c'))",
+        "a PositionEmbeddingAPI's tables (the inputs after the first) must be inputs of the "
+        "spec declared broadcast=True"),
     "dropout op and a mask of its own": (
         "x = op.input('x')\n    r = op.input('r')\n    p = op.scalar('p')\n"
         "    u = op.random('u')\n    y = op.element('y', x * u * p + r)\n"
