@@ -292,10 +292,17 @@ class KernelContext:
                 continue
             at = "cols"
             if kind == "partner":
-                # the element input at each column's partner, loaded from memory: a whole row
-                # or one block of a looped row alike (the partner of a column past N is masked)
+                # the tensor at each column's partner, loaded from memory: a whole row or one
+                # block of a looped row alike (the partner of a column past N is masked)
                 e, target = self.partners[e][0], e
                 at = PARTNER_COLUMNS[self.partners[target][1]]
+                if e in self.kernel_columns:  # a per-column parameter's
+                    c = self._column(e)
+                    load = (f"{target} = tl.load({e}_ptr + {at}, mask=col_mask, "
+                            "other=0.0).to(ACC)")
+                    lines += ([f"if {c['flag']}:", f"    {load}", "else:",
+                               f"    {target} = {typed(c['absent'])}"] if c["flag"] else [load])
+                    continue
             else:
                 target = e
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"

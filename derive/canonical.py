@@ -158,22 +158,23 @@ def _softplus_argument(argument: sympy.Expr) -> sympy.Expr | None:
 
 
 def _partner_leaves(nodes: list[Node], taken: set[str]) -> list[Node]:
-    """A partner read of every element input the spec does not read across itself, where it
-    reads any: the adjoint of a partner read, moved to the partner column, reads every leaf
-    there (cos at j's partner, in rotary's dx). Never differentiated: the forward reads none."""
+    """A partner read of every element input and column parameter the spec does not read
+    across itself, where it reads any: the adjoint of a partner read, moved to the partner
+    column, reads every leaf there (sin at j's partner, in rotary's dx). Never differentiated:
+    the forward reads none."""
     pairing = next((n.pairing for n in nodes if n.kind is Kind.PARTNER), None)
     if pairing is None:
         return nodes
     read = {n.partner_of for n in nodes if n.kind is Kind.PARTNER}
     added = []
     for node in nodes:
-        if node.kind is not Kind.INPUT or node.name in read:
+        if node.kind not in (Kind.INPUT, Kind.COLUMN_PARAM) or node.name in read:
             continue
         name, index = f"{node.name}_partner", 2
         while name in taken:
             name, index = f"{node.name}_partner{index}", index + 1
         taken.add(name)
-        added.append(Node(name, sympy.Symbol(name, real=True), Kind.PARTNER, Level.ELEMENT,
+        added.append(Node(name, sympy.Symbol(name, real=True), Kind.PARTNER, node.level,
                           where=node.where, grad=False, partner_of=node.name, pairing=pairing))
     return nodes + added
 

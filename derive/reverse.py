@@ -181,15 +181,11 @@ def partner_shift(expr: sympy.Expr, spec: OpSpec, swap: dict[sympy.Symbol, sympy
     indices = [n.symbol for n in spec.nodes if n.kind is Kind.INDEX and n.level is Level.COLUMN]
     for s in sorted_symbols(shifted.free_symbols):
         found = next((n for n in spec.nodes if n.symbol == s), None)
-        if found is not None and found.level is Level.ELEMENT and s not in swap:
+        if found is not None and found.level in (Level.ELEMENT, Level.COLUMN) \
+                and found.kind is not Kind.INDEX and s not in swap:
             raise DerivationError(
                 f"{node.where}: the adjoint of the partner read '{node.name}' holds "
                 f"{found.kind.value} '{found.name}', which cannot be read at the partner column")
-        if found is not None and found.kind is Kind.COLUMN_PARAM:
-            raise DerivationError(
-                f"{node.where}: the adjoint of the partner read '{node.name}' holds the "
-                f"column parameter '{found.name}'; a per-column parameter read at the partner "
-                "column is not supported: pass it as an element input")
     for index in indices:
         shifted = _shift_index(shifted, index, pairing, node)
     return shifted.xreplace(swap).xreplace({d: atom for atom, d in sums.items()})

@@ -171,25 +171,27 @@ class OpSpec:
         return self._declare(name, Kind.RANDOM, Level.ELEMENT, grad=False)
 
     def partner(self, name: str, value: sympy.Symbol, pairing: str = "half") -> sympy.Symbol:
-        """The element input `value` read at the partner column p(j) of a fixed involutive
-        pairing of the row's columns (PAIRINGS): "half" (p(j) = (j + N/2) mod N, Hugging
-        Face's rotate_half) or "interleaved" (p(j) = j XOR 1). The one cross-element read of
-        the language: its adjoint reaches `value` shifted to the partner column (docs/
-        spec_language.md). A row width the pairing cannot take (odd) raises at the call."""
+        """The element input (or per-column parameter) `value` read at the partner column
+        p(j) of a fixed involutive pairing of the row's columns (PAIRINGS): "half" (p(j) =
+        (j + N/2) mod N, Hugging Face's rotate_half) or "interleaved" (p(j) = j XOR 1). The one
+        cross-element read of the language: its adjoint reaches `value` shifted to the partner
+        column (docs/spec_language.md). A row width the pairing cannot take (odd) raises at
+        the call."""
         where = _caller_location()
         if pairing not in PAIRINGS:
             raise SpecError(f"{where}: '{name}': partner() takes pairing "
                             f"{' or '.join(map(repr, PAIRINGS))}, got {pairing!r}")
         source = next((n for n in self.nodes if n.symbol == value), None)
-        if source is None or source.kind is not Kind.INPUT:
+        if source is None or source.kind not in (Kind.INPUT, Kind.COLUMN_PARAM):
             what = (f"{source.kind.value} '{source.name}'" if source is not None
                     else repr(value))
-            raise SpecError(f"{where}: '{name}': partner() reads an element input at the "
-                            f"partner column (a tensor in memory); got {what}: read the inputs "
-                            "it is made of at the partner column instead")
+            raise SpecError(f"{where}: '{name}': partner() reads an element input or a column "
+                            f"parameter at the partner column (a tensor in memory); got {what}: "
+                            "read the inputs it is made of at the partner column instead")
         if source.absent is not None:
             raise SpecError(f"{where}: '{name}': partner() reads a tensor the caller always "
-                            f"gives; input '{source.name}' is optional (absent={source.absent})")
+                            f"gives; {source.kind.value} '{source.name}' is optional "
+                            f"(absent={source.absent})")
         for node in self.nodes:
             if node.kind is Kind.PARTNER and node.pairing != pairing:
                 raise SpecError(f"{where}: '{name}': pairing {pairing!r} differs from the "
@@ -198,7 +200,7 @@ class OpSpec:
             if node.kind is Kind.PARTNER and node.partner_of == source.name:
                 raise SpecError(f"{where}: '{name}': '{node.name}' reads '{source.name}' at "
                                 "its partner column already; use it")
-        return self._declare(name, Kind.PARTNER, Level.ELEMENT, grad=source.grad,
+        return self._declare(name, Kind.PARTNER, source.level, grad=source.grad,
                              partner_of=source.name, pairing=pairing)
 
     @property

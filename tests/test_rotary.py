@@ -155,3 +155,65 @@ def test_tables_must_broadcast(device):
         rotary.apply_rotary_pos_emb(q, k, cos[..., :4], sin)
     with pytest.raises(TypeError, match="argument 'sin' must be a torch.Tensor"):
         rotary.apply_rotary_pos_emb(q, k, cos, None)
+
+
+#: a spec reading a per-column parameter at the partner column too, and one absent there
+COLUMN_PARTNER_SPEC = '''
+import sympy
+
+from derive.api import ElementwiseAPI
+from derive.spec import N, OpSpec
+
+
+def spec():
+    op = OpSpec("scaled_rotation", doc="tanh(x * w + sign(j) * x_p * w_p * v)")
+    x = op.input("x")
+    w = op.column_param("w")
+    v = op.column_param("v", absent=1)
+    j = op.column_index("j")
+    sign = sympy.Piecewise((-1, j < N / 2), (1, True))
+    y = op.element("y", sympy.tanh(x * w + sign * op.partner("xp", x) * op.partner("wp", w) * v))
+    op.output(y)
+    op.save(x)
+    op.api = ElementwiseAPI(function="scaled_rotation", module="ScaledRotation",
+                            torch_function="-", call_params=("w", "v"))
+    return op
+'''
+
+
+@pytest.fixture(scope="module")
+def column_partner(tmp_path_factory):
+    import importlib.util
+
+    from derive.__main__ import main
+
+    out = tmp_path_factory.mktemp("column_partner")
+    (out / "spec.py").write_text(COLUMN_PARTNER_SPEC)
+    assert main([str(out / "spec.py"), "--out", str(out)]) == 0
+    spec = importlib.util.spec_from_file_location("scaled_rotation", out / "scaled_rotation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.scaled_rotation
+
+
+def test_partner_reads_of_column_parameters(column_partner, device):
+    """The engine's rule, not rotary's: a column parameter read at the partner column, in the
+    partner read's adjoint (v at p(j)) and in the forward (w at p(j)), absent or given."""
+    def theirs(x, w, v):
+        half = x.shape[-1] // 2
+        sign = torch.where(torch.arange(x.shape[-1], device=x.device) < half, -1.0, 1.0)
+        v = 1.0 if v is None else v
+        return torch.tanh(x * w + sign * x.roll(half, -1) * w.roll(half, -1) * v)
+
+    x, w, v = (randn(shape, seed=s, device=device) for s, shape in
+               ((1, (3, 8)), (2, (8,)), (3, (8,))))
+    for given in (v, None):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w)]
+        ours = column_partner(leaves[0], w=leaves[1], v=given)
+        reference = [t.detach().clone().requires_grad_() for t in (x, w)]
+        wanted = theirs(*reference, given)
+        torch.testing.assert_close(ours, wanted, **FP64_TOL)
+        for got, want in zip(torch.autograd.grad(ours.sum(), leaves),
+                             torch.autograd.grad(wanted.sum(), reference), strict=True):
+            torch.testing.assert_close(got, want, **FP64_TOL)
+    gradcheck(lambda a, b, c: column_partner(a, w=b, v=c), [x, w, v], fast=False)

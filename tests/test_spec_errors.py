@@ -29,8 +29,8 @@ CASES = {
     # adjoint the engine can move to the partner column
     "partner of a definition": (
         "    x = op.input('x')\n    y = op.element('y', x * 2)\n    op.partner('p', y)\n",
-        r"bad\.py:12: 'p': partner\(\) reads an element input at the partner column .*got "
-        r"element 'y'"),
+        r"bad\.py:12: 'p': partner\(\) reads an element input or a column parameter at the "
+        r"partner column .*got element 'y'"),
     "unknown pairing": (
         "    x = op.input('x')\n    op.partner('p', x, pairing='cyclic')\n",
         r"bad\.py:11: 'p': partner\(\) takes pairing 'half' or 'interleaved', got 'cyclic'"),
@@ -98,15 +98,17 @@ def test_show_lists_the_names(capsys):
     assert "layernorm" in capsys.readouterr().out
 
 
-PARTNER_HEADER = ("import sympy\n\nfrom derive.api import ElementwiseAPI\n"
+PARTNER_HEADER = ("import sympy\n\nfrom derive.api import ElementwiseAPI, Option\n"
                   "from derive.spec import OpSpec\n\n\ndef spec():\n    op = OpSpec('bad')\n"
                   "    x = op.input('x')\n")
 
 
 @pytest.mark.parametrize(("body", "api", "message"), [
-    ("    w = op.column_param('w')\n    p = op.partner('p', x)\n"
-     "    op.output(op.element('y', w * p))\n    op.save(x)\n", "call_params=('w',)",
-     r"bad\.py:11: the adjoint of the partner read 'p' holds the column parameter 'w'"),
+    ("    p = op.scalar('p')\n    u = op.random('u')\n    r = op.partner('r', x)\n"
+     "    op.output(op.element('y', x + u * r * p))\n    op.save(x)\n",
+     "options=(Option('p', 0.1, check='probability'),), dropout='p'",
+     r"bad\.py:12: the adjoint of the partner read 'r' holds random 'u', which cannot be read "
+     r"at the partner column"),
     ("    r = op.input('r', absent=0)\n    p = op.partner('p', r)\n"
      "    op.output(op.element('y', x * p))\n    op.save(x, r)\n", "inputs=('input', 'r')",
      r"bad\.py:11: 'p': partner\(\) reads a tensor the caller always gives; input 'r' is "
