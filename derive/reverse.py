@@ -34,8 +34,8 @@ class ReverseResult:
     steps: tuple[Step, ...]
     stabilisers: tuple[str, ...]
     #: every partner read the backward may load: name -> (the tensor it reads, the pairing);
-    #: the spec's own (OpSpec.partner, and those canonical() adds for every element input) and
-    #: one per elementwise upstream gradient
+    #: the spec's own (OpSpec.partner, and those canonical() adds for every element input and
+    #: column parameter) and one per elementwise upstream gradient
     partners: tuple[tuple[str, str, str], ...] = ()
 
 
@@ -157,7 +157,8 @@ def _partner_reads(spec: OpSpec, upstream: dict[str, sympy.Symbol], algebra: Alg
 
 def _partner_swap(spec: OpSpec, upstream: dict[str, sympy.Symbol],
                   partners: dict[str, tuple[str, str]]) -> dict[sympy.Symbol, sympy.Symbol]:
-    """Each element leaf and its partner read, both ways (the pairing is an involution)."""
+    """Each element or column leaf and its partner read, both ways (the pairing is an
+    involution)."""
     symbols = {n.name: n.symbol for n in spec.nodes}
     symbols |= {s.name: s for s in upstream.values()}
     swap: dict[sympy.Symbol, sympy.Symbol] = {}
