@@ -14,7 +14,7 @@ import transformers  # a declared test dependency (the `test` extra): import, ne
 from reference import randn
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from codegen.runtime import patching
+from codegen.runtime import patch_rotary, patching
 from generated import cross_entropy
 from generated import rotary as rotary_module
 from generated.patch import patch_model
@@ -227,6 +227,11 @@ def test_phi3_partial_rotary():
     patched = copy.deepcopy(original)
     report = patch_model(patched, include="rotary")
     assert report == {"Phi3Attention": 1}
+    embed = type(patched.layers[0].self_attn)._rotary_embed
+    assert isinstance(embed, patch_rotary.PartialRotary)
+    # pickled with its stand-in, which pickles by reference to the generated function
+    patched = pickle.loads(pickle.dumps(patched))
+    assert type(patched.layers[0].self_attn)._rotary_embed == embed
     tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     loss, grads = hidden_loss_and_grads(original, tokens)
     patched_loss, patched_grads = hidden_loss_and_grads(patched, tokens)

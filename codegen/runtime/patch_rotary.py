@@ -58,6 +58,9 @@ class PartialRotary:
         return (torch.cat([q_embed, q[..., width:].to(q_embed.dtype)], dim=-1),
                 torch.cat([k_embed, k[..., width:].to(k_embed.dtype)], dim=-1))
 
+    def __repr__(self) -> str:
+        return f"PartialRotary({self.embed.__module__}.{self.embed.__name__})"
+
     def __eq__(self, other) -> bool:
         return isinstance(other, PartialRotary) and other.embed is self.embed
 
