@@ -22,8 +22,10 @@ Ops (bf16 by default) and their torch equivalents:
   (scale 0.125, an additive padding mask broadcast over the rows, dropout 0.1:
   F.dropout(torch.softmax(x * scale + mask)), gelu (exact), gelu_tanh, swiglu (F.silu(gate) * up),
   geglu (F.gelu(gate) * up), geglu_tanh (F.gelu(gate, approximate="tanh") * up), bias_dropout_add
-  (residual + F.dropout(x + bias), p 0.1), cross_entropy (mean, ignore_index -100 on 5% of the
-  targets).
+  (residual + F.dropout(x + bias), p 0.1), apply_rotary_pos_emb (transformers': q * cos +
+  rotate_half(q) * sin and the same of k, q of the shape's width in heads of 128, k a quarter as
+  many heads, cos and sin not differentiated), cross_entropy (mean, ignore_index -100 on 5% of
+  the targets).
 Shapes: 32x1024 and 8x512x1024; cross_entropy 32x32000 and 4096x32000 (rows x vocabulary).
 
 Prints a markdown table per mode and writes every record to `--out` as JSON. `--cpu-smoke` runs
@@ -60,6 +62,7 @@ from generated.gelu_tanh import gelu_tanh
 from generated.layernorm import layer_norm
 from generated.masked_softmax import masked_softmax
 from generated.rmsnorm import rms_norm
+from generated.rotary import apply_rotary_pos_emb
 from generated.softmax import softmax
 from generated.swiglu import swiglu
 
@@ -75,6 +78,8 @@ SCALE = 0.125
 EPS = 1e-6
 VOCAB = 32000
 SHAPES = ((32, 1024), (8, 512, 1024))
+#: the head width of apply_rotary_pos_emb's q and k (LLaMA's)
+ROPE_HEAD_DIM = 128
 CROSS_ENTROPY_ROWS = (32, 4096)
 SMOKE_SHAPES = ((4, 64), (2, 8, 64))
 SMOKE_CROSS_ENTROPY = ((4, 128), (16, 128))
@@ -129,6 +134,30 @@ def _ours_add_norm(rms: bool, p: float = 0.0) -> Callable:
         op = dropout_add_layer_norm if p else add_layer_norm
         return op(x, residual, (x.shape[-1],), weight, bias, EPS, prenorm=True, **dropout)
     return fn
+
+
+def _rotary_inputs(shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> tuple:
+    """q and k of attention over an (..., seq, width) hidden state: heads of ROPE_HEAD_DIM
+    columns (the whole width where narrower), a quarter as many key heads (grouped-query), and
+    cos and sin of (batch, seq, head_dim), as Hugging Face's rotary embedding gives them."""
+    head_dim = min(ROPE_HEAD_DIM, shape[-1])
+    heads, seq, batch = shape[-1] // head_dim, shape[-2], math.prod(shape[:-2])
+    q = _leaf((batch, heads, seq, head_dim), device, dtype)
+    k = _leaf((batch, max(1, heads // 4), seq, head_dim), device, dtype)
+    angles = torch.rand((batch, seq, head_dim // 2), device=device) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _torch_rotary(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def _targets(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -193,6 +222,10 @@ def cases(smoke: bool) -> Iterator[Case]:
         yield Case("bias_dropout_add", shape, bda,
                    lambda x, residual, bias: bias_dropout_add(x, residual, bias=bias, p=DROPOUT),
                    lambda x, residual, bias: residual + F.dropout(x + bias, DROPOUT))
+        yield Case("apply_rotary_pos_emb", shape,
+                   lambda device, dtype, shape=shape: _rotary_inputs(shape, device, dtype),
+                   apply_rotary_pos_emb,
+                   _torch_rotary)
     for rows, vocab in (SMOKE_CROSS_ENTROPY if smoke
                         else [(rows, VOCAB) for rows in CROSS_ENTROPY_ROWS]):
         def logits(device, dtype, rows=rows, vocab=vocab):

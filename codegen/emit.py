@@ -24,6 +24,9 @@ from derive.reverse import upstream_symbol
 
 TEMPLATES = Path(__file__).parent / "templates"
 
+#: the column a partner read loads, per pairing (derive/spec.py PAIRINGS), as Triton source
+PARTNER_COLUMNS = {"half": "(cols + N // 2) % N", "interleaved": "(cols ^ 1)"}
+
 
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -77,6 +80,9 @@ class ModuleSpec:
     broadcast_inputs: tuple[str, ...] = ()
     #: outputs never differentiated (returned on request; their gradient is dropped)
     undifferentiated: tuple[str, ...] = ()
+    #: the pairing of the columns the spec reads across (derive/spec.py PAIRINGS), or None:
+    #: the API then checks the row width is one the pairing takes
+    pairing: str | None = None
 
 
 def formula(expr: sympy.Expr) -> str:
@@ -125,6 +131,8 @@ class KernelContext:
         element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
                     if a.level == "element"}
         self.generated = dict(kernel.generated)
+        #: partner reads: name -> (the element tensor it loads, the pairing)
+        self.partners = {name: (source, pairing) for name, source, pairing in kernel.partners}
         element |= {name for name, kind in kernel.generated if kind != "row_index"}
         self._element = element  # the printer reads it: names added later vary per element
         # scalars that may be off: a constexpr flag each (HAS_<NAME>), the kernel compiled for
@@ -282,13 +290,29 @@ class KernelContext:
             if kind == "random":
                 lines.append(f"{e} = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)")
                 continue
+            at = "cols"
+            if kind == "partner":
+                # the tensor at each column's partner, loaded from memory: a whole row or one
+                # block of a looped row alike (the partner of a column past N is masked)
+                e, target = self.partners[e][0], e
+                at = PARTNER_COLUMNS[self.partners[target][1]]
+                if e in self.kernel_columns:  # a per-column parameter's
+                    c = self._column(e)
+                    load = (f"{target} = tl.load({e}_ptr + {at}, mask=col_mask, "
+                            "other=0.0).to(ACC)")
+                    lines += ([f"if {c['flag']}:", f"    {load}", "else:",
+                               f"    {target} = {typed(c['absent'])}"] if c["flag"] else [load])
+                    continue
+            else:
+                target = e
             row = f"{e}_rows" if e in self.broadcast_inputs else f"offsets * {e}_row_stride"
             hint = "evict_last" if again is not None and e in again else "evict_first"
             policy = "" if again is None else f', eviction_policy="{hint}" if KEEP else ""'
-            load = f"{e} = tl.load({e}_ptr + {row} + cols, mask=mask, other=0.0{policy}).to(ACC)"
+            load = (f"{target} = tl.load({e}_ptr + {row} + {at}, mask=mask, "
+                    f"other=0.0{policy}).to(ACC)")
             if e in self.optional_elements:
                 lines += [f"if {self.element_flags[e]}:", f"    {load}", "else:",
-                          f"    {e} = {typed(self.optional_elements[e])}"]
+                          f"    {target} = {typed(self.optional_elements[e])}"]
             else:
                 lines.append(load)
         return lines
@@ -877,7 +901,9 @@ def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]
             kind = replaces_kind(api, rule)
             params = [p for p in getattr(api, "params", ()) if not p.scalar]
             rules.append({
-                "kind": kind, "pattern": rule.pattern, "op": op, "function": api.function,
+                "kind": kind, "pattern": rule.pattern, "op": op,
+                # a rotary embedding is computed by the API's Hugging Face-style function
+                "function": api.embed if kind == "rotary" else api.function,
                 # an MLP or a loss is computed by the function, not by the op's module
                 "module": api.module if kind in ("norm", "activation") else None,
                 "params": [(p.name, p.flag, p.offset) for p in params],
@@ -929,7 +955,8 @@ def _user_call(module: ModuleSpec) -> dict[str, Any]:
             keywords.append("prenorm=True")  # both outputs: the sum's gradient too
         if len(module.modes) > 1:
             keywords.append("memory=_memory")
-    elif api.kind == "elementwise":
+    elif api.kind in ("elementwise", "position_embedding"):
+        # a position-embedding API's own function is elementwise
         spec_inputs = dict(zip(api.inputs, module.inputs, strict=True))
         for public, name in spec_inputs.items():
             if name in module.broadcast_inputs:

@@ -82,6 +82,9 @@ class Kernel:
     #: scalars that may be off, and the value each then takes: a constexpr flag says whether
     #: it is (its Piecewise branches on that value are chosen at compile time)
     switches: tuple[tuple[str, sympy.Expr], ...] = ()
+    #: partner reads (generated kind "partner"): (name, the element tensor it loads at the
+    #: partner column, the pairing)
+    partners: tuple[tuple[str, str, str], ...] = ()
 
     def tensors(self, level: str) -> tuple[Tensor, ...]:
         return tuple(t for t in self.inputs if t.level == level)
@@ -110,7 +113,11 @@ class Kernel:
     def formulas(self) -> list[str]:
         """What the kernel computes, pass by pass, as derived: its generated kernels carry
         these lines as their docstring."""
-        lines = [f"{name} = {kind.replace('_', ' ')}" for name, kind in self.generated]
+        at = {"half": "(j + N/2) mod N", "interleaved": "j xor 1"}
+        reads = {name: f"{source} at column {at[pairing]}"
+                 for name, source, pairing in self.partners}
+        lines = [f"{name} = {reads.get(name, kind.replace('_', ' '))}"
+                 for name, kind in self.generated]
         lines += [f"{a.name} = {a.expr}" for a in self.prologue]
         for index, step in enumerate((*self.passes, self.epilogue), start=1):
             title = "epilogue" if step is self.epilogue else f"pass {index}"

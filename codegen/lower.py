@@ -61,8 +61,9 @@ def lower(graph: RowGraph, name: str, saved: frozenset[str] = frozenset()) -> Ke
     element_inputs = {t.name for t in inputs if t.level == "element"}
     final_stores, aliases = _alias_identical(final_stores, element_inputs)
     switches = tuple((s, value) for s, value in graph.scalar_absent if s in graph.scalars)
+    partners = tuple(p for p in graph.partners if p[0] in needed)
     return Kernel(name, inputs, outputs, graph.scalars, prologue, tuple(passes), epilogue,
-                  final_stores, aliases, generated, switches)
+                  final_stores, aliases, generated, switches, partners)
 
 
 def _alias_identical(stores: tuple[Store, ...], element_inputs: set[str]

@@ -159,6 +159,11 @@ class KernelPrinter:
             return source, _ATOM
         if isinstance(expr, sympy.Piecewise):
             return self._piecewise(expr)
+        if isinstance(expr, sympy.Mod) and expr.args[0].is_integer \
+                and expr.args[1].is_Integer and expr.args[1] > 0:
+            # an integer's residue (the column index's parity): every dialect's % agrees with
+            # SymPy's on the nonnegative integers an index takes
+            return f"({self._wrap(expr.args[0], _MUL)} % {int(expr.args[1])})", _ATOM
         if isinstance(expr, sympy.Function) and type(expr) in self.dialect.functions:
             args = ", ".join(self._print(a)[0] for a in expr.args)
             if type(expr) is sympy.exp and self.dialect.exp:

@@ -86,7 +86,9 @@ class Replaces:
     model's loss, or the cross-entropy a masked LM's forward takes itself, computed by this row
     loss; "residual": the residual add before a norm inside a
     transformer layer of a known structure (the pattern is of the layer's class name), fused
-    with that norm by this add + norm op, whose parameters are those of the norm's own swap.
+    with that norm by this add + norm op, whose parameters are those of the norm's own swap;
+    "rotary": the `apply_rotary_pos_emb` an attention module's forward calls (the pattern is of
+    the attention's class name), computed by this position-embedding API's embed function.
     `tries`: values of the API's options tried in
     turn (the first the probe accepts is kept), such as an offset a parameter may carry."""
 
@@ -96,7 +98,7 @@ class Replaces:
 
 
 #: what Replaces.kind may name besides None
-REPLACES_KINDS = ("mlp", "loss", "residual")
+REPLACES_KINDS = ("mlp", "loss", "residual", "rotary")
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,23 @@ class ElementwiseAPI:
 
 
 @dataclass(frozen=True)
+class PositionEmbeddingAPI(ElementwiseAPI):
+    """An ElementwiseAPI (`function(input, <tables>)` and its module) whose spec's other inputs
+    are position tables broadcast over the input (cos and sin), plus `embed(<embedded>,
+    <tables>, position_ids=None, unsqueeze_dim=1)` as Hugging Face's apply_rotary_pos_emb: each
+    table unsqueezed at `unsqueeze_dim` (over the heads), the op applied to each embedded
+    tensor with the same tables, the results returned as a tuple (q_embed, k_embed).
+    `position_ids` is accepted and unused, as Hugging Face's."""
+
+    #: the name of the Hugging Face-style function
+    embed: str = "apply_rotary_pos_emb"
+    #: its tensors the op is applied to, in order (each may have its own head count)
+    embedded: tuple[str, ...] = ("q", "k")
+
+    kind = "position_embedding"
+
+
+@dataclass(frozen=True)
 class RowLossAPI:
     """`function(input, target, weight=None, size_average=None, <ignore>=..., reduce=None,
     reduction="mean", <options>, *, <keyword_only options>, return_<name>=False,
@@ -262,7 +281,8 @@ class ReductionAPI:
 
 
 #: every API kind, as codegen/templates/api_<kind>.py.j2 renders it
-KINDS = (NormalizedShapeAPI, DimAPI, ElementwiseAPI, RowLossAPI, ReductionAPI)
+KINDS = (NormalizedShapeAPI, DimAPI, ElementwiseAPI, RowLossAPI, ReductionAPI,
+         PositionEmbeddingAPI)
 
 #: argument names each kind's function or module takes for itself: an option, switch or flag
 #: of that name would be a duplicate argument of the generated code
@@ -272,6 +292,7 @@ _OWN_ARGUMENTS = {
                          "training", "seed"},
     "dim": {"input", "dim"},
     "elementwise": {"training", "seed"},
+    "position_embedding": {"training", "seed", "position_ids", "unsqueeze_dim"},
     "row_loss": {"input", "weight", "size_average", "reduce", "reduction", "class_dim"},
     "reduction": {"input", "dim", "keepdim"},
 }
@@ -409,6 +430,8 @@ def api_mismatches(spec) -> list[str]:
         if api.variant is not None:
             problems += _variant_problems(api.variant, spec.name)
         problems += _outputs(outputs, Level.ELEMENT, 1)
+        if isinstance(api, PositionEmbeddingAPI):
+            problems += _position_problems(api, spec)
     elif isinstance(api, RowLossAPI):
         if kinds.get(api.target) is not Kind.ROW_INPUT:
             problems.append(f"target '{api.target}' is not a row_input of the spec")
@@ -482,6 +505,35 @@ def api_mismatches(spec) -> list[str]:
         if name not in scalars and name not in passed_on:
             problems.append(f"option '{name}' is not a scalar of the spec (scalars: "
                             f"{', '.join(scalars) or 'none'})")
+    return problems
+
+
+def _position_problems(api: PositionEmbeddingAPI, spec) -> list[str]:
+    """A position-embedding API's tables are the spec's broadcast inputs, passed as they are:
+    no parameters, options, switches or dropout beside them."""
+    from derive.spec import Kind  # the spec module imports nothing from here
+
+    problems = []
+    tables = api.inputs[1:]
+    broadcast = {n.name for n in spec.nodes if n.broadcast}
+    spec_inputs = [n.name for n in spec.nodes if n.kind is Kind.INPUT]
+    if not tables or any(name not in broadcast for name in spec_inputs[1:]):
+        problems.append("a PositionEmbeddingAPI's tables (the inputs after the first) must be "
+                        "inputs of the spec declared broadcast=True")
+    if api.call_params or api.options or api.switches or api.dropout or api.variant:
+        problems.append("a PositionEmbeddingAPI takes no call_params, options, switches, "
+                        "dropout or variant (its embed function passes none)")
+    names = [api.embed, *api.embedded]
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) \
+                or name in _GLOBALS:
+            problems.append(f"{name!r} is not a name the embed function can take")
+    if not api.embedded:
+        problems.append("embedded names no tensor the op is applied to")
+    clash = sorted(set(api.embedded) & set(tables) | {api.embed} & {api.function, api.module})
+    if clash:
+        problems.append(f"{', '.join(clash)} named twice among embed, embedded, tables, "
+                        "function and module")
     return problems
 
 
@@ -668,6 +720,8 @@ def replaces_mismatches(api) -> list[str]:
                             "(gate, up), no call_params, switches or dropout")
         elif kind == "loss" and not isinstance(api, RowLossAPI):
             problems.append(f"{where}: kind 'loss' needs a row-loss API")
+        elif kind == "rotary" and not isinstance(api, PositionEmbeddingAPI):
+            problems.append(f"{where}: kind 'rotary' needs a position-embedding API")
         elif kind == "residual" and not (isinstance(api, NormalizedShapeAPI) and api.residual):
             problems.append(f"{where}: kind 'residual' needs a normalized-shape API with a "
                             "residual input")

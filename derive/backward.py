@@ -68,7 +68,7 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
             value = node.symbol * (N if node.reduction == "mean" else 1)
             basis_algebra.learn(substitute(node.expr, dict(pivots)), value)
     targets = {name: tidy(basis_algebra.normalize(expr)) for name, expr in targets.items()}
-    targets, resolutions = resolve(spec, basis_algebra, targets, saved)
+    targets, resolutions = resolve(spec, basis_algebra, targets, saved, reverse.partners)
     targets = {name: basis_algebra.normalize(expr) for name, expr in targets.items()}
     merged = {name: merge_sums(expr, algebra) for name, expr in targets.items()}
     # Merging moves row-invariant factors (scalar parameters included) inside sums; where that
@@ -78,7 +78,8 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
         targets = merged
     targets, reductions = name_reductions(targets, algebra)
     gradients = tuple((name, tidy(expr)) for name, expr in targets.items())
-    graph = backward_graph(spec, reverse, gradients, resolutions, reductions, saved)
+    graph = backward_graph(spec, reverse, gradients, resolutions, reductions, saved,
+                           reverse.partners)
     return BackwardResult(graph, gradients, tuple(pivots), tuple(resolutions), tuple(reductions))
 
 
@@ -111,12 +112,15 @@ def _divides_by_possible_zero(expr: sympy.Expr) -> bool:
                for e in sympy.preorder_traversal(expr))
 
 
-def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], saved: list[str]
+def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], saved: list[str],
+            partners: tuple[tuple[str, str, str], ...] = ()
             ) -> tuple[dict[str, sympy.Expr], list[Resolution]]:
     """Make every value the gradients use available to the backward (see module doc)."""
     available = set(saved) | {n.name for n in spec.nodes if n.kind in (
         Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR, *REGENERATED)}
     available |= {upstream_symbol(name).name for name in spec.outputs}
+    # a partner read is a load of its tensor at other columns: there where that tensor is
+    available |= {name for name, source, _ in partners if source in available}
     resolutions: list[Resolution] = []
     order = {node.name: index for index, node in enumerate(spec.nodes)}
     while True:
@@ -127,6 +131,11 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], save
         if not missing:
             break
         node = spec.node(missing[0])
+        if node.kind is Kind.PARTNER:
+            raise DerivationError(
+                f"{node.where}: the backward reads '{node.partner_of}' at the partner column "
+                f"('{node.name}'), but the spec saves {', '.join(saved) or 'nothing'}: save "
+                f"'{node.partner_of}'.")
         solved = _solve_from_saved_row(spec, node, available)
         if solved is not None:
             replacement = {node.symbol: solved}
@@ -334,10 +343,14 @@ def hoist_zero_branches(expr: sympy.Expr) -> sympy.Expr:
 def backward_graph(spec: OpSpec, reverse: ReverseResult,
                    gradients: tuple[tuple[str, sympy.Expr], ...],
                    resolutions: list[Resolution] | tuple[Resolution, ...],
-                   reductions: list[tuple[str, sympy.Expr]], saved: list[str]) -> RowGraph:
+                   reductions: list[tuple[str, sympy.Expr]], saved: list[str],
+                   partners: tuple[tuple[str, str, str], ...] = ()) -> RowGraph:
     used = {s.name for _, e in gradients for s in e.free_symbols}
     used |= {s.name for r in resolutions if r.how != "solved" for s in r.expr.free_symbols}
     used |= {s.name for _, body in reductions for s in body.free_symbols}
+    # a partner read loads its tensor: the kernel takes that tensor
+    read = [(name, source, pairing) for name, source, pairing in partners if name in used]
+    used |= {source for _, source, _ in read}
     recomputed = [r for r in resolutions if r.how != "solved"]
     defined = {r.name for r in recomputed}
     definitions = []
@@ -378,8 +391,19 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         scalar_inputs=tuple(n.name for n in spec.nodes if n.kind is Kind.SCALAR_PARAM),
         scalar_outputs=tuple((gradient_name(k), k, e) for k, e in gradients
                              if kinds[k] is Kind.SCALAR_PARAM),
-        **extras(spec),
+        **_with_partners(extras(spec), read),
     )
+
+
+def _with_partners(shared: dict[str, tuple], read: list[tuple[str, str, str]]
+                   ) -> dict[str, tuple]:
+    """The kernels' shared extras with the backward's partner reads, those of upstream
+    gradients included (which are no values of the spec)."""
+    names = [name for name, _ in shared["generated"]]
+    return {**shared,
+            "generated": shared["generated"] + tuple((name, "partner") for name, _, _ in read
+                                                     if name not in names),
+            "partners": tuple(read)}
 
 
 def guard_parameter_division(spec: OpSpec, expr: sympy.Expr) -> sympy.Expr:

@@ -169,6 +169,7 @@ def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
         row_shape=any(n.broadcast or (n.kind is Kind.INDEX and n.level is Level.ROW)
                       for n in spec.nodes),
         broadcast_inputs=tuple(n.name for n in spec.nodes if n.broadcast),
+        pairing=spec.pairing,
     )
 
 

@@ -36,6 +36,7 @@ from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
 SUPPORTED_FUNCTIONS = (
     "exp", "log", "sqrt (and x**r for rational r)", "tanh", "erf", "sin", "cos",
     "sinh", "cosh", "Abs", "Max", "Min", "Heaviside", "sign", "Piecewise",
+    "Mod (of the column index by an integer)",
 )
 
 _SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.erf, sympy.sin, sympy.cos)
@@ -67,6 +68,7 @@ def canonical(spec: OpSpec) -> OpSpec:
     nodes = _extract(nodes, levels, taken, _shared_functions)
     nodes = _extract(nodes, levels, taken, _normalised_parts)
     nodes = _extract(nodes, levels, taken, _input_scale_parts)
+    nodes = _partner_leaves(nodes, taken)
     return dataclasses.replace(spec, nodes=nodes, outputs=list(spec.outputs),
                                modes={k: list(v) for k, v in spec.modes.items()},
                                mode_docs=dict(spec.mode_docs))
@@ -153,6 +155,28 @@ def _softplus_argument(argument: sympy.Expr) -> sympy.Expr | None:
         if isinstance(other, sympy.exp) and not other.args[0].is_number:
             return other.args[0]
     return None
+
+
+def _partner_leaves(nodes: list[Node], taken: set[str]) -> list[Node]:
+    """A partner read of every element input and column parameter the spec does not read
+    across itself, where it reads any: the adjoint of a partner read, moved to the partner
+    column, reads every leaf there (sin at j's partner, in rotary's dx). Never differentiated:
+    the forward reads none."""
+    pairing = next((n.pairing for n in nodes if n.kind is Kind.PARTNER), None)
+    if pairing is None:
+        return nodes
+    read = {n.partner_of for n in nodes if n.kind is Kind.PARTNER}
+    added = []
+    for node in nodes:
+        if node.kind not in (Kind.INPUT, Kind.COLUMN_PARAM) or node.name in read:
+            continue
+        name, index = f"{node.name}_partner", 2
+        while name in taken:
+            name, index = f"{node.name}_partner{index}", index + 1
+        taken.add(name)
+        added.append(Node(name, sympy.Symbol(name, real=True), Kind.PARTNER, node.level,
+                          where=node.where, grad=False, partner_of=node.name, pairing=pairing))
+    return nodes + added
 
 
 # ---------------------------------------------------------------------- refusals

@@ -94,6 +94,12 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
             math = reduction_latex(node)
         elif node.expr is not None:
             math = f"{symbol} = {latex(node.expr)}"
+        elif node.kind is Kind.PARTNER:
+            at = {"half": r"(j + N/2) \bmod N", "interleaved": r"j \oplus 1"}[node.pairing]
+            note = "" if node.grad else r" \;(\text{read by the backward})"
+            # the source at column p(j), as a subscript (a bar would end the table's cell)
+            math = (rf"{symbol} = {{{latex(spec.node(node.partner_of).symbol)}}}"
+                    rf"_{{{at}}}{note}")
         else:
             note = {Kind.INPUT: "input element", Kind.COLUMN_PARAM: "per-column parameter",
                     Kind.SCALAR_PARAM: "learnable scalar", Kind.SCALAR: "scalar",

@@ -47,11 +47,15 @@ def forward_graph(spec: OpSpec) -> RowGraph:
 
 
 def extras(spec: OpSpec) -> dict[str, tuple]:
-    """What both kernels of a spec share: generated values, broadcast and integer inputs."""
+    """What both kernels of a spec share: generated values (partner reads among them: an element
+    input read at the partner column), broadcast and integer inputs."""
     kinds = {Level.COLUMN: "column_index", Level.ROW: "row_index", Level.ELEMENT: "random"}
     return {
         "generated": tuple((n.name, kinds[n.level]) for n in spec.nodes
-                           if n.kind in REGENERATED),
+                           if n.kind in REGENERATED)
+        + tuple((n.name, "partner") for n in spec.nodes if n.kind is Kind.PARTNER),
+        "partners": tuple((n.name, n.partner_of, n.pairing) for n in spec.nodes
+                          if n.kind is Kind.PARTNER),
         "broadcast_inputs": tuple(n.name for n in spec.nodes if n.broadcast),
         "integer_inputs": tuple(n.name for n in spec.nodes
                                 if n.integer and n.kind is Kind.ROW_INPUT),

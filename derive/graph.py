@@ -59,6 +59,8 @@ class RowGraph:
     #: scalars that may be off and the value each then takes (the kernels are compiled for
     #: whether it is)
     scalar_absent: tuple[tuple[str, sympy.Expr], ...] = ()
+    #: partner reads (generated kind "partner"): (name, the element tensor read, the pairing)
+    partners: tuple[tuple[str, str, str], ...] = ()
 
     def describe(self) -> str:
         lines = [f"reads elements {', '.join(self.element_inputs) or '-'}; "

@@ -33,6 +33,10 @@ class ReverseResult:
     upstream: dict[str, sympy.Symbol]
     steps: tuple[Step, ...]
     stabilisers: tuple[str, ...]
+    #: every partner read the backward may load: name -> (the tensor it reads, the pairing);
+    #: the spec's own (OpSpec.partner, and those canonical() adds for every element input and
+    #: column parameter) and one per elementwise upstream gradient
+    partners: tuple[tuple[str, str, str], ...] = ()
 
 
 RULE_ELEMENT = "1 (elementwise chain rule)"
@@ -40,6 +44,7 @@ RULE_ROW_CONSUMED = "2 (row scalar used by elements: new row reduction)"
 RULE_REDUCTION = "3 (reduction: broadcast of the row adjoint)"
 RULE_ROW = "row scalar chain rule"
 RULE_MAX = "5 (stabilising max: adjoint simplifies to 0)"
+RULE_PARTNER = "6 (partner read: its adjoint, shifted to the partner column)"
 
 
 def learn_forward_reductions(spec: OpSpec, algebra: Algebra) -> None:
@@ -112,7 +117,117 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
             else:
                 add(RULE_ELEMENT if node.kind is Kind.ELEMENT else RULE_ROW, node, argument,
                     bar * derivative)
-    return ReverseResult(dict(adjoint), upstream, tuple(steps), tuple(stabilisers))
+    partners = _partner_reads(spec, upstream, algebra)
+    swap = _partner_swap(spec, upstream, partners)
+    for node in spec.nodes:
+        # Rule 6: y_j = f(x_j, x_p(j)) reads x at j's partner, so x_k reaches y at k and at p(k):
+        # dx_k = (dy · ∂f/∂x_self)_k + (dy · ∂f/∂x_partner)_p(k), the second the partner read's
+        # adjoint with every element leaf and the column index moved to the partner column
+        if node.kind is Kind.PARTNER and node.grad:
+            bar = algebra.normalize(adjoint[node.name])
+            if bar != 0:
+                source = spec.node(node.partner_of)
+                add(RULE_PARTNER, node, source.symbol,
+                    partner_shift(bar, spec, swap, node.pairing, node))
+    return ReverseResult(dict(adjoint), upstream, tuple(steps), tuple(stabilisers),
+                         tuple((name, source, pairing)
+                               for name, (source, pairing) in partners.items()))
+
+
+def _partner_reads(spec: OpSpec, upstream: dict[str, sympy.Symbol], algebra: Algebra
+                   ) -> dict[str, tuple[str, str]]:
+    """name -> (source, pairing) of every partner read: the spec's, and one per elementwise
+    upstream gradient (d<output>_partner), which a shifted adjoint reads."""
+    pairing = spec.pairing
+    if pairing is None:
+        return {}
+    reads = {n.name: (n.partner_of, pairing) for n in spec.nodes if n.kind is Kind.PARTNER}
+    taken = {n.name for n in spec.nodes} | {s.name for s in upstream.values()}
+    for name, symbol in upstream.items():
+        if spec.node(name).level is not Level.ELEMENT:
+            continue
+        partner, index = f"{symbol.name}_partner", 2
+        while partner in taken:
+            partner, index = f"{symbol.name}_partner{index}", index + 1
+        taken.add(partner)
+        reads[partner] = (symbol.name, pairing)
+        algebra.levels[sympy.Symbol(partner, real=True)] = Level.ELEMENT
+    return reads
+
+
+def _partner_swap(spec: OpSpec, upstream: dict[str, sympy.Symbol],
+                  partners: dict[str, tuple[str, str]]) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Each element or column leaf and its partner read, both ways (the pairing is an
+    involution)."""
+    symbols = {n.name: n.symbol for n in spec.nodes}
+    symbols |= {s.name: s for s in upstream.values()}
+    swap: dict[sympy.Symbol, sympy.Symbol] = {}
+    for name, (source, _) in partners.items():
+        partner = symbols.get(name, sympy.Symbol(name, real=True))
+        swap[symbols[source]] = partner
+        swap[partner] = symbols[source]
+    return swap
+
+
+def partner_shift(expr: sympy.Expr, spec: OpSpec, swap: dict[sympy.Symbol, sympy.Symbol],
+                  pairing: str, node: Node) -> sympy.Expr:
+    """expr evaluated at the partner column: elementwise definitions written out down to their
+    leaves, each leaf swapped with its partner read and the column index j replaced by p(j).
+    Row values are the same at every column and stay; so does a row sum Σ_j (p permutes j)."""
+    sums = {atom: sympy.Dummy() for atom in expr.atoms(RowSum)}
+    shifted = expr.xreplace(sums)
+    definitions = {n.symbol: n.expr for n in spec.nodes if n.kind is Kind.ELEMENT}
+    while inner := {s: definitions[s] for s in shifted.free_symbols if s in definitions}:
+        shifted = shifted.xreplace(inner)
+    indices = [n.symbol for n in spec.nodes if n.kind is Kind.INDEX and n.level is Level.COLUMN]
+    for s in sorted_symbols(shifted.free_symbols):
+        found = next((n for n in spec.nodes if n.symbol == s), None)
+        if found is not None and found.level in (Level.ELEMENT, Level.COLUMN) \
+                and found.kind is not Kind.INDEX and s not in swap:
+            raise DerivationError(
+                f"{node.where}: the adjoint of the partner read '{node.name}' holds "
+                f"{found.kind.value} '{found.name}', which cannot be read at the partner column")
+    for index in indices:
+        shifted = _shift_index(shifted, index, pairing, node)
+    return shifted.xreplace(swap).xreplace({d: atom for atom, d in sums.items()})
+
+
+def _shift_index(expr: sympy.Expr, j: sympy.Symbol, pairing: str, node: Node) -> sympy.Expr:
+    """expr with the column index j moved to its partner p(j), where that can be written in j:
+    "half" swaps the halves, so j < N/2 at p(j) is j >= N/2 at j (and the converse);
+    "interleaved" flips the parity: Mod(j, 2) at p(j) is 1 - Mod(j, 2)."""
+    if j not in expr.free_symbols:
+        return expr
+    moved = sympy.Dummy("p")
+    expr = expr.xreplace({j: moved})
+    if pairing == "interleaved":
+        expr = expr.replace(lambda e: isinstance(e, sympy.Mod) and e.args == (moved, 2),
+                            lambda e: 1 - sympy.Mod(j, 2))
+    else:
+        half = N / 2
+        flipped = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
+
+        def boundary(e: sympy.Expr) -> bool:
+            if not isinstance(e, sympy.core.relational.Relational) or e.rel_op not in flipped:
+                return False
+            return sympy.expand(e.lhs - e.rhs) in (moved - half, half - moved)
+
+        def across(e: sympy.Expr) -> sympy.Expr:
+            op = e.rel_op if sympy.expand(e.lhs - e.rhs) == moved - half else flipped[e.rel_op]
+            if op == "<":  # p(j) in the first half: j in the second
+                return sympy.Ge(j, half)
+            if op == ">=":
+                return sympy.Lt(j, half)
+            return e  # p(j) > N/2 or p(j) <= N/2: no comparison of j alone; refused below
+
+        expr = expr.replace(boundary, across)
+    if moved in expr.free_symbols:
+        raise DerivationError(
+            f"{node.where}: the adjoint of the partner read '{node.name}' uses the column index "
+            f"'{j}' in {expr.xreplace({moved: sympy.Symbol(f'p({j})')})}, which the engine "
+            "cannot move to the partner column: with pairing 'half' compare the index with N/2 "
+            "(j < N/2 or j >= N/2); with 'interleaved' use its parity Mod(j, 2)")
+    return expr
 
 
 def in_own_value(node: Node, derivative: sympy.Expr, algebra: Algebra) -> sympy.Expr:

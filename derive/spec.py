@@ -48,6 +48,7 @@ class Kind(Enum):
     ROW_INPUT = "row_input"
     INDEX = "index"
     RANDOM = "random"
+    PARTNER = "partner"
 
 
 #: kinds that are never differentiated and that a backward can always regenerate
@@ -55,6 +56,11 @@ REGENERATED = (Kind.INDEX, Kind.RANDOM)
 
 
 REDUCTIONS = ("sum", "mean", "max")
+
+#: The involutive pairings of a row's columns that `OpSpec.partner` reads across: "half" pairs
+#: column j with (j + N/2) mod N (Hugging Face's rotate_half), "interleaved" j with j XOR 1
+#: (GPT-J's). Each needs an even row width.
+PAIRINGS = ("half", "interleaved")
 
 #: Names the generated code uses for itself (kernel, launcher and API locals).
 RESERVED = frozenset({
@@ -89,6 +95,8 @@ class Node:
     grad: bool = True  # an input that gets a gradient
     broadcast: bool = False  # an element input given broadcastable to the first input
     integer: bool = False  # a per-row integer (a class index)
+    partner_of: str | None = None  # a partner read: the element input it reads
+    pairing: str | None = None  # ... at the partner column of this pairing (PAIRINGS)
 
     @property
     def is_definition(self) -> bool:
@@ -161,6 +169,44 @@ class OpSpec:
         """A uniform random value in [0, 1) for every element, from the call's seed and the
         element's index (Philox). Never stored: a backward regenerates it."""
         return self._declare(name, Kind.RANDOM, Level.ELEMENT, grad=False)
+
+    def partner(self, name: str, value: sympy.Symbol, pairing: str = "half") -> sympy.Symbol:
+        """The element input (or per-column parameter) `value` read at the partner column
+        p(j) of a fixed involutive pairing of the row's columns (PAIRINGS): "half" (p(j) =
+        (j + N/2) mod N, Hugging Face's rotate_half) or "interleaved" (p(j) = j XOR 1). The one
+        cross-element read of the language: its adjoint reaches `value` shifted to the partner
+        column (docs/spec_language.md). A row width the pairing cannot take (odd) raises at
+        the call."""
+        where = _caller_location()
+        if pairing not in PAIRINGS:
+            raise SpecError(f"{where}: '{name}': partner() takes pairing "
+                            f"{' or '.join(map(repr, PAIRINGS))}, got {pairing!r}")
+        source = next((n for n in self.nodes if n.symbol == value), None)
+        if source is None or source.kind not in (Kind.INPUT, Kind.COLUMN_PARAM):
+            what = (f"{source.kind.value} '{source.name}'" if source is not None
+                    else repr(value))
+            raise SpecError(f"{where}: '{name}': partner() reads an element input or a column "
+                            f"parameter at the partner column (a tensor in memory); got {what}: "
+                            "read the inputs it is made of at the partner column instead")
+        if source.absent is not None:
+            raise SpecError(f"{where}: '{name}': partner() reads a tensor the caller always "
+                            f"gives; {source.kind.value} '{source.name}' is optional "
+                            f"(absent={source.absent})")
+        for node in self.nodes:
+            if node.kind is Kind.PARTNER and node.pairing != pairing:
+                raise SpecError(f"{where}: '{name}': pairing {pairing!r} differs from the "
+                                f"{node.pairing!r} of '{node.name}': a spec reads across one "
+                                "pairing of its columns")
+            if node.kind is Kind.PARTNER and node.partner_of == source.name:
+                raise SpecError(f"{where}: '{name}': '{node.name}' reads '{source.name}' at "
+                                "its partner column already; use it")
+        return self._declare(name, Kind.PARTNER, source.level, grad=source.grad,
+                             partner_of=source.name, pairing=pairing)
+
+    @property
+    def pairing(self) -> str | None:
+        """The pairing the spec's partner reads use, None where it has none."""
+        return next((n.pairing for n in self.nodes if n.kind is Kind.PARTNER), None)
 
     def column_param(self, name: str, absent: float | None = None,
                      grad: bool = True) -> sympy.Symbol:
@@ -277,6 +323,10 @@ class OpSpec:
         self.mode_docs[mode] = doc
         for symbol in symbols:
             node = self.node_of(symbol, "save")
+            if node.kind is Kind.PARTNER:
+                raise self._error(node.name, f"'{node.name}' is input '{node.partner_of}' read "
+                                             "at the partner column: save "
+                                             f"'{node.partner_of}' instead")
             if node.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM, Kind.SCALAR, *REGENERATED):
                 raise self._error(node.name, f"save() keeps activations and row statistics; "
                                              f"'{node.name}' is a {node.kind.value} and is "
@@ -314,7 +364,8 @@ class OpSpec:
     def _declare(self, name: str, kind: Kind, level: Level, expr: sympy.Expr | None = None,
                  reduction: str | None = None, absent: sympy.Expr | None = None,
                  positive: bool = False, grad: bool = True, broadcast: bool = False,
-                 integer: bool = False) -> sympy.Symbol:
+                 integer: bool = False, partner_of: str | None = None,
+                 pairing: str | None = None) -> sympy.Symbol:
         where = _caller_location()
         if not name.isidentifier() or name.startswith("_") or name == "N":
             raise SpecError(f"{where}: a name must be a Python identifier that does not start "
@@ -328,7 +379,7 @@ class OpSpec:
                        else {"real": True})
         symbol = sympy.Symbol(name, **assumptions)
         self.nodes.append(Node(name, symbol, kind, level, expr, reduction, absent, where, grad,
-                               broadcast, integer))
+                               broadcast, integer, partner_of, pairing))
         return symbol
 
     def _reduce(self, name: str, reduction: str, body: Any, positive: bool) -> sympy.Symbol:

@@ -26,6 +26,7 @@ import generated.gelu_tanh as gelu_tanh
 import generated.layernorm as layernorm
 import generated.masked_softmax as masked_softmax
 import generated.rmsnorm as rmsnorm
+import generated.rotary as rotary
 import generated.softmax as softmax
 import generated.swiglu as swiglu
 from codegen.runtime import triton_helpers
@@ -60,6 +61,14 @@ def attention_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 MASK = randn((N,), seed=9)
+COS, SIN = randn((1, 3, N), seed=12), randn((1, 3, N), seed=13)
+
+
+def rotary_reference(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin."""
+    cos, sin = COS.unsqueeze(1).to(q.device), SIN.unsqueeze(1).to(q.device)
+    return tuple(x * cos + torch.cat((-x[..., N // 2:], x[..., :N // 2]), -1) * sin
+                 for x in (q, k))
 
 
 def _norm_cases(modes: tuple[str, ...]) -> dict[str, Case]:
@@ -104,6 +113,10 @@ CASES = {
                       lambda x, b: F.gelu(x + b, approximate="tanh"), (SHAPE, (N,))),
     "swiglu": Case(swiglu.swiglu, lambda g, u: F.silu(g) * u, (SHAPE, SHAPE)),
     "geglu": Case(geglu.geglu, lambda g, u: F.gelu(g) * u, (SHAPE, SHAPE)),
+    # grouped-query: two query heads, one key head
+    "rotary": Case(lambda q, k: rotary.apply_rotary_pos_emb(q, k, COS.to(q.device),
+                                                            SIN.to(q.device)),
+                   rotary_reference, ((1, 2, 3, N), (1, 1, 3, N))),
     "bias_dropout_add": Case(
         lambda x, r, b: bias_dropout_add.bias_dropout_add(x, r, bias=b, p=P, seed=SEED),
         lambda x, r, b: r + (x + b) * keep(SHAPE, P) / (1 - P), (SHAPE, SHAPE, (N,))),

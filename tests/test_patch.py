@@ -445,7 +445,12 @@ def test_replaces_mismatches_name_the_rule():
     assert replaces_mismatches(glu) == [
         "Replaces('*'): kind 'mlp' needs an elementwise API of two inputs (gate, up), no "
         "call_params, switches or dropout",
-        "Replaces('*'): kind must be None or one of mlp, loss, residual, got 'moe'"]
+        "Replaces('*'): kind must be None or one of mlp, loss, residual, rotary, got 'moe'"]
+    # a rotary embedding is computed by a position-embedding API's embed function
+    rotary = ElementwiseAPI("f", "M", "t", inputs=("x", "cos", "sin"),
+                            replaces=(Replaces("*Attention", kind="rotary"),))
+    assert replaces_mismatches(rotary) == [
+        "Replaces('*Attention'): kind 'rotary' needs a position-embedding API"]
 
 
 def test_patch_rejects_non_modules():

@@ -5,6 +5,8 @@ gradient stay those of the unpatched model."""
 from __future__ import annotations
 
 import copy
+import pickle
+import types
 
 import pytest
 import torch
@@ -12,8 +14,9 @@ import transformers  # a declared test dependency (the `test` extra): import, ne
 from reference import randn
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from codegen.runtime import patching
+from codegen.runtime import patch_rotary, patching
 from generated import cross_entropy
+from generated import rotary as rotary_module
 from generated.patch import patch_model
 
 VOCAB = 64
@@ -108,17 +111,26 @@ def exact_reference(model: torch.nn.Module) -> torch.nn.Module:
 
 EXPECTED = {"bert": {"LayerNorm": 5, "BertSelfOutput": 2, "BertOutput": 2},
             "gpt2": {"LayerNorm": 5, "NewGELUActivation": 2, "GPT2Block": 2},
-            "llama": {"LlamaRMSNorm": 5, "LlamaMLP": 2, "LlamaDecoderLayer": 2},
-            "mistral": {"MistralRMSNorm": 5, "MistralMLP": 2, "MistralDecoderLayer": 2},
-            "qwen2": {"Qwen2RMSNorm": 5, "Qwen2MLP": 2, "Qwen2DecoderLayer": 2},
+            # the attentions' rotary embedding too
+            "llama": {"LlamaRMSNorm": 5, "LlamaMLP": 2, "LlamaDecoderLayer": 2,
+                      "LlamaAttention": 2},
+            "mistral": {"MistralRMSNorm": 5, "MistralMLP": 2, "MistralDecoderLayer": 2,
+                        "MistralAttention": 2},
+            "qwen2": {"Qwen2RMSNorm": 5, "Qwen2MLP": 2, "Qwen2DecoderLayer": 2,
+                      "Qwen2Attention": 2},
             # q_norm and k_norm too
-            "qwen3": {"Qwen3RMSNorm": 9, "Qwen3MLP": 2, "Qwen3DecoderLayer": 2},
-            "gemma": {"GemmaRMSNorm": 5, "GemmaMLP": 2, "GemmaDecoderLayer": 2},
+            "qwen3": {"Qwen3RMSNorm": 9, "Qwen3MLP": 2, "Qwen3DecoderLayer": 2,
+                      "Qwen3Attention": 2},
+            "gemma": {"GemmaRMSNorm": 5, "GemmaMLP": 2, "GemmaDecoderLayer": 2,
+                      "GemmaAttention": 2},
             # pre- and post-feedforward norms
-            "gemma2": {"Gemma2RMSNorm": 9, "Gemma2MLP": 2, "Gemma2DecoderLayer": 2},
+            "gemma2": {"Gemma2RMSNorm": 9, "Gemma2MLP": 2, "Gemma2DecoderLayer": 2,
+                       "Gemma2Attention": 2},
             # and q_norm, k_norm
-            "gemma3": {"Gemma3RMSNorm": 13, "Gemma3MLP": 2, "Gemma3DecoderLayer": 2},
-            "phi3": {"Phi3RMSNorm": 5, "Phi3MLP": 2, "Phi3DecoderLayer": 2},
+            "gemma3": {"Gemma3RMSNorm": 13, "Gemma3MLP": 2, "Gemma3DecoderLayer": 2,
+                       "Gemma3Attention": 2},
+            "phi3": {"Phi3RMSNorm": 5, "Phi3MLP": 2, "Phi3DecoderLayer": 2,
+                     "Phi3Attention": 2},
             "t5": {"T5LayerNorm": 5, "T5DenseGatedActDense": 2}}
 #: the gated MLPs and what computes their activation
 MLPS = {"llama": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_proj, up=up_proj)"),
@@ -170,6 +182,134 @@ def test_patched_hf_model_matches(kind):
     for name in grads:
         torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+#: what computes each attention's rotary embedding: Phi-3's function rotates only the tables'
+#: width (partial rotary), which the probe shows
+ROTARY = {kind: "generated.rotary.apply_rotary_pos_emb" for kind in DECODERS}
+ROTARY["phi3"] = "partial generated.rotary.apply_rotary_pos_emb"
+
+
+@pytest.mark.parametrize("kind", sorted(DECODERS))
+def test_rotary_embedding_is_the_generated_op(kind, monkeypatch):
+    """Every attention's rotary embedding runs generated.rotary, on this model's instances
+    alone, with the same loss and gradients in fp64 (the RMS norms made exact on both sides)."""
+    original = exact_reference(without_dropout(tiny(kind).double().train()))
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="rotary")
+    attention = type(original.layers[0].self_attn).__name__
+    assert report == {attention: 2} and report.skipped == []
+    assert [s.new for s in report.swapped] == [f"{attention}(apply_rotary_pos_emb: "
+                                               f"{ROTARY[kind]})"] * 2
+    swapped = type(patched.layers[0].self_attn)
+    assert swapped.__name__ == attention and swapped.__base__ is type(original.layers[0].self_attn)
+    assert type(original.layers[0].self_attn) is swapped.__base__  # the original left alone
+    calls = []
+    monkeypatch.setattr(rotary_module, "rotary", lambda *args, f=rotary_module.rotary: (
+        calls.append(args[0].shape), f(*args))[1])
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    loss, grads = hidden_loss_and_grads(original, tokens)
+    assert calls == []
+    patched_loss, patched_grads = hidden_loss_and_grads(patched, tokens)
+    assert len(calls) == 4  # q and k of two layers
+    torch.testing.assert_close(patched_loss, loss, rtol=1e-10, atol=1e-10)
+    assert patched_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_phi3_partial_rotary():
+    """partial_rotary_factor 0.5: only the first half of each head rotates."""
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=128,
+                                     vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, partial_rotary_factor=0.5)
+    original = exact_reference(without_dropout(transformers.Phi3Model(config).double()))
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="rotary")
+    assert report == {"Phi3Attention": 1}
+    embed = type(patched.layers[0].self_attn)._rotary_embed
+    assert isinstance(embed, patch_rotary.PartialRotary)
+    # pickled with its stand-in, which pickles by reference to the generated function
+    patched = pickle.loads(pickle.dumps(patched))
+    assert type(patched.layers[0].self_attn)._rotary_embed == embed
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    loss, grads = hidden_loss_and_grads(original, tokens)
+    patched_loss, patched_grads = hidden_loss_and_grads(patched, tokens)
+    torch.testing.assert_close(patched_loss, loss, rtol=1e-10, atol=1e-10)
+    for name in grads:
+        torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-J's interleaved rotary embedding: pairs (2i, 2i + 1), which the generated op's
+    "half" pairing does not compute."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate_every_two(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+def test_a_rotary_embedding_computed_otherwise_is_left_with_the_reason():
+    model = tiny("llama")
+    attention = model.layers[0].self_attn
+    forward = type(attention).forward
+    # the same forward's code over globals whose apply_rotary_pos_emb is GPT-J's
+    inner = forward.__wrapped__ if hasattr(forward, "__wrapped__") else forward
+    other = types.FunctionType(inner.__code__, {**inner.__globals__,
+                                                "apply_rotary_pos_emb": interleaved_rotary},
+                               "forward", inner.__defaults__, inner.__closure__)
+    other.__kwdefaults__ = inner.__kwdefaults__
+    interleaved = type("InterleavedAttention", (type(attention),), {"forward": other})
+    attention.__class__ = interleaved
+    report = patch_model(model, include="rotary")
+    assert report == {"LlamaAttention": 1}
+    [(name, old, reason)] = report.skipped
+    assert (name, old) == ("layers.0.self_attn", "InterleavedAttention")
+    assert reason.startswith("its apply_rotary_pos_emb is not computed by "
+                             "generated.rotary.apply_rotary_pos_emb differs by "), reason
+    assert type(attention) is interleaved
+    # excluded by kind or by class name: no candidate at all
+    assert patch_model(tiny("llama"), exclude="rotary").get("LlamaAttention") is None
+    assert patch_model(tiny("llama"), exclude="Llama*Attention").get("LlamaAttention") is None
+
+
+def test_a_rotary_model_pickles_compiles_and_generates():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128,
+                                      vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)
+    original = transformers.LlamaForCausalLM(config).eval()
+    patched = copy.deepcopy(original)
+    assert patch_model(patched, include="rotary") == {"LlamaAttention": 2}
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    restored = pickle.loads(pickle.dumps(patched))
+    assert type(restored.model.layers[1].self_attn) is type(patched.model.layers[0].self_attn)
+    torch.testing.assert_close(restored(input_ids=tokens).logits,
+                               original(input_ids=tokens).logits)
+    # the cache passes through the rebuilt forward, step after step (grouped-query heads)
+    generated = [model.generate(tokens, max_new_tokens=4, do_sample=False, pad_token_id=0)
+                 for model in (original, patched)]
+    assert torch.equal(generated[1], generated[0]) and generated[0].shape == (2, 11)
+    # with every other kind swapped too (the layer's fused add, its norms and MLP): one graph
+    everything = copy.deepcopy(original)
+    assert patch_model(everything)["LlamaAttention"] == 2
+    x = randn((2, 7, 64), seed=2, dtype=torch.float32)
+    position = patched.model.rotary_emb(x, torch.arange(7)[None])
+    for model, layer in ((patched, patched.model.layers[0].self_attn),
+                         (everything, everything.model.layers[0])):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        output = compiled(x, position_embeddings=position)
+        wanted = (original.model.layers[0].self_attn if model is patched
+                  else original.model.layers[0])(x, position_embeddings=position)
+        torch.testing.assert_close(output[0] if isinstance(output, tuple) else output,
+                                   wanted[0] if isinstance(wanted, tuple) else wanted)
 
 
 def lm_outputs(model, tokens, labels, **kwargs):

@@ -25,6 +25,37 @@ CASES = {
         "    op.output(op.element('y', sympy.Piecewise((x, k <= j), (0, True))))\n"
         "    op.save(x)\n",
         r"bad\.py:13: 'y' combines the column indices j, k"),
+    # partner reads (OpSpec.partner): of an input only, one pairing, never saved, and an
+    # adjoint the engine can move to the partner column
+    "partner of a definition": (
+        "    x = op.input('x')\n    y = op.element('y', x * 2)\n    op.partner('p', y)\n",
+        r"bad\.py:12: 'p': partner\(\) reads an element input or a column parameter at the "
+        r"partner column .*got element 'y'"),
+    "unknown pairing": (
+        "    x = op.input('x')\n    op.partner('p', x, pairing='cyclic')\n",
+        r"bad\.py:11: 'p': partner\(\) takes pairing 'half' or 'interleaved', got 'cyclic'"),
+    "two pairings": (
+        "    x = op.input('x')\n    op.partner('p', x)\n"
+        "    op.partner('q', x, pairing='interleaved')\n",
+        r"bad\.py:12: 'q': pairing 'interleaved' differs from the 'half' of 'p'"),
+    "partner read twice": (
+        "    x = op.input('x')\n    op.partner('p', x)\n    op.partner('q', x)\n",
+        r"bad\.py:12: 'q': 'p' reads 'x' at its partner column already"),
+    "partner saved": (
+        "    x = op.input('x')\n    p = op.partner('p', x)\n"
+        "    op.output(op.element('y', x * p))\n    op.save(p)\n",
+        r"bad\.py:13: 'p': 'p' is input 'x' read at the partner column: save 'x' instead"),
+    "partner's input not saved": (
+        "    x = op.input('x')\n    p = op.partner('p', x)\n    y = op.element('y', x * p)\n"
+        "    op.output(y)\n    op.save(y)\n",
+        r"bad\.py:11: the backward reads 'x' at the partner column \('p'\), but the spec saves "
+        r"y: save 'x'"),
+    "index the pairing cannot move": (
+        "    x = op.input('x')\n    j = op.column_index('j')\n    p = op.partner('p', x)\n"
+        "    op.output(op.element('y', sympy.Piecewise((p, j < 3), (0, True))))\n"
+        "    op.save(x)\n",
+        r"bad\.py:12: the adjoint of the partner read 'p' uses the column index 'j' in .*, which "
+        r"the engine cannot move to the partner column"),
     "api scalar": ("    x = op.input('x')\n    eps = op.scalar('eps')\n"
                    "    op.output(op.element('y', x / (x**2 + eps)))\n    op.save(x)\n",
                    r"bad\.py:14: op\.api \(DimAPI\) does not match .*scalar 'eps' is set by no"),
@@ -65,3 +96,29 @@ def test_max_and_abs_need_no_heaviside(tmp_path, capsys):
 def test_show_lists_the_names(capsys):
     assert main(["--show"]) == 0
     assert "layernorm" in capsys.readouterr().out
+
+
+PARTNER_HEADER = ("import sympy\n\nfrom derive.api import ElementwiseAPI, Option\n"
+                  "from derive.spec import OpSpec\n\n\ndef spec():\n    op = OpSpec('bad')\n"
+                  "    x = op.input('x')\n")
+
+
+@pytest.mark.parametrize(("body", "api", "message"), [
+    ("    p = op.scalar('p')\n    u = op.random('u')\n    r = op.partner('r', x)\n"
+     "    op.output(op.element('y', x + u * r * p))\n    op.save(x)\n",
+     "options=(Option('p', 0.1, check='probability'),), dropout='p'",
+     r"bad\.py:12: the adjoint of the partner read 'r' holds random 'u', which cannot be read "
+     r"at the partner column"),
+    ("    r = op.input('r', absent=0)\n    p = op.partner('p', r)\n"
+     "    op.output(op.element('y', x * p))\n    op.save(x, r)\n", "inputs=('input', 'r')",
+     r"bad\.py:11: 'p': partner\(\) reads a tensor the caller always gives; input 'r' is "
+     r"optional"),
+])
+def test_partner_reads_the_engine_cannot_derive(body, api, message, tmp_path, capsys):
+    (tmp_path / "bad.py").write_text(
+        PARTNER_HEADER + body + f"    op.api = ElementwiseAPI(function='bad', module='Bad', "
+        f"torch_function='-', {api})\n    return op\n")
+    assert main([str(tmp_path / "bad.py"), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("derive: error: ") and "Traceback" not in error, error
+    assert re.search(message, error), error

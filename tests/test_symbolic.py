@@ -4,6 +4,7 @@ the forward, transposed and applied to an upstream gradient, equals the derived 
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,22 @@ from derive.spec import REGENERATED, Kind, Level, N, OpSpec, SpecError
 ROOT = Path(__file__).resolve().parent.parent
 OPS = sorted(p.stem for p in (ROOT / "derive" / "ops").glob("*.py") if p.stem != "__init__")
 ROW_LENGTH = 3
+#: the row length of a spec that reads across a pairing of its columns (OpSpec.partner)
+PAIRED_ROW_LENGTH = 4
+
+
+def partner(j: int, pairing: str) -> int:
+    """The column paired with j (derive/spec.py PAIRINGS)."""
+    return (j + ROW_LENGTH // 2) % ROW_LENGTH if pairing == "half" else j ^ 1
+
+
+def with_partners(elements: dict, partners) -> dict:
+    """Each partner read (name, source, pairing) as its source's values at the partner
+    columns, where the source is known."""
+    for name, source, pairing in partners:
+        if source in elements:
+            elements[name] = [elements[source][partner(j, pairing)] for j in range(ROW_LENGTH)]
+    return elements
 
 
 def spec_of(name: str) -> OpSpec:
@@ -61,13 +78,16 @@ def concrete_forward(spec: OpSpec, graph: RowGraph, scalars: dict[str, sympy.Exp
             elements[n.name] = [sympy.Integer(j) for j in range(ROW_LENGTH)]
         elif n.kind is Kind.INDEX or n.kind is Kind.ROW_INPUT:
             rows[n.name] = sympy.Integer(rng.randint(0, ROW_LENGTH - 1))
+    with_partners(elements, graph.partners)
     evaluate_graph(graph.definitions, rows, elements)
     return rows, elements
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_derived_vjp_equals_transposed_jacobian(name: str) -> None:
+def test_derived_vjp_equals_transposed_jacobian(name: str, monkeypatch) -> None:
     spec = spec_of(name)
+    if spec.pairing is not None:  # a pairing pairs every column: an even row
+        monkeypatch.setattr(sys.modules[__name__], "ROW_LENGTH", PAIRED_ROW_LENGTH)
     derivation = derive(spec)
     rng = random.Random(0)
     scalars = {n.name: sympy.Rational(rng.randint(1, 9), 1000) for n in spec.nodes
@@ -98,6 +118,7 @@ def check_mode(spec, backward, rows, elements, upstream, pairing, point, mode) -
     back_rows |= {k: v for k, v in upstream.items() if not isinstance(v, list)}
     back_elements = {k: v for k, v in elements.items() if k in keep}
     back_elements |= {k: v for k, v in upstream.items() if isinstance(v, list)}
+    with_partners(back_elements, backward.graph.partners)
     evaluate_graph(backward.graph.definitions, back_rows, back_elements)
     for gradient, expr in backward.gradients:
         node = spec.node(gradient)

@@ -26,7 +26,8 @@ TUTORIAL = ROOT / "docs" / "tutorial"
 def _source(body: str) -> str:
     """A spec file: `def spec():` with this body, importing the API classes it names."""
     names = [name for name in ("DimAPI", "ElementwiseAPI", "NormalizedShapeAPI", "Option",
-                               "ReductionAPI", "RowLossAPI") if f"{name}(" in body]
+                               "PositionEmbeddingAPI", "ReductionAPI", "RowLossAPI")
+             if f"{name}(" in body]
     return (f"import sympy\n\nfrom derive.api import {', '.join(names)}\n"
             "from derive.spec import OpSpec\n\n\ndef spec():\n" + body)
 
@@ -88,6 +89,21 @@ KIND_SPECS = {
     return op
 ''', "nll"),
     "reduction": (TUTORIAL / "logsumexp.py", "logsumexp"),
+    # GPT-J's interleaved rotary embedding: the partner of column j is j xor 1
+    "position_embedding": ('''
+    op = OpSpec("gptj_rotary", doc="x * cos + rotate_every_two(x) * sin (GPT-J).")
+    x = op.input("x")
+    cos = op.input("cos", grad=False, broadcast=True)
+    sin = op.input("sin", grad=False, broadcast=True)
+    j = op.column_index("j")
+    pair = op.partner("pair", x, pairing="interleaved")
+    sign = sympy.Piecewise((-1, sympy.Eq(sympy.Mod(j, 2), 0)), (1, True))
+    op.output(op.element("y", x * cos + sign * pair * sin))
+    op.save(x, cos, sin)
+    op.api = PositionEmbeddingAPI(function="gptj_rotary", module="GPTJRotary",
+                                  torch_function="-", inputs=("input", "cos", "sin"))
+    return op
+''', "gptj_rotary"),
 }
 
 
@@ -374,6 +390,13 @@ API_MISMATCHES = {
         "options=(Option('p', 0.1, check='probability'),), dropout='p')",
         "dropout 'p' must be one of the API's options, on an API with a residual (what is "
         "dropped is added to it)"),
+    "position tables that are not broadcast": (
+        "x = op.input('x')\n    c = op.input('c', grad=False)\n"
+        "    op.output(op.element('y', x * c))\n    op.save(x, c)",
+        "PositionEmbeddingAPI(function='bad', module='Bad', torch_function='-', "
+        "inputs=('input', 'c'))",
+        "a PositionEmbeddingAPI's tables (the inputs after the first) must be inputs of the "
+        "spec declared broadcast=True"),
     "dropout op and a mask of its own": (
         "x = op.input('x')\n    r = op.input('r')\n    p = op.scalar('p')\n"
         "    u = op.random('u')\n    y = op.element('y', x * u * p + r)\n"

@@ -126,6 +126,19 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
     return param if param.is_contiguous() else param.contiguous()
 
 
+def check_pairing(function, name, input, pairing):
+    """A last dim that the pairing of columns an op reads across can take: "half" and
+    "interleaved" pair every column with another, so the width must be even."""
+    columns = input.shape[-1] if input.dim() else 1
+    if columns % 2:
+        raise ShapeError(
+            f"{function}(): argument '{name}' must have an even last dim (the {pairing!r} "
+            f"pairing pairs column j with column "
+            f"{'(j + N/2) mod N' if pairing == 'half' else 'j xor 1'}), got {columns} "
+            f"(shape {list(input.shape)})"
+        )
+
+
 def check_like_input(function, name, tensor, input, reference="input"):
     if tensor is None:
         return None

@@ -33,12 +33,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from codegen.runtime import dispatch, linear_loss, logits_route, patch_layers
+from codegen.runtime import dispatch, linear_loss, logits_route, patch_layers, patch_rotary
 
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
-KINDS = ("norm", "activation", "mlp", "residual", "loss")
+KINDS = ("norm", "activation", "mlp", "residual", "rotary", "loss")
 #: the kinds swapped unless `include` says otherwise (a loss only when asked for)
-DEFAULT_KINDS = ("norm", "activation", "mlp", "residual")
+DEFAULT_KINDS = ("norm", "activation", "mlp", "residual", "rotary")
 #: where a module keeps its eps, in the order looked up
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 #: eps values tried (after the op's default) for a norm that keeps none as an attribute
@@ -321,6 +321,8 @@ class _Planner:
                 self.visit(child, prefix + name + ".")
                 # after its children: a layer's fused add reuses its norm's proven swap
                 patch_layers.plan(self, child, prefix + name)
+                # an attention's rotary embedding, by its forward's apply_rotary_pos_emb
+                patch_rotary.plan(self, child, prefix + name)
 
     def replacement(self, module, name):
         """What replaces `module`, or None (its skip recorded where it is a candidate)."""

@@ -260,6 +260,17 @@ def _multiply_words(a, b):
     )
 
 
+def partner_torch(x, pairing):
+    """x (rows of a width N, the last dim) at each column's partner of `pairing`: "half" swaps
+    the halves (column j reads (j + N/2) mod N), "interleaved" each pair (j reads j xor 1). A
+    number (an absent input's value) is the same at every column."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if pairing == "half":
+        return x.roll(x.shape[-1] // 2, dims=-1)
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
 def uniform_torch(seed, M, N, first_row=0):
     """`uniform` in plain torch, bit for bit: the same values on the torch path, for rows
     first_row .. first_row + M - 1 of a width-N tensor. A seed given as a 0-d int64 tensor is
