@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 import sympy
 
-from codegen.fuse import Moments, OnlineExp, Sweep, picks, sweeps
+from codegen.fuse import Moments, OnlineExp, OnlineFirst, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
@@ -427,7 +427,7 @@ class KernelContext:
             else:
                 prefix, suffix = f"{self.printer(r.scale)} * ", ""
             body = self.print_named(r.name, r.body)
-            identity = 'float("-inf")' if r.op == "max" else "0.0"
+            identity = {"max": 'float("-inf")', "min": 'float("inf")'}.get(r.op, "0.0")
             reductions.append({
                 "name": r.name, "op": r.op, "body": body, "identity": identity,
                 # a body that is 0 wherever the mask is off needs no select in its sum
@@ -537,18 +537,28 @@ class KernelContext:
         for r in printed["reductions"]:
             name, identity = r["name"], r["identity"]
             init.append(f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)")
-            update.append(f"{name}_acc = tl.maximum({name}_acc, {r['masked']})" if r["op"] == "max"
+            combine = {"max": "tl.maximum", "min": "tl.minimum"}.get(r["op"])
+            update.append(f"{name}_acc = {combine}({name}_acc, {r['masked']})" if combine
                           else f"{name}_acc += {r['masked']}")
             finish.append(f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
                           f"[:, None]{r['scale_suffix']}  # {r['formula']}")
             if r["op"] == "max":
                 finish.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
-        for pair in sweep.fused:
-            lines = (self._moments(pair) if isinstance(pair, Moments)
-                     else self._online_exp(pair))
+        # a running max is set up once for the pairs that share it (a sum of exponentials and
+        # an argmax of one max), and moves on after every one of them read its old value
+        peaks: list[str] = []
+        for pair in sorted(sweep.fused, key=lambda pair: isinstance(pair, OnlineFirst)):
+            if isinstance(pair, Moments):
+                lines = self._moments(pair)
+            else:
+                running = self._running_max(pair.peak, peaks)
+                lines = (self._online_exp(pair) if isinstance(pair, OnlineExp)
+                         else self._online_first(pair))
+                lines = tuple(a + b for a, b in zip(running, lines, strict=True))
             init += lines[0]
             update += lines[1]
             finish += lines[2]
+        update += [f"{peak}_shift = {peak}_next" for peak in peaks]
         return {**printed, "init": init, "step": update, "merge": finish,
                 "joined": sweep.joined}
 
@@ -582,35 +592,62 @@ class KernelContext:
             f"  # {second} = {formula(pair.second.scale)} * sum_j({formula(pair.second.body)})"]
         return init, update, finish
 
+    def _running_max(self, peak: Any, peaks: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """The row's running max of a joined sweep (once per max: `peaks` holds those set up):
+        `<peak>_next`, its stable shift after this step, and `<peak>_shift`, before it (moved
+        on by the sweep once every pair of it read both)."""
+        if peak.name in peaks:
+            return [], [], []
+        peaks.append(peak.name)
+        name = peak.name
+        self._element.add(f"{name}_next")
+        body = self.print_named(name, peak.body)
+        # the running max is the row's (a max over each step's tile), so a sum shifted by it
+        # rescales once a step: one exponential an element, not two as with a running max per
+        # lane. The sum is kept at `_shift`, the running max's stable shift
+        # (`helpers.stable_shift`).
+        init = [f'{name}_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)',
+                f"{name}_shift = tl.zeros((ROWS, 1), dtype=ACC)"]
+        update = [
+            f'{name}_acc = tl.maximum({name}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
+            "axis=1)[:, None])",
+            f"{name}_next = helpers.stable_shift({name}_acc)"]
+        finish = [f"{name} = {name}_shift  # {name} = {formula(peak.scale)} * "
+                  f"max_j({formula(peak.body)}), infinities made finite"]
+        return init, update, finish
+
     def _online_exp(self, pair: OnlineExp) -> tuple[list[str], list[str], list[str]]:
         peak, total = pair.peak.name, pair.total.name
         shift = sympy.Symbol(f"{peak}_next", real=True)
-        self._element.add(shift.name)
         term = self.print_named(total, pair.factor * sympy.exp(pair.peak.body - shift))
-        body = self.print_named(peak, pair.peak.body)
-        # the running max is the row's (a max over each step's tile), so the sum rescales once
-        # a step: one exponential an element, not two as with a running max per lane. The sum
-        # is kept at `_shift`, the running max's stable shift (`helpers.stable_shift`).
-        init = [f'{peak}_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)',
-                f"{peak}_shift = tl.zeros((ROWS, 1), dtype=ACC)",
-                f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
+        init = [f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
         update = [
-            f'{peak}_acc = tl.maximum({peak}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
-            "axis=1)[:, None])",
-            f"{peak}_next = helpers.stable_shift({peak}_acc)",
             # the shift only falls where a row of -inf so far (shift 0, every lane's sum 0)
             # meets its first finite value: the factor is 1 there, so no lane's 0 meets an
             # overflowed exp (0 * exp(1000) = NaN)
             f"{total}_acc = {total}_acc * tl.exp(tl.minimum({peak}_shift - {peak}_next, 0.0))"
-            f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max",
-            f"{peak}_shift = {peak}_next"]
+            f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max"]
         merged = f"tl.sum({total}_acc, axis=1)[:, None]"
         finish = [
-            f"{peak} = {peak}_shift  # {peak} = {formula(pair.peak.scale)} * "
-            f"max_j({formula(pair.peak.body)}), infinities made finite",
             f"{total} = {self._scaled(pair.total, merged)}"
             f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
             "every lane at the row's max"]
+        return init, update, finish
+
+    def _online_first(self, pair: OnlineFirst) -> tuple[list[str], list[str], list[str]]:
+        peak, first = pair.peak.name, pair.first.name
+        shift = sympy.Symbol(f"{peak}_next", real=True)
+        symbol = next(s for s in pair.first.body.free_symbols if s.name == peak)
+        body = self.print_named(first, pair.first.body.xreplace({symbol: shift}))
+        init = [f'{first}_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)']
+        update = [
+            # where the running max moved, every candidate so far falls short of it (a shift
+            # that falls, from a row of -inf so far, had none)
+            f'{first}_acc = tl.where({peak}_next != {peak}_shift, float("inf"), {first}_acc)',
+            f'{first}_acc = tl.minimum({first}_acc, tl.where(mask, {body}, float("inf")))'
+            "  # the candidates at the row's max so far"]
+        finish = [f"{first} = tl.min({first}_acc, axis=1)[:, None]  # {first} = "
+                  f"{formula(pair.first.scale)} * min_j({formula(pair.first.body)})"]
         return init, update, finish
 
     def vanishes_where_masked(self, expr: sympy.Expr) -> bool:

@@ -224,6 +224,11 @@ class RowLossAPI:
     returns: tuple[str, ...] = ()
     #: what each of `returns` is, for the function's docstring: (name, text) pairs
     returns_doc: tuple[tuple[str, str], ...] = ()
+    #: how a returned output is reduced, (name, how) pairs, "loss" where not named: "loss" as
+    #: the loss (the mean divides by the counted rows' weight sum); "fraction", a 0/1 per row:
+    #: "mean" its mean over the counted rows' count, "sum" its sum, "none" per row, always in
+    #: the loss's precision (fp32, fp64); "index", a class per row, never reduced, int64
+    returns_as: tuple[tuple[str, str], ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
 
@@ -233,6 +238,10 @@ class RowLossAPI:
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
     reference_when: str | None = None
+
+    def returned_as(self, name: str) -> str:
+        """How the returned output `name` is reduced (`returns_as`)."""
+        return dict(self.returns_as).get(name, "loss")
 
     kind = "row_loss"
 
@@ -279,6 +288,9 @@ _OWN_ARGUMENTS = {
 _GLOBALS = {"math", "numbers", "Optional", "torch", "triton", "tl", "checks", "launch",
             "helpers", "losses", "Constants", "Schedules", "fixed_n", "maxnreg", "SCHEDULES",
             "dispatch", "DISPATCH"}
+
+#: the ways RowLossAPI.returns_as reduces a returned output
+RETURNS_AS = ("loss", "fraction", "index")
 
 #: the values of Option.check (codegen/runtime/checks.py check_option)
 CHECKS = (None, "probability", "unit", "integer", "positive", "finite")
@@ -435,6 +447,10 @@ def api_mismatches(spec) -> list[str]:
             if node.name not in api.returns:
                 problems.append(f"output '{node.name}' (grad=False) is not in the API's "
                                 "returns")
+        for name, how in api.returns_as:
+            if name not in api.returns or how not in RETURNS_AS:
+                problems.append(f"returns_as ('{name}', {how!r}): the name must be one of "
+                                f"returns and the way one of {', '.join(RETURNS_AS)}")
     elif isinstance(api, ReductionAPI):
         if len(inputs) != 1 or params:
             problems.append("ReductionAPI takes one input and no parameters; the spec declares "

@@ -345,7 +345,7 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         node = spec.node(r.name)
         if r.how == "recomputed" and node.kind is Kind.REDUCE:
             scale = 1 / N if node.reduction == "mean" else sympy.Integer(1)
-            reduction = "max" if node.reduction == "max" else "sum"
+            reduction = node.reduction if node.reduction in ("max", "min") else "sum"
             definitions.append(Definition(r.name, "row", r.expr, reduction, scale))
         else:
             definitions.append(Definition(r.name, node.level.value if node.level is Level.ROW

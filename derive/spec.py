@@ -54,7 +54,7 @@ class Kind(Enum):
 REGENERATED = (Kind.INDEX, Kind.RANDOM)
 
 
-REDUCTIONS = ("sum", "mean", "max")
+REDUCTIONS = ("sum", "mean", "max", "min")
 
 #: Names the generated code uses for itself (kernel, launcher and API locals).
 RESERVED = frozenset({
@@ -230,6 +230,12 @@ class OpSpec:
         """name = max_j body_j. Allowed only where it stabilises: the engine proves the output
         does not depend on it."""
         return self._reduce(name, "max", body, False)
+
+    def row_min(self, name: str, body: Any) -> sympy.Symbol:
+        """name = min_j body_j. Never differentiated: allowed only where no differentiated
+        output depends on it, as an index for an output declared `output(..., grad=False)`
+        (the first column where a row reaches its max: an argmax, torch.argmax's tie rule)."""
+        return self._reduce(name, "min", body, False)
 
     def output(self, *symbols: sympy.Symbol, grad: bool = True) -> None:
         """The results returned by the forward, in order: elementwise values, or one value per
