@@ -1155,8 +1155,8 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
     """This module's kernels, one call's options bound, as `linear_cross_entropy` runs them on each
     chunk of logits (codegen/runtime/linear_loss.py's `Kernels`)."""
 
-    def forward(x, target, saving):
-        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=False, store_token_accuracy=False, store_predicted_tokens=False, store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
+    def forward(x, target, saving, wanted=(False,) * 3):
+        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=bool(wanted[0]), store_token_accuracy=bool(wanted[1]), store_predicted_tokens=bool(wanted[2]), store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
 
     def backward(x, target, outputs, dloss, col_start=0, row_length=None):
         loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = outputs
@@ -1167,7 +1167,7 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
-def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, out_dtype=None):
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, out_dtype=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
     """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
     ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
     into a buffer that every chunk reuses, then this module's loss kernels (and, where a
@@ -1192,6 +1192,10 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     with "none" the backward computes each chunk's logits again.
     Double backward is not supported (RuntimeError).
 
+    `return_z_loss`, `return_token_accuracy`, `return_predicted_tokens`: as cross_entropy's,
+    the same values (each chunk's kernels give them beside its losses); (loss, then each
+    asked for, in the order of the arguments).
+
     `out_dtype`: the dtype of the returned loss, by default the input's (float32 under
     autocast). The losses are computed in float32 (float64 for float64 input) whatever it is:
     float32 returns them unrounded from 16-bit logits, as cross_entropy(logits.float(), ...).
@@ -1202,6 +1206,9 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     softcap = checks.check_option("linear_cross_entropy", "softcap", softcap, "positive")
     if softcap is None:
         softcap = 0.0  # off: the kernels are compiled without it
+    losses.check_flag("linear_cross_entropy", "return_z_loss", return_z_loss)
+    losses.check_flag("linear_cross_entropy", "return_token_accuracy", return_token_accuracy)
+    losses.check_flag("linear_cross_entropy", "return_predicted_tokens", return_predicted_tokens)
     losses.check_reduction("linear_cross_entropy", reduction)
     input, weight, bias, dtype = linear_loss.check_linear("linear_cross_entropy", input, weight, bias)
     dtype = linear_loss.check_out_dtype("linear_cross_entropy", out_dtype, dtype)
@@ -1211,7 +1218,8 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     if counted is None and reduction == "mean":  # no rows: torch's ops count
         counted = losses.count_rows(target.reshape(-1), ignore_index, class_weight, launch.accumulator(input.dtype))
     kernels = _linear_kernels(class_weight, ignore_index, label_smoothing, lse_square_scale, softcap)
-    return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels)
+    returns = ("loss" if return_z_loss else None, "fraction" if return_token_accuracy else None, "index" if return_predicted_tokens else None, )
+    return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels, returns, ignore_index)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -1219,7 +1227,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     a linear layer's outputs without its logits held whole; `class_weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = int(checks.check_option("LinearCrossEntropyLoss", "ignore_index", ignore_index, "integer"))
@@ -1228,15 +1236,18 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.softcap = checks.check_option("LinearCrossEntropyLoss", "softcap", softcap, "positive")
         self.reduction = losses.check_reduction("LinearCrossEntropyLoss", reduction)
         self.chunk_size = linear_loss.check_chunk_size("LinearCrossEntropyLoss", chunk_size)
+        self.return_z_loss = losses.check_flag("LinearCrossEntropyLoss", "return_z_loss", return_z_loss)
+        self.return_token_accuracy = losses.check_flag("LinearCrossEntropyLoss", "return_token_accuracy", return_token_accuracy)
+        self.return_predicted_tokens = losses.check_flag("LinearCrossEntropyLoss", "return_predicted_tokens", return_predicted_tokens)
 
     def extra_repr(self):
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "chunk_size": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "chunk_size": None, "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, weight, target, bias=None):
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size)
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants
