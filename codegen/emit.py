@@ -21,6 +21,7 @@ from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
 from derive.api import replaces_kind
 from derive.reverse import upstream_symbol
+from derive.spec import Rounded
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -161,6 +162,8 @@ class KernelContext:
         #: whether the kernel takes an exponential or a quotient (and so decides which form:
         #: `helpers.exp`, `helpers.div`)
         self.exact = any(_exact_matters(sympy.sympify(e)) for e in kernel.expressions())
+        # values rounded to the input's dtype (`Rounded`): the kernel's ROUND constexpr
+        self.rounds = any(sympy.sympify(e).has(Rounded) for e in kernel.expressions())
         self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
         self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]

@@ -49,6 +49,31 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """A keyword-only str option of a NormalizedShapeAPI whose value sets spec scalars declared
+    `absent=` (compile-time switches): `values` pairs each value with the numbers it gives
+    `scalars`, in order. The first value is the default and gives every scalar its absent
+    value, so that the default call runs the kernels compiled without them (RMSNorm's
+    casting_mode)."""
+
+    name: str
+    scalars: tuple[str, ...]
+    values: tuple[tuple[str, tuple[float, ...]], ...]
+    #: what the option does, for the function's docstring
+    doc: str = ""
+
+    @property
+    def default(self) -> str:
+        return self.values[0][0]
+
+    @property
+    def table(self) -> str:
+        """The value -> scalars dict, as Python source."""
+        return "{" + ", ".join(f"{value!r}: ({''.join(f'{float(v)!r}, ' for v in numbers)})"
+                               for value, numbers in self.values) + "}"
+
+
+@dataclass(frozen=True)
 class Variant:
     """A string argument whose values select the op that computes the call, as torch's
     `approximate` of gelu ("none" or "tanh"): `ops` maps each value to an op of derive/ops/,
@@ -130,6 +155,8 @@ class NormalizedShapeAPI:
     #: dropout=... does, the module its training mode and `seed` at the call; outside training
     #: the probability is 0 (an exact identity)
     dropout: str | None = None
+    #: keyword-only str options that set spec scalars (`Choice`)
+    choices: tuple[Choice, ...] = ()
     #: the op of derive/ops/ that computes a call with dropout on (p > 0 in training), whose
     #: spec draws the mask and whose API takes the same arguments; this op's spec then has no
     #: random values and no scalar for the probability, so that its kernels stay those of the
@@ -315,11 +342,24 @@ def api_mismatches(spec) -> list[str]:
     all_options = list(getattr(api, "options", ()))
     options = [o.name for o in all_options if not o.module_only]
     switches = list(getattr(api, "switches", ()))
-    given = set(options) | {s.scalar for s in switches}
+    choices = list(getattr(api, "choices", ()))
+    given = set(options) | {s.scalar for s in switches} | {n for c in choices for n in c.scalars}
     problems = _names(api, set(kinds))
     if not inputs:
         problems.append("the spec declares no input (op.input(...)), which every API takes")
     absent = {n.name: n.absent for n in spec.nodes if n.kind is Kind.SCALAR}
+    for c in choices:
+        where = f"Choice('{c.name}')"
+        if not c.values or any(len(numbers) != len(c.scalars) for _, numbers in c.values):
+            problems.append(f"{where} needs values, each with one number per scalar")
+        elif any(absent.get(n) is None or float(absent[n]) != float(v)
+                 for n, v in zip(c.scalars, c.values[0][1], strict=True)):
+            problems.append(f"{where}: its scalars {', '.join(c.scalars)} must be declared "
+                            "absent=... in the spec, their absent values the first (default) "
+                            "value's numbers: the default call runs the kernels without them")
+        if len({value for value, _ in c.values}) != len(c.values) or not all(
+                isinstance(value, str) for value, _ in c.values):
+            problems.append(f"{where}: its values must be distinct strs")
     for o in all_options:
         if o.default is None:
             if o.check != "positive" or absent.get(o.name) != 0:
@@ -536,6 +576,7 @@ def _names(api, values: set[str]) -> list[str]:
     arguments += [o.name for o in getattr(api, "options", ())]
     arguments += [f"return_{name}" for name in getattr(api, "returns", ())]
     arguments += [s.name for s in getattr(api, "switches", ())]
+    arguments += [c.name for c in getattr(api, "choices", ())]
     arguments += [p.flag for p in getattr(api, "params", ()) if p.flag]
     if getattr(api, "variant", None) is not None:
         arguments.append(api.variant.name)

@@ -25,7 +25,7 @@ from derive.algebra import (
 from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult, upstream_symbol
-from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec
+from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec, Rounded
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,16 @@ def _invert_from_saved_element(spec: OpSpec, node: Node, available: set[str]
 
 
 def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> list[sympy.Expr]:
-    """The solutions of symbol = expr for unknown; none when SymPy has no algorithm for it."""
+    """The solutions of symbol = expr for unknown; none when SymPy has no algorithm for it.
+
+    A value the forward rounds to the input's dtype (`Rounded`) is solved for as if unrounded:
+    what is solved from is a saved value of that dtype already, so the inverse is as exact as
+    that value allows (an output y = rd(x_hat) * w gives x_hat = y / w)."""
+    expr = expr.replace(lambda e: isinstance(e, Rounded), lambda e: e.args[0])
+    # a switch between a value and its rounding is then the value either way
+    expr = expr.replace(lambda e: isinstance(e, sympy.Piecewise)
+                        and len({value for value, _ in e.args}) == 1,
+                        lambda e: e.args[0][0])
     try:
         return list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
     except NotImplementedError:

@@ -70,6 +70,24 @@ RESERVED = frozenset({
 N = sympy.Symbol("N", positive=True, integer=True)
 
 
+class Rounded(sympy.Function):
+    """Its argument rounded to the dtype of the op's input (a 16-bit input's bf16 or fp16; an
+    fp32 or fp64 input's own, a no-op there), then computed on at the accumulator's precision:
+    a framework's `.to(input_dtype)` between two fp32 steps (Hugging Face's LlamaRMSNorm
+    rounds x_hat so before its weight multiplies it). Its derivative is 1, as torch's autograd
+    takes a cast's: the gradient passes through it unrounded."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex: int = 1) -> sympy.Expr:
+        return sympy.Integer(1)
+
+    def _latex(self, printer: Any, exp: str | None = None) -> str:
+        text = r"\operatorname{rd}\left(" + printer._print(self.args[0]) + r"\right)"
+        return text if exp is None else f"{text}^{{{exp}}}"
+
+
 class SpecError(ValueError):
     """A malformed spec. The message names the spec file and line that declared the culprit."""
 
@@ -208,6 +226,16 @@ class OpSpec:
             raise self._error(name, f"element() needs an expression that varies along the row; "
                                     f"got {expr}, which is {level.value}-level: use row()")
         return self._declare(name, Kind.ELEMENT, Level.ELEMENT, expr=expr, positive=positive)
+
+    def rounded(self, name: str, expr: Any) -> sympy.Symbol:
+        """`expr` rounded to the input's dtype (`Rounded`, whose derivative is 1): an element
+        value where `expr` varies along the row, else a row value. `Rounded(expr)` may also be
+        written inside any expression (under a `Piecewise` of a scalar declared `absent=`, so
+        that the kernels round only where the call asks)."""
+        expr = Rounded(self._expression(name, expr))
+        if self._level_of(expr) in (Level.ELEMENT, Level.COLUMN):
+            return self.element(name, expr)
+        return self.row(name, expr)
 
     def row(self, name: str, expr: Any, positive: bool = False) -> sympy.Symbol:
         """A per-row scalar computed from other row scalars and scalars."""
