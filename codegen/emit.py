@@ -171,6 +171,7 @@ class KernelContext:
         self.column_inputs = [self._column(t.name) for t in kernel.tensors("column")]
         self.kernel_columns = [c["name"] for c in self.column_inputs]
         self.scalars = list(kernel.scalars)
+        self.gates = {} if backward else self._gates(kernel, dialect)
         self.prologue = self._assigns(kernel.prologue)
         self.passes = [self._pass(p) for p in kernel.passes]
         self.epilogue = self._pass(kernel.epilogue)
@@ -298,7 +299,56 @@ class KernelContext:
 
     @staticmethod
     def assign_lines(assigns: list[dict[str, str]]) -> list[str]:
-        return [f"{a['name']} = {a['src']}  # {a['formula']}" for a in assigns]
+        lines = []
+        for a in assigns:
+            line = f"{a['name']} = {a['src']}  # {a['formula']}"
+            lines += [f"if {a['gate']}:", f"    {line}"] if a.get("gate") else [line]
+        return lines
+
+    @staticmethod
+    def _gated(gate: str | None, lines: list[str]) -> list[str]:
+        """lines, run only where `gate` (a `_gates` condition) holds."""
+        if not gate or not lines:
+            return lines
+        return [f"if {gate}:", *("    " + line for line in lines)]
+
+    @staticmethod
+    def _gates(kernel: Kernel, dialect: Dialect) -> dict[str, str]:
+        """The row values of a forward kernel that only stores made on request read (the
+        argmax of a loss's predicted class, an output the call may not ask for), each with
+        the condition that any of those stores is asked for: the kernel's STORE_<NAME>
+        constexprs (the torch path's store_<name> flags). Where none is, the kernel computes
+        nothing for them: the kernels of the spec without those outputs."""
+        reads: dict[str, set[str]] = {}  # a value -> the values and stores that read it
+        flags: dict[str, str | None] = {}  # a store -> its flag (None: always written)
+        definitions = [(a.name, [a.expr]) for a in kernel.prologue]
+        for step in (*kernel.passes, kernel.epilogue):
+            definitions += [(a.name, [a.expr]) for a in (*step.assigns, *step.after)]
+            definitions += [(r.name, [r.body, r.scale]) for r in step.reductions]
+        for store in kernel.stores:
+            definitions.append((f"store {store.name}", [store.expr]))
+            flags[f"store {store.name}"] = (
+                None if store.flag is None or store.level not in ("element", "row")
+                else store.flag if dialect is TRITON else f"store_{store.name}")
+        for name, exprs in definitions:
+            for expr in exprs:
+                for symbol in sympy.sympify(expr).free_symbols:
+                    reads.setdefault(symbol.name, set()).add(name)
+        gated = {r.name for step in kernel.passes for r in step.reductions}
+        gated |= {a.name for step in kernel.passes for a in step.after}
+        gates = {}
+        for name in sorted(gated):
+            reached, todo, seen = set(), [name], {name}
+            while todo:
+                for reader in reads.get(todo.pop(), ()):
+                    if reader in flags:
+                        reached.add(reader)
+                    elif reader not in seen:
+                        seen.add(reader)
+                        todo.append(reader)
+            if reached and all(flags[store] for store in reached):
+                gates[name] = " or ".join(sorted(flags[store] for store in reached))
+        return gates
 
     def store_lines(self) -> list[str]:
         lines = []
@@ -413,7 +463,8 @@ class KernelContext:
 
     def _assigns(self, assigns: tuple[Assign, ...]) -> list[dict[str, str]]:
         return [{"name": a.name, "src": self.print_named(a.name, a.expr),
-                 "formula": f"{a.name} = {formula(a.expr)}"} for a in assigns]
+                 "formula": f"{a.name} = {formula(a.expr)}",
+                 "gate": self.gates.get(a.name)} for a in assigns]
 
     def _pass(self, step: Pass) -> dict[str, Any]:
         columns = {t.name for t in self.kernel.tensors("column")}
@@ -433,6 +484,8 @@ class KernelContext:
             identity = {"max": 'float("-inf")', "min": 'float("inf")'}.get(r.op, "0.0")
             reductions.append({
                 "name": r.name, "op": r.op, "body": body, "identity": identity,
+                # computed only where a store that reads it is asked for (`_gates`)
+                "gate": self.gates.get(r.name),
                 # a body that is 0 wherever the mask is off needs no select in its sum
                 "masked": (body if r.op == "sum" and self.vanishes_where_masked(r.body)
                            else f"tl.where(mask, {body}, {identity})"),
@@ -538,15 +591,18 @@ class KernelContext:
         printed = self._pass(Pass(sweep.loads, sweep.assigns, sweep.reductions, sweep.after))
         init, update, finish = [], [], []
         for r in printed["reductions"]:
-            name, identity = r["name"], r["identity"]
-            init.append(f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)")
+            name, identity, gate = r["name"], r["identity"], r["gate"]
+            init += self._gated(gate, [
+                f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)"])
             combine = {"max": "tl.maximum", "min": "tl.minimum"}.get(r["op"])
-            update.append(f"{name}_acc = {combine}({name}_acc, {r['masked']})" if combine
-                          else f"{name}_acc += {r['masked']}")
-            finish.append(f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
-                          f"[:, None]{r['scale_suffix']}  # {r['formula']}")
+            update += self._gated(gate, [
+                f"{name}_acc = {combine}({name}_acc, {r['masked']})" if combine
+                else f"{name}_acc += {r['masked']}"])
+            done = [f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
+                    f"[:, None]{r['scale_suffix']}  # {r['formula']}"]
             if r["op"] == "max":
-                finish.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
+                done.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
+            finish += self._gated(gate, done)
         # a running max is set up once for the pairs that share it (a sum of exponentials and
         # an argmax of one max), and moves on after every one of them read its old value
         peaks: list[str] = []
@@ -556,7 +612,8 @@ class KernelContext:
             else:
                 running = self._running_max(pair.peak, peaks)
                 lines = (self._online_exp(pair) if isinstance(pair, OnlineExp)
-                         else self._online_first(pair))
+                         else tuple(self._gated(self.gates.get(pair.first.name), part)
+                                    for part in self._online_first(pair)))
                 lines = tuple(a + b for a, b in zip(running, lines, strict=True))
             init += lines[0]
             update += lines[1]

@@ -127,11 +127,14 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         target_gap = tl.sum(tl.where(mask, weight * (target_logit - z), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
-        first_max = tl.min(tl.where(mask, tl.where((row_max <= z), key, N), float("inf")), axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
+        if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+            first_max = tl.min(tl.where(mask, tl.where((row_max <= z), key, N), float("inf")), axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
         z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
-        predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
-        token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
+        if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+            predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+        if STORE_TOKEN_ACCURACY:
+            token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
         loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
@@ -225,7 +228,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             row_max_shift = tl.zeros((ROWS, 1), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
-            first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
@@ -242,19 +246,23 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
                 denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
-                first_max_acc = tl.where(row_max_next != row_max_shift, float("inf"), first_max_acc)
-                first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max_next <= z), key, N), float("inf")))  # the candidates at the row's max so far
+                if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                    first_max_acc = tl.where(row_max_next != row_max_shift, float("inf"), first_max_acc)
+                    first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max_next <= z), key, N), float("inf")))  # the candidates at the row's max so far
                 row_max_shift = row_max_next
             weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
             row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
-            first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
-            predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
-            token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+            if STORE_TOKEN_ACCURACY:
+                token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
             loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
@@ -278,7 +286,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-            first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
@@ -293,14 +302,18 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
                 target_gap_acc += tl.where(mask, weight * (target_logit - z), 0.0)
-                first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max <= z), key, N), float("inf")))
+                if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                    first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max <= z), key, N), float("inf")))
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
-            first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
-            predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
-            token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+            if STORE_TOKEN_ACCURACY:
+                token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
             loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
@@ -1069,8 +1082,9 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     capped logits softcap * tanh(input / softcap) with softcap (tanh keeps the order: the class
     of the largest input, unless capping rounds the largest logits to one value; then the first
     of those), computed in float32 (float64 for float64 input). A row of -inf logits predicts
-    class 0, as torch.argmax; a row holding NaN, whose loss is NaN, predicts 0 too. One int64
-    class per row, in the shape of `target`, ignored rows included, whatever `reduction` is.
+    class 0, as torch.argmax; a row holding NaN (whose loss is NaN) no class in particular,
+    where torch.argmax takes the first NaN. One int64 class per row, in the shape of `target`,
+    ignored rows included, whatever `reduction` is.
     Several `return_*` flags: (loss, then each asked for, in the order of the arguments).
     reduction: "none" (a loss per row, shape of `target`), "mean" or "sum";
     `size_average` and `reduce`, torch's legacy arguments, set it as torch's do (and warn).

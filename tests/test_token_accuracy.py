@@ -232,3 +232,37 @@ def test_fp64_accuracy_mean_is_exact(device):
     x, target = logits(device=device), targets(device=device)
     accuracy = cross_entropy(x, target, return_token_accuracy=True)[1]
     torch.testing.assert_close(accuracy, reference(x, target, "mean")[0], **FP64_TOL)
+
+
+def test_not_asked_for_nothing_is_computed_for_them(monkeypatch):
+    # the torch path prints the kernels' IR: without the flags, no row min is taken (the
+    # kernels' STORE_ constexprs leave the argmax out the same way), and the loss is the same
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch path
+    x, target = randn((10, V), seed=1), targets()
+    want = cross_entropy(x, target, label_smoothing=0.1)
+    amin = torch.Tensor.amin
+    calls = []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.shape)
+        return amin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "amin", counted)
+    assert torch.equal(cross_entropy(x, target, label_smoothing=0.1), want)
+    assert calls == []
+    cross_entropy(x, target, label_smoothing=0.1, return_token_accuracy=True)
+    assert calls == [x.shape]
+
+
+def test_generated_kernels_gate_the_argmax():
+    # every line of the Triton kernels that computes the argmax runs under the flags of the
+    # stores that read it
+    source = open(cross_entropy_module.__file__).read()
+    kernels = source[:source.index("def _cross_entropy_fwd_torch")]
+    lines = kernels.splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(("first_max", "predicted_tokens =")) and "tl." in line:
+            indent = len(line) - len(line.lstrip())
+            gate = next(previous for previous in reversed(lines[:i])
+                        if len(previous) - len(previous.lstrip()) < indent)
+            assert gate.strip() == "if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:", line

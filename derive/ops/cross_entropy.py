@@ -57,8 +57,8 @@ def spec() -> OpSpec:
     z_loss = op.row("z_loss", sympy.Piecewise(
         (0, sympy.Eq(z_scale, 0) | sympy.Eq(target, ignore_index)), (z_scale * lse**2, True)))
     # the predicted class, torch.argmax's: the first column where the (capped) logits reach
-    # their max, an index reduction never differentiated. N where none does (a row of -inf
-    # or NaN, whose stabilised max is no logit): class 0 then, as torch.argmax of -inf's
+    # their max, an index reduction never differentiated. N where none does (a row of -inf,
+    # whose stabilised max 0 is no logit): class 0 then, as torch.argmax of -inf's
     first_max = op.row_min("first_max", sympy.Piecewise((key, z >= row_max), (N, True)))
     predicted_tokens = op.row("predicted_tokens", sympy.Piecewise((0, sympy.Eq(first_max, N)),
                                                                   (first_max, True)))
@@ -106,8 +106,9 @@ def spec() -> OpSpec:
                                           "unless capping rounds the largest logits to one "
                                           "value; then the first of those), computed in float32 "
                                           "(float64 for float64 input). A row of -inf logits "
-                                          "predicts class 0, as torch.argmax; a row holding NaN, "
-                                          "whose loss is NaN, predicts 0 too.")),
+                                          "predicts class 0, as torch.argmax; a row holding NaN "
+                                          "(whose loss is NaN) no class in particular, where "
+                                          "torch.argmax takes the first NaN.")),
         returns_as=(("token_accuracy", "fraction"), ("predicted_tokens", "index")),
         # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel)
         replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss")))
