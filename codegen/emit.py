@@ -904,7 +904,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
         "extra_args": extra_args,
-        "fwd_torch": KernelContext(forward, TORCH),
+        "fwd_torch": KernelContext(forward, TORCH, backward=False),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),
         "dispatch_table": schedule.dispatch(module.op),

@@ -492,11 +492,13 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     target_gap = (weight * (target_logit - z)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
-    first_max = torch.broadcast_to(torch.where((row_max <= z), key, N).to(acc), (M, N)).amin(dim=-1, keepdim=True).to(acc) if N else torch.full((M, 1), float("inf"), dtype=acc, device=x.device)  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
+    first_max = None  # computed only where a store that reads it is asked for
+    if store_predicted_tokens or store_token_accuracy:
+        first_max = torch.broadcast_to(torch.where((row_max <= z), key, N).to(acc), (M, N)).amin(dim=-1, keepdim=True).to(acc) if N else torch.full((M, 1), float("inf"), dtype=acc, device=x.device)  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
     z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
-    predicted_tokens = torch.where((N == first_max), 0.0, first_max).to(acc)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
-    token_accuracy = torch.where((ignore_index == target), 0.0, torch.where((predicted_tokens == target), 1.0, 0.0).to(acc)).to(acc)  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
+    predicted_tokens = torch.where((N == first_max), 0.0, first_max).to(acc) if store_predicted_tokens or store_token_accuracy else None  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+    token_accuracy = torch.where((ignore_index == target), 0.0, torch.where((predicted_tokens == target), 1.0, 0.0).to(acc)).to(acc) if store_token_accuracy else None  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
     loss = torch.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
     z_loss = torch.broadcast_to(z_loss, (M, 1)).reshape(M).contiguous() if store_z_loss else None
