@@ -978,7 +978,7 @@ def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]
                 # an MLP or a loss is computed by the function, not by the op's module
                 "module": api.module if kind in ("norm", "activation") else None,
                 "params": [(p.name, p.flag, p.offset) for p in params],
-                "tries": [(name, tuple(float(v) for v in values))
+                "tries": [(name, tuple(v if isinstance(v, str) else float(v) for v in values))
                           for name, values in rule.tries],
                 "eps": api.eps if kind == "norm" else None,
                 "memory": memory[op] if len(memory[op]) > 1 else (),

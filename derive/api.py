@@ -111,12 +111,14 @@ class Replaces:
     model's loss, computed by this row loss; "residual": the residual add before a norm inside a
     transformer layer of a known structure (the pattern is of the layer's class name), fused
     with that norm by this add + norm op, whose parameters are those of the norm's own swap.
-    `tries`: values of the API's options tried in
-    turn (the first the probe accepts is kept), such as an offset a parameter may carry."""
+    `tries`: values of the API's options (or `Choice`s) tried in turn, such as an offset a
+    parameter may carry: the first the probe finds exact (the module's own bits) is kept, else
+    the first it accepts within the dtype's tolerance. The first value of each is the API's
+    default (a patched module's label names the others)."""
 
     pattern: str
     kind: str | None = None
-    tries: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    tries: tuple[tuple[str, tuple[float | str, ...]], ...] = ()
 
 
 #: what Replaces.kind may name besides None
@@ -706,7 +708,9 @@ def replaces_kind(api, rule: Replaces) -> str | None:
 def replaces_mismatches(api) -> list[str]:
     """What in `api.replaces` patch_model() could not act on, each as one sentence."""
     problems = []
-    options = {o.name for o in getattr(api, "options", ())}
+    # each option's default: a Choice's is its first value
+    options = {o.name: o.default for o in getattr(api, "options", ())}
+    options |= {c.name: c.default for c in getattr(api, "choices", ())}
     for rule in getattr(api, "replaces", ()):
         kind = replaces_kind(api, rule)
         where = f"Replaces({rule.pattern!r})"
@@ -730,6 +734,9 @@ def replaces_mismatches(api) -> list[str]:
         for name, values in rule.tries:
             if name not in options:
                 problems.append(f"{where}: tries '{name}', which is not one of the API's options")
+            elif values and values[0] != options[name]:
+                problems.append(f"{where}: tries '{name}' from {values[0]!r}, not from its "
+                                f"default {options[name]!r}")
             if not values:
                 problems.append(f"{where}: tries no value of '{name}'")
     return problems

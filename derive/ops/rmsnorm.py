@@ -54,6 +54,10 @@ def spec() -> OpSpec:
         reference_when='weight_offset == 0 and casting_mode == "gemma"',
         # HF: LlamaRMSNorm, ... and the (1 + weight) scale of Gemma's and others (the probe
         # tells which); T5's and its kin's *LayerNorm are RMS norms
-        replaces=(Replaces("*RMSNorm", tries=(("weight_offset", (0.0, 1.0)),)),
-                  Replaces("*LayerNorm", tries=(("weight_offset", (0.0, 1.0)),))))
+        # (the probe keeps the casting mode that rounds as the module does: "llama" for a
+        # 16-bit LlamaRMSNorm)
+        replaces=(Replaces("*RMSNorm", tries=(("weight_offset", (0.0, 1.0)),
+                                              ("casting_mode", ("gemma", "llama")))),
+                  Replaces("*LayerNorm", tries=(("weight_offset", (0.0, 1.0)),
+                                                ("casting_mode", ("gemma", "llama"))))))
     return op
