@@ -143,3 +143,29 @@ def test_bad_casting_mode_is_refused(case):
         rms_norm(x, (H,), casting_mode=value)
     with pytest.raises(error, match=f"RMSNorm\\(\\): {match}"):
         RMSNorm(H, casting_mode=value)
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["add", "dropout_add"])
+def test_add_rms_norm_takes_the_casting_mode(device, dropout):
+    # the fused adds (and their dropout sibling) round as rms_norm of the sum does
+    from generated.add_rmsnorm import AddRMSNorm, add_rms_norm
+
+    dtype = torch.bfloat16
+    x = (randn((6, H), seed=1, device=device) * 3).to(dtype)
+    r = (randn((6, H), seed=2, device=device) * 3).to(dtype)
+    w = (randn((H,), seed=3, device=device) * 0.5 + 1).to(dtype)
+    options = dict(dropout_p=0.25, seed=11) if dropout else {}
+    out, total = add_rms_norm(x, r, (H,), w, EPS, prenorm=True, residual_in_fp32=True,
+                              casting_mode="llama", **options)
+    if not interpreted(device):
+        # the norm of the fp32 sum, x_hat rounded to bfloat16 (the input's dtype)
+        h = total.double()
+        x_hat = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+        assert torch.equal(out, (x_hat.double() * w.double()).to(dtype))
+    plain = add_rms_norm(x, r, (H,), w, EPS, **options)
+    assert not torch.equal(out, plain)
+    module = AddRMSNorm(H, eps=EPS, casting_mode="llama", device=device, dtype=dtype)
+    assert "casting_mode='llama'" in module.extra_repr()
+    with pytest.raises(ValueError, match="add_rms_norm\\(\\): argument 'casting_mode' must be "
+                                         "one of 'gemma', 'llama', got 'none'"):
+        add_rms_norm(x, r, (H,), w, casting_mode="none")

@@ -10,6 +10,27 @@ from derive.api import Choice, NormalizedShapeAPI, Option, Param, Replaces
 from derive.spec import OpSpec, Rounded
 
 
+#: casting_mode: where a 16-bit input's values are rounded (the RMS norms' shared option)
+CASTING_MODE = Choice(
+    "casting_mode", ("round_normalized",), (("gemma", (0.0,)), ("llama", (1.0,))), doc=(
+        "where a float16 or bfloat16 input's values are rounded, as Liger-Kernel's "
+        "LigerRMSNorm. \"gemma\" (as torch's rms_norm and Hugging Face's GemmaRMSNorm): "
+        "everything in float32, the output rounded once to the input's dtype. \"llama\" (as "
+        "Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized "
+        "x * rstd rounded to the input's dtype before the weight (weight_offset + weight, in "
+        "float32) multiplies it, the product rounded again; its gradient passes the rounding "
+        "unchanged, as torch's autograd passes a cast. Both are the same for float32 and "
+        "float64 input."))
+
+
+def scaled(op: OpSpec, x_hat: sympy.Symbol) -> sympy.Expr:
+    """What the weight multiplies: x_hat, or with casting_mode="llama" (Hugging Face's
+    LlamaRMSNorm) x_hat rounded to the input's dtype first. Off ("gemma", the default) the
+    kernels never round it: they are those of the spec without the option."""
+    llama = op.scalar("round_normalized", absent=0)
+    return sympy.Piecewise((x_hat, sympy.Eq(llama, 0)), (Rounded(x_hat), True))
+
+
 def spec() -> OpSpec:
     op = OpSpec("rmsnorm", doc=__doc__)
     x = op.input("x")
@@ -18,12 +39,8 @@ def spec() -> OpSpec:
     weight_offset = op.scalar("weight_offset")
     mean_square = op.row_mean("mean_square", x**2)
     rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
-    # casting_mode="llama" (Hugging Face's LlamaRMSNorm): x_hat rounded to the input's dtype
-    # before the weight multiplies it; off ("gemma", the default) the kernels never round it
-    llama = op.scalar("round_normalized", absent=0)
     x_hat = op.element("x_hat", x * rstd)
-    scaled = sympy.Piecewise((x_hat, sympy.Eq(llama, 0)), (Rounded(x_hat), True))
-    y = op.element("y", scaled * (weight_offset + weight))
+    y = op.element("y", scaled(op, x_hat) * (weight_offset + weight))
     op.output(y)
     op.save(x, rstd, doc="Keeps the input and the row statistic.")
     op.save(y, rstd, mode="invertible",
@@ -34,18 +51,7 @@ def spec() -> OpSpec:
         torch_function="torch.nn.functional.rms_norm", torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0),),
-        choices=(Choice("casting_mode", ("round_normalized",),
-                        (("gemma", (0.0,)), ("llama", (1.0,))), doc=(
-                            "where a float16 or bfloat16 input's values are rounded, as "
-                            "Liger-Kernel's LigerRMSNorm. \"gemma\" (as torch's rms_norm and "
-                            "Hugging Face's GemmaRMSNorm): everything in float32, the output "
-                            "rounded once to the input's dtype. \"llama\" (as Hugging Face's "
-                            "LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized "
-                            "x * rstd rounded to the input's dtype before the weight "
-                            "(weight_offset + weight, in float32) multiplies it, the product "
-                            "rounded again; its gradient passes the rounding unchanged, as "
-                            "torch's autograd passes a cast. Both are the same for float32 and "
-                            "float64 input.")),),
+        choices=(CASTING_MODE,),
         # Liger's in_place: dx written into dy's memory where that is safe
         in_place=True,
         # torch's rms_norm scales by the weight alone: (offset + weight) rounded to a 16-bit
