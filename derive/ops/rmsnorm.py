@@ -9,7 +9,6 @@ import sympy
 from derive.api import Choice, NormalizedShapeAPI, Option, Param, Replaces
 from derive.spec import OpSpec, Rounded
 
-
 #: casting_mode: where a 16-bit input's values are rounded (the RMS norms' shared option)
 CASTING_MODE = Choice(
     "casting_mode", ("round_normalized",), (("gemma", (0.0,)), ("llama", (1.0,))), doc=(
