@@ -18,8 +18,9 @@ Ops (bf16 by default) and their torch equivalents:
   layer_norm (F.layer_norm, weight and bias), rms_norm (F.rms_norm, weight, eps 1e-6),
   add_layer_norm / add_rms_norm with prenorm=True (x + r, then F.layer_norm / F.rms_norm;
   the normalized output and the sum), dropout_add_layer_norm / dropout_add_rms_norm (the same
-  with dropout p 0.1 on the input first: F.dropout(x) + r), softmax (torch.softmax), masked_softmax (scale 0.125,
-  an additive padding mask broadcast over the rows, dropout 0.1: F.dropout(torch.softmax(x *
+  with dropout p 0.1 on the input first: F.dropout(x) + r), softmax (torch.softmax),
+  masked_softmax (scale 0.125, an additive padding mask broadcast over the rows, dropout 0.1:
+  F.dropout(torch.softmax(x *
   scale + mask)), gelu (exact), gelu_tanh, swiglu (F.silu(gate) * up), geglu (F.gelu(gate) *
   up), geglu_tanh (F.gelu(gate, approximate="tanh") * up), bias_dropout_add (residual +
   F.dropout(x + bias), p 0.1), cross_entropy (mean, ignore_index -100 on 5% of the targets).
