@@ -945,16 +945,17 @@ def _(
     stores = _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc) if stores["z_loss"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["token_accuracy"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["predicted_tokens"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["row_max"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["denominator"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["weight_mean"] else empty,
+        x.new_empty((M,), dtype=acc) if stores["z_loss"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["token_accuracy"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["predicted_tokens"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["row_max"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["denominator"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["weight_mean"] else empty(0),
     ]
 
 

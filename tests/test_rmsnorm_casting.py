@@ -169,3 +169,24 @@ def test_add_rms_norm_takes_the_casting_mode(device, dropout):
     with pytest.raises(ValueError, match="add_rms_norm\\(\\): argument 'casting_mode' must be "
                                          "one of 'gemma', 'llama', got 'none'"):
         add_rms_norm(x, r, (H,), w, casting_mode="none")
+
+
+def test_rounded_in_the_spec_language():
+    # op.rounded declares an element or a row value; both printers round to the input's dtype
+    # and back, and its derivative is 1
+    import sympy
+
+    from codegen.printers import TORCH, TRITON, KernelPrinter
+    from derive.spec import Kind, OpSpec, Rounded
+
+    op = OpSpec("toy")
+    x = op.input("x")
+    total = op.row_sum("total", x)
+    element = op.rounded("element", 2 * x)
+    row = op.rounded("row", total)
+    assert op.node("element").kind is Kind.ELEMENT and op.node("row").kind is Kind.ROW
+    assert op.node("element").expr == Rounded(2 * x)
+    assert sympy.diff(Rounded(x**2), x) == 2 * x
+    varies = {"x", "element"}.__contains__
+    assert KernelPrinter(TRITON, varies)(Rounded(x) * row) == "row * (x).to(ROUND).to(ACC)"
+    assert KernelPrinter(TORCH, varies)(Rounded(x + element)) == "(element + x).to(dtype).to(acc)"
