@@ -1493,13 +1493,14 @@ def dropout_add_rms_norm(
     `training=False` or `dropout_p=0` turns dropout off exactly. Torch's expression of the op (small CUDA calls,
     codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
 
-    casting_mode (keyword-only, default gemma): where a float16 or bfloat16 input's values are
+    casting_mode (keyword-only, default "gemma"): where a float16 or bfloat16 input's values are
     rounded, as Liger-Kernel's LigerRMSNorm. "gemma" (as torch's rms_norm and Hugging Face's
     GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
     (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
     rounded to the input's dtype before the weight (weight_offset + weight, in float32)
     multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
-    torch's autograd passes a cast. Both are the same for float32 and float64 input.
+    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
+    Kernel's "none" (every step in the input's dtype) is not taken.
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/dropout_add_rmsnorm.md):

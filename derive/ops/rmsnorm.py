@@ -19,7 +19,8 @@ CASTING_MODE = Choice(
         "x * rstd rounded to the input's dtype before the weight (weight_offset + weight, in "
         "float32) multiplies it, the product rounded again; its gradient passes the rounding "
         "unchanged, as torch's autograd passes a cast. Both are the same for float32 and "
-        "float64 input."))
+        "float64 input. Liger-Kernel's \"none\" (every step in the input's dtype) is not "
+        "taken."))
 
 
 def scaled(op: OpSpec, x_hat: sympy.Symbol) -> sympy.Expr:
