@@ -190,3 +190,32 @@ def test_rounded_in_the_spec_language():
     varies = {"x", "element"}.__contains__
     assert KernelPrinter(TRITON, varies)(Rounded(x) * row) == "row * (x).to(ROUND).to(ACC)"
     assert KernelPrinter(TORCH, varies)(Rounded(x + element)) == "(element + x).to(dtype).to(acc)"
+
+
+def test_a_choice_is_checked_against_the_spec():
+    # a Choice sets scalars declared absent=, its first (default) value giving their absent
+    # values: the default call runs the kernels compiled without them
+    from derive.api import Choice, NormalizedShapeAPI, api_mismatches
+    from derive.spec import OpSpec
+
+    def spec(absent, values):
+        op = OpSpec("toy_norm")
+        x = op.input("x")
+        op.scalar("eps", positive=True)
+        switch = op.scalar("switch", absent=absent)
+        op.output(op.element("y", x * (1 + switch)))
+        op.save(x)
+        op.api = NormalizedShapeAPI(
+            function="toy_norm", module="ToyNorm", torch_function="toy", torch_module="Toy",
+            params=(), eps=None, choices=(Choice("mode", ("switch",), values),))
+        return op
+
+    assert api_mismatches(spec(0, (("off", (0.0,)), ("on", (1.0,))))) == []
+    assert any("must be declared absent=" in p
+               for p in api_mismatches(spec(None, (("off", (0.0,)), ("on", (1.0,))))))
+    assert any("must be declared absent=" in p
+               for p in api_mismatches(spec(0, (("on", (1.0,)), ("off", (0.0,))))))
+    assert any("one number per scalar" in p
+               for p in api_mismatches(spec(0, (("off", (0.0, 1.0)),))))
+    assert any("distinct strs" in p
+               for p in api_mismatches(spec(0, (("off", (0.0,)), ("off", (1.0,))))))
