@@ -517,3 +517,24 @@ def test_returned_one_at_a_time_and_module(monkeypatch):
         with pytest.raises(TypeError, match=f"LinearCrossEntropyLoss\\(\\): argument '{name}' "
                                             "must be a bool, got str"):
             LinearCrossEntropyLoss(**{name: "yes"})
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_no_rows_with_every_gradient_and_the_returned_values(monkeypatch, reduction):
+    # no rows and a weight that needs a gradient (the blocked path): the returned values are
+    # cross_entropy's of no logits, the gradients zeros, as torch's
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros((0, H), dtype=torch.float64, requires_grad=True)
+    weight = randn((V, H), seed=1).requires_grad_()
+    bias = randn((V,), seed=2).requires_grad_()
+    target = torch.zeros(0, dtype=torch.int64)
+    flags = dict.fromkeys(RETURNED, True)
+    ours = linear_cross_entropy(x, weight, target, bias, reduction=reduction, **flags)
+    exact = cross_entropy(F.linear(x, weight, bias), target, reduction=reduction, class_dim=-1,
+                          **flags)
+    for got, want in zip(ours, exact, strict=True):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    grads = torch.autograd.grad(ours[0].sum(), (x, weight, bias))
+    assert grads[0].shape == (0, H)
+    assert torch.equal(grads[1], torch.zeros_like(weight))
+    assert torch.equal(grads[2], torch.zeros_like(bias))

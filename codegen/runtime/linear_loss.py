@@ -349,7 +349,8 @@ def _statistics(plan, x, weight, bias, target, extras):
     transposed = weight.t()
     parts = []
     with torch.autocast(x.device.type, enabled=False):
-        for start in range(0, rows, plan.chunk):
+        # no rows: one chunk of none, whose outputs are the empty ones of each
+        for start in range(0, rows, plan.chunk) or (0,):
             stop = min(start + plan.chunk, rows)
             logits = buffer[: stop - start]
             _logits(x[start:stop], transposed, bias, logits)
@@ -383,7 +384,8 @@ def _blocked(plan, x, weight, bias, target, outputs, dloss, needs):
         block = block // 128 * 128
     chunk = max(1, min(rows, plan.chunk * classes // block))
     grad_x = torch.zeros((rows, features), dtype=acc, device=device) if needs[0] else None
-    grad_weight = torch.empty_like(weight)
+    # every block writes its rows of it; with no rows no block runs: zeros, as torch's
+    grad_weight = torch.empty_like(weight) if rows else torch.zeros_like(weight)
     grad_bias = torch.zeros(classes, dtype=acc, device=device) \
         if bias is not None and needs[2] else None
     buffer = torch.empty((chunk, min(block, classes)), dtype=x.dtype, device=device)
