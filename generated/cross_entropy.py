@@ -67,7 +67,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
       z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
-      predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+      predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
       token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
       loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     epilogue: load -
@@ -132,7 +132,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
         z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
         if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
-            predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+            predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
         if STORE_TOKEN_ACCURACY:
             token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
         loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
@@ -185,7 +185,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
       z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
-      predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+      predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
       token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
       loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     epilogue: load -
@@ -260,7 +260,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
-                predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+                predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
             if STORE_TOKEN_ACCURACY:
                 token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
             loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
@@ -311,7 +311,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
-                predicted_tokens = tl.where((N == first_max), 0.0, first_max)  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+                predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
             if STORE_TOKEN_ACCURACY:
                 token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
             loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
@@ -497,7 +497,7 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
         first_max = torch.broadcast_to(torch.where((row_max <= z), key, N).to(acc), (M, N)).amin(dim=-1, keepdim=True).to(acc) if N else torch.full((M, 1), float("inf"), dtype=acc, device=x.device)  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
     z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
-    predicted_tokens = torch.where((N == first_max), 0.0, first_max).to(acc) if store_predicted_tokens or store_token_accuracy else None  # predicted_tokens = Piecewise((0, Eq(N, first_max)), (first_max, True))
+    predicted_tokens = torch.where((ignore_index == target), -1.0, torch.where((N == first_max), 0.0, first_max).to(acc)).to(acc) if store_predicted_tokens or store_token_accuracy else None  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
     token_accuracy = torch.where((ignore_index == target), 0.0, torch.where((predicted_tokens == target), 1.0, 0.0).to(acc)).to(acc) if store_token_accuracy else None  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
     loss = torch.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
@@ -1081,13 +1081,13 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     class weights; NaN where none is), "sum" the count of 1s, "none" one per row, 0 in ignored
     rows; in float32 (float64 for float64 input), never differentiated.
     `return_predicted_tokens=True` returns (loss, predicted_tokens): the predicted class of each
-    row, torch.argmax(logits, class dim): the first class of the row's largest logit, of the
-    capped logits softcap * tanh(input / softcap) with softcap (tanh keeps the order: the class
-    of the largest input, unless capping rounds the largest logits to one value; then the first
-    of those), computed in float32 (float64 for float64 input). A row of -inf logits predicts
-    class 0, as torch.argmax; a row holding NaN (whose loss is NaN) no class in particular,
-    where torch.argmax takes the first NaN. One int64 class per row, in the shape of `target`,
-    ignored rows included, whatever `reduction` is.
+    counted row (-1 in ignored rows, as Liger-Kernel's), torch.argmax(logits, class dim): the
+    first class of the row's largest logit, of the capped logits softcap * tanh(input / softcap)
+    with softcap (tanh keeps the order: the class of the largest input, unless capping rounds
+    the largest logits to one value; then the first of those), computed in float32 (float64 for
+    float64 input). A row of -inf logits predicts class 0, as torch.argmax; a row holding NaN
+    (whose loss is NaN) no class in particular, where torch.argmax takes the first NaN. One
+    int64 class per row, in the shape of `target`, whatever `reduction` is.
     Several `return_*` flags: (loss, then each asked for, in the order of the arguments).
     reduction: "none" (a loss per row, shape of `target`), "mean" or "sum";
     `size_average` and `reduce`, torch's legacy arguments, set it as torch's do (and warn).

@@ -44,10 +44,15 @@ def targets(rows=10, *, device="cpu", seed=5):
     return target.to(device)
 
 
+def argmax(x, target, dim=-1):
+    """torch.argmax of each counted row, -1 in the ignored ones (Liger-Kernel's)."""
+    return torch.where(target != IGNORE, torch.argmax(x, dim=dim), -1)
+
+
 def reference(x, target, reduction):
-    """(accuracy, predicted) as Liger-Kernel's: torch.argmax per row, the accuracy over the
-    counted rows."""
-    predicted = torch.argmax(x, dim=-1)
+    """(accuracy, predicted) as Liger-Kernel's: torch.argmax per counted row, the accuracy over
+    the counted rows."""
+    predicted = argmax(x, target)
     counted = target != IGNORE
     correct = ((predicted == target) & counted).to(torch.float64 if x.dtype == torch.float64
                                                    else torch.float32)
@@ -69,7 +74,7 @@ def test_matches_torch_argmax_on_every_schedule(device, schedule, reduction):
     want_accuracy, want_predicted = reference(x, target, reduction)
     assert predicted.dtype == torch.int64 and predicted.shape == target.shape
     assert torch.equal(predicted, want_predicted)
-    assert predicted[:6].tolist() == [3, 4, 30, 0, 25, 0]  # the ties' first index
+    assert predicted[:7].tolist() == [3, 4, 30, 0, 25, 0, -1]  # the ties' first; ignored
     assert accuracy.dtype == want_accuracy.dtype and not accuracy.requires_grad
     assert torch.equal(accuracy, want_accuracy)
     if reduction == "none":
@@ -96,7 +101,7 @@ def test_low_precision_logits_tie_often(device, schedule, dtype):
     target[5] = IGNORE
     loss, accuracy, predicted = cross_entropy(x, target, return_token_accuracy=True,
                                               return_predicted_tokens=True)
-    assert torch.equal(predicted, torch.argmax(x, -1))
+    assert torch.equal(predicted, argmax(x, target))
     assert accuracy.dtype == torch.float32
     assert accuracy.item() == pytest.approx(15 / 23)  # every third row missed, one ignored
 
@@ -110,11 +115,11 @@ def test_softcap_returns_the_capped_logits_argmax(device, schedule):
     target = torch.tensor([9, 2, 0, 1], device=device)
     predicted = cross_entropy(x, target, softcap=1.0, return_predicted_tokens=True)[1]
     capped = 1.0 * torch.tanh(x / 1.0)
-    assert torch.equal(predicted, torch.argmax(capped, -1))
+    assert torch.equal(predicted, argmax(capped, target))
     assert predicted[:2].tolist() == [9, 2]  # 9: tied once capped, though 29's input is larger
     # a cap far above the logits leaves every maximum unique: the input's argmax
     predicted = cross_entropy(x[2:], target[2:], softcap=1e4, return_predicted_tokens=True)[1]
-    assert torch.equal(predicted, torch.argmax(x[2:], -1))
+    assert torch.equal(predicted, argmax(x[2:], target[2:]))
 
 
 def test_returning_them_changes_nothing_else(device):
@@ -151,7 +156,7 @@ def test_all_rows_ignored(device):
     accuracy, predicted = cross_entropy(x, target, return_token_accuracy=True,
                                         return_predicted_tokens=True)[1:]
     assert accuracy.isnan()  # a mean over no rows, as the loss's
-    assert torch.equal(predicted, torch.argmax(x, -1))  # predicted for every row
+    assert (predicted == -1).all()  # no counted row
     total = cross_entropy(x, target, reduction="sum", return_token_accuracy=True)[1]
     assert total.item() == 0.0
 
@@ -165,7 +170,7 @@ def test_torch_layout_and_module(device):
     module = CrossEntropyLoss(return_token_accuracy=True, return_predicted_tokens=True)
     assert module.extra_repr() == "return_token_accuracy=True, return_predicted_tokens=True"
     loss, accuracy, predicted = module(x, target)
-    assert torch.equal(predicted, torch.argmax(x, 1))
+    assert torch.equal(predicted, argmax(x, target, dim=1))
     assert accuracy.item() == pytest.approx(4 / 5)
 
 

@@ -154,8 +154,8 @@ def reduce_returned(how, values, reduction, shape, target, ignore_index):
     """A per-row output returned besides the loss (`RowLossAPI.returns_as`), from the kernels'
     per-row values (fp32, or fp64): "fraction", a 0/1 per row (0 in ignored rows) reduced as
     `reduction` says, "mean" over the counted rows' count (NaN where none is, as a mean of no
-    rows), in the values' precision; "index", a class per row (ignored rows too), int64 in the
-    rows' shape whatever the reduction. The kernels carry a class as a float, exact below 2^24
+    rows), in the values' precision; "index", a class per row, int64 in the rows' shape
+    whatever the reduction. The kernels carry a class as a float, exact below 2^24
     classes in fp32 (a vocabulary of 16.7 million)."""
     rows = shape[:-1]
     if how == "index":

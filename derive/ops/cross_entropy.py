@@ -60,8 +60,9 @@ def spec() -> OpSpec:
     # their max, an index reduction never differentiated. N where none does (a row of -inf,
     # whose stabilised max 0 is no logit): class 0 then, as torch.argmax of -inf's
     first_max = op.row_min("first_max", sympy.Piecewise((key, z >= row_max), (N, True)))
-    predicted_tokens = op.row("predicted_tokens", sympy.Piecewise((0, sympy.Eq(first_max, N)),
-                                                                  (first_max, True)))
+    # -1 in an ignored row, as Liger-Kernel's
+    predicted_tokens = op.row("predicted_tokens", sympy.Piecewise(
+        (-1, sympy.Eq(target, ignore_index)), (0, sympy.Eq(first_max, N)), (first_max, True)))
     # 1 where a counted row's prediction is its target, else 0 (ignored rows too)
     token_accuracy = op.row("token_accuracy", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)), (1, sympy.Eq(predicted_tokens, target)), (0, True)))
@@ -98,7 +99,8 @@ def spec() -> OpSpec:
                      ("token_accuracy", "the token accuracy, as Liger-Kernel's: 1 where a "
                                         "counted row's predicted class (return_predicted_tokens) "
                                         "is its target, else 0."),
-                     ("predicted_tokens", "the predicted class of each row, "
+                     ("predicted_tokens", "the predicted class of each counted row (-1 "
+                                          "in ignored rows, as Liger-Kernel's), "
                                           "torch.argmax(logits, class dim): the first class of "
                                           "the row's largest logit, of the capped logits "
                                           "softcap * tanh(input / softcap) with softcap (tanh "
