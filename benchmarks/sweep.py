@@ -87,7 +87,8 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
     inputs = make_inputs(op, m, n, dtype, torch.device("cuda"))
     x = inputs.x.detach().reshape(m, n)
     params = [p.detach() for p in inputs.params]
-    forward_scalars = {"layernorm": (1e-5,), "rmsnorm": (1e-6, 0.0), "softmax": ()}[op_name]
+    # RMS norm's: eps, weight offset, casting mode's switch (off: the default kernels)
+    forward_scalars = {"layernorm": (1e-5,), "rmsnorm": (1e-6, 0.0, 0.0), "softmax": ()}[op_name]
     forward_flags = {"layernorm": 2, "rmsnorm": 1, "softmax": 0}[op_name]
     outs = forward(x, *params, *forward_scalars, *[True] * forward_flags)
     dy = torch.randn_like(x)
@@ -95,7 +96,7 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
         saved, backward_scalars = (outs[0],), ()
     else:
         saved = (x, *params, *outs[1:])
-        backward_scalars = (0.0,) if op_name == "rmsnorm" else ()
+        backward_scalars = (0.0, 0.0) if op_name == "rmsnorm" else ()
     stores = tuple(True for _ in params)
 
     def forward_call():
@@ -111,8 +112,8 @@ def launcher_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
 
 
 #: the fused residual-add norms: their launchers' scalars after the tensors, forward (eps, and
-#: RMS norm's weight offset) and backward (RMS norm's weight offset)
-ADD_NORMS = {"add_layernorm": ((1e-5,), ()), "add_rmsnorm": ((1e-6, 0.0), (0.0,))}
+#: RMS norm's weight offset and casting mode's switch) and backward (RMS norm's two)
+ADD_NORMS = {"add_layernorm": ((1e-5,), ()), "add_rmsnorm": ((1e-6, 0.0, 0.0), (0.0, 0.0))}
 
 
 def _add_norm_calls(op_name: str, module, m: int, n: int, dtype: torch.dtype):
@@ -189,9 +190,10 @@ def _cross_entropy_calls(module, m: int, n: int, dtype: torch.dtype):
     target = torch.randint(0, n, (m,), generator=generator, device="cuda")
     options = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0,
                "softcap": 0.0}
-    stores = {"store_z_loss": False, "store_row_max": True, "store_denominator": True,
+    stores = {"store_z_loss": False, "store_token_accuracy": False,
+              "store_predicted_tokens": False, "store_row_max": True, "store_denominator": True,
               "store_target_weight": True, "store_weight_mean": True}
-    _loss, _z, row_max, denominator, target_weight, weight_mean = module._cross_entropy_fwd(
+    *_, row_max, denominator, target_weight, weight_mean = module._cross_entropy_fwd(
         x, None, target, **options, **stores)
     dloss = torch.full((m,), 1.0 / m, device="cuda")
 

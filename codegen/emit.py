@@ -14,13 +14,14 @@ from typing import Any
 import jinja2
 import sympy
 
-from codegen.fuse import Moments, OnlineExp, Sweep, picks, sweeps
+from codegen.fuse import Moments, OnlineExp, OnlineFirst, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.schedule import DEFAULT, ScheduleTable
 from derive.api import replaces_kind
 from derive.reverse import upstream_symbol
+from derive.spec import Rounded
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -169,6 +170,8 @@ class KernelContext:
         #: whether the kernel takes an exponential or a quotient (and so decides which form:
         #: `helpers.exp`, `helpers.div`)
         self.exact = any(_exact_matters(sympy.sympify(e)) for e in kernel.expressions())
+        # values rounded to the input's dtype (`Rounded`): the kernel's ROUND constexpr
+        self.rounds = any(sympy.sympify(e).has(Rounded) for e in kernel.expressions())
         self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
         self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]
@@ -176,6 +179,7 @@ class KernelContext:
         self.column_inputs = [self._column(t.name) for t in kernel.tensors("column")]
         self.kernel_columns = [c["name"] for c in self.column_inputs]
         self.scalars = list(kernel.scalars)
+        self.gates = {} if backward else self._gates(kernel, dialect)
         self.prologue = self._assigns(kernel.prologue)
         self.passes = [self._pass(p) for p in kernel.passes]
         self.epilogue = self._pass(kernel.epilogue)
@@ -319,7 +323,56 @@ class KernelContext:
 
     @staticmethod
     def assign_lines(assigns: list[dict[str, str]]) -> list[str]:
-        return [f"{a['name']} = {a['src']}  # {a['formula']}" for a in assigns]
+        lines = []
+        for a in assigns:
+            line = f"{a['name']} = {a['src']}  # {a['formula']}"
+            lines += [f"if {a['gate']}:", f"    {line}"] if a.get("gate") else [line]
+        return lines
+
+    @staticmethod
+    def _gated(gate: str | None, lines: list[str]) -> list[str]:
+        """lines, run only where `gate` (a `_gates` condition) holds."""
+        if not gate or not lines:
+            return lines
+        return [f"if {gate}:", *("    " + line for line in lines)]
+
+    @staticmethod
+    def _gates(kernel: Kernel, dialect: Dialect) -> dict[str, str]:
+        """The row values of a forward kernel that only stores made on request read (the
+        argmax of a loss's predicted class, an output the call may not ask for), each with
+        the condition that any of those stores is asked for: the kernel's STORE_<NAME>
+        constexprs (the torch path's store_<name> flags). Where none is, the kernel computes
+        nothing for them: the kernels of the spec without those outputs."""
+        reads: dict[str, set[str]] = {}  # a value -> the values and stores that read it
+        flags: dict[str, str | None] = {}  # a store -> its flag (None: always written)
+        definitions = [(a.name, [a.expr]) for a in kernel.prologue]
+        for step in (*kernel.passes, kernel.epilogue):
+            definitions += [(a.name, [a.expr]) for a in (*step.assigns, *step.after)]
+            definitions += [(r.name, [r.body, r.scale]) for r in step.reductions]
+        for store in kernel.stores:
+            definitions.append((f"store {store.name}", [store.expr]))
+            flags[f"store {store.name}"] = (
+                None if store.flag is None or store.level not in ("element", "row")
+                else store.flag if dialect is TRITON else f"store_{store.name}")
+        for name, exprs in definitions:
+            for expr in exprs:
+                for symbol in sympy.sympify(expr).free_symbols:
+                    reads.setdefault(symbol.name, set()).add(name)
+        gated = {r.name for step in kernel.passes for r in step.reductions}
+        gated |= {a.name for step in kernel.passes for a in step.after}
+        gates = {}
+        for name in sorted(gated):
+            reached, todo, seen = set(), [name], {name}
+            while todo:
+                for reader in reads.get(todo.pop(), ()):
+                    if reader in flags:
+                        reached.add(reader)
+                    elif reader not in seen:
+                        seen.add(reader)
+                        todo.append(reader)
+            if reached and all(flags[store] for store in reached):
+                gates[name] = " or ".join(sorted(flags[store] for store in reached))
+        return gates
 
     def store_lines(self) -> list[str]:
         lines = []
@@ -434,7 +487,8 @@ class KernelContext:
 
     def _assigns(self, assigns: tuple[Assign, ...]) -> list[dict[str, str]]:
         return [{"name": a.name, "src": self.print_named(a.name, a.expr),
-                 "formula": f"{a.name} = {formula(a.expr)}"} for a in assigns]
+                 "formula": f"{a.name} = {formula(a.expr)}",
+                 "gate": self.gates.get(a.name)} for a in assigns]
 
     def _pass(self, step: Pass) -> dict[str, Any]:
         columns = {t.name for t in self.kernel.tensors("column")}
@@ -451,9 +505,11 @@ class KernelContext:
             else:
                 prefix, suffix = f"{self.printer(r.scale)} * ", ""
             body = self.print_named(r.name, r.body)
-            identity = 'float("-inf")' if r.op == "max" else "0.0"
+            identity = {"max": 'float("-inf")', "min": 'float("inf")'}.get(r.op, "0.0")
             reductions.append({
                 "name": r.name, "op": r.op, "body": body, "identity": identity,
+                # computed only where a store that reads it is asked for (`_gates`)
+                "gate": self.gates.get(r.name),
                 # a body that is 0 wherever the mask is off needs no select in its sum
                 "masked": (body if r.op == "sum" and self.vanishes_where_masked(r.body)
                            else f"tl.where(mask, {body}, {identity})"),
@@ -559,20 +615,34 @@ class KernelContext:
         printed = self._pass(Pass(sweep.loads, sweep.assigns, sweep.reductions, sweep.after))
         init, update, finish = [], [], []
         for r in printed["reductions"]:
-            name, identity = r["name"], r["identity"]
-            init.append(f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)")
-            update.append(f"{name}_acc = tl.maximum({name}_acc, {r['masked']})" if r["op"] == "max"
-                          else f"{name}_acc += {r['masked']}")
-            finish.append(f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
-                          f"[:, None]{r['scale_suffix']}  # {r['formula']}")
+            name, identity, gate = r["name"], r["identity"], r["gate"]
+            init += self._gated(gate, [
+                f"{name}_acc = tl.full((ROWS, BLOCK_N), {identity}, dtype=ACC)"])
+            combine = {"max": "tl.maximum", "min": "tl.minimum"}.get(r["op"])
+            update += self._gated(gate, [
+                f"{name}_acc = {combine}({name}_acc, {r['masked']})" if combine
+                else f"{name}_acc += {r['masked']}"])
+            done = [f"{name} = {r['scale_prefix']}tl.{r['op']}({name}_acc, axis=1)"
+                    f"[:, None]{r['scale_suffix']}  # {r['formula']}"]
             if r["op"] == "max":
-                finish.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
-        for pair in sweep.fused:
-            lines = (self._moments(pair) if isinstance(pair, Moments)
-                     else self._online_exp(pair))
+                done.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
+            finish += self._gated(gate, done)
+        # a running max is set up once for the pairs that share it (a sum of exponentials and
+        # an argmax of one max), and moves on after every one of them read its old value
+        peaks: list[str] = []
+        for pair in sorted(sweep.fused, key=lambda pair: isinstance(pair, OnlineFirst)):
+            if isinstance(pair, Moments):
+                lines = self._moments(pair)
+            else:
+                running = self._running_max(pair.peak, peaks)
+                lines = (self._online_exp(pair) if isinstance(pair, OnlineExp)
+                         else tuple(self._gated(self.gates.get(pair.first.name), part)
+                                    for part in self._online_first(pair)))
+                lines = tuple(a + b for a, b in zip(running, lines, strict=True))
             init += lines[0]
             update += lines[1]
             finish += lines[2]
+        update += [f"{peak}_shift = {peak}_next" for peak in peaks]
         return {**printed, "init": init, "step": update, "merge": finish,
                 "joined": sweep.joined}
 
@@ -606,35 +676,62 @@ class KernelContext:
             f"  # {second} = {formula(pair.second.scale)} * sum_j({formula(pair.second.body)})"]
         return init, update, finish
 
+    def _running_max(self, peak: Any, peaks: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """The row's running max of a joined sweep (once per max: `peaks` holds those set up):
+        `<peak>_next`, its stable shift after this step, and `<peak>_shift`, before it (moved
+        on by the sweep once every pair of it read both)."""
+        if peak.name in peaks:
+            return [], [], []
+        peaks.append(peak.name)
+        name = peak.name
+        self._element.add(f"{name}_next")
+        body = self.print_named(name, peak.body)
+        # the running max is the row's (a max over each step's tile), so a sum shifted by it
+        # rescales once a step: one exponential an element, not two as with a running max per
+        # lane. The sum is kept at `_shift`, the running max's stable shift
+        # (`helpers.stable_shift`).
+        init = [f'{name}_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)',
+                f"{name}_shift = tl.zeros((ROWS, 1), dtype=ACC)"]
+        update = [
+            f'{name}_acc = tl.maximum({name}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
+            "axis=1)[:, None])",
+            f"{name}_next = helpers.stable_shift({name}_acc)"]
+        finish = [f"{name} = {name}_shift  # {name} = {formula(peak.scale)} * "
+                  f"max_j({formula(peak.body)}), infinities made finite"]
+        return init, update, finish
+
     def _online_exp(self, pair: OnlineExp) -> tuple[list[str], list[str], list[str]]:
         peak, total = pair.peak.name, pair.total.name
         shift = sympy.Symbol(f"{peak}_next", real=True)
-        self._element.add(shift.name)
         term = self.print_named(total, pair.factor * sympy.exp(pair.peak.body - shift))
-        body = self.print_named(peak, pair.peak.body)
-        # the running max is the row's (a max over each step's tile), so the sum rescales once
-        # a step: one exponential an element, not two as with a running max per lane. The sum
-        # is kept at `_shift`, the running max's stable shift (`helpers.stable_shift`).
-        init = [f'{peak}_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)',
-                f"{peak}_shift = tl.zeros((ROWS, 1), dtype=ACC)",
-                f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
+        init = [f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
         update = [
-            f'{peak}_acc = tl.maximum({peak}_acc, tl.max(tl.where(mask, {body}, float("-inf")), '
-            "axis=1)[:, None])",
-            f"{peak}_next = helpers.stable_shift({peak}_acc)",
             # the shift only falls where a row of -inf so far (shift 0, every lane's sum 0)
             # meets its first finite value: the factor is 1 there, so no lane's 0 meets an
             # overflowed exp (0 * exp(1000) = NaN)
             f"{total}_acc = {total}_acc * tl.exp(tl.minimum({peak}_shift - {peak}_next, 0.0))"
-            f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max",
-            f"{peak}_shift = {peak}_next"]
+            f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max"]
         merged = f"tl.sum({total}_acc, axis=1)[:, None]"
         finish = [
-            f"{peak} = {peak}_shift  # {peak} = {formula(pair.peak.scale)} * "
-            f"max_j({formula(pair.peak.body)}), infinities made finite",
             f"{total} = {self._scaled(pair.total, merged)}"
             f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
             "every lane at the row's max"]
+        return init, update, finish
+
+    def _online_first(self, pair: OnlineFirst) -> tuple[list[str], list[str], list[str]]:
+        peak, first = pair.peak.name, pair.first.name
+        shift = sympy.Symbol(f"{peak}_next", real=True)
+        symbol = next(s for s in pair.first.body.free_symbols if s.name == peak)
+        body = self.print_named(first, pair.first.body.xreplace({symbol: shift}))
+        init = [f'{first}_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)']
+        update = [
+            # where the running max moved, every candidate so far falls short of it (a shift
+            # that falls, from a row of -inf so far, had none)
+            f'{first}_acc = tl.where({peak}_next != {peak}_shift, float("inf"), {first}_acc)',
+            f'{first}_acc = tl.minimum({first}_acc, tl.where(mask, {body}, float("inf")))'
+            "  # the candidates at the row's max so far"]
+        finish = [f"{first} = tl.min({first}_acc, axis=1)[:, None]  # {first} = "
+                  f"{formula(pair.first.scale)} * min_j({formula(pair.first.body)})"]
         return init, update, finish
 
     def vanishes_where_masked(self, expr: sympy.Expr) -> bool:
@@ -831,7 +928,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
         "extra_args": extra_args,
-        "fwd_torch": KernelContext(forward, TORCH),
+        "fwd_torch": KernelContext(forward, TORCH, backward=False),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),
         "dispatch_table": schedule.dispatch(module.op),
@@ -907,7 +1004,7 @@ def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]
                 # an MLP or a loss is computed by the function, not by the op's module
                 "module": api.module if kind in ("norm", "activation") else None,
                 "params": [(p.name, p.flag, p.offset) for p in params],
-                "tries": [(name, tuple(float(v) for v in values))
+                "tries": [(name, tuple(v if isinstance(v, str) else float(v) for v in values))
                           for name, values in rule.tries],
                 "eps": api.eps if kind == "norm" else None,
                 "memory": memory[op] if len(memory[op]) > 1 else (),

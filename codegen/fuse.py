@@ -16,6 +16,11 @@ per lane and combined at the end of one sweep, as torch and inductor do by hand:
   step when that max grows (the online softmax): one exponential an element, and the lanes
   share the max, so they merge by a plain sum.
 
+- the first column where a row reaches its max, `m = max_j g`, `f = min_j (v where g >= m,
+  else c)` (an argmax, torch's first index of the max): each lane's least candidate at the
+  running max, dropped whenever that max changes (every earlier candidate then falls short
+  of it), so that at the end the lanes hold the candidates at the row's max alone.
+
 Persistent rows hold the whole row in registers, so their passes cost no memory and are left
 as they are. Anything else keeps its own pass. The looped kernel has both forms of a joined
 sweep; its ONE_SWEEP constexpr (the schedule's choice: long rows, ONE_SWEEP_MIN_N)
@@ -49,6 +54,20 @@ class OnlineExp:
 
 
 @dataclass(frozen=True)
+class OnlineFirst:
+    """peak = max_j g and first = min_j Piecewise((value, peak <= g), (other, True)), carried
+    in one sweep (the peak's running max shared with an OnlineExp of it, if any)."""
+
+    peak: RowReduce
+    first: RowReduce
+    value: sympy.Expr
+    other: sympy.Expr
+
+
+Fused = Moments | OnlineExp | OnlineFirst
+
+
+@dataclass(frozen=True)
 class Sweep:
     """One read of the row: element work, then accumulators of every kind, then row assigns.
 
@@ -58,7 +77,7 @@ class Sweep:
     loads: tuple[str, ...]
     assigns: tuple[Assign, ...]
     reductions: tuple[RowReduce, ...]
-    fused: tuple[Moments | OnlineExp, ...]
+    fused: tuple[Fused, ...]
     after: tuple[Assign, ...]
     joined: tuple[int, ...]  # the pass numbers (from 1) this sweep carries
 
@@ -114,14 +133,14 @@ def _inline(expr: sympy.Expr, step: Pass, names: set[str]) -> sympy.Expr:
 
 
 def _fusible(first: Pass, second: Pass
-             ) -> tuple[tuple[Moments | OnlineExp, ...], tuple[RowReduce, ...]] | None:
+             ) -> tuple[tuple[Fused, ...], tuple[RowReduce, ...]] | None:
     """Each reduction of `second` carried with its partner in `first`, and those that use no
     value of `first` (a one-hot sum they used is read as one element before the sweep) as plain
     ones; or None when any one can't be (or when `second` uses a row value of `first` another
     way)."""
     earlier = {r.name: r for r in first.reductions}
     after = {a.name for a in first.after}
-    fused: list[Moments | OnlineExp] = []
+    fused: list[Fused] = []
     plain: list[RowReduce] = []
     for r in second.reductions:
         body = _inline(r.body, second, set(earlier))
@@ -135,12 +154,18 @@ def _fusible(first: Pass, second: Pass
             return None
         partner = earlier[(names & set(earlier)).pop()]
         symbol = next(s for s in body.free_symbols if s.name == partner.name)
-        pair = _moments(partner, r, body, symbol) or _online_exp(partner, r, body, symbol)
+        pair = (_moments(partner, r, body, symbol) or _online_exp(partner, r, body, symbol)
+                or _online_first(partner, r, body, symbol))
         if pair is None:
             return None
         fused.append(pair)
-    if len({id(f.mean if isinstance(f, Moments) else f.peak) for f in fused}) != len(fused):
+    # an argmax rides along on its peak's running max: any number of them a peak
+    paired = [f for f in fused if not isinstance(f, OnlineFirst)]
+    if len({id(f.mean if isinstance(f, Moments) else f.peak) for f in paired}) != len(paired):
         return None  # one partner, two fused reductions: not a shape carried here
+    if any(isinstance(f, OnlineFirst) and any(isinstance(g, Moments) and g.mean is f.peak
+                                              for g in fused) for f in fused):
+        return None
     return (tuple(fused), tuple(plain)) if fused else None
 
 
@@ -169,6 +194,22 @@ def _online_exp(peak: RowReduce, total: RowReduce, body: sympy.Expr,
     if symbol in factor.free_symbols or factor.has(sympy.exp, sympy.zoo, sympy.nan):
         return None
     return OnlineExp(peak, RowReduce(total.name, total.op, body, total.scale), factor)
+
+
+def _online_first(peak: RowReduce, first: RowReduce, body: sympy.Expr,
+                  symbol: sympy.Symbol) -> OnlineFirst | None:
+    if peak.op != "max" or first.op != "min" or peak.scale != 1 or first.scale != 1:
+        return None
+    if not isinstance(body, sympy.Piecewise) or len(body.args) != 2 or body.args[1][1] is not \
+            sympy.true:
+        return None
+    (value, condition), (other, _) = body.args
+    if condition not in (sympy.Le(symbol, peak.body), sympy.Ge(peak.body, symbol)):
+        return None
+    if symbol in value.free_symbols or symbol in other.free_symbols \
+            or symbol in peak.body.free_symbols:
+        return None
+    return OnlineFirst(peak, RowReduce(first.name, first.op, body, first.scale), value, other)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class RowReduce:
     """name = scale · op_j body_j, accumulated in the accumulation dtype."""
 
     name: str
-    op: str  # "sum" | "max"
+    op: str  # "sum" | "max" | "min"
     body: sympy.Expr
     scale: sympy.Expr
 

@@ -15,6 +15,7 @@ import sympy
 from sympy.codegen.cfunctions import log1p
 
 from derive.algebra import GuardedReciprocal
+from derive.spec import Rounded
 
 
 class PrintError(ValueError):
@@ -44,6 +45,8 @@ class Dialect:
     exp: str = ""
     #: a quotient, `{}` its numerator and denominator (empty: `/`)
     divide: str = ""
+    #: a value rounded to the input's dtype and back (`Rounded`), `{}` the value
+    rounded: str = ""
 
 
 TRITON = Dialect(
@@ -63,6 +66,8 @@ TRITON = Dialect(
     # exact or fast by the kernel's element dtype (the kernel template's EXACT)
     exp="helpers.exp({}, EXACT)",
     divide="helpers.div({}, {}, EXACT)",
+    # ROUND: the kernel's constexpr, its input's dtype (rounded as the kernel's stores round)
+    rounded="({}).to(ROUND).to(ACC)",
 )
 
 TORCH = Dialect(
@@ -80,6 +85,7 @@ TORCH = Dialect(
     # the Triton printer's quotients, the same roundings (an element divided, not multiplied by
     # a rounded reciprocal): both paths compute the same values
     divide="({}) / ({})",
+    rounded="({}).to(dtype).to(acc)",
 )
 
 # Binding strength, for parentheses: atoms bind tightest.
@@ -164,6 +170,8 @@ class KernelPrinter:
             # an integer's residue (the column index's parity): every dialect's % agrees with
             # SymPy's on the nonnegative integers an index takes
             return f"({self._wrap(expr.args[0], _MUL)} % {int(expr.args[1])})", _ATOM
+        if isinstance(expr, Rounded):
+            return self.dialect.rounded.format(self._print(expr.args[0])[0]), _ATOM
         if isinstance(expr, sympy.Function) and type(expr) in self.dialect.functions:
             args = ", ".join(self._print(a)[0] for a in expr.args)
             if type(expr) is sympy.exp and self.dialect.exp:

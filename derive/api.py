@@ -49,6 +49,31 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """A keyword-only str option of a NormalizedShapeAPI whose value sets spec scalars declared
+    `absent=` (compile-time switches): `values` pairs each value with the numbers it gives
+    `scalars`, in order. The first value is the default and gives every scalar its absent
+    value, so that the default call runs the kernels compiled without them (RMSNorm's
+    casting_mode)."""
+
+    name: str
+    scalars: tuple[str, ...]
+    values: tuple[tuple[str, tuple[float, ...]], ...]
+    #: what the option does, for the function's docstring
+    doc: str = ""
+
+    @property
+    def default(self) -> str:
+        return self.values[0][0]
+
+    @property
+    def table(self) -> str:
+        """The value -> scalars dict, as Python source."""
+        return "{" + ", ".join(f"{value!r}: ({''.join(f'{float(v)!r}, ' for v in numbers)})"
+                               for value, numbers in self.values) + "}"
+
+
+@dataclass(frozen=True)
 class Variant:
     """A string argument whose values select the op that computes the call, as torch's
     `approximate` of gelu ("none" or "tanh"): `ops` maps each value to an op of derive/ops/,
@@ -89,12 +114,14 @@ class Replaces:
     with that norm by this add + norm op, whose parameters are those of the norm's own swap;
     "rotary": the `apply_rotary_pos_emb` an attention module's forward calls (the pattern is of
     the attention's class name), computed by this position-embedding API's embed function.
-    `tries`: values of the API's options tried in
-    turn (the first the probe accepts is kept), such as an offset a parameter may carry."""
+    `tries`: values of the API's options (or `Choice`s) tried in turn, such as an offset a
+    parameter may carry: the first the probe finds exact (the module's own bits) is kept, else
+    the first it accepts within the dtype's tolerance. The first value of each is the API's
+    default (a patched module's label names the others)."""
 
     pattern: str
     kind: str | None = None
-    tries: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    tries: tuple[tuple[str, tuple[float | str, ...]], ...] = ()
 
 
 #: what Replaces.kind may name besides None
@@ -133,6 +160,8 @@ class NormalizedShapeAPI:
     #: dropout=... does, the module its training mode and `seed` at the call; outside training
     #: the probability is 0 (an exact identity)
     dropout: str | None = None
+    #: keyword-only str options that set spec scalars (`Choice`)
+    choices: tuple[Choice, ...] = ()
     #: the op of derive/ops/ that computes a call with dropout on (p > 0 in training), whose
     #: spec draws the mask and whose API takes the same arguments; this op's spec then has no
     #: random values and no scalar for the probability, so that its kernels stay those of the
@@ -244,6 +273,11 @@ class RowLossAPI:
     returns: tuple[str, ...] = ()
     #: what each of `returns` is, for the function's docstring: (name, text) pairs
     returns_doc: tuple[tuple[str, str], ...] = ()
+    #: how a returned output is reduced, (name, how) pairs, "loss" where not named: "loss" as
+    #: the loss (the mean divides by the counted rows' weight sum); "fraction", a 0/1 per row:
+    #: "mean" its mean over the counted rows' count, "sum" its sum, "none" per row, always in
+    #: the loss's precision (fp32, fp64); "index", a class per row, never reduced, int64
+    returns_as: tuple[tuple[str, str], ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
 
@@ -253,6 +287,10 @@ class RowLossAPI:
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
     reference_when: str | None = None
+
+    def returned_as(self, name: str) -> str:
+        """How the returned output `name` is reduced (`returns_as`)."""
+        return dict(self.returns_as).get(name, "loss")
 
     kind = "row_loss"
 
@@ -302,6 +340,9 @@ _GLOBALS = {"math", "numbers", "Optional", "torch", "triton", "tl", "checks", "l
             "helpers", "losses", "Constants", "Schedules", "fixed_n", "maxnreg", "SCHEDULES",
             "dispatch", "DISPATCH"}
 
+#: the ways RowLossAPI.returns_as reduces a returned output
+RETURNS_AS = ("loss", "fraction", "index")
+
 #: the values of Option.check (codegen/runtime/checks.py check_option)
 CHECKS = (None, "probability", "unit", "integer", "positive", "finite")
 
@@ -325,11 +366,24 @@ def api_mismatches(spec) -> list[str]:
     all_options = list(getattr(api, "options", ()))
     options = [o.name for o in all_options if not o.module_only]
     switches = list(getattr(api, "switches", ()))
-    given = set(options) | {s.scalar for s in switches}
+    choices = list(getattr(api, "choices", ()))
+    given = set(options) | {s.scalar for s in switches} | {n for c in choices for n in c.scalars}
     problems = _names(api, set(kinds))
     if not inputs:
         problems.append("the spec declares no input (op.input(...)), which every API takes")
     absent = {n.name: n.absent for n in spec.nodes if n.kind is Kind.SCALAR}
+    for c in choices:
+        where = f"Choice('{c.name}')"
+        if not c.values or any(len(numbers) != len(c.scalars) for _, numbers in c.values):
+            problems.append(f"{where} needs values, each with one number per scalar")
+        elif any(absent.get(n) is None or float(absent[n]) != float(v)
+                 for n, v in zip(c.scalars, c.values[0][1], strict=True)):
+            problems.append(f"{where}: its scalars {', '.join(c.scalars)} must be declared "
+                            "absent=... in the spec, their absent values the first (default) "
+                            "value's numbers: the default call runs the kernels without them")
+        if len({value for value, _ in c.values}) != len(c.values) or not all(
+                isinstance(value, str) for value, _ in c.values):
+            problems.append(f"{where}: its values must be distinct strs")
     for o in all_options:
         if o.default is None:
             if o.check != "positive" or absent.get(o.name) != 0:
@@ -459,6 +513,10 @@ def api_mismatches(spec) -> list[str]:
             if node.name not in api.returns:
                 problems.append(f"output '{node.name}' (grad=False) is not in the API's "
                                 "returns")
+        for name, how in api.returns_as:
+            if name not in api.returns or how not in RETURNS_AS:
+                problems.append(f"returns_as ('{name}', {how!r}): the name must be one of "
+                                f"returns and the way one of {', '.join(RETURNS_AS)}")
     elif isinstance(api, ReductionAPI):
         if len(inputs) != 1 or params:
             problems.append("ReductionAPI takes one input and no parameters; the spec declares "
@@ -573,6 +631,7 @@ def _names(api, values: set[str]) -> list[str]:
     arguments += [o.name for o in getattr(api, "options", ())]
     arguments += [f"return_{name}" for name in getattr(api, "returns", ())]
     arguments += [s.name for s in getattr(api, "switches", ())]
+    arguments += [c.name for c in getattr(api, "choices", ())]
     arguments += [p.flag for p in getattr(api, "params", ()) if p.flag]
     if getattr(api, "variant", None) is not None:
         arguments.append(api.variant.name)
@@ -702,7 +761,9 @@ def replaces_kind(api, rule: Replaces) -> str | None:
 def replaces_mismatches(api) -> list[str]:
     """What in `api.replaces` patch_model() could not act on, each as one sentence."""
     problems = []
-    options = {o.name for o in getattr(api, "options", ())}
+    # each option's default: a Choice's is its first value
+    options = {o.name: o.default for o in getattr(api, "options", ())}
+    options |= {c.name: c.default for c in getattr(api, "choices", ())}
     for rule in getattr(api, "replaces", ()):
         kind = replaces_kind(api, rule)
         where = f"Replaces({rule.pattern!r})"
@@ -728,6 +789,9 @@ def replaces_mismatches(api) -> list[str]:
         for name, values in rule.tries:
             if name not in options:
                 problems.append(f"{where}: tries '{name}', which is not one of the API's options")
+            elif values and values[0] != options[name]:
+                problems.append(f"{where}: tries '{name}' from {values[0]!r}, not from its "
+                                f"default {options[name]!r}")
             if not values:
                 problems.append(f"{where}: tries no value of '{name}'")
     return problems

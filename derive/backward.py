@@ -25,7 +25,7 @@ from derive.algebra import (
 from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult, upstream_symbol
-from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec
+from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec, Rounded
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
         varying = [s for s in sorted_symbols(node.expr.free_symbols) if algebra.varies(s)]
         if len(varying) != 1 or algebra.levels[varying[0]] is not Level.ELEMENT:
             continue
-        if _has_functions(node.expr, algebra):  # only rational inverses are worth a pivot
+        # only rational inverses are worth a pivot (through a rounding: `unrounded`)
+        if _has_functions(unrounded(node.expr), algebra):
             continue
         solutions = solve_for(node.symbol, node.expr, varying[0])
         if len(solutions) == 1 and not _has_functions(solutions[0], algebra) \
@@ -202,8 +203,24 @@ def _invert_from_saved_element(spec: OpSpec, node: Node, available: set[str]
     return None
 
 
+def unrounded(expr: sympy.Expr) -> sympy.Expr:
+    """expr with its roundings to the input's dtype (`Rounded`) taken as the values they round,
+    for inverting it: what an inverse is taken from is a value of that dtype already (a saved
+    output), or one a rounding away from it, which the backward's own rounding to that dtype
+    matches (y = rd(x_hat) * w gives x_hat = y / w; x_hat = rd(x * rstd), x = x_hat / rstd).
+    A switch between a value and its rounding is then that value."""
+    expr = expr.replace(lambda e: isinstance(e, Rounded), lambda e: e.args[0])
+    return expr.replace(lambda e: isinstance(e, sympy.Piecewise)
+                        and len({value for value, _ in e.args}) == 1,
+                        lambda e: e.args[0][0])
+
+
 def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> list[sympy.Expr]:
-    """The solutions of symbol = expr for unknown; none when SymPy has no algorithm for it."""
+    """The solutions of symbol = expr for unknown; none when SymPy has no algorithm for it.
+
+    A value the forward rounds to the input's dtype (`Rounded`) is solved for as if unrounded
+    (`unrounded`)."""
+    expr = unrounded(expr)
     try:
         return list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
     except NotImplementedError:
@@ -358,7 +375,7 @@ def backward_graph(spec: OpSpec, reverse: ReverseResult,
         node = spec.node(r.name)
         if r.how == "recomputed" and node.kind is Kind.REDUCE:
             scale = 1 / N if node.reduction == "mean" else sympy.Integer(1)
-            reduction = "max" if node.reduction == "max" else "sum"
+            reduction = node.reduction if node.reduction in ("max", "min") else "sum"
             definitions.append(Definition(r.name, "row", r.expr, reduction, scale))
         else:
             definitions.append(Definition(r.name, node.level.value if node.level is Level.ROW

@@ -35,7 +35,7 @@ from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
 #: The functions a spec may use; error messages and docs/spec_language.md point here.
 SUPPORTED_FUNCTIONS = (
     "exp", "log", "sqrt (and x**r for rational r)", "tanh", "erf", "sin", "cos",
-    "sinh", "cosh", "Abs", "Max", "Min", "Heaviside", "sign", "Piecewise",
+    "sinh", "cosh", "Abs", "Max", "Min", "Heaviside", "sign", "Piecewise", "Rounded",
     "Mod (of the column index by an integer)",
 )
 

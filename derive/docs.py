@@ -53,7 +53,7 @@ def latex(expr: sympy.Expr) -> str:
 def reduction_latex(node: Node) -> str:
     """A forward reduction's definition: mean = 1/N Σ_j body, var, max_j ..."""
     scale = r"\frac{1}{N}" if node.reduction == "mean" else ""
-    operator = r"\max_j" if node.reduction == "max" else r"\sum_j"
+    operator = {"max": r"\max_j", "min": r"\min_j"}.get(node.reduction, r"\sum_j")
     return f"{latex(node.symbol)} = {scale}{operator} {latex(node.expr)}"
 
 

@@ -13,7 +13,7 @@ def forward_graph(spec: OpSpec) -> RowGraph:
     for node in spec.nodes:
         if node.kind is Kind.REDUCE:
             scale = 1 / N if node.reduction == "mean" else sympy.Integer(1)
-            reduction = "max" if node.reduction == "max" else "sum"
+            reduction = node.reduction if node.reduction in ("max", "min") else "sum"
             definitions.append(Definition(node.name, "row", node.expr, reduction, scale))
         elif node.kind in (Kind.ELEMENT, Kind.ROW):
             definitions.append(Definition(node.name, node.level.value

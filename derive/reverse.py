@@ -92,6 +92,15 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
             stabilisers.append(node.name)
             steps.append(Step(RULE_MAX, node.name, node.name, sympy.Integer(0)))
             continue
+        if node.reduction == "min":
+            # an index reduction (an argmax's column) has no derivative: only outputs never
+            # differentiated may read it
+            if bar != 0:
+                raise DerivationError(
+                    f"{node.where}: '{node.name}' is a row min, which is never differentiated, "
+                    f"and a differentiated output depends on it (adjoint {bar}); a row min "
+                    "may reach only outputs declared output(..., grad=False)")
+            continue
         if bar == 0:
             continue
         arguments = [s for s in sorted_symbols(node.expr.free_symbols) if s != N]

@@ -55,7 +55,7 @@ class Kind(Enum):
 REGENERATED = (Kind.INDEX, Kind.RANDOM)
 
 
-REDUCTIONS = ("sum", "mean", "max")
+REDUCTIONS = ("sum", "mean", "max", "min")
 
 #: The involutive pairings of a row's columns that `OpSpec.partner` reads across: "half" pairs
 #: column j with (j + N/2) mod N (Hugging Face's rotate_half), "interleaved" j with j XOR 1
@@ -74,6 +74,24 @@ RESERVED = frozenset({
 
 #: The row length. Every mean carries a 1/N.
 N = sympy.Symbol("N", positive=True, integer=True)
+
+
+class Rounded(sympy.Function):
+    """Its argument rounded to the dtype of the op's input (a 16-bit input's bf16 or fp16; an
+    fp32 or fp64 input's own, a no-op there), then computed on at the accumulator's precision:
+    a framework's `.to(input_dtype)` between two fp32 steps (Hugging Face's LlamaRMSNorm
+    rounds x_hat so before its weight multiplies it). Its derivative is 1, as torch's autograd
+    takes a cast's: the gradient passes through it unrounded."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex: int = 1) -> sympy.Expr:
+        return sympy.Integer(1)
+
+    def _latex(self, printer: Any, exp: str | None = None) -> str:
+        text = r"\operatorname{rd}\left(" + printer._print(self.args[0]) + r"\right)"
+        return text if exp is None else f"{text}^{{{exp}}}"
 
 
 class SpecError(ValueError):
@@ -255,6 +273,16 @@ class OpSpec:
                                     f"got {expr}, which is {level.value}-level: use row()")
         return self._declare(name, Kind.ELEMENT, Level.ELEMENT, expr=expr, positive=positive)
 
+    def rounded(self, name: str, expr: Any) -> sympy.Symbol:
+        """`expr` rounded to the input's dtype (`Rounded`, whose derivative is 1): an element
+        value where `expr` varies along the row, else a row value. `Rounded(expr)` may also be
+        written inside any expression (under a `Piecewise` of a scalar declared `absent=`, so
+        that the kernels round only where the call asks)."""
+        expr = Rounded(self._expression(name, expr))
+        if self._level_of(expr) in (Level.ELEMENT, Level.COLUMN):
+            return self.element(name, expr)
+        return self.row(name, expr)
+
     def row(self, name: str, expr: Any, positive: bool = False) -> sympy.Symbol:
         """A per-row scalar computed from other row scalars and scalars."""
         expr = self._expression(name, expr)
@@ -276,6 +304,12 @@ class OpSpec:
         """name = max_j body_j. Allowed only where it stabilises: the engine proves the output
         does not depend on it."""
         return self._reduce(name, "max", body, False)
+
+    def row_min(self, name: str, body: Any) -> sympy.Symbol:
+        """name = min_j body_j. Never differentiated: allowed only where no differentiated
+        output depends on it, as an index for an output declared `output(..., grad=False)`
+        (the first column where a row reaches its max: an argmax, torch.argmax's tie rule)."""
+        return self._reduce(name, "min", body, False)
 
     def output(self, *symbols: sympy.Symbol, grad: bool = True) -> None:
         """The results returned by the forward, in order: elementwise values, or one value per

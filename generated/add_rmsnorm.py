@@ -25,7 +25,8 @@ from generated import dropout_add_rmsnorm as _sibling_dropout_add_rmsnorm
 @triton.jit
 def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
         weight_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride, rstd_ptr,
-        eps_high, eps_low, weight_offset_high, weight_offset_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        eps_high, eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
+        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -40,7 +41,7 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     epilogue: load input_bias, residual, weight, x
       residual_out = input_bias + residual + x
       x_hat = residual_out*rstd
-      y = x_hat*(weight + weight_offset)
+      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -50,6 +51,8 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -63,6 +66,7 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     col_mask = helpers.below(cols, N, EVEN)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -86,7 +90,7 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
         mean_square = tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+        y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RESIDUAL_OUT:
             tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -97,7 +101,8 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
 @triton.jit
 def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
         weight_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride, rstd_ptr,
-        eps_high, eps_low, weight_offset_high, weight_offset_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        eps_high, eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
+        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -113,7 +118,7 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     epilogue: load input_bias, residual, weight, x
       residual_out = input_bias + residual + x
       x_hat = residual_out*rstd
-      y = x_hat*(weight + weight_offset)
+      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -123,9 +128,12 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -167,7 +175,7 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+            y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
             if STORE_RESIDUAL_OUT:
                 tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -179,8 +187,9 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
 def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
-        weight_offset_high, weight_offset_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
         KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
@@ -196,13 +205,15 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     output dresidual is dx (same values, stored once)
     store dx = common_0
     store dinput_bias = common_0 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -215,6 +226,7 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -241,7 +253,7 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + pid * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -252,8 +264,9 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
-        weight_offset_high, weight_offset_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
         KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
@@ -270,15 +283,18 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     output dresidual is dx (same values, stored once)
     store dx = common_0
     store dinput_bias = common_0 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -327,7 +343,7 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum((dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat), axis=0)[None, :]  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
@@ -335,8 +351,9 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
-        weight_offset_high, weight_offset_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
         FIXED_N: tl.constexpr):
@@ -354,13 +371,15 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     output dresidual is dx (same values, stored once)
     store dx = common_0
     store dinput_bias = common_0 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -369,6 +388,7 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -413,7 +433,7 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + group * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -424,7 +444,8 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
-        weight_offset_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        weight_offset_low, round_normalized_high, round_normalized_low, M, N, split_sums_ptr,
+        split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -442,13 +463,15 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -461,6 +484,7 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -488,7 +512,7 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + pid * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -499,7 +523,8 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
-        weight_offset_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        weight_offset_low, round_normalized_high, round_normalized_low, M, N, split_sums_ptr,
+        split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -518,15 +543,18 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -576,7 +604,7 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum((dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat), axis=0)[None, :]  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
@@ -584,7 +612,8 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
-        weight_offset_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        weight_offset_low, round_normalized_high, round_normalized_low, M, N, split_sums_ptr,
+        split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
@@ -603,13 +632,15 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -618,6 +649,7 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -663,15 +695,15 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + group * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, store_residual_out,
-        store_rstd, residual_out_dtype=None):
+def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+        store_residual_out, store_rstd, residual_out_dtype=None):
     """_add_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -680,13 +712,15 @@ def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, 
     residual = residual.to(acc) if residual is not None else 0.0
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
     rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+    y = ((weight + weight_offset) * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
@@ -694,7 +728,7 @@ def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, 
 
 
 def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, store_dinput_bias, store_dweight):
+        weight_offset, round_normalized, store_dinput_bias, store_dweight):
     """_add_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -704,19 +738,21 @@ def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, 
     residual_out = residual_out.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 
 
 def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd,
-        weight_offset, store_dinput_bias, store_dweight):
+        weight_offset, round_normalized, store_dinput_bias, store_dweight):
     """_add_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -726,7 +762,9 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
     y = y.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
@@ -734,12 +772,12 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
     common_1 = dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 
 
 def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, input_bias, weight,
-        eps, weight_offset, store_dinput_bias, store_dweight):
+        eps, weight_offset, round_normalized, store_dinput_bias, store_dweight):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = dy.dtype
@@ -750,8 +788,10 @@ def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, inp
     residual_out = residual_out.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
     rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
@@ -759,22 +799,22 @@ def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, inp
     common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
     dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 
 
-def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_residual_out,
-        store_rstd, residual_out_dtype=None):
+def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+        store_residual_out, store_rstd, residual_out_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, store_residual_out, store_rstd, residual_out_dtype)
+        return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, round_normalized, store_residual_out, store_rstd, residual_out_dtype)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_residual_out, store_rstd, residual_out_dtype)
+            return _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_normalized, store_residual_out, store_rstd, residual_out_dtype)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -795,6 +835,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
             store_residual_out,
             store_rstd,
             residual_out_dtype,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
@@ -821,6 +862,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
             rstd_ptr,
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
+            *launch.fp32_pair(round_normalized),
             M, N,
             *plan.tail,
         )
@@ -836,12 +878,14 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
             rstd if rstd is not None else x,
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
+            *launch.fp32_pair(round_normalized),
             M, N,
         )
         constexprs = dict(
             HAS_RESIDUAL=residual is not None,
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
+            HAS_ROUND_NORMALIZED=round_normalized != 0.0,
             STORE_RESIDUAL_OUT=store_residual_out,
             STORE_RSTD=store_rstd,
             ACC=launch.TRITON_ACC[acc],
@@ -868,17 +912,17 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, store_
 
 
 def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, store_dinput_bias, store_dweight, into=None):
+        weight_offset, round_normalized, store_dinput_bias, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+        return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
+            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -904,6 +948,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
             residual_out_stride,
             store_dinput_bias,
             store_dweight,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
@@ -939,6 +984,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 dinput_bias_partial_ptr,
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -956,6 +1002,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 dinput_bias_partial if dinput_bias_partial is not None else dy,
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
@@ -963,6 +1010,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 HAS_DRESIDUAL_OUT=dresidual_out is not None,
                 HAS_INPUT_BIAS=input_bias is not None,
                 HAS_WEIGHT=weight is not None,
+                HAS_ROUND_NORMALIZED=round_normalized != 0.0,
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
@@ -999,7 +1047,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
+        return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
     dinput_bias, dweight, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1008,17 +1056,17 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
 
 
 def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset,
-        store_dinput_bias, store_dweight, into=None):
+        round_normalized, store_dinput_bias, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+        return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
+            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -1044,6 +1092,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
             y_stride,
             store_dinput_bias,
             store_dweight,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
@@ -1079,6 +1128,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 dinput_bias_partial_ptr,
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -1096,6 +1146,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 dinput_bias_partial if dinput_bias_partial is not None else dy,
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
@@ -1103,6 +1154,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 HAS_DRESIDUAL_OUT=dresidual_out is not None,
                 HAS_INPUT_BIAS=input_bias is not None,
                 HAS_WEIGHT=weight is not None,
+                HAS_ROUND_NORMALIZED=round_normalized != 0.0,
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
@@ -1139,7 +1191,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight, into=into)
+        return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
     dinput_bias, dweight, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1154,9 +1206,9 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, in_place, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, want_residual_out, residual_out_dtype):
         y, residual_out, rstd, = _add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
             store_residual_out=True,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1166,6 +1218,7 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y, residual_out
 
@@ -1184,6 +1237,7 @@ class _DefaultFunction(torch.autograd.Function):
                 dy, dresidual_out, residual_out, input_bias, weight,
                 ctx.eps,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
             )
@@ -1191,12 +1245,13 @@ class _DefaultFunction(torch.autograd.Function):
             dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_default(
                 dy, dresidual_out, residual_out, input_bias, weight, rstd,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None
+        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1206,9 +1261,9 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, in_place, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, want_residual_out, residual_out_dtype):
         y, residual_out, rstd, = _add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
             store_residual_out=want_residual_out,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1218,6 +1273,7 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y, residual_out
 
@@ -1234,12 +1290,13 @@ class _InvertibleFunction(torch.autograd.Function):
         dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_invertible(
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
+            ctx.round_normalized,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
             into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None
+        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1265,13 +1322,14 @@ def _add_rmsnorm_op(
     weight: Optional[torch.Tensor],
     eps: float,
     weight_offset: float,
+    round_normalized: float,
     memory: str,
     want_residual_out: bool,
     residual_out_fp32: bool,
 ) -> list[torch.Tensor]:
     stores = _add_rmsnorm_stores(memory, want_residual_out)
     outputs = _add_rmsnorm_fwd(
-        x, residual, input_bias, weight, eps, weight_offset,
+        x, residual, input_bias, weight, eps, weight_offset, round_normalized,
         store_residual_out=stores["residual_out"],
         store_rstd=stores["rstd"],
         residual_out_dtype=torch.float32 if residual_out_fp32 else None,
@@ -1287,6 +1345,7 @@ def _(
     weight,
     eps,
     weight_offset,
+    round_normalized,
     memory,
     want_residual_out,
     residual_out_fp32,
@@ -1294,11 +1353,12 @@ def _(
     stores = _add_rmsnorm_stores(memory, want_residual_out)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
     ]
 
 
@@ -1311,10 +1371,11 @@ def _add_rmsnorm_backward_default_op(
     weight: Optional[torch.Tensor],
     rstd: torch.Tensor,
     weight_offset: float,
+    round_normalized: float,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+    outputs = _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dx', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dinput_bias', 'dweight']]
 
@@ -1328,6 +1389,7 @@ def _(
     weight,
     rstd,
     weight_offset,
+    round_normalized,
     store_dinput_bias,
     store_dweight,
 ):
@@ -1347,10 +1409,11 @@ def _add_rmsnorm_backward_invertible_op(
     weight: Optional[torch.Tensor],
     rstd: torch.Tensor,
     weight_offset: float,
+    round_normalized: float,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, store_dinput_bias, store_dweight)
+    outputs = _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dx', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dinput_bias', 'dweight']]
 
@@ -1364,6 +1427,7 @@ def _(
     weight,
     rstd,
     weight_offset,
+    round_normalized,
     store_dinput_bias,
     store_dweight,
 ):
@@ -1375,7 +1439,7 @@ def _(
 
 
 def _add_rmsnorm_setup_context(ctx, inputs, output):
-    x, residual, input_bias, weight, eps, weight_offset, memory, want_residual_out, residual_out_fp32, = inputs
+    x, residual, input_bias, weight, eps, weight_offset, round_normalized, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, rstd, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
@@ -1384,6 +1448,7 @@ def _add_rmsnorm_setup_context(ctx, inputs, output):
     ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.eps = eps
     ctx.weight_offset = weight_offset
+    ctx.round_normalized = round_normalized
     if memory == "default":
         ctx.save_for_backward(residual_out, rstd, input_bias, weight)
     elif memory == "invertible":
@@ -1403,6 +1468,7 @@ def _add_rmsnorm_backward(ctx, grads):
                 dy, dresidual_out, residual_out, input_bias, weight,
                 ctx.eps,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 store_dinput_bias=input_bias is not None and needs[2],
                 store_dweight=weight is not None and needs[3],
             )
@@ -1410,11 +1476,12 @@ def _add_rmsnorm_backward(ctx, grads):
             dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_default(
                 dy, dresidual_out, residual_out, input_bias, weight, rstd,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 input_bias is not None and needs[2],
                 weight is not None and needs[3],
             )
             dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -1422,11 +1489,12 @@ def _add_rmsnorm_backward(ctx, grads):
         dx, dinput_bias, dweight, = torch.ops.vjpforge.add_rmsnorm_backward_invertible(
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
+            ctx.round_normalized,
             input_bias is not None and needs[2],
             weight is not None and needs[3],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, None, None, 
 
@@ -1449,6 +1517,7 @@ def add_rms_norm(
     residual_in_fp32=False,
     weight_offset=0.0,
     dropout_p=0.0,
+    casting_mode="gemma",
     training=True,
     seed=None,
     memory="default",
@@ -1479,6 +1548,15 @@ def add_rms_norm(
     `dropout_add_rms_norm`). Torch's expression of the op (small CUDA calls,
     codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
 
+    casting_mode (keyword-only, default "gemma"): where a float16 or bfloat16 input's values are
+    rounded, as Liger-Kernel's LigerRMSNorm. "gemma" (as torch's rms_norm and Hugging Face's
+    GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
+    (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
+    rounded to the input's dtype before the weight (weight_offset + weight, in float32)
+    multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
+    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
+    Kernel's "none" (every step in the input's dtype) is not taken.
+
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/add_rmsnorm.md):
         "default": saves residual_out, rstd. Keeps the sum and the row statistic.
@@ -1493,7 +1571,7 @@ def add_rms_norm(
     torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
     backward, so there it always allocates; torch 2.13's hands it over alone.
     """
-    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
+    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
 
@@ -1511,6 +1589,7 @@ def add_rms_norm(
             residual_in_fp32=residual_in_fp32,
             weight_offset=weight_offset,
             dropout_p=dropout_p,
+            casting_mode=casting_mode,
             training=training,
             seed=seed,
             memory=memory,
@@ -1528,6 +1607,7 @@ def add_rms_norm(
     weight = checks.check_param("add_rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("add_rms_norm", "weight_offset", weight_offset)
+    round_normalized, = checks.check_mode("add_rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
@@ -1543,13 +1623,13 @@ def add_rms_norm(
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.add_rmsnorm(
-            x, residual, input_bias, weight, eps, weight_offset, memory, prenorm, residual_in_fp32
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized, memory, prenorm, residual_in_fp32
         )
     elif checks.needs_grad(x, residual, input_bias, weight):
-        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, in_place, prenorm, residual_out_dtype)
+        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, prenorm, residual_out_dtype)
     else:
         outputs = _add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
             store_residual_out=prenorm,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1576,6 +1656,7 @@ class AddRMSNorm(torch.nn.Module):
         residual_in_fp32=False,
         weight_offset=0.0,
         dropout_p=0.0,
+        casting_mode="gemma",
         memory="default",
         in_place=False,
     ):
@@ -1590,6 +1671,8 @@ class AddRMSNorm(torch.nn.Module):
         self.residual_in_fp32 = residual_in_fp32
         self.weight_offset = checks.check_real("AddRMSNorm", "weight_offset", weight_offset)
         self.dropout_p = checks.check_option("AddRMSNorm", "dropout_p", dropout_p, "probability")
+        checks.check_mode("AddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+        self.casting_mode = casting_mode
         checks.check_choice("AddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if not isinstance(in_place, bool):
@@ -1608,7 +1691,7 @@ class AddRMSNorm(torch.nn.Module):
 
     def forward(self, input, residual=None, input_bias=None, seed=None):
         return add_rms_norm(
-            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, dropout_p=self.dropout_p, input_bias=input_bias,
+            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, dropout_p=self.dropout_p, casting_mode=self.casting_mode, input_bias=input_bias,
             prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, training=self.training, seed=seed, memory=self.memory, in_place=self.in_place,
         )
 
@@ -1629,6 +1712,8 @@ class AddRMSNorm(torch.nn.Module):
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", dropout_p={self.dropout_p}" if self.dropout_p != 0.0 else ""
+        ) + (
+            f", casting_mode={self.casting_mode!r}" if self.casting_mode != "gemma" else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         ) + (

@@ -38,15 +38,17 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 @triton.jit
 def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, z_loss_ptr,
-        row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, ignore_index_high,
-        ignore_index_low, label_smoothing_high, label_smoothing_low, lse_square_scale_high,
-        lse_square_scale_low, softcap_high, softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
-        STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr,
-        STORE_TARGET_WEIGHT: tl.constexpr, STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
-        ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
-        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+        token_accuracy_ptr, predicted_tokens_ptr, row_max_ptr, denominator_ptr, target_weight_ptr,
+        weight_mean_ptr, ignore_index_high, ignore_index_low, label_smoothing_high,
+        label_smoothing_low, lse_square_scale_high, lse_square_scale_low, softcap_high,
+        softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr, STORE_TOKEN_ACCURACY: tl.constexpr,
+        STORE_PREDICTED_TOKENS: tl.constexpr, STORE_ROW_MAX: tl.constexpr,
+        STORE_DENOMINATOR: tl.constexpr, STORE_TARGET_WEIGHT: tl.constexpr,
+        STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     key = column index
@@ -57,17 +59,22 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       target_weight = 1 * sum_j(Piecewise((weight, Eq(key, target)), (0, True)))
       weight_mean = 1/N * sum_j(weight)
       factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-    pass 2: load weight, x
+    pass 2: load key, weight, x
       z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
       e = exp(-row_max + z)
       denominator = 1 * sum_j(e)
       target_gap = 1/N * sum_j(weight*(target_logit - z))
+      first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
       z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
+      predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
+      token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
       loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     epilogue: load -
     store loss = loss
     store z_loss = z_loss (if STORE_Z_LOSS)
+    store token_accuracy = token_accuracy (if STORE_TOKEN_ACCURACY)
+    store predicted_tokens = predicted_tokens (if STORE_PREDICTED_TOKENS)
     store row_max = row_max (if STORE_ROW_MAX)
     store denominator = denominator (if STORE_DENOMINATOR)
     store target_weight = target_weight (if STORE_TARGET_WEIGHT)
@@ -120,12 +127,22 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         target_gap = tl.sum(tl.where(mask, weight * (target_logit - z), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+        if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+            first_max = tl.min(tl.where(mask, tl.where((row_max <= z), key, N), float("inf")), axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
         z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+        if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+            predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
+        if STORE_TOKEN_ACCURACY:
+            token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
         loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
+        if STORE_TOKEN_ACCURACY:
+            tl.store(token_accuracy_ptr + rows, token_accuracy, mask=row_mask)
+        if STORE_PREDICTED_TOKENS:
+            tl.store(predicted_tokens_ptr + rows, predicted_tokens, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
         if STORE_DENOMINATOR:
@@ -138,15 +155,17 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 
 @triton.jit
 def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, z_loss_ptr,
-        row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, ignore_index_high,
-        ignore_index_low, label_smoothing_high, label_smoothing_low, lse_square_scale_high,
-        lse_square_scale_low, softcap_high, softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
-        STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr,
-        STORE_TARGET_WEIGHT: tl.constexpr, STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
-        ONE_SWEEP: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
-        REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
+        token_accuracy_ptr, predicted_tokens_ptr, row_max_ptr, denominator_ptr, target_weight_ptr,
+        weight_mean_ptr, ignore_index_high, ignore_index_low, label_smoothing_high,
+        label_smoothing_low, lse_square_scale_high, lse_square_scale_low, softcap_high,
+        softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr, STORE_TOKEN_ACCURACY: tl.constexpr,
+        STORE_PREDICTED_TOKENS: tl.constexpr, STORE_ROW_MAX: tl.constexpr,
+        STORE_DENOMINATOR: tl.constexpr, STORE_TARGET_WEIGHT: tl.constexpr,
+        STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns.
 
@@ -158,17 +177,22 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       target_weight = 1 * sum_j(Piecewise((weight, Eq(key, target)), (0, True)))
       weight_mean = 1/N * sum_j(weight)
       factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-    pass 2: load weight, x
+    pass 2: load key, weight, x
       z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
       e = exp(-row_max + z)
       denominator = 1 * sum_j(e)
       target_gap = 1/N * sum_j(weight*(target_logit - z))
+      first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
       z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
+      predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
+      token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
       loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     epilogue: load -
     store loss = loss
     store z_loss = z_loss (if STORE_Z_LOSS)
+    store token_accuracy = token_accuracy (if STORE_TOKEN_ACCURACY)
+    store predicted_tokens = predicted_tokens (if STORE_PREDICTED_TOKENS)
     store row_max = row_max (if STORE_ROW_MAX)
     store denominator = denominator (if STORE_DENOMINATOR)
     store target_weight = target_weight (if STORE_TARGET_WEIGHT)
@@ -204,6 +228,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             row_max_shift = tl.zeros((ROWS, 1), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
@@ -220,14 +246,23 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
                 denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
+                if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                    first_max_acc = tl.where(row_max_next != row_max_shift, float("inf"), first_max_acc)
+                    first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max_next <= z), key, N), float("inf")))  # the candidates at the row's max so far
                 row_max_shift = row_max_next
             weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
             row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
+            if STORE_TOKEN_ACCURACY:
+                token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
             loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
@@ -251,6 +286,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
                 col_mask = helpers.below(cols, N, EVEN)
@@ -259,19 +296,32 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
                 else:
                     weight = tl.full([], 1.0, ACC)
+                key = cols
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
                 z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
                 e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
                 target_gap_acc += tl.where(mask, weight * (target_logit - z), 0.0)
+                if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                    first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max <= z), key, N), float("inf")))
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
             target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+            if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
+                predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
+            if STORE_TOKEN_ACCURACY:
+                token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
             loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
+        if STORE_TOKEN_ACCURACY:
+            tl.store(token_accuracy_ptr + rows, token_accuracy, mask=row_mask)
+        if STORE_PREDICTED_TOKENS:
+            tl.store(predicted_tokens_ptr + rows, predicted_tokens, mask=row_mask)
         if STORE_ROW_MAX:
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
         if STORE_DENOMINATOR:
@@ -404,8 +454,8 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
 
 
 def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale,
-        softcap, store_z_loss, store_row_max, store_denominator, store_target_weight,
-        store_weight_mean):
+        softcap, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max,
+        store_denominator, store_target_weight, store_weight_mean):
     """_cross_entropy_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -442,16 +492,23 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     target_gap = (weight * (target_logit - z)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+    first_max = None  # computed only where a store that reads it is asked for
+    if store_predicted_tokens or store_token_accuracy:
+        first_max = torch.broadcast_to(torch.where((row_max <= z), key, N).to(acc), (M, N)).amin(dim=-1, keepdim=True).to(acc) if N else torch.full((M, 1), float("inf"), dtype=acc, device=x.device)  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
     z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+    predicted_tokens = torch.where((ignore_index == target), -1.0, torch.where((N == first_max), 0.0, first_max).to(acc)).to(acc) if store_predicted_tokens or store_token_accuracy else None  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
+    token_accuracy = torch.where((ignore_index == target), 0.0, torch.where((predicted_tokens == target), 1.0, 0.0).to(acc)).to(acc) if store_token_accuracy else None  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
     loss = torch.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
     z_loss = torch.broadcast_to(z_loss, (M, 1)).reshape(M).contiguous() if store_z_loss else None
+    token_accuracy = torch.broadcast_to(token_accuracy, (M, 1)).reshape(M).contiguous() if store_token_accuracy else None
+    predicted_tokens = torch.broadcast_to(predicted_tokens, (M, 1)).reshape(M).contiguous() if store_predicted_tokens else None
     row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M).contiguous() if store_row_max else None
     denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M).contiguous() if store_denominator else None
     target_weight = torch.broadcast_to(target_weight, (M, 1)).reshape(M).contiguous() if store_target_weight else None
     weight_mean = torch.broadcast_to(weight_mean, (M, 1)).reshape(M).contiguous() if store_weight_mean else None
-    return loss, z_loss, row_max, denominator, target_weight, weight_mean,
+    return loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean,
 
 
 def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight,
@@ -524,17 +581,18 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
 
 
 def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
-        store_z_loss, store_row_max, store_denominator, store_target_weight, store_weight_mean):
+        store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max,
+        store_denominator, store_target_weight, store_weight_mean):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_row_max, store_denominator, store_target_weight, store_weight_mean)
+        return _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max, store_denominator, store_target_weight, store_weight_mean)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_row_max, store_denominator, store_target_weight, store_weight_mean)
+            return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max, store_denominator, store_target_weight, store_weight_mean)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -549,6 +607,8 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             target.dtype, target_ptr & 15,
             x_stride,
             store_z_loss,
+            store_token_accuracy,
+            store_predicted_tokens,
             store_row_max,
             store_denominator,
             store_target_weight,
@@ -560,6 +620,8 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
     loss = torch.empty((M,), dtype=acc, device=device)
     z_loss = torch.empty((M,), dtype=acc, device=device) if store_z_loss else None
+    token_accuracy = torch.empty((M,), dtype=acc, device=device) if store_token_accuracy else None
+    predicted_tokens = torch.empty((M,), dtype=acc, device=device) if store_predicted_tokens else None
     row_max = torch.empty((M,), dtype=acc, device=device) if store_row_max else None
     denominator = torch.empty((M,), dtype=acc, device=device) if store_denominator else None
     target_weight = torch.empty((M,), dtype=acc, device=device) if store_target_weight else None
@@ -567,12 +629,14 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
     if plan:
         loss_ptr = loss.data_ptr()
         z_loss_ptr = z_loss.data_ptr() if store_z_loss else 0
+        token_accuracy_ptr = token_accuracy.data_ptr() if store_token_accuracy else 0
+        predicted_tokens_ptr = predicted_tokens.data_ptr() if store_predicted_tokens else 0
         row_max_ptr = row_max.data_ptr() if store_row_max else 0
         denominator_ptr = denominator.data_ptr() if store_denominator else 0
         target_weight_ptr = target_weight.data_ptr() if store_target_weight else 0
         weight_mean_ptr = weight_mean.data_ptr() if store_weight_mean else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (loss_ptr | z_loss_ptr | row_max_ptr | denominator_ptr | target_weight_ptr | weight_mean_ptr) & 15:
+        if (loss_ptr | z_loss_ptr | token_accuracy_ptr | predicted_tokens_ptr | row_max_ptr | denominator_ptr | target_weight_ptr | weight_mean_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -582,6 +646,8 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             target_ptr,
             loss_ptr,
             z_loss_ptr,
+            token_accuracy_ptr,
+            predicted_tokens_ptr,
             row_max_ptr,
             denominator_ptr,
             target_weight_ptr,
@@ -601,6 +667,8 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             target,
             loss,
             z_loss if z_loss is not None else x,
+            token_accuracy if token_accuracy is not None else x,
+            predicted_tokens if predicted_tokens is not None else x,
             row_max if row_max is not None else x,
             denominator if denominator is not None else x,
             target_weight if target_weight is not None else x,
@@ -616,6 +684,8 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             HAS_LSE_SQUARE_SCALE=lse_square_scale != 0.0,
             HAS_SOFTCAP=softcap != 0.0,
             STORE_Z_LOSS=store_z_loss,
+            STORE_TOKEN_ACCURACY=store_token_accuracy,
+            STORE_PREDICTED_TOKENS=store_predicted_tokens,
             STORE_ROW_MAX=store_row_max,
             STORE_DENOMINATOR=store_denominator,
             STORE_TARGET_WEIGHT=store_target_weight,
@@ -641,7 +711,7 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
         with launch.ieee(device):
             compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
-    return loss, z_loss, row_max, denominator, target_weight, weight_mean,
+    return loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean,
 
 
 def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight,
@@ -766,10 +836,12 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss):
-        loss, z_loss, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd(
+    def forward(ctx, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss, want_token_accuracy, want_predicted_tokens):
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd(
             x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
             store_z_loss=want_z_loss,
+            store_token_accuracy=want_token_accuracy,
+            store_predicted_tokens=want_predicted_tokens,
             store_row_max=True,
             store_denominator=True,
             store_target_weight=True,
@@ -777,6 +849,10 @@ class _DefaultFunction(torch.autograd.Function):
         )
         if z_loss is not None:
             ctx.mark_non_differentiable(z_loss)  # never differentiated (`output(grad=False)`)
+        if token_accuracy is not None:
+            ctx.mark_non_differentiable(token_accuracy)  # never differentiated (`output(grad=False)`)
+        if predicted_tokens is not None:
+            ctx.mark_non_differentiable(predicted_tokens)  # never differentiated (`output(grad=False)`)
         ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
@@ -784,10 +860,10 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.label_smoothing = label_smoothing
         ctx.lse_square_scale = lse_square_scale
         ctx.softcap = softcap
-        return loss, z_loss
+        return loss, z_loss, token_accuracy, predicted_tokens
 
     @staticmethod
-    def backward(ctx, dloss, dz_loss):
+    def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
         x, target, row_max, denominator, target_weight, weight_mean, weight, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
@@ -809,7 +885,7 @@ class _DefaultFunction(torch.autograd.Function):
                 ctx.softcap,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, None, None, None, None, None, None, None
+        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -817,10 +893,10 @@ _FUNCTIONS = {
 }
 
 
-def _cross_entropy_stores(memory, want_z_loss):
+def _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens):
     """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
     if memory == "default":
-        return {"z_loss": want_z_loss, "row_max": True, "denominator": True, "target_weight": True, "weight_mean": True, }
+        return {"z_loss": want_z_loss, "token_accuracy": want_token_accuracy, "predicted_tokens": want_predicted_tokens, "row_max": True, "denominator": True, "target_weight": True, "weight_mean": True, }
     raise ValueError(f"vjpforge::cross_entropy: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
 
 
@@ -835,11 +911,15 @@ def _cross_entropy_op(
     softcap: float,
     memory: str,
     want_z_loss: bool,
+    want_token_accuracy: bool,
+    want_predicted_tokens: bool,
 ) -> list[torch.Tensor]:
-    stores = _cross_entropy_stores(memory, want_z_loss)
+    stores = _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens)
     outputs = _cross_entropy_fwd(
         x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
         store_z_loss=stores["z_loss"],
+        store_token_accuracy=stores["token_accuracy"],
+        store_predicted_tokens=stores["predicted_tokens"],
         store_row_max=stores["row_max"],
         store_denominator=stores["denominator"],
         store_target_weight=stores["target_weight"],
@@ -859,18 +939,23 @@ def _(
     softcap,
     memory,
     want_z_loss,
+    want_token_accuracy,
+    want_predicted_tokens,
 ):
-    stores = _cross_entropy_stores(memory, want_z_loss)
+    stores = _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc) if stores["z_loss"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["row_max"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["denominator"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["weight_mean"] else empty,
+        x.new_empty((M,), dtype=acc) if stores["z_loss"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["token_accuracy"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["predicted_tokens"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["row_max"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["denominator"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["weight_mean"] else empty(0),
     ]
 
 
@@ -915,8 +1000,8 @@ def _(
 
 
 def _cross_entropy_setup_context(ctx, inputs, output):
-    x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, memory, want_z_loss, = inputs
-    loss, z_loss, row_max, denominator, target_weight, weight_mean, = output
+    x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, memory, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
+    loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -955,7 +1040,7 @@ def _cross_entropy_backward(ctx, grads):
             )
         gradients = [dx, None, None, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, 
+    return *gradients, None, None, None, None, 
 
 
 torch.library.register_autograd(
@@ -964,7 +1049,7 @@ torch.library.register_autograd(
 
 
 
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, class_dim=None):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
     """`torch.nn.functional.cross_entropy`: one loss per row of the class dim, one kernel each way.
 
     torch's layout: the classes along dim 1 of an input of 2 or more dims ((N, C) or
@@ -990,6 +1075,20 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     `return_z_loss=True` returns (loss, z_loss): the z-loss term alone, lse_square_scale *
     logsumexp^2 per counted row (0 in ignored rows), for logging, as Liger-Kernel's. It is
     reduced as the loss is and never differentiated (a gradient reaching it is dropped).
+    `return_token_accuracy=True` returns (loss, token_accuracy): the token accuracy, as Liger-
+    Kernel's: 1 where a counted row's predicted class (return_predicted_tokens) is its target,
+    else 0. Reduced as `reduction` says: "mean" over the counted rows (their count, whatever the
+    class weights; NaN where none is), "sum" the count of 1s, "none" one per row, 0 in ignored
+    rows; in float32 (float64 for float64 input), never differentiated.
+    `return_predicted_tokens=True` returns (loss, predicted_tokens): the predicted class of each
+    counted row (-1 in ignored rows, as Liger-Kernel's), torch.argmax(logits, class dim): the
+    first class of the row's largest logit, of the capped logits softcap * tanh(input / softcap)
+    with softcap (tanh keeps the order: the class of the largest input, unless capping rounds
+    the largest logits to one value; then the first of those), computed in float32 (float64 for
+    float64 input). A row of -inf logits predicts class 0, as torch.argmax; a row holding NaN
+    (whose loss is NaN) no class in particular, where torch.argmax takes the first NaN. One
+    int64 class per row, in the shape of `target`, whatever `reduction` is.
+    Several `return_*` flags: (loss, then each asked for, in the order of the arguments).
     reduction: "none" (a loss per row, shape of `target`), "mean" or "sum";
     `size_average` and `reduce`, torch's legacy arguments, set it as torch's do (and warn).
     Losses are computed and reduced in fp32 (fp64 for fp64 input) and returned in the input's
@@ -1004,6 +1103,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         reduction = losses.legacy_reduction(size_average, reduce)
     checks.check_input("cross_entropy", input, "input")
     losses.check_flag("cross_entropy", "return_z_loss", return_z_loss)
+    losses.check_flag("cross_entropy", "return_token_accuracy", return_token_accuracy)
+    losses.check_flag("cross_entropy", "return_predicted_tokens", return_predicted_tokens)
     ignore_index = checks.check_option("cross_entropy", "ignore_index", ignore_index, "integer")
     label_smoothing = checks.check_option("cross_entropy", "label_smoothing", label_smoothing, "unit")
     lse_square_scale = checks.check_option("cross_entropy", "lse_square_scale", lse_square_scale, "finite")
@@ -1020,15 +1121,19 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
-        outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, "default", return_z_loss)
+        outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, "default", return_z_loss, return_token_accuracy, return_predicted_tokens)
     elif checks.needs_grad(x):
-        outputs = function.apply(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, return_z_loss)
+        outputs = function.apply(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, return_z_loss, return_token_accuracy, return_predicted_tokens)
     else:
-        outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=return_z_loss, store_row_max=False, store_denominator=False, store_target_weight=False, store_weight_mean=False)
+        outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=return_z_loss, store_token_accuracy=return_token_accuracy, store_predicted_tokens=return_predicted_tokens, store_row_max=False, store_denominator=False, store_target_weight=False, store_weight_mean=False)
     results = [losses.reduce_rows(outputs[0], reduction, shape, counted, target, ignore_index, weight, input.dtype)]
     if return_z_loss:
         # reduced as the loss, never differentiated
         results.append(losses.reduce_rows(outputs[1].detach(), reduction, shape, counted, target, ignore_index, weight, input.dtype))
+    if return_token_accuracy:
+        results.append(losses.reduce_returned("fraction", outputs[2].detach(), reduction, shape, target, ignore_index))
+    if return_predicted_tokens:
+        results.append(losses.reduce_returned("index", outputs[3].detach(), reduction, shape, target, ignore_index))
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -1036,7 +1141,7 @@ class CrossEntropyLoss(torch.nn.Module):
     """`cross_entropy` as a module, like torch.nn.CrossEntropyLoss: `weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, class_dim=None):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = losses.legacy_reduction(size_average, reduce)
@@ -1047,29 +1152,31 @@ class CrossEntropyLoss(torch.nn.Module):
         self.softcap = checks.check_option("CrossEntropyLoss", "softcap", softcap, "positive")
         self.reduction = losses.check_reduction("CrossEntropyLoss", reduction)
         self.return_z_loss = losses.check_flag("CrossEntropyLoss", "return_z_loss", return_z_loss)
+        self.return_token_accuracy = losses.check_flag("CrossEntropyLoss", "return_token_accuracy", return_token_accuracy)
+        self.return_predicted_tokens = losses.check_flag("CrossEntropyLoss", "return_predicted_tokens", return_predicted_tokens)
         self.class_dim = class_dim
 
     def extra_repr(self):
         # the options that differ from their defaults, values as Python writes them: a module
         # built with the defaults prints as torch's (CrossEntropyLoss())
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "return_z_loss": False, "class_dim": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False, "class_dim": None}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, target):
-        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, return_z_loss=self.return_z_loss, class_dim=self.class_dim)
+        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens, class_dim=self.class_dim)
 
 
 def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, softcap):
     """This module's kernels, one call's options bound, as `linear_cross_entropy` runs them on each
     chunk of logits (codegen/runtime/linear_loss.py's `Kernels`)."""
 
-    def forward(x, target, saving):
-        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=False, store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
+    def forward(x, target, saving, wanted=(False,) * 3):
+        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=bool(wanted[0]), store_token_accuracy=bool(wanted[1]), store_predicted_tokens=bool(wanted[2]), store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
 
     def backward(x, target, outputs, dloss, col_start=0, row_length=None):
-        loss, z_loss, row_max, denominator, target_weight, weight_mean, = outputs
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = outputs
         # d loss / d logits into the logits' own memory: the chunk's buffer is not read again
         return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=col_start, row_length=row_length, into=x)[0]
 
@@ -1077,7 +1184,7 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
-def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, out_dtype=None):
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, out_dtype=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
     """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
     ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
     into a buffer that every chunk reuses, then this module's loss kernels (and, where a
@@ -1102,6 +1209,10 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     with "none" the backward computes each chunk's logits again.
     Double backward is not supported (RuntimeError).
 
+    `return_z_loss`, `return_token_accuracy`, `return_predicted_tokens`: as cross_entropy's,
+    the same values (each chunk's kernels give them beside its losses); (loss, then each
+    asked for, in the order of the arguments).
+
     `out_dtype`: the dtype of the returned loss, by default the input's (float32 under
     autocast). The losses are computed in float32 (float64 for float64 input) whatever it is:
     float32 returns them unrounded from 16-bit logits, as cross_entropy(logits.float(), ...).
@@ -1112,6 +1223,9 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     softcap = checks.check_option("linear_cross_entropy", "softcap", softcap, "positive")
     if softcap is None:
         softcap = 0.0  # off: the kernels are compiled without it
+    losses.check_flag("linear_cross_entropy", "return_z_loss", return_z_loss)
+    losses.check_flag("linear_cross_entropy", "return_token_accuracy", return_token_accuracy)
+    losses.check_flag("linear_cross_entropy", "return_predicted_tokens", return_predicted_tokens)
     losses.check_reduction("linear_cross_entropy", reduction)
     input, weight, bias, dtype = linear_loss.check_linear("linear_cross_entropy", input, weight, bias)
     dtype = linear_loss.check_out_dtype("linear_cross_entropy", out_dtype, dtype)
@@ -1121,7 +1235,8 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     if counted is None and reduction == "mean":  # no rows: torch's ops count
         counted = losses.count_rows(target.reshape(-1), ignore_index, class_weight, launch.accumulator(input.dtype))
     kernels = _linear_kernels(class_weight, ignore_index, label_smoothing, lse_square_scale, softcap)
-    return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels)
+    returns = ("loss" if return_z_loss else None, "fraction" if return_token_accuracy else None, "index" if return_predicted_tokens else None, )
+    return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels, returns, ignore_index)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -1129,7 +1244,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     a linear layer's outputs without its logits held whole; `class_weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = int(checks.check_option("LinearCrossEntropyLoss", "ignore_index", ignore_index, "integer"))
@@ -1138,15 +1253,18 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.softcap = checks.check_option("LinearCrossEntropyLoss", "softcap", softcap, "positive")
         self.reduction = losses.check_reduction("LinearCrossEntropyLoss", reduction)
         self.chunk_size = linear_loss.check_chunk_size("LinearCrossEntropyLoss", chunk_size)
+        self.return_z_loss = losses.check_flag("LinearCrossEntropyLoss", "return_z_loss", return_z_loss)
+        self.return_token_accuracy = losses.check_flag("LinearCrossEntropyLoss", "return_token_accuracy", return_token_accuracy)
+        self.return_predicted_tokens = losses.check_flag("LinearCrossEntropyLoss", "return_predicted_tokens", return_predicted_tokens)
 
     def extra_repr(self):
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "chunk_size": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "chunk_size": None, "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, weight, target, bias=None):
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size)
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

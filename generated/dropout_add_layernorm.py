@@ -1798,12 +1798,13 @@ def _(
     stores = _dropout_add_layernorm_stores(memory, want_residual_out)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["mean"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["mean"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
     ]
 
 

@@ -33,7 +33,8 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
         input_bias_ptr, weight_ptr, seed_ptr, y_ptr, y_row_stride, residual_out_ptr,
         residual_out_row_stride, rstd_ptr, eps_high, eps_low, weight_offset_high,
-        weight_offset_low, dropout_p_high, dropout_p_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        weight_offset_low, dropout_p_high, dropout_p_low, round_normalized_high,
+        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -53,7 +54,7 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
       dropped = keep*(input_bias + x)/(1 - dropout_p)
       residual_out = dropped + residual
       x_hat = residual_out*rstd
-      y = x_hat*(weight + weight_offset)
+      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -63,6 +64,8 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -78,6 +81,7 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -105,7 +109,7 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
         mean_square = tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+        y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RESIDUAL_OUT:
             tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -117,7 +121,8 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
 def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
         input_bias_ptr, weight_ptr, seed_ptr, y_ptr, y_row_stride, residual_out_ptr,
         residual_out_row_stride, rstd_ptr, eps_high, eps_low, weight_offset_high,
-        weight_offset_low, dropout_p_high, dropout_p_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        weight_offset_low, dropout_p_high, dropout_p_low, round_normalized_high,
+        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -138,7 +143,7 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
       dropped = keep*(input_bias + x)/(1 - dropout_p)
       residual_out = dropped + residual
       x_hat = residual_out*rstd
-      y = x_hat*(weight + weight_offset)
+      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -148,10 +153,13 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -202,7 +210,7 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
             dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
             residual_out = dropped + residual  # residual_out = dropped + residual
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+            y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
             if STORE_RESIDUAL_OUT:
                 tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -215,7 +223,8 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -237,13 +246,15 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
     store dx = common_3
     store dresidual = -common_0*sum_dy_x_hat_weight_weight_offset + common_2 + dresidual_out
     store dinput_bias = common_3 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -259,6 +270,7 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -292,7 +304,7 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_3, 0.0)  # dinput_bias = common_3
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + pid * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -304,7 +316,8 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -327,16 +340,19 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
     store dx = common_3
     store dresidual = -common_0*sum_dy_x_hat_weight_weight_offset + common_2 + dresidual_out
     store dinput_bias = common_3 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -396,7 +412,7 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum((dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat), axis=0)[None, :]  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
@@ -405,7 +421,8 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -428,13 +445,15 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
     store dx = common_4
     store dresidual = -common_1*sum_dy_x_hat_weight_weight_offset + common_3 + dresidual_out
     store dinput_bias = common_4 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -450,6 +469,7 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -484,7 +504,7 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_4, 0.0)  # dinput_bias = common_4
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
         tl.store(dinput_bias_partial_ptr + pid * N + cols, tl.sum(dinput_bias_acc, axis=0)[None, :], mask=col_mask)
     if STORE_DWEIGHT:
@@ -496,7 +516,8 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -520,16 +541,19 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
     store dx = common_4
     store dresidual = -common_1*sum_dy_x_hat_weight_weight_offset + common_3 + dresidual_out
     store dinput_bias = common_4 (Σ over rows)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -590,12 +614,12 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum((dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat), axis=0)[None, :]  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
 def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, dropout_p,
-        seed, store_residual_out, store_rstd, residual_out_dtype=None):
+        round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype=None):
     """_dropout_add_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -604,9 +628,11 @@ def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_
     residual = residual.to(acc) if residual is not None else 0.0
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
     dropped = (keep * (input_bias + x)) / (1.0 - dropout_p)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
@@ -614,7 +640,7 @@ def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
     rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+    y = ((weight + weight_offset) * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
@@ -622,7 +648,7 @@ def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_
 
 
 def _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight,
-        rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight):
+        rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight):
     """_dropout_add_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -632,8 +658,10 @@ def _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, inpu
     residual_out = residual_out.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
@@ -646,12 +674,12 @@ def _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, inpu
     dx = torch.broadcast_to(common_3, (M, N)).to(dtype).contiguous()
     dresidual = torch.broadcast_to(common_2 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_0, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_3, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dresidual, dinput_bias, dweight,
 
 
 def _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd,
-        weight_offset, dropout_p, seed, store_dinput_bias, store_dweight):
+        weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight):
     """_dropout_add_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -661,8 +689,10 @@ def _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, 
     y = y.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
@@ -676,12 +706,13 @@ def _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, 
     dx = torch.broadcast_to(common_4, (M, N)).to(dtype).contiguous()
     dresidual = torch.broadcast_to(common_3 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_4, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dresidual, dinput_bias, dweight,
 
 
 def _dropout_add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, input_bias,
-        weight, eps, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight):
+        weight, eps, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias,
+        store_dweight):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = dy.dtype
@@ -692,9 +723,11 @@ def _dropout_add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_
     residual_out = residual_out.to(acc)
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
     rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
@@ -708,22 +741,22 @@ def _dropout_add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_
     dx = torch.broadcast_to(common_3, (M, N)).to(dtype).contiguous()
     dresidual = torch.broadcast_to(common_2 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_0, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_3, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dresidual, dinput_bias, dweight,
 
 
-def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed,
-        store_residual_out, store_rstd, residual_out_dtype=None):
+def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p,
+        round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, store_residual_out, store_rstd, residual_out_dtype)
+        return _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, store_residual_out, store_rstd, residual_out_dtype)
+            return _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -746,6 +779,7 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             store_residual_out,
             store_rstd,
             residual_out_dtype,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
@@ -774,6 +808,7 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
+            *launch.fp32_pair(round_normalized),
             M, N,
             *plan.tail,
         )
@@ -791,12 +826,14 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
+            *launch.fp32_pair(round_normalized),
             M, N,
         )
         constexprs = dict(
             HAS_RESIDUAL=residual is not None,
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
+            HAS_ROUND_NORMALIZED=round_normalized != 0.0,
             STORE_RESIDUAL_OUT=store_residual_out,
             STORE_RSTD=store_rstd,
             ACC=launch.TRITON_ACC[acc],
@@ -823,17 +860,18 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
 
 
 def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, dropout_p, seed, store_dinput_bias, store_dweight, into=None):
+        weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight,
+        into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight)
+        return _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight, into=into)
+            return _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -861,6 +899,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             residual_out_stride,
             store_dinput_bias,
             store_dweight,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device)
@@ -893,6 +932,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             dweight_partial_ptr,
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
+            *launch.fp32_pair(round_normalized),
             M, N,
             *plan.tail,
         )
@@ -912,12 +952,14 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             dweight_partial if dweight_partial is not None else dy,
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
+            *launch.fp32_pair(round_normalized),
             M, N,
         )
         constexprs = dict(
             HAS_DRESIDUAL_OUT=dresidual_out is not None,
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
+            HAS_ROUND_NORMALIZED=round_normalized != 0.0,
             STORE_DINPUT_BIAS=store_dinput_bias,
             STORE_DWEIGHT=store_dweight,
             ACC=launch.TRITON_ACC[acc],
@@ -948,17 +990,18 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
 
 
 def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd,
-        weight_offset, dropout_p, seed, store_dinput_bias, store_dweight, into=None):
+        weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight,
+        into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight)
+        return _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight, into=into)
+            return _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -986,6 +1029,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             y_stride,
             store_dinput_bias,
             store_dweight,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device)
@@ -1018,6 +1062,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             dweight_partial_ptr,
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
+            *launch.fp32_pair(round_normalized),
             M, N,
             *plan.tail,
         )
@@ -1037,12 +1082,14 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             dweight_partial if dweight_partial is not None else dy,
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
+            *launch.fp32_pair(round_normalized),
             M, N,
         )
         constexprs = dict(
             HAS_DRESIDUAL_OUT=dresidual_out is not None,
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
+            HAS_ROUND_NORMALIZED=round_normalized != 0.0,
             STORE_DINPUT_BIAS=store_dinput_bias,
             STORE_DWEIGHT=store_dweight,
             ACC=launch.TRITON_ACC[acc],
@@ -1079,9 +1126,9 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, in_place, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, want_residual_out, residual_out_dtype):
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
             store_residual_out=True,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1092,6 +1139,7 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.dropout_p = dropout_p
+        ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y, residual_out
 
@@ -1111,6 +1159,7 @@ class _DefaultFunction(torch.autograd.Function):
                 ctx.eps,
                 ctx.weight_offset,
                 ctx.dropout_p,
+                ctx.round_normalized,
                 seed,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
@@ -1120,13 +1169,14 @@ class _DefaultFunction(torch.autograd.Function):
                 dy, dresidual_out, residual_out, input_bias, weight, rstd,
                 ctx.weight_offset,
                 ctx.dropout_p,
+                ctx.round_normalized,
                 seed,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
+        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1136,9 +1186,9 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, in_place, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, want_residual_out, residual_out_dtype):
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
             store_residual_out=want_residual_out,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1149,6 +1199,7 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.dropout_p = dropout_p
+        ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y, residual_out
 
@@ -1166,13 +1217,14 @@ class _InvertibleFunction(torch.autograd.Function):
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
             ctx.dropout_p,
+            ctx.round_normalized,
             seed,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
             into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
+        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1199,6 +1251,7 @@ def _dropout_add_rmsnorm_op(
     eps: float,
     weight_offset: float,
     dropout_p: float,
+    round_normalized: float,
     seed: torch.Tensor,
     memory: str,
     want_residual_out: bool,
@@ -1206,7 +1259,7 @@ def _dropout_add_rmsnorm_op(
 ) -> list[torch.Tensor]:
     stores = _dropout_add_rmsnorm_stores(memory, want_residual_out)
     outputs = _dropout_add_rmsnorm_fwd(
-        x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed,
+        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
         store_residual_out=stores["residual_out"],
         store_rstd=stores["rstd"],
         residual_out_dtype=torch.float32 if residual_out_fp32 else None,
@@ -1223,6 +1276,7 @@ def _(
     eps,
     weight_offset,
     dropout_p,
+    round_normalized,
     seed,
     memory,
     want_residual_out,
@@ -1231,11 +1285,12 @@ def _(
     stores = _dropout_add_rmsnorm_stores(memory, want_residual_out)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
     ]
 
 
@@ -1249,11 +1304,12 @@ def _dropout_add_rmsnorm_backward_default_op(
     rstd: torch.Tensor,
     weight_offset: float,
     dropout_p: float,
+    round_normalized: float,
     seed: torch.Tensor,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight)
+    outputs = _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dresidual', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dresidual', 'dinput_bias', 'dweight']]
 
@@ -1268,6 +1324,7 @@ def _(
     rstd,
     weight_offset,
     dropout_p,
+    round_normalized,
     seed,
     store_dinput_bias,
     store_dweight,
@@ -1290,11 +1347,12 @@ def _dropout_add_rmsnorm_backward_invertible_op(
     rstd: torch.Tensor,
     weight_offset: float,
     dropout_p: float,
+    round_normalized: float,
     seed: torch.Tensor,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, seed, store_dinput_bias, store_dweight)
+    outputs = _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dresidual', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dresidual', 'dinput_bias', 'dweight']]
 
@@ -1309,6 +1367,7 @@ def _(
     rstd,
     weight_offset,
     dropout_p,
+    round_normalized,
     seed,
     store_dinput_bias,
     store_dweight,
@@ -1322,7 +1381,7 @@ def _(
 
 
 def _dropout_add_rmsnorm_setup_context(ctx, inputs, output):
-    x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, memory, want_residual_out, residual_out_fp32, = inputs
+    x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, rstd, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
@@ -1332,6 +1391,7 @@ def _dropout_add_rmsnorm_setup_context(ctx, inputs, output):
     ctx.eps = eps
     ctx.weight_offset = weight_offset
     ctx.dropout_p = dropout_p
+    ctx.round_normalized = round_normalized
     if memory == "default":
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
     elif memory == "invertible":
@@ -1352,6 +1412,7 @@ def _dropout_add_rmsnorm_backward(ctx, grads):
                 ctx.eps,
                 ctx.weight_offset,
                 ctx.dropout_p,
+                ctx.round_normalized,
                 seed,
                 store_dinput_bias=input_bias is not None and needs[2],
                 store_dweight=weight is not None and needs[3],
@@ -1361,11 +1422,12 @@ def _dropout_add_rmsnorm_backward(ctx, grads):
                 dy, dresidual_out, residual_out, input_bias, weight, rstd,
                 ctx.weight_offset,
                 ctx.dropout_p,
+                ctx.round_normalized,
                 seed,
                 input_bias is not None and needs[2],
                 weight is not None and needs[3],
             )
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, seed, = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -1374,11 +1436,12 @@ def _dropout_add_rmsnorm_backward(ctx, grads):
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
             ctx.dropout_p,
+            ctx.round_normalized,
             seed,
             input_bias is not None and needs[2],
             weight is not None and needs[3],
         )
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, None, None, 
 
@@ -1401,6 +1464,7 @@ def dropout_add_rms_norm(
     residual_in_fp32=False,
     weight_offset=0.0,
     dropout_p=0.0,
+    casting_mode="gemma",
     training=True,
     seed=None,
     memory="default",
@@ -1429,6 +1493,15 @@ def dropout_add_rms_norm(
     `training=False` or `dropout_p=0` turns dropout off exactly. Torch's expression of the op (small CUDA calls,
     codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
 
+    casting_mode (keyword-only, default "gemma"): where a float16 or bfloat16 input's values are
+    rounded, as Liger-Kernel's LigerRMSNorm. "gemma" (as torch's rms_norm and Hugging Face's
+    GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
+    (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
+    rounded to the input's dtype before the weight (weight_offset + weight, in float32)
+    multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
+    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
+    Kernel's "none" (every step in the input's dtype) is not taken.
+
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/dropout_add_rmsnorm.md):
         "default": saves residual_out, rstd. Keeps the sum and the row statistic.
@@ -1443,7 +1516,7 @@ def dropout_add_rms_norm(
     torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
     backward, so there it always allocates; torch 2.13's hands it over alone.
     """
-    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and DISPATCH.to_torch(input):
+    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
 
@@ -1458,6 +1531,7 @@ def dropout_add_rms_norm(
     eps = checks.check_eps("dropout_add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("dropout_add_rms_norm", "weight_offset", weight_offset)
     dropout_p = checks.check_option("dropout_add_rms_norm", "dropout_p", dropout_p, "probability")
+    round_normalized, = checks.check_mode("dropout_add_rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
     if not isinstance(training, bool):
         raise TypeError(f"dropout_add_rms_norm(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
@@ -1478,13 +1552,13 @@ def dropout_add_rms_norm(
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.dropout_add_rmsnorm(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, memory, prenorm, residual_in_fp32
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, memory, prenorm, residual_in_fp32
         )
     elif checks.needs_grad(x, residual, input_bias, weight):
-        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed, in_place, prenorm, residual_out_dtype)
+        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, prenorm, residual_out_dtype)
     else:
         outputs = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
             store_residual_out=prenorm,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1511,6 +1585,7 @@ class DropoutAddRMSNorm(torch.nn.Module):
         residual_in_fp32=False,
         weight_offset=0.0,
         dropout_p=0.0,
+        casting_mode="gemma",
         memory="default",
         in_place=False,
     ):
@@ -1525,6 +1600,8 @@ class DropoutAddRMSNorm(torch.nn.Module):
         self.residual_in_fp32 = residual_in_fp32
         self.weight_offset = checks.check_real("DropoutAddRMSNorm", "weight_offset", weight_offset)
         self.dropout_p = checks.check_option("DropoutAddRMSNorm", "dropout_p", dropout_p, "probability")
+        checks.check_mode("DropoutAddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+        self.casting_mode = casting_mode
         checks.check_choice("DropoutAddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if not isinstance(in_place, bool):
@@ -1543,7 +1620,7 @@ class DropoutAddRMSNorm(torch.nn.Module):
 
     def forward(self, input, residual=None, input_bias=None, seed=None):
         return dropout_add_rms_norm(
-            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, dropout_p=self.dropout_p, input_bias=input_bias,
+            input, residual, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, dropout_p=self.dropout_p, casting_mode=self.casting_mode, input_bias=input_bias,
             prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32, training=self.training, seed=seed, memory=self.memory, in_place=self.in_place,
         )
 
@@ -1564,6 +1641,8 @@ class DropoutAddRMSNorm(torch.nn.Module):
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
         ) + (
             f", dropout_p={self.dropout_p}" if self.dropout_p != 0.0 else ""
+        ) + (
+            f", casting_mode={self.casting_mode!r}" if self.casting_mode != "gemma" else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         ) + (

@@ -1627,11 +1627,12 @@ def _(
     stores = _layernorm_stores(memory)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M,), dtype=acc) if stores["mean"] else empty,
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+        x.new_empty((M,), dtype=acc) if stores["mean"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
     ]
 
 

@@ -20,8 +20,8 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     activation: *GELU* -> generated.gelu.GELU
     activation: *GELU* -> generated.gelu_tanh.GELUTanh
     norm: *LayerNorm -> generated.layernorm.LayerNorm
-    norm: *RMSNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0)
-    norm: *LayerNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0)
+    norm: *RMSNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0; casting_mode = gemma, llama)
+    norm: *LayerNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0; casting_mode = gemma, llama)
     rotary: *Attention whose forward calls apply_rotary_pos_emb -> generated.rotary.apply_rotary_pos_emb
     mlp: any module of that structure -> generated.swiglu.swiglu
 """
@@ -82,14 +82,14 @@ RULES = (
     patching.Rule(
         "norm", "*RMSNorm", rmsnorm.RMSNorm, rmsnorm.rms_norm,
         params=(("weight", None, "weight_offset"), ),
-        tries=(("weight_offset", (0.0, 1.0, )), ),
+        tries=(("weight_offset", (0.0, 1.0, )), ("casting_mode", ("gemma", "llama", )), ),
         eps=None,
         memory=("default", "invertible", ),
     ),
     patching.Rule(
         "norm", "*LayerNorm", rmsnorm.RMSNorm, rmsnorm.rms_norm,
         params=(("weight", None, "weight_offset"), ),
-        tries=(("weight_offset", (0.0, 1.0, )), ),
+        tries=(("weight_offset", (0.0, 1.0, )), ("casting_mode", ("gemma", "llama", )), ),
         eps=None,
         memory=("default", "invertible", ),
     ),

@@ -23,7 +23,8 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 @triton.jit
 def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_ptr, eps_high,
-        eps_low, weight_offset_high, weight_offset_low, M, N, HAS_WEIGHT: tl.constexpr,
+        eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
+        round_normalized_low, M, N, HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
         STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
@@ -35,7 +36,7 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
       rstd = 1/sqrt(eps + mean_square)
     epilogue: load weight, x
       x_hat = rstd*x
-      y = x_hat*(weight + weight_offset)
+      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store rstd = rstd (if STORE_RSTD)
     """
@@ -44,6 +45,8 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -55,6 +58,7 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     col_mask = helpers.below(cols, N, EVEN)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -69,7 +73,7 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
         mean_square = tl.sum(x * x, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * x  # x_hat = rstd*x
-        y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+        y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -77,7 +81,8 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
 
 @triton.jit
 def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_ptr, eps_high,
-        eps_low, weight_offset_high, weight_offset_low, M, N, HAS_WEIGHT: tl.constexpr,
+        eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
+        round_normalized_low, M, N, HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
         STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
@@ -90,7 +95,7 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
       rstd = 1/sqrt(eps + mean_square)
     epilogue: load weight, x
       x_hat = rstd*x
-      y = x_hat*(weight + weight_offset)
+      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store rstd = rstd (if STORE_RSTD)
     """
@@ -99,9 +104,12 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -125,7 +133,7 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
                 weight = tl.full([], 1.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+            y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -133,8 +141,9 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
 
 @triton.jit
 def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
-        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
+        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -146,13 +155,15 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     epilogue: load dy, weight, x
       x_hat = rstd*x
     store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -164,6 +175,7 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -182,15 +194,16 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
         sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
 @triton.jit
 def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
-        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
+        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -203,15 +216,18 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     epilogue: load dy, weight, x
       x_hat = rstd*x
     store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -248,14 +264,15 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum((dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat), axis=0)[None, :]  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
 @triton.jit
 def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
-        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
+        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
@@ -269,13 +286,15 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     epilogue: load dy, weight, x
       x_hat = rstd*x
     store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -284,6 +303,7 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -316,15 +336,16 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
         sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
 @triton.jit
 def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
-        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
+        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -337,13 +358,15 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
     store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     if FIXED_N:
         # compiled for its row width (`fixed_n`): the width and the contiguous rows' strides
@@ -355,6 +378,7 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -374,15 +398,16 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + pid * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
 @triton.jit
 def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
-        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
+        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -396,15 +421,18 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
     store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -442,14 +470,15 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dweight_partial = tl.load(dweight_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dweight_partial += tl.sum(dy * x_hat, axis=0)[None, :]  # dweight = dy*x_hat
+                dweight_partial += tl.sum((dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat), axis=0)[None, :]  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
                 tl.store(dweight_partial_ptr + pid * N + cols, dweight_partial, mask=col_mask)
 
 
 @triton.jit
 def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
-        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
+        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
@@ -464,13 +493,15 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
     store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
-    store dweight = dy*x_hat (Σ over rows)
+    store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
     # 16-bit ones, whose rounding hides the fast forms' errors, the fast ones (`helpers.exp`,
     # `helpers.div`)
     EXACT: tl.constexpr = dy_ptr.dtype.element_ty == tl.float32
+    # the input's dtype, which values the spec rounds (`Rounded`) are rounded to
+    ROUND: tl.constexpr = dy_ptr.dtype.element_ty
     groups = tl.num_programs(0) // SPLIT
     group = pid // SPLIT
     member = pid % SPLIT
@@ -479,6 +510,7 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
     cols = member * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
+    round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -512,30 +544,33 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
-            dweight_acc += dy * x_hat  # dweight = dy*x_hat
+            dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd):
+def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, store_rstd):
     """_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
     M, N = x.shape
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
     rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
-    y = x_hat * (weight + weight_offset)  # y = x_hat*(weight + weight_offset)
+    y = ((weight + weight_offset) * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
     return y, rstd,
 
 
-def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight):
+def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normalized,
+        store_dweight):
     """_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -543,16 +578,19 @@ def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight
     dy = dy.to(acc)
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
 
-def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight):
+def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, round_normalized,
+        store_dweight):
     """_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -560,17 +598,20 @@ def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dwei
     dy = dy.to(acc)
     y = y.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     common_0 = weight + weight_offset  # common_0 = weight + weight_offset
     dx = torch.broadcast_to(rstd * (common_0 * dy - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
 
-def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, store_dweight):
+def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, round_normalized,
+        store_dweight):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = dy.dtype
@@ -579,28 +620,30 @@ def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, store
     dy = dy.to(acc)
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
     rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
     x_hat = rstd * x  # x_hat = rstd*x
     sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
     dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
-    dweight = torch.broadcast_to(dy * x_hat, (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
+    dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
 
-def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
+def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, store_rstd)
+        return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, store_rstd)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd)
+            return _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -613,6 +656,7 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
             weight is not None and weight.dtype, weight_ptr & 15,
             x_stride,
             store_rstd,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
@@ -634,6 +678,7 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
             rstd_ptr,
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
+            *launch.fp32_pair(round_normalized),
             M, N,
             *plan.tail,
         )
@@ -646,10 +691,12 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
             rstd if rstd is not None else x,
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
+            *launch.fp32_pair(round_normalized),
             M, N,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
+            HAS_ROUND_NORMALIZED=round_normalized != 0.0,
             STORE_RSTD=store_rstd,
             ACC=launch.TRITON_ACC[acc],
             ROWS=schedule.rows,
@@ -674,17 +721,18 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, store_rstd):
     return y, rstd,
 
 
-def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into=None):
+def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight,
+        into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, store_dweight)
+        return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into=into)
+            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -703,6 +751,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into
             dy_stride,
             x_stride,
             store_dweight,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
@@ -733,6 +782,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into
                 dx_ptr, N,
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -747,11 +797,13 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into
                 dx, N,
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
             constexprs = dict(
                 HAS_WEIGHT=weight is not None,
+                HAS_ROUND_NORMALIZED=round_normalized != 0.0,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
@@ -787,24 +839,25 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight, into=into)
+        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
     dweight, = launch.column_sums(
         (dweight_partial, weight),
     )
     return dx, dweight,
 
 
-def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, into=None):
+def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight,
+        into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, store_dweight)
+        return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, into=into)
+            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
     dy_stride = dy.stride(0)
     y_stride = y.stride(0)
     plan = key = None
@@ -823,6 +876,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, i
             dy_stride,
             y_stride,
             store_dweight,
+            round_normalized != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
@@ -853,6 +907,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, i
                 dx_ptr, N,
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -867,11 +922,13 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, i
                 dx, N,
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
+                *launch.fp32_pair(round_normalized),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
             constexprs = dict(
                 HAS_WEIGHT=weight is not None,
+                HAS_ROUND_NORMALIZED=round_normalized != 0.0,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
@@ -907,7 +964,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, i
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight, into=into)
+        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
     dweight, = launch.column_sums(
         (dweight_partial, weight),
     )
@@ -921,9 +978,9 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, in_place):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place):
         y, rstd, = _rmsnorm_fwd(
-            x, weight, eps, weight_offset,
+            x, weight, eps, weight_offset, round_normalized,
             store_rstd=True,
         )
         ctx.save_for_backward(x, rstd, weight)
@@ -931,6 +988,7 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y
 
@@ -948,17 +1006,19 @@ class _DefaultFunction(torch.autograd.Function):
                 dy, x, weight,
                 ctx.eps,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 store_dweight=weight is not None and ctx.needs_input_grad[1],
             )
         else:
             dx, dweight, = _rmsnorm_bwd_default(
                 dy, x, weight, rstd,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 store_dweight=weight is not None and ctx.needs_input_grad[1],
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None
+        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -968,9 +1028,9 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, in_place):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place):
         y, rstd, = _rmsnorm_fwd(
-            x, weight, eps, weight_offset,
+            x, weight, eps, weight_offset, round_normalized,
             store_rstd=True,
         )
         ctx.save_for_backward(y, rstd, weight)
@@ -978,6 +1038,7 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.eps = eps
         ctx.weight_offset = weight_offset
+        ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y
 
@@ -993,11 +1054,12 @@ class _InvertibleFunction(torch.autograd.Function):
         dx, dweight, = _rmsnorm_bwd_invertible(
             dy, y, weight, rstd,
             ctx.weight_offset,
+            ctx.round_normalized,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
             into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None
+        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1021,11 +1083,12 @@ def _rmsnorm_op(
     weight: Optional[torch.Tensor],
     eps: float,
     weight_offset: float,
+    round_normalized: float,
     memory: str,
 ) -> list[torch.Tensor]:
     stores = _rmsnorm_stores(memory)
     outputs = _rmsnorm_fwd(
-        x, weight, eps, weight_offset,
+        x, weight, eps, weight_offset, round_normalized,
         store_rstd=stores["rstd"],
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
@@ -1037,15 +1100,17 @@ def _(
     weight,
     eps,
     weight_offset,
+    round_normalized,
     memory,
 ):
     stores = _rmsnorm_stores(memory)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
-    empty = x.new_empty(0)
+    # an output not stored is a tensor of its own, as the op's (outputs never alias)
+    empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty,
+        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
     ]
 
 
@@ -1056,9 +1121,10 @@ def _rmsnorm_backward_default_op(
     weight: Optional[torch.Tensor],
     rstd: torch.Tensor,
     weight_offset: float,
+    round_normalized: float,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, store_dweight)
+    outputs = _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight)
     named = dict(zip(['dx', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
 
@@ -1070,6 +1136,7 @@ def _(
     weight,
     rstd,
     weight_offset,
+    round_normalized,
     store_dweight,
 ):
     return [
@@ -1085,9 +1152,10 @@ def _rmsnorm_backward_invertible_op(
     weight: Optional[torch.Tensor],
     rstd: torch.Tensor,
     weight_offset: float,
+    round_normalized: float,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, store_dweight)
+    outputs = _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight)
     named = dict(zip(['dx', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
 
@@ -1099,6 +1167,7 @@ def _(
     weight,
     rstd,
     weight_offset,
+    round_normalized,
     store_dweight,
 ):
     return [
@@ -1108,7 +1177,7 @@ def _(
 
 
 def _rmsnorm_setup_context(ctx, inputs, output):
-    x, weight, eps, weight_offset, memory, = inputs
+    x, weight, eps, weight_offset, round_normalized, memory, = inputs
     y, rstd, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
@@ -1117,6 +1186,7 @@ def _rmsnorm_setup_context(ctx, inputs, output):
     ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.eps = eps
     ctx.weight_offset = weight_offset
+    ctx.round_normalized = round_normalized
     if memory == "default":
         ctx.save_for_backward(x, rstd, weight)
     elif memory == "invertible":
@@ -1135,15 +1205,17 @@ def _rmsnorm_backward(ctx, grads):
                 dy, x, weight,
                 ctx.eps,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 store_dweight=weight is not None and needs[1],
             )
         else:
             dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_default(
                 dy, x, weight, rstd,
                 ctx.weight_offset,
+                ctx.round_normalized,
                 weight is not None and needs[1],
             )
-        gradients = [dx, dweight, None, None]
+        gradients = [dx, dweight, None, None, None]
     elif ctx.memory == "invertible":
         y, rstd, weight, = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -1151,9 +1223,10 @@ def _rmsnorm_backward(ctx, grads):
         dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_invertible(
             dy, y, weight, rstd,
             ctx.weight_offset,
+            ctx.round_normalized,
             weight is not None and needs[1],
         )
-        gradients = [dx, dweight, None, None]
+        gradients = [dx, dweight, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 
 
@@ -1171,6 +1244,7 @@ def rms_norm(
     eps=None,
     *,
     weight_offset=0.0,
+    casting_mode="gemma",
     memory="default",
     in_place=False,
 ):
@@ -1180,6 +1254,15 @@ def rms_norm(
     may have the dtypes `torch.nn.functional.rms_norm` takes; the output has the dtype of the input
     (as torch's). CUDA tensors run the generated Triton kernels; CPU tensors run the generated
     torch path (the kernels under TRITON_INTERPRET=1).
+
+    casting_mode (keyword-only, default "gemma"): where a float16 or bfloat16 input's values are
+    rounded, as Liger-Kernel's LigerRMSNorm. "gemma" (as torch's rms_norm and Hugging Face's
+    GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
+    (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
+    rounded to the input's dtype before the weight (weight_offset + weight, in float32)
+    multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
+    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
+    Kernel's "none" (every step in the input's dtype) is not taken.
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/rmsnorm.md):
@@ -1195,7 +1278,7 @@ def rms_norm(
     torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
     backward, so there it always allocates; torch 2.13's hands it over alone.
     """
-    if memory == "default" and weight_offset == 0 and DISPATCH.to_torch(input):
+    if memory == "default" and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
 
@@ -1204,6 +1287,7 @@ def rms_norm(
     weight = checks.check_param("rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("rms_norm", "weight_offset", weight_offset)
+    round_normalized, = checks.check_mode("rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
@@ -1216,13 +1300,13 @@ def rms_norm(
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.rmsnorm(
-            x, weight, eps, weight_offset, memory
+            x, weight, eps, weight_offset, round_normalized, memory
         )
     elif checks.needs_grad(x, weight):
-        outputs = function.apply(x, weight, eps, weight_offset, in_place),
+        outputs = function.apply(x, weight, eps, weight_offset, round_normalized, in_place),
     else:
         outputs = _rmsnorm_fwd(
-            x, weight, eps, weight_offset,
+            x, weight, eps, weight_offset, round_normalized,
             store_rstd=False,
         )
     return launch.shaped(outputs[0], input.shape)
@@ -1242,6 +1326,7 @@ class RMSNorm(torch.nn.Module):
         dtype=None,
         *,
         weight_offset=0.0,
+        casting_mode="gemma",
         memory="default",
         in_place=False,
     ):
@@ -1253,6 +1338,8 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = checks.check_real("RMSNorm", "weight_offset", weight_offset)
+        checks.check_mode("RMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+        self.casting_mode = casting_mode
         checks.check_choice("RMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory
         if not isinstance(in_place, bool):
@@ -1270,7 +1357,7 @@ class RMSNorm(torch.nn.Module):
             torch.nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, input):
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, memory=self.memory, in_place=self.in_place)
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset, casting_mode=self.casting_mode, memory=self.memory, in_place=self.in_place)
 
     def extra_repr(self):
         # what the installed torch shows of torch.nn.RMSNorm built alike (on the meta device:
@@ -1283,6 +1370,8 @@ class RMSNorm(torch.nn.Module):
         )
         return twin.extra_repr() + (
             f", weight_offset={self.weight_offset}" if self.weight_offset != 0.0 else ""
+        ) + (
+            f", casting_mode={self.casting_mode!r}" if self.casting_mode != "gemma" else ""
         ) + (
             f", memory={self.memory!r}" if self.memory != "default" else ""
         ) + (

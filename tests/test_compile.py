@@ -44,9 +44,12 @@ def op_cases():
                       (x, residual, input_bias, weight, bias, 1e-5, mode, True, False)))
     for mode in ("default", "invertible"):
         cases.append((f"rmsnorm-{mode}", torch.ops.vjpforge.rmsnorm.default,
-                      (x, weight, 1e-6, 1.0, mode)))
+                      (x, weight, 1e-6, 1.0, 0.0, mode)))
+        # casting_mode="llama": x_hat rounded to the input's dtype
+        cases.append((f"rmsnorm-llama-{mode}", torch.ops.vjpforge.rmsnorm.default,
+                      (x, weight, 1e-6, 0.0, 1.0, mode)))
         cases.append((f"add_rmsnorm-{mode}", torch.ops.vjpforge.add_rmsnorm.default,
-                      (x, None, None, weight, 1e-6, 0.0, mode, False, False)))
+                      (x, None, None, weight, 1e-6, 0.0, 0.0, mode, False, False)))
     cases.append(("softmax", torch.ops.vjpforge.softmax.default, (x, "default")))
     cases.append(("gelu", torch.ops.vjpforge.gelu.default, (x, input_bias, "default")))
     cases.append(("gelu_tanh", torch.ops.vjpforge.gelu_tanh.default, (x, None, "default")))
@@ -61,13 +64,17 @@ def op_cases():
                   (x, mask, 0.5, 0.0, 0.2, seed, [1, 1, 4], "default")))
     target = torch.tensor([3, -100, 0, N - 1])
     cases.append(("cross_entropy", torch.ops.vjpforge.cross_entropy.default,
-                  (x, None, target, -100.0, 0.1, 0.0, 0.0, "default", False)))
+                  (x, None, target, -100.0, 0.1, 0.0, 0.0, "default", False, False, False)))
     class_weight = (randn((N,), seed=7) + 2).detach()  # class weights: never differentiated
     cases.append(("cross_entropy-weight", torch.ops.vjpforge.cross_entropy.default,
-                  (x, class_weight, target, -100.0, 0.1, 0.0, 0.0, "default", False)))
+                  (x, class_weight, target, -100.0, 0.1, 0.0, 0.0, "default", False, False, False)))
     # z-loss and softcap on, the z-loss returned too
     cases.append(("cross_entropy-z_loss-softcap", torch.ops.vjpforge.cross_entropy.default,
-                  (x, class_weight, target, -100.0, 0.1, 0.125, 3.0, "default", True)))
+                  (x, class_weight, target, -100.0, 0.1, 0.125, 3.0, "default", True, False,
+                   False)))
+    # the token accuracy and predicted tokens returned too (the argmax computed)
+    cases.append(("cross_entropy-accuracy", torch.ops.vjpforge.cross_entropy.default,
+                  (x, None, target, -100.0, 0.0, 0.0, 0.0, "default", False, True, True)))
     return cases
 
 
@@ -154,3 +161,22 @@ def test_compiled_scalars_stay_in_the_input_dtype(device):
         got = compiled(x, eps)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, F.layer_norm(x, (N,), eps=eps))
+
+
+def test_compiled_returns_and_casting_mode(device):
+    # the flags of cross_entropy's returned values and rms_norm's casting_mode under
+    # torch.compile(fullgraph=True): the custom ops take them, no graph break
+    torch._dynamo.reset()
+    x = randn((4, N), seed=1, device=device, dtype=torch.float32).to(torch.bfloat16)
+    weight = (randn((N,), seed=2, device=device) + 1).to(torch.bfloat16)
+    target = torch.tensor([3, -100, 0, N - 1], device=device)
+
+    def step(x, weight):
+        hidden = rmsnorm.rms_norm(x, (N,), weight, 1e-6, casting_mode="llama")
+        return cross_entropy.cross_entropy(hidden.float(), target, return_token_accuracy=True,
+                                           return_predicted_tokens=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x, weight), step(x, weight)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])

@@ -10,7 +10,7 @@ import sympy
 import torch
 from reference import force_looped, randn, select_path
 
-from codegen.fuse import Moments, OnlineExp, picks, sweeps
+from codegen.fuse import Moments, OnlineExp, OnlineFirst, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce, Store, Tensor
 from codegen.lower import lower
 from derive.engine import derive, load_spec
@@ -18,6 +18,7 @@ from generated import add_layernorm, cross_entropy, layernorm, masked_softmax, s
 
 ROOT = Path(__file__).resolve().parent.parent
 x, m, s, n = (sympy.Symbol(name, real=True) for name in ("x", "m", "s", "N"))
+k = sympy.Symbol("k", integer=True)
 
 
 def kernels(op: str) -> dict[str, Kernel]:
@@ -48,8 +49,11 @@ def test_layernorm_variance_joins_the_mean():
 def test_exp_sum_joins_the_max(op):
     # as the Triton kernels see it: cross-entropy's target logit read as one element a row
     (sweep,) = sweeps(picks(kernels(op)["fwd"])[0])
-    (pair,) = sweep.fused
+    pair, *riders = sweep.fused
     assert isinstance(pair, OnlineExp) and pair.peak.name == "row_max" and pair.factor == 1
+    # cross-entropy's predicted class, the first column at that max, rides on it too
+    assert [(type(r), r.peak.name, r.first.name) for r in riders] == (
+        [(OnlineFirst, "row_max", "first_max")] if op == "cross_entropy" else [])
     # cross-entropy's gaps to that logit, a reduction of the second pass that uses nothing of
     # the first, and the mean class weight of the first pass stay plain accumulators of the
     # joined sweep
@@ -77,6 +81,17 @@ def test_recomputed_mean_in_a_backward_keeps_its_pass():
     (PEAK, RowReduce("s", "sum", sympy.exp(x - 2 * m), sympy.Integer(1)), None),
     (PEAK, RowReduce("s", "max", sympy.exp(x - m), sympy.Integer(1)), None),
     (PEAK, RowReduce("s", "sum", (x - m) ** 2, 1 / n), None),
+    # the first column at the max: an argmax
+    (PEAK, RowReduce("s", "min", sympy.Piecewise((k, x >= m), (n, True)), sympy.Integer(1)),
+     OnlineFirst),
+    (PEAK, RowReduce("s", "min", sympy.Piecewise((k, x > m), (n, True)), sympy.Integer(1)),
+     None),
+    (PEAK, RowReduce("s", "min", sympy.Piecewise((k, 2 * x >= m), (n, True)),
+                     sympy.Integer(1)), None),
+    (PEAK, RowReduce("s", "min", sympy.Piecewise((k * m, x >= m), (n, True)),
+                     sympy.Integer(1)), None),
+    (MEAN, RowReduce("s", "min", sympy.Piecewise((k, x >= m), (n, True)), sympy.Integer(1)),
+     None),
 ])
 def test_only_carried_shapes_join(first, second, carried):
     found = sweeps(two_passes(first, second))
@@ -156,7 +171,7 @@ def test_cross_entropy_target_logit_is_read_as_one_element():
     assert (weight.name, weight.index, weight.loads, weight.columns) == (
         "target_weight", "target", (), ("weight",))
     assert {r.name for p in kernel.passes for r in p.reductions} == {
-        "row_max", "denominator", "target_gap", "weight_mean"}
+        "row_max", "denominator", "target_gap", "weight_mean", "first_max"}
 
 
 def one_hot_sum(body: sympy.Expr, index: sympy.Symbol, extra=()) -> Kernel:

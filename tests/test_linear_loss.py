@@ -447,3 +447,96 @@ def test_softcap_and_z_loss_pass_through(device, reduction):
     # and they change the loss: the options were not dropped on the way
     plain = linear_cross_entropy(x, weight, target, b, reduction=reduction, chunk_size=4)
     assert not torch.allclose(plain, ours[0])
+
+
+RETURNED = ("return_z_loss", "return_token_accuracy", "return_predicted_tokens")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("grad", ["none", "input", "weight"])  # no backward; rows; blocked
+def test_returns_z_loss_accuracy_and_predictions(device, reduction, grad):
+    """return_z_loss, return_token_accuracy and return_predicted_tokens: cross_entropy's
+    values on the whole logits, taken chunk by chunk (4 rows a chunk: the last one short) by
+    every path of the forward (no gradient; the gradients computed in the forward or rows
+    again; the blocked classes), the loss and its gradients unchanged by asking for them."""
+    options = {"softcap": 3.0, "lse_square_scale": 1e-2, "label_smoothing": 0.1}
+    x, weight, b, target, weights = case(torch.float64, device, class_weight=True)
+    # a tie of the row max across column blocks of the classes, in every row: the first
+    # class is predicted, a target at the second is missed
+    weight[[7, 12, 30]] = weight[12].clone()
+    b[[7, 12, 30]] = 100.0
+    target.view(-1)[[0, 2, 3]] = torch.tensor([7, 12, 30])
+    flags = dict.fromkeys(RETURNED, True)
+    leaves = [t.detach().requires_grad_(name in grad) for t, name in
+              ((x, "input"), (weight, "weight"), (b, "bias"))]
+    ours = linear_cross_entropy(*leaves[:2], target, leaves[2], reduction=reduction,
+                                class_weight=weights, chunk_size=4, **options, **flags)
+    exact = cross_entropy(F.linear(x, weight, b), target, weights, reduction=reduction,
+                          class_dim=-1, **options, **flags)
+    assert len(ours) == 4
+    for got, want in zip(ours[:2], exact[:2], strict=True):
+        torch.testing.assert_close(got, want, **TOL[torch.float64])
+    assert torch.equal(ours[2], exact[2]) and torch.equal(ours[3], exact[3])
+    logits = F.linear(x, weight, b)
+    predicted = ours[3]
+    assert predicted.dtype == torch.int64 and predicted.shape == target.shape
+    counted = target != -100
+    assert torch.equal(predicted, torch.where(
+        counted, torch.argmax(3.0 * torch.tanh(logits / 3.0), -1), -1))
+    assert (predicted[counted] == 7).all() and (predicted[~counted] == -1).all()  # ties: first
+    if reduction == "none":
+        assert ours[2].view(-1)[[0, 2, 3]].tolist() == [1.0, 0.0, 0.0]
+    assert not any(t.requires_grad for t in ours[1:])
+    if grad != "none":
+        plain = linear_cross_entropy(*leaves[:2], target, leaves[2], reduction=reduction,
+                                     class_weight=weights, chunk_size=4, **options)
+        torch.testing.assert_close(ours[0], plain, rtol=0, atol=0)
+        upstream = torch.ones_like(plain)
+        got = torch.autograd.grad(ours[0], [t for t in leaves if t.requires_grad], upstream)
+        want = torch.autograd.grad(plain, [t for t in leaves if t.requires_grad], upstream)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_returned_one_at_a_time_and_module(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, b, target, _ = case(torch.float32, "cpu")
+    logits = F.linear(x, weight, b)
+    loss, accuracy = linear_cross_entropy(x, weight, target, b, return_token_accuracy=True)
+    counted = target != -100
+    want = ((torch.argmax(logits, -1) == target) & counted).sum() / counted.sum()
+    assert accuracy.dtype == torch.float32 and accuracy.item() == pytest.approx(want.item())
+    loss, z_loss = linear_cross_entropy(x, weight, target, b, return_z_loss=True)
+    assert torch.equal(z_loss, torch.zeros_like(z_loss))  # lse_square_scale 0: no z-loss
+    module = LinearCrossEntropyLoss(return_predicted_tokens=True, chunk_size=4)
+    assert module.extra_repr() == "chunk_size=4, return_predicted_tokens=True"
+    loss, predicted = module(x, weight, target, b)
+    assert torch.equal(predicted, torch.where(counted, torch.argmax(logits, -1), -1))
+    for name in RETURNED:
+        with pytest.raises(TypeError, match=f"linear_cross_entropy\\(\\): argument '{name}' "
+                                            "must be a bool, got int"):
+            linear_cross_entropy(x, weight, target, b, **{name: 1})
+        with pytest.raises(TypeError, match=f"LinearCrossEntropyLoss\\(\\): argument '{name}' "
+                                            "must be a bool, got str"):
+            LinearCrossEntropyLoss(**{name: "yes"})
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_no_rows_with_every_gradient_and_the_returned_values(monkeypatch, reduction):
+    # no rows and a weight that needs a gradient (the blocked path): the returned values are
+    # cross_entropy's of no logits, the gradients zeros, as torch's
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros((0, H), dtype=torch.float64, requires_grad=True)
+    weight = randn((V, H), seed=1).requires_grad_()
+    bias = randn((V,), seed=2).requires_grad_()
+    target = torch.zeros(0, dtype=torch.int64)
+    flags = dict.fromkeys(RETURNED, True)
+    ours = linear_cross_entropy(x, weight, target, bias, reduction=reduction, **flags)
+    exact = cross_entropy(F.linear(x, weight, bias), target, reduction=reduction, class_dim=-1,
+                          **flags)
+    for got, want in zip(ours, exact, strict=True):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    grads = torch.autograd.grad(ours[0].sum(), (x, weight, bias))
+    assert grads[0].shape == (0, H)
+    assert torch.equal(grads[1], torch.zeros_like(weight))
+    assert torch.equal(grads[2], torch.zeros_like(bias))

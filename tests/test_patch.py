@@ -83,6 +83,21 @@ def test_weight_offset_is_found_by_behaviour(model, name, torch_path):
     assert_same_outputs(original, new)
 
 
+@pytest.mark.parametrize(("model", "name", "label"), [
+    ("llama", "LlamaRMSNorm", "RMSNorm(casting_mode=llama)"),
+    ("gemma", "GemmaRMSNorm", "RMSNorm(weight_offset=1.0)")])
+def test_16_bit_norms_keep_their_rounding(model, name, label, torch_path):
+    # in bfloat16 both casting modes are within the probe's tolerance of either norm; the one
+    # that rounds as the module does (bit for bit) is kept: LlamaRMSNorm rounds x_hat first
+    original = hf(model, name, H).to(torch.bfloat16)
+    with torch.no_grad():
+        original.weight.copy_(randn((H,), seed=5) * 0.5 + (1.0 if model == "llama" else 0.0))
+    report, new = swap_one(copy.deepcopy(original))
+    assert report.swapped == [("0", name, label)], report
+    x = (randn((3, 5, H), seed=3) * 3).to(torch.bfloat16)
+    assert torch.equal(new(x), original(x))
+
+
 def test_a_norm_that_scales_before_normalising_is_left_with_the_reason(torch_path):
     original = hf("muse_spark", "MuseSparkTextInputScaledRMSNorm", H)
     module = copy.deepcopy(original)

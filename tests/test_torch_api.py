@@ -303,6 +303,7 @@ def test_cross_entropy_signatures_are_torch_s():
                 if p.name not in skip]
 
     extras = {"lse_square_scale": 0.0, "softcap": None, "return_z_loss": False,
+              "return_token_accuracy": False, "return_predicted_tokens": False,
               "class_dim": None}
     assert parameters(cross_entropy, extras) == parameters(F.cross_entropy)
     assert parameters(CrossEntropyLoss.__init__, extras) == parameters(

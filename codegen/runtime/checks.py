@@ -397,6 +397,18 @@ def check_choice(function, name, value, choices):
     return choices[value]
 
 
+def check_mode(function, name, value, choices):
+    """choices[value] for a str `value` among the keys of the dict `choices` (a `Choice` of the
+    API: the numbers it gives the spec's scalars): another type raises TypeError, another str
+    ValueError."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a str (one of "
+            f"{', '.join(map(repr, choices))}), got {type(value).__name__}"
+        )
+    return check_choice(function, name, value, choices)
+
+
 def check_variant(function, name, value, values):
     """A str argument that is one of `values` (torch's gelu `approximate`): any other str raises
     OptionError (a RuntimeError, as torch's), a value of another type TypeError."""

@@ -40,9 +40,11 @@ from codegen.runtime.checks import DeviceError, DtypeError, OptionError, ShapeEr
 
 
 class Kernels(NamedTuple):
-    """A row loss's generated kernels, its options bound. `forward(x, target, saving)`: the
-    forward launcher's outputs for the (rows, classes) logits x, the per-row loss first and,
-    with `saving`, the row statistics the backward reads; `backward(x, target, outputs,
+    """A row loss's generated kernels, its options bound. `forward(x, target, saving,
+    wanted=())`: the forward launcher's outputs for the (rows, classes) logits x, the per-row
+    loss first, then the outputs returned on request (`RowLossAPI.returns`: one a flag of
+    `wanted`, None where not wanted) and, with `saving`, the row statistics the backward
+    reads; `backward(x, target, outputs,
     dloss, col_start=0, row_length=None)`: d loss / d x (x's dtype, written over x) for the
     per-row upstream gradients dloss; with `windowed`, x may be a block of the classes,
     columns col_start .. col_start + x.shape[1] of rows of row_length."""
@@ -53,14 +55,15 @@ class Kernels(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """How one call runs: its name (for errors), kernels, reduction, rows per chunk and the
-    dtype of the loss it returns."""
+    """How one call runs: its name (for errors), kernels, reduction, rows per chunk, the
+    dtype of the loss it returns, and whether each output returned on request is wanted."""
 
     function: str
     kernels: Kernels
     reduction: str
     chunk: int
     dtype: torch.dtype
+    wanted: tuple[bool, ...] = ()
 
 
 def check_linear(function, input, weight, bias):
@@ -200,22 +203,42 @@ def chunk_rows(function, rows, features, classes, chunk_size, itemsize=2):
 
 
 def linear_loss(function, input, weight, bias, target, counted, reduction, chunk_size, dtype,
-                kernels):
+                kernels, returns=(), ignore_index=None):
     """The loss of `input @ weight.T + bias` against `target` (checked: `check_linear`,
     `losses.check_target`), chunk by chunk. `counted`: the mean's divisor (the count of the
-    counted rows, or the sum of their class weights), used with reduction "mean"."""
+    counted rows, or the sum of their class weights), used with reduction "mean".
+
+    `returns`: for each output the loss's kernels return on request (`RowLossAPI.returns`),
+    how it is reduced (`RowLossAPI.returns_as`: "loss", "fraction", "index"), or None where it
+    is not wanted. Where any is, the result is (loss, each wanted one): their per-row values
+    are taken from each chunk's kernels beside its losses, never differentiated."""
     features = input.shape[-1]
     shape = input.shape[:-1]
     x = launch.rows((-1, features), input)
     target = target.reshape(-1).contiguous()
     chunk = chunk_rows(function, x.shape[0], features, weight.shape[0], chunk_size,
                        x.element_size())
-    plan = Plan(function, kernels, reduction, chunk, dtype)
+    plan = Plan(function, kernels, reduction, chunk, dtype,
+                tuple(how is not None for how in returns))
+    extras = [None] * len(returns)  # the per-row values of the wanted ones, filled by the sweep
     if checks.needs_grad(input, weight, bias):
-        loss = _LinearLoss.apply(x, weight, bias, target, counted, plan)
+        loss = _LinearLoss.apply(x, weight, bias, target, counted, plan, extras)
     else:
-        loss = _reduce(plan, _sweep(plan, x, weight, bias, target, None, ())[0], counted)
-    return loss.reshape(shape) if reduction == "none" else loss
+        loss = _reduce(plan, _sweep(plan, x, weight, bias, target, None, (), extras=extras)[0],
+                       counted)
+    loss = loss.reshape(shape) if reduction == "none" else loss
+    if not any(plan.wanted):
+        return loss
+    results = [loss]
+    for how, values in zip(returns, extras, strict=True):
+        if how == "loss":  # reduced as the loss, in its dtype
+            reduced = _reduce(plan, values, counted)
+            results.append(reduced.reshape(shape) if reduction == "none" else reduced)
+        elif how is not None:
+            results.append(losses.reduce_returned(how, values, reduction,
+                                                  (*shape, weight.shape[0]), target,
+                                                  ignore_index))
+    return tuple(results)
 
 
 def _reduce(plan, loss, counted):
@@ -234,16 +257,21 @@ def _mean_scale(counted, dtype, device):
     return losses.mean_and_scale(torch.zeros(1, dtype=dtype, device=device), counted)[1]
 
 
-def _sweep(plan, x, weight, bias, target, dloss, needs, loss=True):
+def _sweep(plan, x, weight, bias, target, dloss, needs, loss=True, extras=None):
     """One pass over the chunks: the per-row losses (None unless `loss`) and, where `dloss`
     (0-d: every row's, or one per row) is given, the gradients `needs` asks for (d x, d weight,
-    d bias: None where not asked)."""
+    d bias: None where not asked). `extras`: a list that gets the per-row values of the
+    outputs returned on request that `plan.wanted` asks for."""
     rows, features = x.shape
     classes = weight.shape[0]
     acc = launch.accumulator(x.dtype)
     device = x.device
     grads = dloss is not None
     losses_ = torch.empty(rows, dtype=acc, device=device) if loss else None
+    wanted = plan.wanted if extras is not None else (False,) * len(plan.wanted)
+    if extras is not None:
+        extras[:] = [torch.empty(rows, dtype=acc, device=device) if want else None
+                     for want in wanted]
     grad_x = torch.empty_like(x) if grads and needs[0] else None
     # d weight and d bias sum over every chunk: at the accumulator's precision
     grad_weight = torch.zeros((classes, features), dtype=acc, device=device) \
@@ -254,7 +282,7 @@ def _sweep(plan, x, weight, bias, target, dloss, needs, loss=True):
     transposed = weight.t()
     with torch.autocast(device.type, enabled=False):  # the dtypes are autocast's already
         _chunks(plan, x, weight, bias, target, dloss, buffer, transposed, losses_, grad_x,
-                grad_weight, grad_bias)
+                grad_weight, grad_bias, extras if any(wanted) else None)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -263,9 +291,10 @@ def _sweep(plan, x, weight, bias, target, dloss, needs, loss=True):
 
 
 def _chunks(plan, x, weight, bias, target, dloss, buffer, transposed, losses_, grad_x,
-            grad_weight, grad_bias):
-    """`_sweep`'s loop: each chunk's logits into `buffer`, its losses and gradients into
-    the buffers given (None: not wanted)."""
+            grad_weight, grad_bias, extras=None):
+    """`_sweep`'s loop: each chunk's logits into `buffer`, its losses, gradients and the
+    outputs returned on request (`extras`) into the buffers given (None: not wanted)."""
+    wanted = plan.wanted if extras is not None else (False,) * len(plan.wanted)
     rows = x.shape[0]
     grads = dloss is not None
     for start in range(0, rows, plan.chunk):
@@ -276,9 +305,12 @@ def _chunks(plan, x, weight, bias, target, dloss, buffer, transposed, losses_, g
             torch.mm(h, transposed, out=logits)
         else:  # F.linear's own addmm: the bias added before the one rounding
             torch.addmm(bias, h, transposed, out=logits)
-        outputs = plan.kernels.forward(logits, t, grads)
+        outputs = plan.kernels.forward(logits, t, grads, wanted)
         if losses_ is not None:
             losses_[start:stop] = outputs[0]
+        for i, want in enumerate(wanted):
+            if want:
+                extras[i][start:stop] = outputs[1 + i]
         if not grads:
             continue
         upstream = dloss.expand(stop - start) if dloss.dim() == 0 else dloss[start:stop]
@@ -308,20 +340,23 @@ def _accumulate(total, a, b):
 MIN_BLOCK_CLASSES = 1024
 
 
-def _statistics(plan, x, weight, bias, target):
+def _statistics(plan, x, weight, bias, target, extras):
     """The blocked path's forward: one pass over the row chunks for the per-row losses and the
-    row statistics the loss's backward reads (each output of the forward kernels, whole)."""
+    row statistics the loss's backward reads (each output of the forward kernels, whole); the
+    outputs returned on request that `plan.wanted` asks for into `extras`."""
     rows, classes = x.shape[0], weight.shape[0]
     buffer = torch.empty((min(plan.chunk, rows), classes), dtype=x.dtype, device=x.device)
     transposed = weight.t()
     parts = []
     with torch.autocast(x.device.type, enabled=False):
-        for start in range(0, rows, plan.chunk):
+        # no rows: one chunk of none, whose outputs are the empty ones of each
+        for start in range(0, rows, plan.chunk) or (0,):
             stop = min(start + plan.chunk, rows)
             logits = buffer[: stop - start]
             _logits(x[start:stop], transposed, bias, logits)
-            parts.append(plan.kernels.forward(logits, target[start:stop], True))
+            parts.append(plan.kernels.forward(logits, target[start:stop], True, plan.wanted))
     outputs = [None if part[0] is None else torch.cat(part) for part in zip(*parts, strict=True)]
+    extras[:] = outputs[1:1 + len(plan.wanted)]
     return outputs[0], outputs
 
 
@@ -349,7 +384,8 @@ def _blocked(plan, x, weight, bias, target, outputs, dloss, needs):
         block = block // 128 * 128
     chunk = max(1, min(rows, plan.chunk * classes // block))
     grad_x = torch.zeros((rows, features), dtype=acc, device=device) if needs[0] else None
-    grad_weight = torch.empty_like(weight)
+    # every block writes its rows of it; with no rows no block runs: zeros, as torch's
+    grad_weight = torch.empty_like(weight) if rows else torch.zeros_like(weight)
     grad_bias = torch.zeros(classes, dtype=acc, device=device) \
         if bias is not None and needs[2] else None
     buffer = torch.empty((chunk, min(block, classes)), dtype=x.dtype, device=device)
@@ -398,12 +434,12 @@ class _LinearLoss(torch.autograd.Function):
     get no gradient, as cross_entropy's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, counted, plan):
+    def forward(ctx, x, weight, bias, target, counted, plan, extras):
         needs = ctx.needs_input_grad[:3]
         ctx.plan = plan
         ctx.blocked = needs[1] and plan.kernels.windowed
         if ctx.blocked:
-            loss, outputs = _statistics(plan, x, weight, bias, target)
+            loss, outputs = _statistics(plan, x, weight, bias, target, extras)
             ctx.outputs = outputs
             ctx.save_for_backward(x, weight, bias, target, counted)
             return _reduce(plan, loss, counted)
@@ -413,7 +449,7 @@ class _LinearLoss(torch.autograd.Function):
             acc = launch.accumulator(x.dtype)
             dloss = (_mean_scale(counted, acc, x.device) if plan.reduction == "mean"
                      else torch.ones((), dtype=acc, device=x.device))
-        loss, grads = _sweep(plan, x, weight, bias, target, dloss, needs)
+        loss, grads = _sweep(plan, x, weight, bias, target, dloss, needs, extras=extras)
         if ctx.now:
             # not saved tensors: the backward scales them in place and hands them over (a
             # weight's gradient as large as the weight, never copied)
@@ -445,7 +481,7 @@ class _LinearLoss(torch.autograd.Function):
                 dloss = (grad * _mean_scale(counted, acc, x.device)).expand(x.shape[0])
             grads = _blocked(plan, x, weight, bias, target, ctx.outputs, dloss.contiguous(),
                              needs)
-            return *grads, None, None, None
+            return *grads, None, None, None, None
         if ctx.now:
             if ctx.grads is None:
                 raise RuntimeError(
@@ -462,7 +498,7 @@ class _LinearLoss(torch.autograd.Function):
             x, weight, bias, target = ctx.saved_tensors
             _, grads = _sweep(ctx.plan, x, weight, bias, target, grad.reshape(-1), needs,
                               loss=False)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def check_out_dtype(function, out_dtype, dtype):

@@ -150,6 +150,29 @@ def reduce_rows(loss, reduction, shape, counted, target, ignore_index, weight, d
     return CountedMean.apply(loss, counted, dtype)
 
 
+def reduce_returned(how, values, reduction, shape, target, ignore_index):
+    """A per-row output returned besides the loss (`RowLossAPI.returns_as`), from the kernels'
+    per-row values (fp32, or fp64): "fraction", a 0/1 per row (0 in ignored rows) reduced as
+    `reduction` says, "mean" over the counted rows' count (NaN where none is, as a mean of no
+    rows), in the values' precision; "index", a class per row, int64 in the rows' shape
+    whatever the reduction. The kernels carry a class as a float, exact below 2^24
+    classes in fp32 (a vocabulary of 16.7 million)."""
+    rows = shape[:-1]
+    if how == "index":
+        if values.dtype == torch.float32 and shape[-1] > 1 << 24:
+            raise ValueError(
+                f"a class index is returned only for at most {1 << 24} classes (exact in "
+                f"float32), got {shape[-1]}"
+            )
+        return values.reshape(rows).to(torch.int64)
+    if reduction == "none":
+        return values.reshape(rows)
+    if reduction == "sum":
+        return values.sum()
+    counted = (target != int(ignore_index)).sum()
+    return torch.where(counted > 0, values.sum() / counted.clamp_min(1), float("nan"))
+
+
 def check_flag(function, name, value):
     """A bool argument (return_z_loss): 0, 1 and other truthy values are refused, as torch's
     bool arguments refuse them."""

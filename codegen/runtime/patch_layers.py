@@ -477,18 +477,31 @@ def _fusion(planner, rules, family, replacement):
         shape, eps = tuple(replacement.normalized_shape), replacement.eps
         offsets = {offset: getattr(replacement, offset) for rule in norm_rules
                    for _, _, offset in rule.params if offset}
+        # the other options the probe tried (a casting mode), as the replacement has them
+        offsets |= {option: getattr(replacement, option) for rule in norm_rules
+                    for option, _ in rule.tries if hasattr(replacement, option)}
+    # an option tried away from its default (its first value): the fused op must take it too
+    tried = {option: values[0] for rule in norm_rules for option, values in rule.tries}
+    chosen = [(option, value) for option, value in offsets.items()
+              if option in tried and value != tried[option]
+              and option not in {o for r in norm_rules for _, _, o in r.params}]
     params = {rule.params for rule in norm_rules}
     matching = [r for r in rules if r.params in params]
     if not matching:
         return None, (f"no add + norm op takes the parameters of its norm's "
                       f"{type(replacement).__name__}")
     rule = matching[0]
+    missing = [option for option, _ in chosen if option not in _keywords(rule.function)]
+    if missing:
+        return None, (f"{rule.function.__name__} takes no {', '.join(missing)}, which its "
+                      f"norm's {type(replacement).__name__} sets")
     tensors = tuple((param, getattr(replacement, param, None) is not None)
                     for param, _, _ in rule.params)
     options = [("eps", eps)]
     dropout = family.dropout is not None and DROPOUT in _keywords(rule.function)
     options += [(offset, float(offsets.get(offset, 0.0))) for _, _, offset in rule.params
                 if offset]
+    options += chosen
     if planner.memory is not None and planner.memory in rule.memory:
         options.append(("memory", planner.memory))
     return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape,

@@ -79,7 +79,7 @@ class Rule:
     module: type | None
     function: Callable
     params: tuple[tuple[str, str | None, str | None], ...] = ()
-    tries: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    tries: tuple[tuple[str, tuple[float | str, ...]], ...] = ()
     eps: float | None = None
     memory: tuple[str, ...] = ()
 
@@ -624,7 +624,9 @@ def _norm_candidates(rule: Rule, module, memory):
 def _norm_label(rule, module, carried, options, eps, shape) -> str:
     if shape is None:
         return f"{LastDimNorm.__name__}({rule.function.__name__})"
-    settings = [f"{k}={v}" for k, v in options.items() if v]
+    # an option at its default (the first value tried) goes unnamed
+    defaults = {option: values[0] for option, values in rule.tries}
+    settings = [f"{k}={v}" for k, v in options.items() if v != defaults.get(k)]
     if not carried:
         settings.append("elementwise_affine=False")
     settings += [f"{flag}=False" for name, flag, _ in rule.params
@@ -794,9 +796,12 @@ def _probe_input(tail, scales, dtype, device) -> torch.Tensor:
 
 
 def _prove(module, candidates, tail, scales, dtype, device, evaluate=False):
-    """The first candidate whose outputs match the module's on the probe, with the module's
-    tensors and with perturbed ones; else None and why each failed. `evaluate`: the copies
-    probed (and the candidates built from them) are in eval mode."""
+    """The first candidate whose outputs are the module's, bit for bit, on the probe, with the
+    module's tensors and with perturbed ones; else the first that matches them within the
+    dtype's tolerance (`_difference`); else None and why each failed. A later exact one wins
+    over an earlier close one: a bfloat16 LlamaRMSNorm is within tolerance of RMSNorm's
+    default casting_mode, but only casting_mode="llama" rounds as it does. `evaluate`: the
+    copies probed (and the candidates built from them) are in eval mode."""
     with _probing(device):
         x = _probe_input(tail, scales, dtype, device)
         perturb = any(t.is_floating_point() for t in itertools.chain(module.parameters(),
@@ -814,9 +819,9 @@ def _prove(module, candidates, tail, scales, dtype, device, evaluate=False):
             except Exception as error:  # noqa: BLE001
                 return None, f"its forward raised on the probe input{note}: {_error(error)}"
             twins.append((twin, note))
-        reasons = []
+        reasons, close = [], None
         for candidate in candidates:
-            problem = None
+            problem, exact = None, True
             for (twin, note), reference in zip(twins, references, strict=True):
                 try:
                     output = candidate.build(twin)(x)
@@ -824,12 +829,18 @@ def _prove(module, candidates, tail, scales, dtype, device, evaluate=False):
                     problem = f"raised {_error(error)}"
                 else:
                     problem = _difference(reference, output, x, dtype, scales is None)
+                    exact = exact and problem is None and torch.equal(output, reference)
                 if problem is not None:
                     problem += note
                     break
-            if problem is None:
+            if problem is None and exact:
                 return candidate, None
-            reasons.append(f"{candidate.label} {problem}")
+            if problem is None:
+                close = close or candidate
+            else:
+                reasons.append(f"{candidate.label} {problem}")
+        if close is not None:
+            return close, None
         return None, "; ".join(reasons)
 
 

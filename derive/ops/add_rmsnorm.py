@@ -7,6 +7,7 @@ into dx inside the same backward kernel.
 import sympy
 
 from derive.api import NormalizedShapeAPI, Option, Param, Replaces
+from derive.ops.rmsnorm import CASTING_MODE, scaled
 from derive.spec import OpSpec
 
 
@@ -22,7 +23,7 @@ def spec() -> OpSpec:
     mean_square = op.row_mean("mean_square", residual_out**2)
     rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
     x_hat = op.element("x_hat", residual_out * rstd)
-    y = op.element("y", x_hat * (weight_offset + weight))
+    y = op.element("y", scaled(op, x_hat) * (weight_offset + weight))
     op.output(y, residual_out)
     op.save(residual_out, rstd, doc="Keeps the sum and the row statistic.")
     op.save(y, rstd, mode="invertible",
@@ -33,6 +34,7 @@ def spec() -> OpSpec:
         torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0), Option("dropout_p", 0.0, check="probability")),
+        choices=(CASTING_MODE,),
         residual="residual", call_params=("input_bias",),
         # dropout on input + input_bias: computed by the kernels of dropout_add_rmsnorm when
         # on, so that these, without it, draw no random values
@@ -46,5 +48,5 @@ def spec() -> OpSpec:
                   "prenorm=prenorm)",
         # torch's sum is rounded to the inputs' dtype, not kept in fp32; its rms_norm scales by
         # the weight alone
-        reference_when="not residual_in_fp32 and weight_offset == 0")
+        reference_when='not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma"')
     return op

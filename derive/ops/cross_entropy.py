@@ -22,7 +22,7 @@ logsumexp the one the loss already has: no further pass over the logits.
 import sympy
 
 from derive.api import Option, Replaces, RowLossAPI
-from derive.spec import OpSpec
+from derive.spec import N, OpSpec
 
 
 def spec() -> OpSpec:
@@ -56,13 +56,24 @@ def spec() -> OpSpec:
     # the z-loss term alone, 0 in an ignored row (returned on request, for logging)
     z_loss = op.row("z_loss", sympy.Piecewise(
         (0, sympy.Eq(z_scale, 0) | sympy.Eq(target, ignore_index)), (z_scale * lse**2, True)))
+    # the predicted class, torch.argmax's: the first column where the (capped) logits reach
+    # their max, an index reduction never differentiated. N where none does (a row of -inf,
+    # whose stabilised max 0 is no logit): class 0 then, as torch.argmax of -inf's
+    first_max = op.row_min("first_max", sympy.Piecewise((key, z >= row_max), (N, True)))
+    # -1 in an ignored row, as Liger-Kernel's
+    predicted_tokens = op.row("predicted_tokens", sympy.Piecewise(
+        (-1, sympy.Eq(target, ignore_index)), (0, sympy.Eq(first_max, N)), (first_max, True)))
+    # 1 where a counted row's prediction is its target, else 0 (ignored rows too)
+    token_accuracy = op.row("token_accuracy", sympy.Piecewise(
+        (0, sympy.Eq(target, ignore_index)), (1, sympy.Eq(predicted_tokens, target)), (0, True)))
     # without weights the factor is 1 + smoothing * (1 - 1): exactly 1
     factor = op.row("factor", target_weight + smoothing * (weight_mean - target_weight))
     loss = op.row("loss", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)),
         (nll * factor + smoothed + z_loss, True)))
     op.output(loss)
-    op.output(z_loss, grad=False)  # returned on request (return_z_loss=True), for logging
+    # returned on request (return_z_loss=True, ...), for logging
+    op.output(z_loss, token_accuracy, predicted_tokens, grad=False)
     op.save(x, target, row_max, denominator, target_weight, weight_mean)
     op.api = RowLossAPI(
         function="cross_entropy", module="CrossEntropyLoss",
@@ -81,10 +92,26 @@ def spec() -> OpSpec:
                      "logit softcapping (Gemma 2's final logits): the logits become "
                      "softcap * tanh(input / softcap) before anything else, the gradient taken "
                      "through the tanh. A finite number > 0, or None (off)."))),
-        returns=("z_loss",),
+        returns=("z_loss", "token_accuracy", "predicted_tokens"),
         returns_doc=(("z_loss", "the z-loss term alone, lse_square_scale * "
                                 "logsumexp^2 per counted row (0 in ignored rows), for "
-                                "logging, as Liger-Kernel's."),),
+                                "logging, as Liger-Kernel's."),
+                     ("token_accuracy", "the token accuracy, as Liger-Kernel's: 1 where a "
+                                        "counted row's predicted class (return_predicted_tokens) "
+                                        "is its target, else 0."),
+                     ("predicted_tokens", "the predicted class of each counted row (-1 "
+                                          "in ignored rows, as Liger-Kernel's), "
+                                          "torch.argmax(logits, class dim): the first class of "
+                                          "the row's largest logit, of the capped logits "
+                                          "softcap * tanh(input / softcap) with softcap (tanh "
+                                          "keeps the order: the class of the largest input, "
+                                          "unless capping rounds the largest logits to one "
+                                          "value; then the first of those), computed in float32 "
+                                          "(float64 for float64 input). A row of -inf logits "
+                                          "predicts class 0, as torch.argmax; a row holding NaN "
+                                          "(whose loss is NaN) no class in particular, where "
+                                          "torch.argmax takes the first NaN.")),
+        returns_as=(("token_accuracy", "fraction"), ("predicted_tokens", "index")),
         # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel) and masked LMs
         replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss"),
                   Replaces("*ForMaskedLM", kind="loss")))

@@ -15,6 +15,7 @@ own, without a random draw, otherwise.
 import sympy
 
 from derive.api import NormalizedShapeAPI, Option, Param
+from derive.ops.rmsnorm import CASTING_MODE, scaled
 from derive.spec import OpSpec
 
 
@@ -35,7 +36,7 @@ def spec() -> OpSpec:
     mean_square = op.row_mean("mean_square", residual_out**2)
     rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
     x_hat = op.element("x_hat", residual_out * rstd)
-    y = op.element("y", x_hat * (weight_offset + weight))
+    y = op.element("y", scaled(op, x_hat) * (weight_offset + weight))
     op.output(y, residual_out)
     op.save(residual_out, rstd, doc="Keeps the sum and the row statistic.")
     op.save(y, rstd, mode="invertible",
@@ -47,11 +48,12 @@ def spec() -> OpSpec:
         torch_module="torch.nn.RMSNorm",
         params=(Param("weight", "ones", offset="weight_offset"),), eps=None,
         options=(Option("weight_offset", 0.0), Option("dropout_p", 0.0, check="probability")),
+        choices=(CASTING_MODE,),
         residual="residual", call_params=("input_bias",), dropout="dropout_p",
         in_place=True,
         # torch's dropout draws another mask than a seeded one: only with dropout off
         reference="dispatch.normalized(torch.nn.functional.rms_norm, "
                   "dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, "
                   "prenorm=prenorm)",
-        reference_when="not residual_in_fp32 and weight_offset == 0")
+        reference_when='not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma"')
     return op
