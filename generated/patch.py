@@ -102,7 +102,8 @@ RULES = (
 )
 
 
-def patch_model(model, *, include=None, exclude=None, loss=False, strict=False, memory=None):
+def patch_model(model, *, include=None, exclude=None, loss=False, strict=False, memory=None,
+                bitwise=False):
     """Swap, in place, the modules of `model` that a generated op computes the same as; return
     a `PatchReport`.
 
@@ -120,17 +121,23 @@ def patch_model(model, *, include=None, exclude=None, loss=False, strict=False, 
 
     include, exclude: kinds ("norm", "activation", "mlp", "residual", "rotary", "loss") or fnmatch
     patterns of class names (a loss's name is its function's, e.g. "ForCausalLMLoss"); a
-    candidate is swapped if it is included (by default every kind but "loss") and not excluded.
+    candidate is swapped if it is included (by default every kind but "rotary" and "loss") and
+    not excluded.
     loss: also route the loss of Hugging Face causal-LM models (`*ForCausalLM`, `*LMHeadModel`)
     through `generated.cross_entropy`, via the model's `loss_function`; in training, where the
     forward's structure allows (proven on a probe), from the hidden states by
-    `linear_cross_entropy`, the logits never held whole (docs/patching.md).
+    `linear_cross_entropy`, the logits never held whole; and a masked LM's (`*ForMaskedLM`)
+    from its labelled rows' hidden states (docs/patching.md).
     strict: raise `PatchError`, naming the module and the reason, on the first candidate that
     cannot be swapped (nothing is swapped then).
     memory: a memory mode (such as "invertible") for the replacements whose op has it.
+    bitwise: prefer a replacement that gives the module's outputs bit for bit where one does
+    (a bfloat16 LlamaRMSNorm becomes RMSNorm(casting_mode="llama"), which always runs the
+    kernels); by default the first within the dtype's tolerance, whose small calls may run
+    torch's own op.
 
     The report lists `swapped` (qualified name, old class, new class) and `skipped`
     (qualified name, class, reason), and reads as a dict of swap counts by old class name.
     """
     return patching.patch_model(model, RULES, include=include, exclude=exclude, loss=loss,
-                                strict=strict, memory=memory)
+                                strict=strict, memory=memory, bitwise=bitwise)

@@ -87,15 +87,19 @@ def test_weight_offset_is_found_by_behaviour(model, name, torch_path):
     ("llama", "LlamaRMSNorm", "RMSNorm(casting_mode=llama)"),
     ("gemma", "GemmaRMSNorm", "RMSNorm(weight_offset=1.0)")])
 def test_16_bit_norms_keep_their_rounding(model, name, label, torch_path):
-    # in bfloat16 both casting modes are within the probe's tolerance of either norm; the one
-    # that rounds as the module does (bit for bit) is kept: LlamaRMSNorm rounds x_hat first
+    # in bfloat16 both casting modes are within the probe's tolerance of either norm; with
+    # bitwise=True the one that rounds as the module does (bit for bit) is kept: LlamaRMSNorm
+    # rounds x_hat first
     original = hf(model, name, H).to(torch.bfloat16)
     with torch.no_grad():
         original.weight.copy_(randn((H,), seed=5) * 0.5 + (1.0 if model == "llama" else 0.0))
-    report, new = swap_one(copy.deepcopy(original))
+    report, new = swap_one(copy.deepcopy(original), bitwise=True)
     assert report.swapped == [("0", name, label)], report
     x = (randn((3, 5, H), seed=3) * 3).to(torch.bfloat16)
     assert torch.equal(new(x), original(x))
+    # by default the first within the tolerance: the default casting mode
+    report, _ = swap_one(copy.deepcopy(original))
+    assert report.swapped == [("0", name, label.replace("(casting_mode=llama)", ""))], report
 
 
 def test_a_norm_that_scales_before_normalising_is_left_with_the_reason(torch_path):

@@ -151,7 +151,8 @@ MLPS = {"llama": ("layers.{}.mlp", "GatedMLP(swiglu, gate=gate_proj, up=up_proj)
 def test_patched_hf_model_matches(kind):
     original = without_dropout(tiny(kind).double().train())
     patched = copy.deepcopy(original)
-    report = patch_model(patched)
+    # every kind but the loss: rotary too, which is swapped only when included
+    report = patch_model(patched, include=["norm", "activation", "mlp", "residual", "rotary"])
     assert report == EXPECTED[kind]
     assert list(patched.state_dict()) == list(original.state_dict())
     for name, parameter in original.named_parameters():
@@ -276,6 +277,8 @@ def test_a_rotary_embedding_computed_otherwise_is_left_with_the_reason():
     assert type(attention) is interleaved
     # excluded by kind or by class name: no candidate at all
     assert patch_model(tiny("llama"), exclude="rotary").get("LlamaAttention") is None
+    # not a default kind
+    assert patch_model(tiny("llama")).get("LlamaAttention") is None
     assert patch_model(tiny("llama"), exclude="Llama*Attention").get("LlamaAttention") is None
 
 
@@ -299,7 +302,8 @@ def test_a_rotary_model_pickles_compiles_and_generates():
     assert torch.equal(generated[1], generated[0]) and generated[0].shape == (2, 11)
     # with every other kind swapped too (the layer's fused add, its norms and MLP): one graph
     everything = copy.deepcopy(original)
-    assert patch_model(everything)["LlamaAttention"] == 2
+    assert patch_model(everything, include=["norm", "mlp", "residual", "rotary"])[
+        "LlamaAttention"] == 2
     x = randn((2, 7, 64), seed=2, dtype=torch.float32)
     position = patched.model.rotary_emb(x, torch.arange(7)[None])
     for model, layer in ((patched, patched.model.layers[0].self_attn),

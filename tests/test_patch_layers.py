@@ -399,15 +399,15 @@ def patch_layers_rules():
 
 
 def test_a_16_bit_llama_layer_fuses_with_its_norms_casting_mode():
-    # a bfloat16 LlamaRMSNorm is swapped for RMSNorm(casting_mode="llama") (the probe keeps
-    # the mode that rounds as it does); the add fused into it rounds so too
+    # with bitwise=True a bfloat16 LlamaRMSNorm is swapped for RMSNorm(casting_mode="llama")
+    # (the probe keeps the mode that rounds as it does); the add fused into it rounds so too
     model = layers(LlamaDecoderLayer)
     model.to(torch.bfloat16)
     with torch.no_grad():
         for index, norm in enumerate((model[0].input_layernorm,
                                       model[0].post_attention_layernorm)):
             norm.weight.copy_(randn(norm.weight.shape, seed=7 + index) * 0.5 + 1)
-    report = patch_model(model, include=["residual", "norm"])
+    report = patch_model(model, include=["residual", "norm"], bitwise=True)
     assert report == {"LlamaDecoderLayer": 1, "LlamaRMSNorm": 2}, report
     assert ("0", "LlamaDecoderLayer", "LlamaDecoderLayer(add_rms_norm into "
             "post_attention_layernorm, casting_mode='llama')") in report.swapped

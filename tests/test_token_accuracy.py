@@ -110,8 +110,8 @@ def test_softcap_returns_the_capped_logits_argmax(device, schedule):
     # capping keeps the order (tanh increases), except where it rounds the largest logits to
     # one value: softcap 1 makes 100 and 200 both 1.0 in fp32, and the first of them is taken
     x = randn((4, V), seed=3, device=device, dtype=torch.float32)
-    x[0, [9, 29]] = torch.tensor([100.0, 200.0])
-    x[1, [2, 31]] = torch.tensor([300.0, 90.0])
+    x[0, [9, 29]] = torch.tensor([100.0, 200.0], device=device)
+    x[1, [2, 31]] = torch.tensor([300.0, 90.0], device=device)
     target = torch.tensor([9, 2, 0, 1], device=device)
     predicted = cross_entropy(x, target, softcap=1.0, return_predicted_tokens=True)[1]
     capped = 1.0 * torch.tanh(x / 1.0)

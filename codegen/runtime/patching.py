@@ -38,7 +38,7 @@ from codegen.runtime import dispatch, linear_loss, logits_route, patch_layers, p
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
 KINDS = ("norm", "activation", "mlp", "residual", "rotary", "loss")
 #: the kinds swapped unless `include` says otherwise (a loss only when asked for)
-DEFAULT_KINDS = ("norm", "activation", "mlp", "residual", "rotary")
+DEFAULT_KINDS = ("norm", "activation", "mlp", "residual")
 #: where a module keeps its eps, in the order looked up
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 #: eps values tried (after the op's default) for a norm that keeps none as an attribute
@@ -226,12 +226,12 @@ def causal_lm_loss(cross_entropy: Callable, logits, labels, vocab_size, num_item
 
 
 def patch_model(model, rules: tuple[Rule, ...], *, include=None, exclude=None, loss=False,
-                strict=False, memory=None) -> PatchReport:
+                strict=False, memory=None, bitwise=False) -> PatchReport:
     """`generated.patch.patch_model` with the rule table given (see its docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError("patch_model(): argument 'model' must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    for name, value in (("loss", loss), ("strict", strict)):
+    for name, value in (("loss", loss), ("strict", strict), ("bitwise", bitwise)):
         if not isinstance(value, bool):
             raise TypeError(f"patch_model(): argument '{name}' must be bool, got "
                             f"{type(value).__name__}")
@@ -240,7 +240,7 @@ def patch_model(model, rules: tuple[Rule, ...], *, include=None, exclude=None, l
         raise ValueError(f"patch_model(): argument 'memory' must be None or one of "
                          f"{', '.join(map(repr, modes))}, got {memory!r}")
     selection = _Selection(include, exclude, loss)
-    planner = _Planner(model, rules, selection, strict, memory)
+    planner = _Planner(model, rules, selection, strict, memory, bitwise)
     planner.visit(model, "")
     planner.visit_losses(model)
     _assign(planner.assignments, planner.losses)
@@ -289,8 +289,9 @@ class _Planner:
     """Walks the model, proves each candidate's replacement and records the assignments; it
     changes nothing itself."""
 
-    def __init__(self, model, rules, selection, strict, memory):
+    def __init__(self, model, rules, selection, strict, memory, bitwise=False):
         self.rules, self.selection, self.strict, self.memory = rules, selection, strict, memory
+        self.bitwise = bitwise
         self.own = tuple({r.module for r in rules if r.module is not None}) + (GatedMLP,
                                                                              LastDimNorm)
         reference = next((t for t in itertools.chain(model.parameters(), model.buffers())
@@ -410,7 +411,8 @@ class _Planner:
     def prove(self, module, name, candidates, tail, scales, dtype, device, evaluate=False):
         if device.type == "meta":
             return self.skip(module, name, _META)
-        winner, reason = _prove(module, candidates, tail, scales, dtype, device, evaluate)
+        winner, reason = _prove(module, candidates, tail, scales, dtype, device, evaluate,
+                                self.bitwise)
         if winner is None:
             return self.skip(module, name, reason)
         new = winner.build(module)
@@ -795,13 +797,13 @@ def _probe_input(tail, scales, dtype, device) -> torch.Tensor:
     return x.reshape(shape).to(device=device, dtype=dtype)
 
 
-def _prove(module, candidates, tail, scales, dtype, device, evaluate=False):
-    """The first candidate whose outputs are the module's, bit for bit, on the probe, with the
-    module's tensors and with perturbed ones; else the first that matches them within the
-    dtype's tolerance (`_difference`); else None and why each failed. A later exact one wins
-    over an earlier close one: a bfloat16 LlamaRMSNorm is within tolerance of RMSNorm's
-    default casting_mode, but only casting_mode="llama" rounds as it does. `evaluate`: the
-    copies probed (and the candidates built from them) are in eval mode."""
+def _prove(module, candidates, tail, scales, dtype, device, evaluate=False, bitwise=False):
+    """The first candidate whose outputs match the module's within the dtype's tolerance
+    (`_difference`) on the probe, with the module's tensors and with perturbed ones; else None
+    and why each failed. With `bitwise`, a later candidate that gives the module's outputs bit
+    for bit wins over an earlier close one: a bfloat16 LlamaRMSNorm is within tolerance of
+    RMSNorm's default casting_mode, but only casting_mode="llama" rounds as it does.
+    `evaluate`: the copies probed (and the candidates built from them) are in eval mode."""
     with _probing(device):
         x = _probe_input(tail, scales, dtype, device)
         perturb = any(t.is_floating_point() for t in itertools.chain(module.parameters(),
@@ -833,7 +835,7 @@ def _prove(module, candidates, tail, scales, dtype, device, evaluate=False):
                 if problem is not None:
                     problem += note
                     break
-            if problem is None and exact:
+            if problem is None and (exact or not bitwise):
                 return candidate, None
             if problem is None:
                 close = close or candidate
