@@ -155,7 +155,7 @@ def is_route(forward) -> bool:
 
 def route_problem(model, linear, dtype, device) -> str | None:
     """Why `model`'s training loss cannot be routed, or None: its structure, then a probe (a
-    training forward of a few tokens, some unlabelled, on a copy whose Parameters are
+    training forward of a few tokens, some unlabelled, on a float64 copy whose Parameters are
     perturbed, whose loss and gradients must be the model's own, dropout's draws the same)."""
     from codegen.runtime import patching  # patching imports this module
 
@@ -170,11 +170,12 @@ def route_problem(model, linear, dtype, device) -> str | None:
     labels = tokens.clone()
     labels.view(-1)[list(PROBE_UNLABELLED)] = -100
     tokens, labels = tokens.to(device), labels.to(device)
-    if dtype in (torch.float16, torch.bfloat16):
-        # which rows and parameters the loss reaches has no dtype of its own, and the loss's
-        # 16-bit rounding is the cross-entropy kernels' (tested as such), whose gradients are
-        # more exact than a 16-bit log-softmax's: a 16-bit model is probed in float32
-        dtype = torch.float32
+    # which rows and parameters the loss reaches has no dtype of its own, and the loss's
+    # rounding is the cross-entropy kernels' (tested as such): the probe runs in float64, where
+    # the gradients' sums over a vocabulary round far below what a wrong route would change
+    # (in float32 a BERT-large gradient differed by 1.4e-7 at -1.0e-4 from its order of summing
+    # alone, above a tolerance of 1.3e-8 at the scale of all the gradients)
+    dtype = torch.float64
     with patching._probing(device), torch.enable_grad():
         # a copy with perturbed Parameters of its own, and a twin of it sharing them
         plain = patching._twin(model, patching._Noise(), {}).to(dtype).train()
