@@ -3,7 +3,8 @@
 
     python -m benchmarks.models [--models gpt2,bert,llama,qwen2,gemma] [--sizes small,large]
                                 [--variants eager,patched,liger] [--steps 10]
-                                [--budget-s 220] [--timeout-s 300] [--out FILE.json]
+                                [--rounds 1] [--budget-s 220] [--timeout-s 300]
+                                [--out FILE.json]
                                 [--cpu-smoke [--jobs N]]
 
 Models, randomly initialised from a config (seed 0; no download), bf16, attn_implementation
@@ -37,6 +38,8 @@ optimizer). Variants:
   cross-entropy; BERT's masked-LM loss from its labelled rows' hidden states), each op
   choosing between its kernels and torch's expression of it by its measured size
   (codegen/runtime/dispatch.py);
+- patched-rotary: the same with the rotary embeddings swapped too (`include=[..., "rotary"]`,
+  which `patch_model` leaves out by default);
 - patched-kernels, patched-kernels-compiled: the same with the kernels at every size
   (`VJPFORGE_DISPATCH=kernels`), eager and under `torch.compile(model)`;
 - liger: after Liger-Kernel's `apply_liger_kernel_to_<model type>(model=model)` with its
@@ -54,6 +57,11 @@ other and assembles the tables. Per variant: step ms (CUDA events around each st
 peak of `torch.cuda.max_memory_allocated` over the timed steps (parameters, gradients and
 activations), and the loss in eval mode (no dropout) of the same batch, which every
 uncompiled variant of a model must reproduce (same weights, same computation).
+`--rounds R` runs every variant of a model R times, interleaved (eager, patched, liger, eager,
+...), each time in a new process: a shared machine's speed drifts between processes by more
+than the differences measured, and interleaving exposes each variant to the same drift. The
+table gives the median of the rounds' step times and, with R > 1, their range; the peak is the
+largest of the rounds'.
 
 A failure (an exception, out of memory, a crash, the `--timeout-s` of a variant) is reported
 with its error, and the run goes on; no variant starts after `--budget-s` seconds (the rest
@@ -80,8 +88,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("gpt2", "bert", "llama", "qwen2", "gemma")
 SIZE_NAMES = ("small", "large")
-VARIANTS = ("eager", "patched", "liger", "compiled", "patched-compiled", "reduce-overhead",
-            "patched-reduce-overhead", "patched-kernels", "patched-kernels-compiled")
+VARIANTS = ("eager", "patched", "patched-rotary", "liger", "compiled", "patched-compiled",
+            "reduce-overhead", "patched-reduce-overhead", "patched-kernels",
+            "patched-kernels-compiled")
 DEFAULT_VARIANTS = ("eager", "patched", "liger")
 COMPILED = {"compiled": "default", "patched-compiled": "default",
             "patched-kernels-compiled": "default",
@@ -209,7 +218,12 @@ def prepare(variant: str, model_name: str, model) -> dict:
     if variant.startswith("patched"):
         from generated.patch import patch_model
 
-        report = patch_model(model, loss=True)
+        options = {}
+        if variant == "patched-rotary":
+            from codegen.runtime.patching import DEFAULT_KINDS
+
+            options["include"] = (*DEFAULT_KINDS, "rotary")
+        report = patch_model(model, loss=True, **options)
         done["swapped"] = _swap_counts(report)
         if skipped := _skipped(report):
             done["not_swapped"] = skipped
@@ -333,12 +347,36 @@ def liger_functions() -> tuple[set[str] | None, str]:
 
 
 def plan(models: list[str], sizes: list[str], variants: list[str], smoke: bool,
-         steps: int) -> list[dict]:
+         steps: int, rounds: int = 1) -> list[dict]:
+    """One spec per process to run: each model and size, `rounds` times its variants in turn."""
     # a compiled variant's first step compiles; on the CPU nothing else needs warming up
     return [{"model": model, "size": size, "variant": variant, "cpu_smoke": smoke,
-             "steps": steps, "warmup": 1 if smoke else WARMUP,
+             "steps": steps, "warmup": 1 if smoke else WARMUP, "round": index,
              "size_config": asdict(SMOKE_SIZE if smoke else SIZES[model, size])}
-            for model in models for size in sizes for variant in variants]
+            for model in models for size in sizes for index in range(rounds)
+            for variant in variants]
+
+
+def merge_rounds(records: list[dict]) -> list[dict]:
+    """One record per (model, size, variant), in first-seen order: where several rounds ran,
+    the median of their step times (`step_ms_rounds` holds each), the largest peak, and the
+    first failure where any round failed."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["model"], record["size"], record["variant"]), []).append(record)
+    merged = []
+    for group in groups.values():
+        failed = [r for r in group if r.get("status") != "ok"]
+        if failed or len(group) == 1:
+            merged.append(failed[0] if failed else group[0])
+            continue
+        times = [r["step_ms"] for r in group]
+        record = {**group[0], "step_ms": statistics.median(times), "step_ms_rounds": times}
+        peaks = [r["peak_bytes"] for r in group if r.get("peak_bytes") is not None]
+        if peaks:
+            record["peak_bytes"] = max(peaks)
+        merged.append(record)
+    return merged
 
 
 def _base(spec: dict) -> dict:
@@ -446,8 +484,11 @@ def table(records: list[dict], variants: tuple[str, ...]) -> str:
         if loss is not None and base_loss is not None and r["variant"] != "eager":
             delta = f"{abs(loss - base_loss) / max(abs(base_loss), 1e-30):.1e}"
         peak = r.get("peak_bytes")
+        step = _fmt(r.get("step_ms"))
+        if len(spread := r.get("step_ms_rounds") or ()) > 1:
+            step += f" ({_fmt(min(spread))}–{_fmt(max(spread))})"
         lines.append(
-            f"| {r['model']} | {r['size']} | {r['variant']} | {_fmt(r.get('step_ms'))} | "
+            f"| {r['model']} | {r['size']} | {r['variant']} | {step} | "
             f"{_ratio(r.get('step_ms'), eager.get('step_ms'))} | "
             f"{_ratio(r.get('step_ms'), compiled.get('step_ms')) if r['variant'] in COMPILED else '—'} | "  # noqa: E501
             f"{_fmt(None if peak is None else peak / GIB)} | "
@@ -472,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, help="timed steps per variant (10)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every variant, interleaved; the table gives their median")
     parser.add_argument("--budget-s", type=float, default=220.0,
                         help="no variant starts after this many seconds")
     parser.add_argument("--timeout-s", type=float, default=300.0,
@@ -498,15 +541,18 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device visible; use --cpu-smoke for a CPU smoke test")
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     steps = args.steps or (2 if args.cpu_smoke else 10)
-    specs = plan(models, sizes, variants, args.cpu_smoke, steps)
+    specs = plan(models, sizes, variants, args.cpu_smoke, steps, args.rounds)
     began = time.perf_counter()
     records = run_all(specs, args.budget_s, args.timeout_s, args.jobs,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    records = merge_rounds(records)
     named = [r["device_name"] for r in records if r.get("device_name")]
     meta = {"device": named[0] if named else "unknown",
             "dtype": "float32" if args.cpu_smoke else "bfloat16", "steps": steps,
-            "warmup": 1 if args.cpu_smoke else WARMUP, "wall_s": time.perf_counter() - began,
+            "warmup": 1 if args.cpu_smoke else WARMUP, "rounds": args.rounds, "wall_s": time.perf_counter() - began,
             "versions": _versions(),
             "sizes": {f"{m} {s}": asdict(SMOKE_SIZE if args.cpu_smoke else SIZES[m, s])
                       for m in models for s in sizes},

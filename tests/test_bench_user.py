@@ -140,6 +140,35 @@ def test_models_liger_without_function_is_not_run(monkeypatch):
     assert records[0]["error"] == "Liger-Kernel has no apply_liger_kernel_to_gpt2"
 
 
+def test_models_rounds_interleave_and_merge(monkeypatch):
+    """--rounds runs a model's variants in turn, round after round, and the table's record of
+    a variant is the median of its rounds (their range shown), the largest peak, or the
+    first failure of any round."""
+    specs = models.plan(["llama"], ["small"], ["eager", "patched"], smoke=True, steps=1,
+                        rounds=3)
+    assert [(s["variant"], s["round"]) for s in specs] == [
+        ("eager", 0), ("patched", 0), ("eager", 1), ("patched", 1), ("eager", 2), ("patched", 2)]
+    times = iter([5.0, 9.0, 1.0, 8.0, 3.0, 7.0])
+    peaks = iter([10, 20, 30, 40, 50, 60])
+
+    def child(spec, timeout):
+        record = {**models._base(spec), "status": "ok", "step_ms": next(times),
+                  "peak_bytes": next(peaks)}
+        if spec["variant"] == "patched" and spec["round"] == 1:
+            record.update(status="oom", error="out of memory")
+        return record
+
+    monkeypatch.setattr(models, "run_child", child)
+    records = models.merge_rounds(models.run_all(specs, budget_s=60, timeout_s=60, jobs=1,
+                                                 progress=print))
+    eager, patched = records
+    assert eager["step_ms"] == 3.0 and eager["step_ms_rounds"] == [5.0, 1.0, 3.0]
+    assert eager["peak_bytes"] == 50
+    assert patched["status"] == "oom"
+    row = table_rows(models.table(records, ("eager", "patched")), "| model | size")[0]
+    assert row[3] == "3.00 (1.00–5.00)"
+
+
 def test_models_failures_are_records(capsys, monkeypatch):
     """A variant that raises prints an error record; one that outlives its timeout is
     reported as such."""

@@ -50,6 +50,41 @@ def test_launch_hooks_keep_the_jit_path():
         assert hooked(fresh)
 
 
+def _three_flags_source(x_ptr, n, A: triton.language.constexpr, B: triton.language.constexpr,
+                        C: triton.language.constexpr):
+    pass
+
+
+#: a JITFunction itself (triton.jit gives an interpreted function under TRITON_INTERPRET=1)
+_three_flags = triton.runtime.JITFunction(_three_flags_source)
+
+
+class _Compiled:
+    """What `make_plan` reads of a compiled kernel: its launcher and metadata."""
+
+    function, packed_metadata = "function", "metadata"
+
+    class run:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        @staticmethod
+        def launch(*args):
+            return args
+
+    run = run()
+
+
+def test_plan_passes_constexprs_in_signature_order():
+    """A call may name its constexprs in any order; the launcher takes them positionally in the
+    kernel's signature order, so the plan must reorder them (a plan that kept the call's order,
+    or none at all, sent every later call through the JIT's slow path)."""
+    plan = launch.make_plan(None, _three_flags, _Compiled(), (4,), 2, {"C": 3, "A": 1, "B": 2})
+    assert plan is not None and plan.tail == (1, 2, 3)
+    for wrong in ({"A": 1, "B": 2}, {"A": 1, "B": 2, "D": 4}, {"A": 1, "B": 2, "C": 3, "D": 4}):
+        assert launch.make_plan(None, _three_flags, _Compiled(), (4,), 2, wrong) is None, wrong
+
+
 pytestmark_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the direct launch is CUDA's")
 
 

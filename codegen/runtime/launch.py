@@ -154,11 +154,13 @@ def make_plan(
     schedule: Schedule | None, kernel, compiled, grid, positional: int, constexprs: dict
 ) -> Plan | None:
     """What launches `compiled` again, or None where it cannot: only where the call gave every
-    constexpr by name, in signature order after its `positional` arguments (the plan then
-    passes their values in that order). Triton's options (debug, ...) are those of this call."""
-    if not isinstance(kernel, triton.runtime.JITFunction) or kernel.arg_names[positional:] != list(
-        constexprs
-    ):
+    parameter after its `positional` arguments by name (`constexprs`, in any order: the plan
+    passes their values in the kernel's signature order, as the launcher takes them). Triton's
+    options (debug, ...) are those of this call."""
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        return None
+    names = kernel.arg_names[positional:]
+    if len(names) != len(constexprs) or set(names) != set(constexprs):
         return None
     run = compiled.run
     if _C_LAUNCH and not run.global_scratch_size and not run.profile_scratch_size:
@@ -178,7 +180,7 @@ def make_plan(
         )
     else:
         launch_function, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
-    return Plan(schedule, launch_function, grid, head, tuple(constexprs.values()))
+    return Plan(schedule, launch_function, grid, head, tuple(constexprs[name] for name in names))
 
 
 #: plans of `launch`, keyed by kernel
