@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     named = [r["device_name"] for r in records if r.get("device_name")]
     meta = {"device": named[0] if named else "unknown",
             "dtype": "float32" if args.cpu_smoke else "bfloat16", "steps": steps,
-            "warmup": 1 if args.cpu_smoke else WARMUP, "rounds": args.rounds, "wall_s": time.perf_counter() - began,
+            "warmup": 1 if args.cpu_smoke else WARMUP, "rounds": args.rounds,
+            "wall_s": time.perf_counter() - began,
             "versions": _versions(),
             "sizes": {f"{m} {s}": asdict(SMOKE_SIZE if args.cpu_smoke else SIZES[m, s])
                       for m in models for s in sizes},
