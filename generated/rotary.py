@@ -6,9 +6,11 @@
 rotate_half(x) is (-x2, x1) for the halves x1 = x[..., :N/2], x2 = x[..., N/2:] (Hugging
 Face's): at column j, the partner column's value (j + N/2) mod N, negated in the first half.
 `cos` and `sin` have the row's width and broadcast over the leading dims (the heads), read in
-place through their strides. Only the three inputs are saved; the backward rotates the
-upstream gradient the other way, dx = dy * cos - rotate_half(dy * sin) read through the same
-pairing: the engine derives it from the partner read (docs/spec_language.md).
+place through their strides. Only the tables are saved: the VJP is linear in the upstream
+gradient and never reads x (saving x would hold every layer's q and k until the backward).
+The backward rotates the upstream gradient the other way, dx = dy * cos - rotate_half(dy * sin)
+read through the same pairing: the engine derives it from the partner read
+(docs/spec_language.md).
 
 The backward is derived symbolically; see docs/ops/rotary.md for every step.
 """
@@ -371,7 +373,7 @@ def _rotary_bwd_default(dy, cos, sin, row_shape):
 
 
 class _DefaultFunction(torch.autograd.Function):
-    """Memory mode 'default': saves x, cos, sin. 
+    """Memory mode 'default': saves cos, sin. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -381,7 +383,7 @@ class _DefaultFunction(torch.autograd.Function):
         y, = _rotary_fwd(
             x, cos, sin, row_shape,
         )
-        ctx.save_for_backward(x, cos, sin)
+        ctx.save_for_backward(cos, sin)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.row_shape = row_shape
@@ -389,7 +391,7 @@ class _DefaultFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, cos, sin, = ctx.saved_tensors
+        cos, sin, = ctx.saved_tensors
         dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
@@ -486,7 +488,7 @@ def _rotary_setup_context(ctx, inputs, output):
     ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
     ctx.row_shape = row_shape
     if memory == "default":
-        ctx.save_for_backward(x, cos, sin)
+        ctx.save_for_backward(cos, sin)
 
 
 def _rotary_backward(ctx, grads):
@@ -494,7 +496,7 @@ def _rotary_backward(ctx, grads):
     dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
-        x, cos, sin, = ctx.saved_tensors
+        cos, sin, = ctx.saved_tensors
         if torch.is_grad_enabled():
             # the backward autograd can record, as the autograd Function's
             dx, = _rotary_bwd_default_torch(
@@ -525,7 +527,7 @@ def rotary(input, cos, sin):
     `sin`: broadcastable to `input`, read in place through its strides (never
     expanded); not differentiated.
     Tensors of mixed dtypes promote as torch's arithmetic on them would (the result has
-    torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); x, cos, sin kept for the backward.
+    torch.result_type's dtype). Computed in fp32 (fp64 for fp64 input); cos, sin kept for the backward.
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """

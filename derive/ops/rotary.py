@@ -3,9 +3,11 @@
 rotate_half(x) is (-x2, x1) for the halves x1 = x[..., :N/2], x2 = x[..., N/2:] (Hugging
 Face's): at column j, the partner column's value (j + N/2) mod N, negated in the first half.
 `cos` and `sin` have the row's width and broadcast over the leading dims (the heads), read in
-place through their strides. Only the three inputs are saved; the backward rotates the
-upstream gradient the other way, dx = dy * cos - rotate_half(dy * sin) read through the same
-pairing: the engine derives it from the partner read (docs/spec_language.md).
+place through their strides. Only the tables are saved: the VJP is linear in the upstream
+gradient and never reads x (saving x would hold every layer's q and k until the backward).
+The backward rotates the upstream gradient the other way, dx = dy * cos - rotate_half(dy * sin)
+read through the same pairing: the engine derives it from the partner read
+(docs/spec_language.md).
 """
 
 import sympy
@@ -23,7 +25,7 @@ def spec() -> OpSpec:
     x_partner = op.partner("x_rotated", x, pairing="half")
     sign = sympy.Piecewise((-1, j < N / 2), (1, True))
     op.output(op.element("y", x * cos + sign * x_partner * sin))
-    op.save(x, cos, sin)
+    op.save(cos, sin)
     op.api = PositionEmbeddingAPI(
         function="rotary", module="Rotary",
         torch_function="input * cos + rotate_half(input) * sin",
