@@ -927,6 +927,10 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "function_tensors": [*(name for name, _ in module.gradients)],
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
+        # an elementwise forward's result keeps a permuted input's layout, as torch's
+        # elementwise ops do; one with row reductions (a softmax) returns contiguous rows, as
+        # torch's do
+        "keeps_layout": not any(p.reductions for p in forward.passes),
         "extra_args": extra_args,
         "fwd_torch": KernelContext(forward, TORCH, backward=False),
         "schedule": schedule.constants(module.op),

@@ -627,6 +627,12 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
 
     checks.check_input("bias_dropout_add", input, "input")
     residual = checks.check_like_input("bias_dropout_add", "residual", residual, input, "input")
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(input, residual)
+    if order is not None:
+        input = launch.permuted(input, order)
+        residual = launch.permuted(residual, order)
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -649,7 +655,7 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
         outputs = function.apply(x, residual, bias, p, seed),
     else:
         outputs = _bias_dropout_add_fwd(x, residual, bias, p, seed)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class BiasDropoutAdd(torch.nn.Module):

@@ -541,6 +541,12 @@ def geglu(gate, up, *, approximate="none"):
     if up is None:
         raise TypeError("geglu(): argument 'up' must be a torch.Tensor, got NoneType")
     up = checks.check_like_input("geglu", "up", up, gate, "gate")
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(gate, up)
+    if order is not None:
+        gate = launch.permuted(gate, order)
+        up = launch.permuted(up, order)
     shape = gate.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -556,7 +562,7 @@ def geglu(gate, up, *, approximate="none"):
         outputs = function.apply(gate, up),
     else:
         outputs = _geglu_fwd(gate, up)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class GeGLU(torch.nn.Module):

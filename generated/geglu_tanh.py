@@ -526,6 +526,12 @@ def geglu_tanh(gate, up):
     if up is None:
         raise TypeError("geglu_tanh(): argument 'up' must be a torch.Tensor, got NoneType")
     up = checks.check_like_input("geglu_tanh", "up", up, gate, "gate")
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(gate, up)
+    if order is not None:
+        gate = launch.permuted(gate, order)
+        up = launch.permuted(up, order)
     shape = gate.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -541,7 +547,7 @@ def geglu_tanh(gate, up):
         outputs = function.apply(gate, up),
     else:
         outputs = _geglu_tanh_fwd(gate, up)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class GeGLUTanh(torch.nn.Module):

@@ -635,6 +635,11 @@ def gelu(input, *, approximate="none", bias=None):
         return torch.nn.functional.gelu(input if bias is None else input + bias)
 
     checks.check_input("gelu", input, "input")
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(input)
+    if order is not None:
+        input = launch.permuted(input, order)
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -650,7 +655,7 @@ def gelu(input, *, approximate="none", bias=None):
         outputs = function.apply(x, bias),
     else:
         outputs = _gelu_fwd(x, bias)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class GELU(torch.nn.Module):

@@ -616,6 +616,11 @@ def gelu_tanh(input, *, bias=None):
         return torch.nn.functional.gelu(input if bias is None else input + bias, approximate="tanh")
 
     checks.check_input("gelu_tanh", input, "input")
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(input)
+    if order is not None:
+        input = launch.permuted(input, order)
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -631,7 +636,7 @@ def gelu_tanh(input, *, bias=None):
         outputs = function.apply(x, bias),
     else:
         outputs = _gelu_tanh_fwd(x, bias)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class GELUTanh(torch.nn.Module):

@@ -543,6 +543,13 @@ def rotary(input, cos, sin):
     if sin is None:
         raise TypeError("rotary(): argument 'sin' must be a torch.Tensor, got NoneType")
     sin = checks.check_broadcast("rotary", "sin", sin, input, False)
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(input)
+    if order is not None:
+        input = launch.permuted(input, order)
+        cos = launch.permuted(cos, order)
+        sin = launch.permuted(sin, order)
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -560,7 +567,7 @@ def rotary(input, cos, sin):
         outputs = function.apply(x, cos, sin, row_shape),
     else:
         outputs = _rotary_fwd(x, cos, sin, row_shape)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class Rotary(torch.nn.Module):

@@ -603,6 +603,12 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     if up is None:
         raise TypeError("swiglu(): argument 'up' must be a torch.Tensor, got NoneType")
     up = checks.check_like_input("swiglu", "up", up, gate, "gate")
+    # the rows in the input's memory order: a permuted input is read in place, and the result
+    # keeps its layout (`launch.memory_order`)
+    order = launch.memory_order(gate, up)
+    if order is not None:
+        gate = launch.permuted(gate, order)
+        up = launch.permuted(up, order)
     shape = gate.shape
     columns = shape[-1] if len(shape) else 1
     rows = shape.numel() // columns if columns else 0
@@ -620,7 +626,7 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
         outputs = function.apply(gate, up, gate_multiplier, down_multiplier),
     else:
         outputs = _swiglu_fwd(gate, up, gate_multiplier, down_multiplier)
-    return launch.shaped(outputs[0], shape)
+    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
 
 
 class SwiGLU(torch.nn.Module):

@@ -187,6 +187,56 @@ DEFAULT_EPS_CALLERS = {
 }
 
 
+# Permuted rows: attention's (B, T, H, D) buffers seen as (B, H, T, D)
+
+#: every case whose results torch lays out as this test checks (add + norm's prenorm sum is
+#: returned contiguous where torch's x + r keeps the inputs' layout)
+PERMUTED = [name for name in CASES if name not in ("cross_entropy", "add_layer_norm",
+                                                   "add_rms_norm")]
+
+
+def _permuted_run(fn: Callable, case: Case, device: torch.device, transposed: bool) -> list:
+    """[outputs..., gradient of each leaf] of fn over (B, H, T, N) operands: views of
+    (B, T, H, N) buffers (transposed), or contiguous tensors of the same values."""
+    leaves = [randn((2, 3, 4, N), seed=i, device=device) for i in range(case.rows)]
+    leaves += [randn((N,), seed=10 + i, device=device, shift=1.0) for i in range(case.params)]
+    leaves = [leaf.requires_grad_() for leaf in leaves]
+    operands = [leaf.transpose(1, 2) if i < case.rows else leaf for i, leaf in enumerate(leaves)]
+    if not transposed:
+        operands = [op.contiguous() if i < case.rows else op for i, op in enumerate(operands)]
+    outputs = fn(*operands)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    upstream = [randn(out.shape, seed=GRAD_SEED + k, device=device)
+                for k, out in enumerate(outputs)]
+    torch.autograd.backward(list(outputs), upstream)
+    return [*outputs, *(leaf.grad for leaf in leaves)]
+
+
+@pytest.mark.parametrize("name", PERMUTED)
+def test_permuted_rows_compute_in_place_and_keep_torchs_layout(device, name):
+    """Rows whose leading dims are permuted in memory give the values and gradients of the
+    same rows made contiguous, and results laid out as torch's: an elementwise op's keeps the
+    input's layout (torch's elementwise ops do; attention's output then needs no copy before
+    its projection), a row reduction's is contiguous (as torch's softmax and norms)."""
+    case = CASES[name]
+    got = _permuted_run(case.ours, case, device, transposed=True)
+    want = _permuted_run(case.ours, case, device, transposed=False)
+    rowwise = len(got) - case.params  # outputs and operand gradients: each row's own values
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        if index < rowwise:
+            assert torch.equal(a.detach(), b.detach()), f"{name}: result {index} differs"
+        else:  # a parameter's gradient: the same rows summed in another order
+            torch.testing.assert_close(a, b, **FP64_TOL)
+    with torch.no_grad():
+        operands = [randn((2, 3, 4, N), seed=i, device=device).transpose(1, 2)
+                    for i in range(case.rows)]
+        operands += [randn((N,), seed=10 + i, device=device) for i in range(case.params)]
+        ours, theirs = case.ours(*operands), case.theirs(*operands)
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+    assert [o.stride() for o in ours] == [t.stride() for t in theirs]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("caller", DEFAULT_EPS_CALLERS)
 def test_default_eps_of_16_bit_input_is_float32s(device, caller, dtype):

@@ -67,6 +67,43 @@ def rows(shape, tensor: torch.Tensor) -> torch.Tensor:
     return viewed if viewed.stride(-1) == 1 or viewed.numel() == 0 else viewed.contiguous()
 
 
+def memory_order(first: torch.Tensor, *others) -> tuple[int, ...] | None:
+    """The order of `first`'s dims (its last one last) in which its rows lie densely in memory,
+    where that is not the order they have (attention's q, a (B, T, H, D) buffer seen as
+    (B, H, T, D)), and every tensor of `others` (None, or of `first`'s shape) has its strides:
+    an op run over the permuted rows reads them in place, and its result, permuted back, keeps
+    the input's layout as torch's elementwise ops do. None: run in the order given."""
+    if first.dim() < 3 or first.is_contiguous() or first.stride(-1) != 1:
+        return None
+    strides = first.stride()
+    order = (*sorted(range(first.dim() - 1), key=lambda dim: -strides[dim]), first.dim() - 1)
+    if not first.permute(order).is_contiguous():
+        return None
+    if any(other is not None and other.stride() != strides for other in others):
+        return None
+    return order
+
+
+def permuted(tensor: torch.Tensor | None, order: tuple[int, ...]) -> torch.Tensor | None:
+    """`tensor` (None, or broadcastable to a tensor of len(order) dims) with its dims in `order`,
+    missing leading dims added as size 1 first."""
+    if tensor is None:
+        return None
+    if tensor.dim() < len(order):
+        tensor = tensor.reshape((1,) * (len(order) - tensor.dim()) + tuple(tensor.shape))
+    return tensor.permute(order)
+
+
+def unpermuted(tensor: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """A result computed over `permuted` inputs, its dims back in the caller's order."""
+    if order is None:
+        return tensor
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tensor.permute(inverse)
+
+
 def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool:
     """Whether a backward may write its result into `tensor`, an upstream gradient: autograd
     handed it to this backward alone (its only reference: not a gradient that also flows into
