@@ -38,8 +38,6 @@ optimizer). Variants:
   cross-entropy; BERT's masked-LM loss from its labelled rows' hidden states), each op
   choosing between its kernels and torch's expression of it by its measured size
   (codegen/runtime/dispatch.py);
-- patched-rotary: the same with the rotary embeddings swapped too (`include=[..., "rotary"]`,
-  which `patch_model` leaves out by default);
 - patched-kernels, patched-kernels-compiled: the same with the kernels at every size
   (`VJPFORGE_DISPATCH=kernels`), eager and under `torch.compile(model)`;
 - liger: after Liger-Kernel's `apply_liger_kernel_to_<model type>(model=model)` with its
@@ -88,9 +86,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("gpt2", "bert", "llama", "qwen2", "gemma")
 SIZE_NAMES = ("small", "large")
-VARIANTS = ("eager", "patched", "patched-rotary", "liger", "compiled", "patched-compiled",
-            "reduce-overhead", "patched-reduce-overhead", "patched-kernels",
-            "patched-kernels-compiled")
+VARIANTS = ("eager", "patched", "liger", "compiled", "patched-compiled", "reduce-overhead",
+            "patched-reduce-overhead", "patched-kernels", "patched-kernels-compiled")
 DEFAULT_VARIANTS = ("eager", "patched", "liger")
 COMPILED = {"compiled": "default", "patched-compiled": "default",
             "patched-kernels-compiled": "default",
@@ -218,12 +215,7 @@ def prepare(variant: str, model_name: str, model) -> dict:
     if variant.startswith("patched"):
         from generated.patch import patch_model
 
-        options = {}
-        if variant == "patched-rotary":
-            from codegen.runtime.patching import DEFAULT_KINDS
-
-            options["include"] = (*DEFAULT_KINDS, "rotary")
-        report = patch_model(model, loss=True, **options)
+        report = patch_model(model, loss=True)
         done["swapped"] = _swap_counts(report)
         if skipped := _skipped(report):
             done["not_swapped"] = skipped

@@ -121,7 +121,7 @@ def patch_model(model, *, include=None, exclude=None, loss=False, strict=False, 
 
     include, exclude: kinds ("norm", "activation", "mlp", "residual", "rotary", "loss") or fnmatch
     patterns of class names (a loss's name is its function's, e.g. "ForCausalLMLoss"); a
-    candidate is swapped if it is included (by default every kind but "rotary" and "loss") and
+    candidate is swapped if it is included (by default every kind but "loss") and
     not excluded.
     loss: also route the loss of Hugging Face causal-LM models (`*ForCausalLM`, `*LMHeadModel`)
     through `generated.cross_entropy`, via the model's `loss_function`; in training, where the

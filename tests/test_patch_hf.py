@@ -277,8 +277,8 @@ def test_a_rotary_embedding_computed_otherwise_is_left_with_the_reason():
     assert type(attention) is interleaved
     # excluded by kind or by class name: no candidate at all
     assert patch_model(tiny("llama"), exclude="rotary").get("LlamaAttention") is None
-    # not a default kind
-    assert patch_model(tiny("llama")).get("LlamaAttention") is None
+    # a default kind
+    assert patch_model(tiny("llama")).get("LlamaAttention") == 2
     assert patch_model(tiny("llama"), exclude="Llama*Attention").get("LlamaAttention") is None
 
 

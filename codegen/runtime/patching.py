@@ -38,7 +38,7 @@ from codegen.runtime import dispatch, linear_loss, logits_route, patch_layers, p
 #: what a rule swaps; `patch_model(include=..., exclude=...)` names these
 KINDS = ("norm", "activation", "mlp", "residual", "rotary", "loss")
 #: the kinds swapped unless `include` says otherwise (a loss only when asked for)
-DEFAULT_KINDS = ("norm", "activation", "mlp", "residual")
+DEFAULT_KINDS = ("norm", "activation", "mlp", "residual", "rotary")
 #: where a module keeps its eps, in the order looked up
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 #: eps values tried (after the op's default) for a norm that keeps none as an attribute
