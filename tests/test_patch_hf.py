@@ -185,6 +185,29 @@ def test_patched_hf_model_matches(kind):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_bfloat16_family_within_twice_hfs_own_error(kind):
+    """A bf16 model patched by default (every kind but the loss) against the exact fp64 model
+    of the same weights: its output's loss and every gradient within twice the unpatched bf16
+    model's own error, plus a few bf16 ulps of the gradient's scale."""
+    original = without_dropout(tiny(kind).to(torch.bfloat16).train())
+    exact = exact_reference(original).double()
+    patched = copy.deepcopy(original)
+    assert patch_model(patched) == EXPECTED[kind]
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    want, want_grads = hidden_loss_and_grads(exact, tokens)
+    hf, hf_grads = hidden_loss_and_grads(original, tokens)
+    got, got_grads = hidden_loss_and_grads(patched, tokens)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert abs(float(got - want)) <= 2 * abs(float(hf - want)) + 4 * eps * abs(float(want))
+    assert got_grads.keys() == want_grads.keys()
+    for name, exact_grad in want_grads.items():
+        scale = float(exact_grad.abs().max())
+        error = float((got_grads[name].double() - exact_grad).abs().max())
+        their = float((hf_grads[name].double() - exact_grad).abs().max())
+        assert error <= 2 * their + 4 * eps * scale, (name, error, their, scale)
+
+
 #: what computes each attention's rotary embedding: Phi-3's function rotates only the tables'
 #: width (partial rotary), which the probe shows
 ROTARY = {kind: "generated.rotary.apply_rotary_pos_emb" for kind in DECODERS}
