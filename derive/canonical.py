@@ -71,7 +71,8 @@ def canonical(spec: OpSpec) -> OpSpec:
     nodes = _partner_leaves(nodes, taken)
     return dataclasses.replace(spec, nodes=nodes, outputs=list(spec.outputs),
                                modes={k: list(v) for k, v in spec.modes.items()},
-                               mode_docs=dict(spec.mode_docs))
+                               mode_docs=dict(spec.mode_docs),
+                               mode_where=dict(spec.mode_where))
 
 
 # ---------------------------------------------------------------------- function rewriting

@@ -44,8 +44,40 @@ def derive(spec: OpSpec) -> Derivation:
     backwards = {mode: derive_backward(spec, algebra, reverse, saved)
                  for mode, saved in spec.modes.items()}
     recorded = recorded_backwards(spec)
+    for mode, backward in backwards.items():
+        _refuse_unread_saves(spec, mode, backward, recorded.get(mode))
     return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backwards, rules,
                       recorded)
+
+
+class UnreadSaveError(SpecError):
+    """A memory mode saves values its derived backward never reads (`mode`, `names`)."""
+
+    def __init__(self, message: str, mode: str, names: tuple[str, ...]):
+        super().__init__(message)
+        self.mode, self.names = mode, names
+
+
+def _refuse_unread_saves(spec: OpSpec, mode: str, backward: BackwardResult,
+                        recorded: RecordedBackward | None) -> None:
+    """A saved value that neither the mode's backward kernels nor the backward autograd records
+    read would only hold memory from the forward to the backward (an input the VJP does not
+    need keeps a whole activation alive per call): refused, naming it."""
+    def reads(graph: RowGraph) -> set[str]:
+        return {*graph.element_inputs, *graph.row_inputs,
+                *(source for _, source, _ in graph.partners)}
+
+    read = reads(backward.graph)
+    if recorded is not None and recorded.result is not None:  # None: the mode's own serves
+        read |= reads(recorded.result.graph)
+    unread = [name for name in spec.modes[mode] if name not in read]
+    if unread:
+        names = ", ".join(f"'{name}'" for name in unread)
+        raise UnreadSaveError(
+            f"{spec.mode_where.get(mode, spec.source)}: memory mode '{mode}' saves {names}, "
+            "which its backward never reads (the derived VJP does not need it): saving it "
+            "would only hold memory until the backward; drop it from op.save(...)",
+            mode, tuple(unread))
 
 
 def load_spec(path: Path, display: str) -> OpSpec:

@@ -133,6 +133,8 @@ class OpSpec:
     undifferentiated: list[str] = field(default_factory=list)
     modes: dict[str, list[str]] = field(default_factory=dict)
     mode_docs: dict[str, str] = field(default_factory=dict)
+    #: file:line of each mode's save() call, for errors about what it saves
+    mode_where: dict[str, str] = field(default_factory=dict)
     api: Any = None
     source: str = ""
 
@@ -355,6 +357,7 @@ class OpSpec:
                             f"got {mode!r}")
         self.modes[mode] = []
         self.mode_docs[mode] = doc
+        self.mode_where[mode] = _caller_location()
         for symbol in symbols:
             node = self.node_of(symbol, "save")
             if node.kind is Kind.PARTNER:

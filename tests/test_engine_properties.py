@@ -12,7 +12,7 @@ import sympy
 from exact_vjp import check_exact
 
 from codegen.lower import lower
-from derive.engine import derive
+from derive.engine import UnreadSaveError, derive
 from derive.reverse import DerivationError
 from derive.spec import OpSpec, SpecError
 
@@ -117,13 +117,24 @@ def random_spec(seed: int) -> OpSpec:
     return op
 
 
+def derive_saving_what_is_read(spec: OpSpec):
+    """The derivation of `spec`, which saves every differentiable input: where the VJP reads
+    only some of them (it is linear in the others) the engine refuses the others, and they are
+    dropped from what is saved."""
+    try:
+        return derive(spec)
+    except UnreadSaveError as error:
+        spec.modes[error.mode] = [n for n in spec.modes[error.mode] if n not in error.names]
+        return derive(spec)
+
+
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_random_specs_derive_the_exact_vjp(batch: int) -> None:
     accepted = refused = 0
     for seed in range(batch, CASES, BATCHES):
         spec = random_spec(seed)
         try:
-            derivation = derive(spec)
+            derivation = derive_saving_what_is_read(spec)
         except (DerivationError, SpecError) as error:
             assert str(error), seed
             refused += 1

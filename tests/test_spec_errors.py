@@ -56,6 +56,11 @@ CASES = {
         "    op.save(x)\n",
         r"bad\.py:12: the adjoint of the partner read 'p' uses the column index 'j' in .*, which "
         r"the engine cannot move to the partner column"),
+    # y = 2x: the VJP 2 dy reads no x, whose saving would only hold memory
+    "unread save": ("    x = op.input('x')\n    op.output(op.element('y', 2 * x))\n"
+                    "    op.save(x)\n",
+                    r"bad\.py:12: memory mode 'default' saves 'x', which its backward never "
+                    r"reads"),
     "api scalar": ("    x = op.input('x')\n    eps = op.scalar('eps')\n"
                    "    op.output(op.element('y', x / (x**2 + eps)))\n    op.save(x)\n",
                    r"bad\.py:14: op\.api \(DimAPI\) does not match .*scalar 'eps' is set by no"),

@@ -99,7 +99,7 @@ KIND_SPECS = {
     pair = op.partner("pair", x, pairing="interleaved")
     sign = sympy.Piecewise((-1, sympy.Eq(sympy.Mod(j, 2), 0)), (1, True))
     op.output(op.element("y", x * cos + sign * pair * sin))
-    op.save(x, cos, sin)
+    op.save(cos, sin)
     op.api = PositionEmbeddingAPI(function="gptj_rotary", module="GPTJRotary",
                                   torch_function="-", inputs=("input", "cos", "sin"))
     return op
