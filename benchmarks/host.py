@@ -142,8 +142,10 @@ def _rotary_inputs(shape: Sequence[int], device: torch.device, dtype: torch.dtyp
     cos and sin of (batch, seq, head_dim), as Hugging Face's rotary embedding gives them."""
     head_dim = min(ROPE_HEAD_DIM, shape[-1])
     heads, seq, batch = shape[-1] // head_dim, shape[-2], math.prod(shape[:-2])
-    q = _leaf((batch, heads, seq, head_dim), device, dtype)
-    k = _leaf((batch, max(1, heads // 4), seq, head_dim), device, dtype)
+    # (batch, heads, seq, head_dim) views of (batch, seq, heads, head_dim) projections, as
+    # attention makes them
+    q = _leaf((batch, seq, heads, head_dim), device, dtype).transpose(1, 2)
+    k = _leaf((batch, seq, max(1, heads // 4), head_dim), device, dtype).transpose(1, 2)
     angles = torch.rand((batch, seq, head_dim // 2), device=device) * 100
     angles = torch.cat([angles, angles], dim=-1)
     return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
