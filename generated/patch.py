@@ -15,6 +15,7 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     loss: *ForCausalLM -> generated.cross_entropy.cross_entropy
     loss: *LMHeadModel -> generated.cross_entropy.cross_entropy
     loss: *ForMaskedLM -> generated.cross_entropy.cross_entropy
+    loss: *ForConditionalGeneration -> generated.cross_entropy.cross_entropy
     mlp: any module of that structure -> generated.geglu.geglu
     mlp: any module of that structure -> generated.geglu_tanh.geglu_tanh
     activation: *GELU* -> generated.gelu.GELU
@@ -60,6 +61,9 @@ RULES = (
     ),
     patching.Rule(
         "loss", "*ForMaskedLM", None, cross_entropy.cross_entropy,
+    ),
+    patching.Rule(
+        "loss", "*ForConditionalGeneration", None, cross_entropy.cross_entropy,
     ),
     patching.Rule(
         "mlp", "*", None, geglu.geglu,

@@ -169,3 +169,50 @@ def test_loss_is_not_routed_unless_asked(torch_path):
     model = tiny("bert")
     assert "CrossEntropyLoss" not in patch_model(model)
     assert "forward" not in model.__dict__
+
+
+def tiny_seq2seq(kind):
+    """A T5 (v1.1's gated MLP) or BART sequence-to-sequence LM, float64."""
+    torch.manual_seed(0)
+    if kind == "t5":
+        config = transformers.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                       vocab_size=VOCAB, feed_forward_proj="gated-gelu",
+                                       decoder_start_token_id=0, pad_token_id=0)
+        return transformers.T5ForConditionalGeneration(config).double()
+    config = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2,
+                                     encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                                     max_position_embeddings=64)
+    return transformers.BartForConditionalGeneration(config).double()
+
+
+def test_seq2seq_lm_loss_from_the_decoders_hidden_states(torch_path, monkeypatch):
+    """T5's forward takes CrossEntropyLoss of its decoder's logits itself: routed as a masked
+    LM's, its loss and gradients are the model's, and training never computes the logits."""
+    original = tiny_seq2seq("t5")
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="loss")
+    assert [tuple(s) for s in report.swapped] == [("forward", "CrossEntropyLoss", ROUTED)]
+    loss, _, grads = step(original)
+    calls = []
+    real = LazyLogits.real
+    monkeypatch.setattr(LazyLogits, "real", lambda self: calls.append(1) or real(self))
+    got, lazy, got_grads = step(patched)
+    assert calls == [] and type(lazy) is LazyLogits
+    torch.testing.assert_close(got, loss, rtol=1e-12, atol=1e-12)
+    assert got_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(got_grads[name], grads[name], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_forward_that_uses_the_logits_first_is_left_with_the_reason(torch_path):
+    """BART adds a bias to its logits before the cross-entropy: the stand-in would compute them
+    whole anyway, so nothing is swapped, and the report says why."""
+    model = tiny_seq2seq("bart")
+    report = patch_model(model, include="loss")
+    assert report.swapped == []
+    [(name, old, reason)] = report.skipped
+    assert (name, old) == ("forward", "CrossEntropyLoss")
+    assert "uses the logits otherwise than in the loss" in reason, reason
+    assert "forward" not in model.__dict__

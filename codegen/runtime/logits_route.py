@@ -1,5 +1,5 @@
 """The training loss of a model whose own forward takes the cross-entropy of its output
-embeddings' logits (BERT's, RoBERTa's and ELECTRA's masked LMs:
+embeddings' logits (BERT's, RoBERTa's and ELECTRA's masked LMs, T5's sequence-to-sequence LM:
 `CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))`), computed from the hidden states by a
 chunked linear loss on the labelled rows alone.
 
@@ -17,7 +17,8 @@ gives another stand-in; `torch.nn.functional.cross_entropy` of it (which
 rows whose target is not `ignore_index`; any other use computes the real logits first (one
 matrix product, as the head would have) and applies to them, so nothing is ever wrong, only
 slower. The output's `logits` is that stand-in. Any other call (no labels, eval mode, under
-torch.compile) is the model's own.
+torch.compile) is the model's own. The probe refuses a model whose loss does not go through the
+stand-in (BART adds a bias to its logits first): it would compute the logits whole anyway.
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ class LazyLogits(torch.Tensor):
     """The logits `weight`·hidden + `bias` of an output embedding, not computed (module doc)."""
 
     @staticmethod
-    def __new__(cls, hidden, weight, bias, linear, shape, dtype):
+    def __new__(cls, hidden, weight, bias, linear, shape, dtype, route=None):
         placeholder = torch.zeros((), dtype=dtype, device=hidden.device).expand(shape)
         stand_in = torch.Tensor._make_subclass(cls, placeholder)
         stand_in.hidden, stand_in.weight, stand_in.bias = hidden, weight, bias
-        stand_in.linear = linear
+        stand_in.linear, stand_in.route = linear, route
         return stand_in
 
     def like(self, shape) -> LazyLogits:
         """The same logits, reshaped."""
-        return LazyLogits(self.hidden, self.weight, self.bias, self.linear, shape, self.dtype)
+        return LazyLogits(self.hidden, self.weight, self.bias, self.linear, shape, self.dtype,
+                          self.route)
 
     def real(self) -> torch.Tensor:
         """The logits themselves, in this stand-in's shape."""
@@ -74,6 +76,8 @@ class LazyLogits(torch.Tensor):
         if func is torch.nn.functional.cross_entropy and isinstance(first, LazyLogits):
             loss = _routed_loss(*args, **kwargs)
             if loss is not None:
+                if first.route is not None:
+                    first.route.routed += 1
                 return loss
 
         def real(value):
@@ -118,6 +122,9 @@ class LogitsRoute:
         names = [p.name for p in inspect.signature(self.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.labels_at = names.index("labels") if "labels" in names else None
+        #: the losses computed from the hidden states (the probe's proof that the forward
+        #: takes the loss of the stand-in itself, not of logits it computed first)
+        self.routed = 0
 
     def model_forward(self, *args, **kwargs):
         labels = kwargs.get("labels")
@@ -131,7 +138,7 @@ class LogitsRoute:
         def lazy(hidden):
             shape = (*hidden.shape[:-1], head.out_features)
             dtype = torch.result_type(hidden, head.weight)
-            return LazyLogits(hidden, head.weight, head.bias, self.linear, shape, dtype)
+            return LazyLogits(hidden, head.weight, head.bias, self.linear, shape, dtype, self)
 
         head.forward = lazy
         try:
@@ -180,7 +187,8 @@ def route_problem(model, linear, dtype, device) -> str | None:
         # a copy with perturbed Parameters of its own, and a twin of it sharing them
         plain = patching._twin(model, patching._Noise(), {}).to(dtype).train()
         routed = patching._twin(plain, None, {}).train()
-        routed.forward = LogitsRoute(routed, linear).model_forward
+        route = LogitsRoute(routed, linear)
+        routed.forward = route.model_forward
         results = []
         for twin in (plain, routed):
             torch.manual_seed(patching.SEED)  # the same dropout draws in both
@@ -197,6 +205,10 @@ def route_problem(model, linear, dtype, device) -> str | None:
             reached = [g is not None for g in grads]
             flat = torch.cat([g.reshape(-1) for g in grads if g is not None]).reshape(1, -1)
             results.append((loss.reshape(1, -1), reached, flat))
+        if route.routed == 0:
+            # right, but the logits computed whole all the same: no swap to report
+            return ("its forward uses the logits otherwise than in the loss (adds to them, "
+                    "scales them) before the cross-entropy, which then takes real logits")
         (want, want_reached, want_grads), (got, got_reached, got_grads) = results
         problem = patching._difference(want.detach(), got.detach(), None, dtype, False)
         if problem is not None:

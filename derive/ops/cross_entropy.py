@@ -112,7 +112,9 @@ def spec() -> OpSpec:
                                           "(whose loss is NaN) no class in particular, where "
                                           "torch.argmax takes the first NaN.")),
         returns_as=(("token_accuracy", "fraction"), ("predicted_tokens", "index")),
-        # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel) and masked LMs
+        # the loss of Hugging Face causal-LM models (GPT-2's is *LMHeadModel), masked LMs and
+        # sequence-to-sequence LMs (T5's, whose forward takes the cross-entropy itself)
         replaces=(Replaces("*ForCausalLM", kind="loss"), Replaces("*LMHeadModel", kind="loss"),
-                  Replaces("*ForMaskedLM", kind="loss")))
+                  Replaces("*ForMaskedLM", kind="loss"),
+                  Replaces("*ForConditionalGeneration", kind="loss")))
     return op
