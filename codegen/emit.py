@@ -1003,8 +1003,9 @@ def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]
             params = [p for p in getattr(api, "params", ()) if not p.scalar]
             rules.append({
                 "kind": kind, "pattern": rule.pattern, "op": op,
-                # a rotary embedding is computed by the API's Hugging Face-style function
-                "function": api.embed if kind == "rotary" else api.function,
+                # an API with a Hugging Face-style function (a position embedding's
+                # apply_rotary_pos_emb) is called through it
+                "function": getattr(api, "embed", None) or api.function,
                 # an MLP or a loss is computed by the function, not by the op's module
                 "module": api.module if kind in ("norm", "activation") else None,
                 "params": [(p.name, p.flag, p.offset) for p in params],

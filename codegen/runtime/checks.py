@@ -339,10 +339,18 @@ def row_shape(shape):
     return [d0, leading[-2], leading[-1]]
 
 
+def leading_ones(tensor, dims):
+    """`tensor` viewed with `dims` dims, the missing leading ones of size 1 (as broadcasting
+    aligns it)."""
+    if tensor.dim() >= dims:
+        return tensor
+    return tensor.reshape((1,) * (dims - tensor.dim()) + tuple(tensor.shape))
+
+
 def broadcast_rows(tensor, shape, row_shape):
     """A (D0, D1, D2, N) view of a tensor broadcastable to `shape`: broadcast dims keep stride 0
     (read in place); only a broadcast last dim is made real, so rows have stride 1."""
-    tensor = tensor.reshape((1,) * (len(shape) - tensor.dim()) + tuple(tensor.shape))
+    tensor = leading_ones(tensor, len(shape))
     if tensor.shape[-1] != shape[-1] or tensor.stride(-1) != 1:
         tensor = tensor.expand(*tensor.shape[:-1], shape[-1]).contiguous()
     return tensor.expand(shape).reshape(*row_shape, shape[-1])

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import triton_helpers
+from codegen.runtime import checks, triton_helpers
 from codegen.runtime.schedules import CACHE_SIZE, Schedule
 
 #: the accumulator's Triton dtype per torch accumulator dtype
@@ -89,9 +89,7 @@ def permuted(tensor: torch.Tensor | None, order: tuple[int, ...]) -> torch.Tenso
     missing leading dims added as size 1 first."""
     if tensor is None:
         return None
-    if tensor.dim() < len(order):
-        tensor = tensor.reshape((1,) * (len(order) - tensor.dim()) + tuple(tensor.shape))
-    return tensor.permute(order)
+    return checks.leading_ones(tensor, len(order)).permute(order)
 
 
 def unpermuted(tensor: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
