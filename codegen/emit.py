@@ -854,6 +854,10 @@ class _Renamed:
                                            if s.name in self.names}))
 
 
+#: API kinds whose autograd Functions take a `layout` (render_module)
+SHAPED_KINDS = ("elementwise", "normalized_shape", "position_embedding")
+
+
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
                   schedule: ScheduleTable = DEFAULT, *,
                   recorded: dict[str, tuple[Any, Kernel | None] | None],
@@ -866,9 +870,18 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
     # a flag of the call the backward reads (ctx.in_place)
     extras += ["in_place"] * bool(getattr(module.api, "in_place", False))
+    fwd = KernelContext(forward, TRITON, backward=False)
+    # APIs whose Function takes its dense tensors as the caller gave them and the layout of
+    # their rows (codegen/runtime/launch.py `layout`), and returns its results in the caller's
+    # shape: views taken outside the Function would each be a node of autograd's graph
+    shaped = module.api.kind in SHAPED_KINDS
+    extras += ["layout"] * shaped
+    layout_inputs = [name for name in module.inputs
+                     if name in fwd.element_inputs and name not in fwd.broadcast_inputs] * shaped
+    element_stores = {s["name"] for s in fwd.element_stores}
+    layout_outputs = [name for name in module.outputs if name in element_stores] * shaped
     function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
     gradient_of = dict(module.gradients)
-    fwd = KernelContext(forward, TRITON, backward=False)
     # optional outputs (those after the first) are stored when asked for (want_<name>); element
     # ones may take another dtype (<name>_dtype; the custom op's <name>_fp32)
     dtyped = [s["name"] for s in fwd.element_stores if s["name"] in module.outputs[1:]]
@@ -903,9 +916,18 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
                             if a in gradient_of},
             "returns": ", ".join(
-                [f"{gradient_of[a]} if needs[{i}] else None" if a in gradient_of else "None"
+                [(f"launch.from_rows({gradient_of[a]}, ctx.layout)" if a in layout_inputs
+                  else gradient_of[a]) + f" if needs[{i}] else None"
+                 if a in gradient_of else "None"
                  for i, a in enumerate(function_args)]
                 + ["None"] * len(extra_args)),
+            # what the Function saves: its dense inputs as given (their rows are views the
+            # backward takes again, recorded where it is differentiated), its results as
+            # returned
+            "saved_given": [f"{name}_given" if name in layout_inputs else name
+                            for name in [*saved, *params] + ["seed"] * module.seeded],
+            "saved_shaped": [name for name in saved
+                             if name in layout_inputs or name in layout_outputs],
         })
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
@@ -932,6 +954,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # torch's do
         "keeps_layout": not any(p.reductions for p in forward.passes),
         "extra_args": extra_args,
+        "layout_inputs": layout_inputs,
+        "layout_outputs": layout_outputs,
         "fwd_torch": KernelContext(forward, TORCH, backward=False),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),

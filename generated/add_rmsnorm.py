@@ -1206,16 +1206,21 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, want_residual_out, residual_out_dtype):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset, round_normalized,
             store_residual_out=True,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
+        y = launch.returned(y, layout)
+        residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
@@ -1225,10 +1230,11 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         residual_out, rstd, input_bias, weight, = ctx.saved_tensors
+        residual_out = launch.to_rows(residual_out, ctx.layout)
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
         into = dy if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
@@ -1251,7 +1257,7 @@ class _DefaultFunction(torch.autograd.Function):
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1261,16 +1267,21 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, want_residual_out, residual_out_dtype):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset, round_normalized,
             store_residual_out=want_residual_out,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
+        y = launch.returned(y, layout)
+        residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
@@ -1280,10 +1291,11 @@ class _InvertibleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         y, rstd, input_bias, weight, = ctx.saved_tensors
+        y = launch.to_rows(y, ctx.layout)
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
         into = dy if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
@@ -1296,7 +1308,7 @@ class _InvertibleFunction(torch.autograd.Function):
             into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1618,15 +1630,19 @@ def add_rms_norm(
     if columns == 0:
         output = input.clone()
         return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
-    x = launch.rows((-1, columns), input)
-    residual = launch.rows((-1, columns), residual) if residual is not None else None
+    # the rows: made by the Function itself where autograd records it
+    layout = launch.layout(None, input.shape, columns)
+    x = input
+    if checks.needs_grad(x, residual, input_bias, weight) and not torch.compiler.is_compiling():
+        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, prenorm, residual_out_dtype)
+        return (outputs[0], outputs[1]) if prenorm else outputs[0]
+    x = launch.to_rows(x, layout)
+    residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.add_rmsnorm(
             x, residual, input_bias, weight, eps, weight_offset, round_normalized, memory, prenorm, residual_in_fp32
         )
-    elif checks.needs_grad(x, residual, input_bias, weight):
-        outputs = function.apply(x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, prenorm, residual_out_dtype)
     else:
         outputs = _add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset, round_normalized,

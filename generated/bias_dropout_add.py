@@ -449,20 +449,24 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, bias, p, seed):
+    def forward(ctx, x, residual, bias, p, seed, layout):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
         y, = _bias_dropout_add_fwd(
             x, residual, bias, p, seed,
         )
+        y = launch.returned(y, layout)
         ctx.save_for_backward(bias, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.p = p
         return y
 
     @staticmethod
     def backward(ctx, dy):
         bias, seed, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -480,7 +484,7 @@ class _DefaultFunction(torch.autograd.Function):
                 store_dbias=bias is not None and ctx.needs_input_grad[2],
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dbias if needs[2] else None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dbias if needs[2] else None, None, None, None
 
 
 _FUNCTIONS = {
@@ -630,12 +634,8 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     # the rows in the input's memory order: a permuted input is read in place, and the result
     # keeps its layout (`launch.memory_order`)
     order = launch.memory_order(input, residual)
-    if order is not None:
-        input = launch.permuted(input, order)
-        residual = launch.permuted(residual, order)
-    shape = input.shape
+    shape = input.shape if order is None else launch.permuted_shape(input.shape, order)
     columns = shape[-1] if len(shape) else 1
-    rows = shape.numel() // columns if columns else 0
     bias = checks.check_param("bias_dropout_add", "bias", bias, (columns,), input, promotes=True)
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, residual, bias = checks.promote(input, residual, bias)
@@ -645,17 +645,20 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     if not training:
         p = 0.0
     seed = checks.seed("bias_dropout_add", seed, input.device)
-    x = launch.rows((rows, columns), input)
-    residual = launch.rows((rows, columns), residual) if residual is not None else None
+    x = input
+    # the dense tensors' rows: made by the Function itself where autograd records it
+    layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
+    if checks.needs_grad(x, residual, bias) and not torch.compiler.is_compiling():
+        return function.apply(x, residual, bias, p, seed, layout)
+    x = launch.to_rows(x, layout)
+    residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.bias_dropout_add(x, residual, bias, p, seed, "default")
-    elif checks.needs_grad(x, residual, bias):
-        outputs = function.apply(x, residual, bias, p, seed),
     else:
         outputs = _bias_dropout_add_fwd(x, residual, bias, p, seed)
-    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
+    return launch.from_rows(outputs[0], layout)
 
 
 class BiasDropoutAdd(torch.nn.Module):

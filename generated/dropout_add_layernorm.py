@@ -1600,7 +1600,9 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
         y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd(
             x, residual, input_bias, weight, bias, eps, dropout_p, seed,
             store_residual_out=True,
@@ -1608,9 +1610,12 @@ class _DefaultFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
+        y = launch.returned(y, layout)
+        residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.dropout_p = dropout_p
         return y, residual_out
@@ -1618,8 +1623,9 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         residual_out, mean, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        residual_out = launch.to_rows(residual_out, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1642,7 +1648,7 @@ class _DefaultFunction(torch.autograd.Function):
                 store_dbias=bias is not None and ctx.needs_input_grad[4],
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
 
 
 class _RecomputeMeanFunction(torch.autograd.Function):
@@ -1652,7 +1658,9 @@ class _RecomputeMeanFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
         y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd(
             x, residual, input_bias, weight, bias, eps, dropout_p, seed,
             store_residual_out=True,
@@ -1660,9 +1668,12 @@ class _RecomputeMeanFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
+        y = launch.returned(y, layout)
+        residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, bias, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.dropout_p = dropout_p
         return y, residual_out
@@ -1670,8 +1681,9 @@ class _RecomputeMeanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         residual_out, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        residual_out = launch.to_rows(residual_out, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1694,7 +1706,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
                 store_dbias=bias is not None and ctx.needs_input_grad[4],
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1704,7 +1716,9 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
         y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd(
             x, residual, input_bias, weight, bias, eps, dropout_p, seed,
             store_residual_out=want_residual_out,
@@ -1712,9 +1726,12 @@ class _InvertibleFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
+        y = launch.returned(y, layout)
+        residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight, bias, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.dropout_p = dropout_p
         return y, residual_out
@@ -1722,8 +1739,9 @@ class _InvertibleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dresidual_out):
         y, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.rows(ctx.rows, dresidual_out) if dresidual_out is not None else None
+        y = launch.to_rows(y, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
         if torch.is_grad_enabled():
             raise RuntimeError("dropout_add_layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_invertible(
@@ -1735,7 +1753,7 @@ class _InvertibleFunction(torch.autograd.Function):
             store_dbias=bias is not None and ctx.needs_input_grad[4],
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dresidual if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -2105,15 +2123,19 @@ def dropout_add_layer_norm(
     if columns == 0:
         output = input.clone()
         return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
-    x = launch.rows((-1, columns), input)
-    residual = launch.rows((-1, columns), residual) if residual is not None else None
+    # the rows: made by the Function itself where autograd records it
+    layout = launch.layout(None, input.shape, columns)
+    x = input
+    if checks.needs_grad(x, residual, input_bias, weight, bias) and not torch.compiler.is_compiling():
+        outputs = function.apply(x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, prenorm, residual_out_dtype)
+        return (outputs[0], outputs[1]) if prenorm else outputs[0]
+    x = launch.to_rows(x, layout)
+    residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.dropout_add_layernorm(
             x, residual, input_bias, weight, bias, eps, dropout_p, seed, memory, prenorm, residual_in_fp32
         )
-    elif checks.needs_grad(x, residual, input_bias, weight, bias):
-        outputs = function.apply(x, residual, input_bias, weight, bias, eps, dropout_p, seed, prenorm, residual_out_dtype)
     else:
         outputs = _dropout_add_layernorm_fwd(
             x, residual, input_bias, weight, bias, eps, dropout_p, seed,

@@ -466,19 +466,23 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, bias):
+    def forward(ctx, x, bias, layout):
+        x_given, x = x, launch.to_rows(x, layout)
         y, = _gelu_tanh_fwd(
             x, bias,
         )
-        ctx.save_for_backward(x, bias)
+        y = launch.returned(y, layout)
+        ctx.save_for_backward(x_given, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, bias, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        x = launch.to_rows(x, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -492,7 +496,7 @@ class _DefaultFunction(torch.autograd.Function):
                 store_dbias=bias is not None and ctx.needs_input_grad[1],
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dbias if needs[1] else None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dbias if needs[1] else None, None
 
 
 _FUNCTIONS = {
@@ -619,24 +623,24 @@ def gelu_tanh(input, *, bias=None):
     # the rows in the input's memory order: a permuted input is read in place, and the result
     # keeps its layout (`launch.memory_order`)
     order = launch.memory_order(input)
-    if order is not None:
-        input = launch.permuted(input, order)
-    shape = input.shape
+    shape = input.shape if order is None else launch.permuted_shape(input.shape, order)
     columns = shape[-1] if len(shape) else 1
-    rows = shape.numel() // columns if columns else 0
     bias = checks.check_param("gelu_tanh", "bias", bias, (columns,), input, promotes=True)
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, bias = checks.promote(input, bias)
-    x = launch.rows((rows, columns), input)
+    x = input
+    # the dense tensors' rows: made by the Function itself where autograd records it
+    layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
+    if checks.needs_grad(x, bias) and not torch.compiler.is_compiling():
+        return function.apply(x, bias, layout)
+    x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.gelu_tanh(x, bias, "default")
-    elif checks.needs_grad(x, bias):
-        outputs = function.apply(x, bias),
     else:
         outputs = _gelu_tanh_fwd(x, bias)
-    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
+    return launch.from_rows(outputs[0], layout)
 
 
 class GELUTanh(torch.nn.Module):

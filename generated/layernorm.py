@@ -1470,22 +1470,26 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, layout):
+        x_given, x = x, launch.to_rows(x, layout)
         y, mean, rstd, = _layernorm_fwd(
             x, weight, bias, eps,
             store_mean=True,
             store_rstd=True,
         )
-        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        y = launch.returned(y, layout)
+        ctx.save_for_backward(x_given, mean, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, mean, rstd, weight, bias, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        x = launch.to_rows(x, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1502,7 +1506,7 @@ class _DefaultFunction(torch.autograd.Function):
                 store_dbias=bias is not None and ctx.needs_input_grad[2],
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None
 
 
 class _RecomputeMeanFunction(torch.autograd.Function):
@@ -1512,22 +1516,26 @@ class _RecomputeMeanFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, layout):
+        x_given, x = x, launch.to_rows(x, layout)
         y, mean, rstd, = _layernorm_fwd(
             x, weight, bias, eps,
             store_mean=False,
             store_rstd=True,
         )
-        ctx.save_for_backward(x, rstd, weight, bias)
+        y = launch.returned(y, layout)
+        ctx.save_for_backward(x_given, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight, bias, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        x = launch.to_rows(x, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1544,7 +1552,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
                 store_dbias=bias is not None and ctx.needs_input_grad[2],
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1554,22 +1562,26 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, layout):
+        x = launch.to_rows(x, layout)
         y, mean, rstd, = _layernorm_fwd(
             x, weight, bias, eps,
             store_mean=False,
             store_rstd=True,
         )
+        y = launch.returned(y, layout)
         ctx.save_for_backward(y, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, rstd, weight, bias, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        y = launch.to_rows(y, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             raise RuntimeError("layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, dbias, = _layernorm_bwd_invertible(
@@ -1578,7 +1590,7 @@ class _InvertibleFunction(torch.autograd.Function):
             store_dbias=bias is not None and ctx.needs_input_grad[2],
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None
 
 
 _FUNCTIONS = {
@@ -1844,14 +1856,18 @@ def layer_norm(
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
-    x = launch.rows((-1, columns), input)
+    # the rows: made by the Function itself where autograd records it
+    layout = launch.layout(None, input.shape, columns)
+    x = input
+    if checks.needs_grad(x, weight, bias) and not torch.compiler.is_compiling():
+        outputs = function.apply(x, weight, bias, eps, layout)
+        return outputs
+    x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.layernorm(
             x, weight, bias, eps, memory
         )
-    elif checks.needs_grad(x, weight, bias):
-        outputs = function.apply(x, weight, bias, eps),
     else:
         outputs = _layernorm_fwd(
             x, weight, bias, eps,

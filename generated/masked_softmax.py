@@ -605,14 +605,17 @@ class _DefaultFunction(torch.autograd.Function):
         return super().apply(*args)[0]
 
     @staticmethod
-    def forward(ctx, x, attention_mask, scale, window, dropout_p, seed, row_shape):
+    def forward(ctx, x, attention_mask, scale, window, dropout_p, seed, row_shape, layout):
+        x = launch.to_rows(x, layout)
         y, p, = _masked_softmax_fwd(
             x, attention_mask, scale, window, dropout_p, seed, row_shape,
             store_p=True,
         )
+        y = launch.returned(y, layout)
         ctx.save_for_backward(p, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.scale = scale
         ctx.window = window
         ctx.dropout_p = dropout_p
@@ -622,7 +625,7 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dp):
         p, seed, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled() or dp is not None:
             # autograd records this backward (create_graph=True) or differentiates through
             # p: the derived backward as differentiable torch ops, reading saved values
@@ -646,7 +649,7 @@ class _DefaultFunction(torch.autograd.Function):
                 ctx.row_shape,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -804,9 +807,9 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     """
     checks.check_input("masked_softmax", input, "input")
     mask = checks.check_broadcast("masked_softmax", "mask", mask, input, True)
+    order = None
     shape = input.shape
     columns = shape[-1] if len(shape) else 1
-    rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, mask = checks.promote(input, mask)
     scale = checks.check_option("masked_softmax", "scale", scale, None)
@@ -820,17 +823,20 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
         dropout_p = 0.0
     seed = checks.seed("masked_softmax", seed, input.device)
     row_shape = checks.row_shape(shape)
-    x = launch.rows((rows, columns), input)
+    x = input
     attention_mask = checks.broadcast_rows(mask, shape, row_shape) if mask is not None else None
+    # the dense tensors' rows: made by the Function itself where autograd records it
+    layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
+    if checks.needs_grad(x) and not torch.compiler.is_compiling():
+        return function.apply(x, attention_mask, scale, window, dropout_p, seed, row_shape, layout)
+    x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.masked_softmax(x, attention_mask, scale, window, dropout_p, seed, row_shape, "default")
-    elif checks.needs_grad(x):
-        outputs = function.apply(x, attention_mask, scale, window, dropout_p, seed, row_shape),
     else:
         outputs = _masked_softmax_fwd(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p=False)
-    return launch.shaped(outputs[0], shape)
+    return launch.from_rows(outputs[0], layout)
 
 
 class MaskedSoftmax(torch.nn.Module):

@@ -978,14 +978,17 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place, layout):
+        x_given, x = x, launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd(
             x, weight, eps, weight_offset, round_normalized,
             store_rstd=True,
         )
-        ctx.save_for_backward(x, rstd, weight)
+        y = launch.returned(y, layout)
+        ctx.save_for_backward(x_given, rstd, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
@@ -995,9 +998,10 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         into = dy if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
@@ -1018,7 +1022,7 @@ class _DefaultFunction(torch.autograd.Function):
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
 
 
 class _InvertibleFunction(torch.autograd.Function):
@@ -1028,14 +1032,17 @@ class _InvertibleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place, layout):
+        x = launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd(
             x, weight, eps, weight_offset, round_normalized,
             store_rstd=True,
         )
+        y = launch.returned(y, layout)
         ctx.save_for_backward(y, rstd, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
@@ -1045,9 +1052,10 @@ class _InvertibleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, rstd, weight, = ctx.saved_tensors
+        y = launch.to_rows(y, ctx.layout)
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         into = dy if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
@@ -1059,7 +1067,7 @@ class _InvertibleFunction(torch.autograd.Function):
             into=into,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dweight if needs[1] else None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1296,14 +1304,18 @@ def rms_norm(
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
-    x = launch.rows((-1, columns), input)
+    # the rows: made by the Function itself where autograd records it
+    layout = launch.layout(None, input.shape, columns)
+    x = input
+    if checks.needs_grad(x, weight) and not torch.compiler.is_compiling():
+        outputs = function.apply(x, weight, eps, weight_offset, round_normalized, in_place, layout)
+        return outputs
+    x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.rmsnorm(
             x, weight, eps, weight_offset, round_normalized, memory
         )
-    elif checks.needs_grad(x, weight):
-        outputs = function.apply(x, weight, eps, weight_offset, round_normalized, in_place),
     else:
         outputs = _rmsnorm_fwd(
             x, weight, eps, weight_offset, round_normalized,

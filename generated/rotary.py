@@ -379,20 +379,23 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, cos, sin, row_shape):
+    def forward(ctx, x, cos, sin, row_shape, layout):
+        x = launch.to_rows(x, layout)
         y, = _rotary_fwd(
             x, cos, sin, row_shape,
         )
+        y = launch.returned(y, layout)
         ctx.save_for_backward(cos, sin)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        ctx.layout = layout
         ctx.row_shape = row_shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -406,7 +409,7 @@ class _DefaultFunction(torch.autograd.Function):
                 ctx.row_shape,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -546,28 +549,26 @@ def rotary(input, cos, sin):
     # the rows in the input's memory order: a permuted input is read in place, and the result
     # keeps its layout (`launch.memory_order`)
     order = launch.memory_order(input)
-    if order is not None:
-        input = launch.permuted(input, order)
-        cos = launch.permuted(cos, order)
-        sin = launch.permuted(sin, order)
-    shape = input.shape
+    shape = input.shape if order is None else launch.permuted_shape(input.shape, order)
     columns = shape[-1] if len(shape) else 1
-    rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, cos, sin = checks.promote(input, cos, sin)
     row_shape = checks.row_shape(shape)
-    x = launch.rows((rows, columns), input)
-    cos = checks.broadcast_rows(cos, shape, row_shape)
-    sin = checks.broadcast_rows(sin, shape, row_shape)
+    x = input
+    cos = checks.broadcast_rows(cos, shape, row_shape, order)
+    sin = checks.broadcast_rows(sin, shape, row_shape, order)
+    # the dense tensors' rows: made by the Function itself where autograd records it
+    layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
+    if checks.needs_grad(x) and not torch.compiler.is_compiling():
+        return function.apply(x, cos, sin, row_shape, layout)
+    x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.rotary(x, cos, sin, row_shape, "default")
-    elif checks.needs_grad(x):
-        outputs = function.apply(x, cos, sin, row_shape),
     else:
         outputs = _rotary_fwd(x, cos, sin, row_shape)
-    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
+    return launch.from_rows(outputs[0], layout)
 
 
 class Rotary(torch.nn.Module):

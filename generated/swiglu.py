@@ -435,13 +435,17 @@ class _DefaultFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, gate, up, gate_multiplier, down_multiplier):
+    def forward(ctx, gate, up, gate_multiplier, down_multiplier, layout):
+        gate_given, gate = gate, launch.to_rows(gate, layout)
+        up_given, up = up, launch.to_rows(up, layout)
         y, = _swiglu_fwd(
             gate, up, gate_multiplier, down_multiplier,
         )
-        ctx.save_for_backward(gate, up)
+        y = launch.returned(y, layout)
+        ctx.save_for_backward(gate_given, up_given)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
+        ctx.layout = layout
         ctx.gate_multiplier = gate_multiplier
         ctx.down_multiplier = down_multiplier
         return y
@@ -449,7 +453,9 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up, = ctx.saved_tensors
-        dy = launch.rows(ctx.rows, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        gate = launch.to_rows(gate, ctx.layout)
+        up = launch.to_rows(up, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -465,7 +471,7 @@ class _DefaultFunction(torch.autograd.Function):
                 ctx.down_multiplier,
             )
         needs = ctx.needs_input_grad
-        return dgate if needs[0] else None, dup if needs[1] else None, None, None
+        return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None, None, None
 
 
 _FUNCTIONS = {
@@ -606,27 +612,25 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     # the rows in the input's memory order: a permuted input is read in place, and the result
     # keeps its layout (`launch.memory_order`)
     order = launch.memory_order(gate, up)
-    if order is not None:
-        gate = launch.permuted(gate, order)
-        up = launch.permuted(up, order)
-    shape = gate.shape
+    shape = gate.shape if order is None else launch.permuted_shape(gate.shape, order)
     columns = shape[-1] if len(shape) else 1
-    rows = shape.numel() // columns if columns else 0
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
     gate_multiplier = checks.check_option("swiglu", "gate_multiplier", gate_multiplier, None)
     down_multiplier = checks.check_option("swiglu", "down_multiplier", down_multiplier, None)
-    gate = launch.rows((rows, columns), gate)
-    up = launch.rows((rows, columns), up)
+    # the dense tensors' rows: made by the Function itself where autograd records it
+    layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
+    if checks.needs_grad(gate, up) and not torch.compiler.is_compiling():
+        return function.apply(gate, up, gate_multiplier, down_multiplier, layout)
+    gate = launch.to_rows(gate, layout)
+    up = launch.to_rows(up, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.swiglu(gate, up, gate_multiplier, down_multiplier, "default")
-    elif checks.needs_grad(gate, up):
-        outputs = function.apply(gate, up, gate_multiplier, down_multiplier),
     else:
         outputs = _swiglu_fwd(gate, up, gate_multiplier, down_multiplier)
-    return launch.unpermuted(launch.shaped(outputs[0], shape), order)
+    return launch.from_rows(outputs[0], layout)
 
 
 class SwiGLU(torch.nn.Module):

@@ -237,6 +237,43 @@ def test_permuted_rows_compute_in_place_and_keep_torchs_layout(device, name):
     assert [o.stride() for o in ours] == [t.stride() for t in theirs]
 
 
+#: the ops whose Functions take the caller's tensors and shape their results (a layout)
+SHAPED = [name for name in CASES if name not in ("cross_entropy", "softmax")]
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_results_are_the_ops_own_node_and_take_in_place_ops(device, name):
+    """A call over permuted (B, H, T, N) operands adds one node to autograd's graph, the op's
+    own, right over the caller's tensors: the rows are made inside (a view node around it
+    costs host time when recorded and again when run backward). Its result may be modified
+    in place where torch's may, and the gradients are then those of what was computed."""
+    case = CASES[name]
+    runs = []
+    for fn in (case.ours, case.theirs):
+        leaves = [randn((2, 3, 4, N), seed=i, device=device) for i in range(case.rows)]
+        leaves += [randn((N,), seed=10 + i, device=device, shift=1.0)
+                   for i in range(case.params)]
+        leaves = [leaf.requires_grad_() for leaf in leaves]
+        operands = [leaf.transpose(1, 2) if i < case.rows else leaf
+                    for i, leaf in enumerate(leaves)]
+        outputs = fn(*operands)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if fn is case.ours:
+            for out in outputs:
+                assert "Function" in out.grad_fn.name(), out.grad_fn.name()
+                given = [edge[0] for edge in out.grad_fn.next_functions[:case.rows]]
+                assert [node.name() if node else None for node in given] == (
+                    [op.grad_fn.name() for op in operands[:case.rows]])
+        if name != "masked_softmax":  # torch's softmax saves its result: in place raises
+            outputs[0].mul_(1.5)  # (an add + norm's sum is saved by both: the output alone)
+        upstream = [randn(out.shape, seed=GRAD_SEED + k, device=device)
+                    for k, out in enumerate(outputs)]
+        torch.autograd.backward(list(outputs), upstream)
+        runs.append([*(out.detach() for out in outputs), *(leaf.grad for leaf in leaves)])
+    for index, (a, b) in enumerate(zip(*runs, strict=True)):
+        torch.testing.assert_close(a, b, msg=lambda m, i=index: f"result {i}: {m}", **FP64_TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("caller", DEFAULT_EPS_CALLERS)
 def test_default_eps_of_16_bit_input_is_float32s(device, caller, dtype):

@@ -509,3 +509,44 @@ def test_inversion_guard_is_the_engines():
     from derive.algebra import GuardedReciprocal
 
     assert triton_helpers.INVERSION_GUARD == float(GuardedReciprocal.guard)
+
+
+def _reference_rows(tensor, shape, order):
+    """broadcast_rows by tensor ops: align, permute, make the last dim real, expand, merge."""
+    tensor = checks.leading_ones(tensor, len(shape))
+    if order is not None:
+        tensor = tensor.permute(order)
+    tensor = tensor.expand(*tensor.shape[:-1], shape[-1]).contiguous() if (
+        tensor.shape[-1] != shape[-1] or tensor.stride(-1) != 1) else tensor
+    return tensor.expand(shape).reshape(*checks.row_shape(shape), shape[-1])
+
+
+#: (table shape, or a callable making the table; the rows' shape in `order`; order): a
+#: rotary table unsqueezed over the heads, in attention's layout, 5-d rows whose leading dims
+#: merge and do not, a broadcast and a strided last dim (taken by tensor ops), 1-d and 2-d rows
+BROADCAST_ROWS = [
+    ((2, 1, 5, 8), (2, 3, 5, 8), None),
+    ((2, 5, 1, 8), (2, 1, 5, 8), (0, 2, 1, 3)),
+    ((2, 5, 1, 8), (2, 3, 5, 8), (0, 2, 1, 3)),
+    ((3, 2, 4, 1, 8), (3, 2, 4, 5, 8), None),
+    ((3, 1, 4, 1, 8), (3, 2, 4, 5, 8), None),
+    ((1, 2, 4, 1, 8), (3, 2, 4, 5, 8), None),
+    ((2, 5, 1), (2, 5, 8), None),
+    (lambda: torch.arange(160.0).reshape(2, 5, 16)[..., ::2], (2, 5, 8), None),
+    ((8,), (8,), None),
+    ((1, 8), (6, 8), None),
+    ((5, 8), (4, 5, 8), None),
+]
+
+
+@pytest.mark.parametrize("table, shape, order", BROADCAST_ROWS)
+def test_broadcast_rows_views_of_any_table(table, shape, order):
+    """A broadcast operand's (D0, D1, D2, N) rows are those of the tensor ops that define them,
+    and read in place (no copy) wherever those are a view."""
+    tensor = table() if callable(table) else torch.randn(table)
+    shape = torch.Size(shape)
+    rows = checks.broadcast_rows(tensor, shape, checks.row_shape(shape), order)
+    want = _reference_rows(tensor, shape, order)
+    assert rows.shape == want.shape and torch.equal(rows, want)
+    in_place = want.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    assert (rows.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()) == in_place

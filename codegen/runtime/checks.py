@@ -347,13 +347,55 @@ def leading_ones(tensor, dims):
     return tensor.reshape((1,) * (dims - tensor.dim()) + tuple(tensor.shape))
 
 
-def broadcast_rows(tensor, shape, row_shape):
-    """A (D0, D1, D2, N) view of a tensor broadcastable to `shape`: broadcast dims keep stride 0
-    (read in place); only a broadcast last dim is made real, so rows have stride 1."""
+def broadcast_rows(tensor, shape, row_shape, order=None):
+    """A (D0, D1, D2, N) view of a tensor broadcastable to `shape` once its dims are put in
+    `order` (None: as given; `launch.memory_order`): broadcast dims keep stride 0 (read in
+    place); only a broadcast last dim is made real, so rows have stride 1. Where its strides
+    allow, the view is taken at once from the sizes and strides (one view op, not the four of
+    aligning, permuting, expanding and merging: host time on every call); under torch.compile,
+    where views cost nothing and a storage offset is not traced, by the tensor ops."""
+    if not torch.compiler.is_compiling():
+        view = _strided_rows(tensor, shape, order)
+        if view is not None:
+            return view
     tensor = leading_ones(tensor, len(shape))
+    if order is not None:
+        tensor = tensor.permute(order)
     if tensor.shape[-1] != shape[-1] or tensor.stride(-1) != 1:
         tensor = tensor.expand(*tensor.shape[:-1], shape[-1]).contiguous()
     return tensor.expand(shape).reshape(*row_shape, shape[-1])
+
+
+def _strided_rows(tensor, shape, order):
+    """`broadcast_rows`' view as one as_strided, or None where the last dim is not the rows'
+    own (broadcast, or strided) or the leading dims beyond three do not merge into one."""
+    dims = len(shape)
+    sizes, strides = list(tensor.shape), list(tensor.stride())
+    if len(sizes) > dims:
+        return None
+    missing = dims - len(sizes)
+    sizes, strides = [1] * missing + sizes, [0] * missing + strides
+    if order is not None:
+        sizes, strides = [sizes[d] for d in order], [strides[d] for d in order]
+    if not dims or sizes[-1] != shape[-1] or strides[-1] != 1:
+        return None
+    strides = [stride if size != 1 else 0 for size, stride in zip(sizes, strides, strict=True)]
+    lead, expected = 0, None  # the merged leading dims' stride, checked from the innermost
+    for dim in range(dims - 4, -1, -1):
+        if shape[dim] == 1:
+            continue
+        if expected is None:
+            lead = strides[dim]
+        elif strides[dim] != expected:
+            return None
+        expected = strides[dim] * shape[dim]
+    merged = 1
+    for size in shape[:-3]:
+        merged *= size
+    (d1, s1), (d2, s2) = [(shape[dim], strides[dim]) if dim >= 0 else (1, 0)
+                          for dim in (dims - 3, dims - 2)]
+    return tensor.as_strided((merged, d1, d2, shape[-1]), (lead, s1, s2, 1),
+                             tensor.storage_offset())
 
 
 def check_broadcast(function, name, tensor, input, additive):

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, triton_helpers
+from codegen.runtime import triton_helpers
 from codegen.runtime.schedules import CACHE_SIZE, Schedule
 
 #: the accumulator's Triton dtype per torch accumulator dtype
@@ -75,31 +75,68 @@ def memory_order(first: torch.Tensor, *others) -> tuple[int, ...] | None:
     the input's layout as torch's elementwise ops do. None: run in the order given."""
     if first.dim() < 3 or first.is_contiguous() or first.stride(-1) != 1:
         return None
-    strides = first.stride()
+    strides, sizes = first.stride(), first.shape
     order = (*sorted(range(first.dim() - 1), key=lambda dim: -strides[dim]), first.dim() - 1)
-    if not first.permute(order).is_contiguous():
-        return None
+    expected = 1  # the permuted view's contiguity, from the sizes and strides (no view taken)
+    for dim in reversed(order):
+        if sizes[dim] != 1 and strides[dim] != expected:
+            return None
+        expected *= sizes[dim]
     if any(other is not None and other.stride() != strides for other in others):
         return None
     return order
 
 
-def permuted(tensor: torch.Tensor | None, order: tuple[int, ...]) -> torch.Tensor | None:
-    """`tensor` (None, or broadcastable to a tensor of len(order) dims) with its dims in `order`,
-    missing leading dims added as size 1 first."""
-    if tensor is None:
-        return None
-    return checks.leading_ones(tensor, len(order)).permute(order)
+def permuted_shape(shape: torch.Size, order: tuple[int, ...]) -> torch.Size:
+    """The shape of a tensor of `shape` with its dims in `order`, without taking the view."""
+    return torch.Size([shape[dim] for dim in order])
 
 
 def unpermuted(tensor: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
-    """A result computed over `permuted` inputs, its dims back in the caller's order."""
+    """A result computed over inputs whose dims were put in `order`, its dims back in the
+    caller's order."""
     if order is None:
         return tensor
     inverse = [0] * len(order)
     for position, dim in enumerate(order):
         inverse[dim] = position
     return tensor.permute(inverse)
+
+
+def layout(order: tuple[int, ...] | None, shape, columns: int) -> tuple:
+    """How an autograd Function's dense tensors map to the (M, N) rows its kernels take: the
+    dims' `order` (None: as given), the `shape` they have in that order, and (M, N). The
+    Function makes its rows and shapes its results itself, where autograd records nothing:
+    each view taken outside would be a node of the graph, paid for in host time twice (once
+    recorded, once run backward)."""
+    return order, shape, (shape.numel() // columns if columns else 0, columns)
+
+
+def to_rows(tensor: torch.Tensor | None, layout: tuple) -> torch.Tensor | None:
+    """`tensor` (None, or a tensor of the layout's shape before `order`) as the layout's rows."""
+    if tensor is None:
+        return None
+    if layout[0] is not None:
+        tensor = tensor.permute(layout[0])
+    return rows(layout[2], tensor)
+
+
+def from_rows(tensor: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """(M, N) rows as a tensor of the layout's shape, its dims back in the caller's order: a
+    view of `tensor` (a gradient the Function's backward returns)."""
+    return unpermuted(shaped(tensor, layout[1]), layout[0])
+
+
+def returned(tensor: torch.Tensor | None, layout: tuple) -> torch.Tensor | None:
+    """A Function's result, computed as rows, in the layout's shape. Where that takes a view,
+    the view is detached from the rows it was taken of: autograd forbids modifying in place a
+    view a custom Function made (it could not rebase the Function's backward), which a
+    tensor torch's own ops return allows; this one, of memory nothing else holds, is as
+    torch's result."""
+    if tensor is None:
+        return None
+    shaped_ = from_rows(tensor, layout)
+    return shaped_ if shaped_ is tensor else shaped_.detach()
 
 
 def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool:
