@@ -147,6 +147,31 @@ def test_blocks_of_classes(monkeypatch, reduction, smallest):
     assert seen == expected
 
 
+def test_backward_blocks_take_at_most_block_bytes(monkeypatch):
+    """The blocked backward runs while the step's activations are all held: its logits block
+    takes at most BLOCK_BYTES, whatever the forward's chunk, and the gradients stay exact."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(linear_loss, "MIN_BLOCK_CLASSES", 4)
+    monkeypatch.setattr(linear_loss, "BLOCK_BYTES", 15 * 9 * 8)  # 15 rows of 9 fp64 classes
+    seen = []
+    kernels = cross_entropy_module._linear_kernels
+
+    def recording(*args):
+        bound = kernels(*args)
+
+        def backward(x, *rest):
+            seen.append(x.shape)
+            return bound.backward(x, *rest)
+
+        return bound._replace(backward=backward)
+
+    monkeypatch.setattr(cross_entropy_module, "_linear_kernels", recording)
+    # one forward chunk of every row: its logits would make a single block of every class
+    assert_matches(torch.float64, "cpu", "mean", class_weight=True, label_smoothing=0.25,
+                   chunk_size=15)
+    assert seen == [(15, min(9, V - first)) for first in range(0, V, 9)]
+
+
 def test_default_chunk_takes_about_the_input_memory_above_a_floor():
     # Liger-Kernel's example: 16384 rows of 4096 features, 32000 classes: 2048 rows a chunk
     # hold the input's memory; 128 MiB of bf16 logits take 2098 rows, 2176 in steps of 128

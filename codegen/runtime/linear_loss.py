@@ -338,6 +338,9 @@ def _accumulate(total, a, b):
 
 #: the fewest classes a block of the blocked backward takes (its matmuls stay large)
 MIN_BLOCK_CLASSES = 1024
+#: the most memory a block of the blocked backward's logits takes by default: the backward
+#: runs while every activation of the step is held, so its buffers make the step's peak
+BLOCK_BYTES = 32 << 20
 
 
 def _statistics(plan, x, weight, bias, target, extras):
@@ -374,15 +377,16 @@ def _blocked(plan, x, weight, bias, target, outputs, dloss, needs):
     classes = weight.shape[0]
     acc = launch.accumulator(x.dtype)
     device = x.device
-    # a block's logits for every row take about the memory of a forward chunk's
-    # (at least MIN_BLOCK_CLASSES, a multiple of 128 where it is more), and as many rows as
-    # then fit that memory
-    block = max(plan.chunk * classes // max(rows, 1), min(MIN_BLOCK_CLASSES, classes))
+    # a block's logits for every row take at most the memory of a forward chunk's and
+    # BLOCK_BYTES (at least MIN_BLOCK_CLASSES, a multiple of 128 where it is more), and as
+    # many rows as then fit that memory
+    elements = min(plan.chunk * classes, BLOCK_BYTES // x.element_size())
+    block = max(elements // max(rows, 1), min(MIN_BLOCK_CLASSES, classes))
     if block >= classes:
         block = classes
     elif block >= 128:
         block = block // 128 * 128
-    chunk = max(1, min(rows, plan.chunk * classes // block))
+    chunk = max(1, min(rows, elements // block))
     grad_x = torch.zeros((rows, features), dtype=acc, device=device) if needs[0] else None
     # every block writes its rows of it; with no rows no block runs: zeros, as torch's
     grad_weight = torch.empty_like(weight) if rows else torch.zeros_like(weight)
