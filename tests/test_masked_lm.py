@@ -165,6 +165,44 @@ def test_output_embeddings_with_a_hook_keep_the_models_loss(torch_path):
                       "forward_hooks of its own, which would see the stand-in for the logits")
 
 
+def test_labelled_rows_are_found_before_the_forward(torch_path, monkeypatch):
+    """The labelled rows are found (`nonzero`, which waits for the GPU) once a step, before the
+    model's encoder runs, so that the wait does not fall between the forward and the backward;
+    labels modified in place after that are found again where the loss takes them."""
+    patched = tiny("bert")
+    patch_model(patched, include="loss")
+    calls = []
+    found = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: calls.append(
+        "nonzero") or found(self, *a, **k))
+    encoder = patched.bert.forward
+    monkeypatch.setattr(patched.bert, "forward", lambda *a, **k: calls.append(
+        "encoder") or encoder(*a, **k))
+    loss, _, grads = step(patched)
+    assert calls == ["nonzero", "encoder"]
+    original = tiny("bert")
+    want, _, want_grads = step(original)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-9, atol=1e-12)
+
+    labels = LABELS.clone()
+
+    def relabel(*args, **kwargs):
+        labels[0, 1] = -100  # after the rows were found: they are found again
+        return encoder(*args, **kwargs)
+
+    monkeypatch.setattr(patched.bert, "forward", relabel)
+    calls.clear()
+    patched.zero_grad()
+    torch.manual_seed(3)
+    got = patched(input_ids=TOKENS, labels=labels).loss
+    assert calls == ["nonzero", "nonzero"]
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, original(input_ids=TOKENS, labels=labels).loss,
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_loss_is_not_routed_unless_asked(torch_path):
     model = tiny("bert")
     assert "CrossEntropyLoss" not in patch_model(model)

@@ -24,6 +24,7 @@ stand-in (BART adds a bias to its logits first): it would compute the logits who
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 
@@ -107,9 +108,41 @@ def _routed_loss(input, target, weight=None, size_average=None, ignore_index=-10
     if reduction in ("mean", "sum"):
         # the labelled rows alone: an ignored row adds nothing to the loss nor to a gradient,
         # and a mean divides by the labelled rows (their weights) either way
-        rows = (target != ignore_index).nonzero().squeeze(1)
+        rows = input.route.rows_of(target, ignore_index) if input.route is not None else None
+        if rows is None:
+            rows = (target != ignore_index).nonzero().squeeze(1)
         hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
     return linear(hidden, input.weight, target, input.bias, **options)
+
+
+#: the ignore_index the labelled rows are found for before the forward (transformers')
+IGNORE_INDEX = -100
+
+
+class _Labelled(NamedTuple):
+    """A call's labels when its forward began: where their memory was, how many, their version
+    and device, and the flat positions not IGNORE_INDEX."""
+
+    address: int
+    numel: int
+    version: int
+    device: torch.device
+    rows: torch.Tensor
+
+
+def _labelled(labels) -> _Labelled | None:
+    """The labelled rows of a call's labels, found before its forward runs: `nonzero` waits
+    for the GPU, and there it waits only for work queued before the step. Found where the
+    loss takes them, it would wait for the whole forward, and the host, which runs ahead of the
+    GPU while it queues the forward, would start queueing the backward with no lead: a step
+    whose backward costs the host more time than the GPU would then run at the host's pace.
+    None for labels that are not a contiguous tensor."""
+    if not isinstance(labels, torch.Tensor) or not labels.is_contiguous() or \
+            labels.is_floating_point():
+        return None
+    flat = labels.reshape(-1)
+    return _Labelled(flat.data_ptr(), flat.numel(), labels._version, labels.device,
+                     (flat != IGNORE_INDEX).nonzero().squeeze(1))
 
 
 class LogitsRoute:
@@ -125,6 +158,20 @@ class LogitsRoute:
         #: the losses computed from the hidden states (the probe's proof that the forward
         #: takes the loss of the stand-in itself, not of logits it computed first)
         self.routed = 0
+        #: per call in progress, its labels' labelled rows (`_Labelled`), or None
+        self.labelled: list[_Labelled | None] = []
+
+    def rows_of(self, target, ignore_index):
+        """The labelled rows of `target` found before the call's forward ran, or None where
+        `target` is not the call's labels as they were then (another tensor, another
+        ignore_index, modified since)."""
+        found = self.labelled[-1] if self.labelled else None
+        if (found is None or ignore_index != IGNORE_INDEX or target.dim() != 1
+                or target.device != found.device or target.numel() != found.numel
+                or (target.numel() > 1 and target.stride(0) != 1)
+                or target.data_ptr() != found.address or target._version != found.version):
+            return None
+        return found.rows
 
     def model_forward(self, *args, **kwargs):
         labels = kwargs.get("labels")
@@ -141,9 +188,11 @@ class LogitsRoute:
             return LazyLogits(hidden, head.weight, head.bias, self.linear, shape, dtype, self)
 
         head.forward = lazy
+        self.labelled.append(_labelled(labels))
         try:
             return self.forward(*args, **kwargs)
         finally:
+            self.labelled.pop()
             if own is None:
                 del head.forward
             else:
