@@ -1201,8 +1201,8 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     `input` (rows / ceil(V / H), rounded up to a power of two), but at least 128 MiB; their
     gradient overwrites them.
     Where `weight` needs a gradient, the forward keeps four numbers a row, and the backward
-    computes the logits again a block of the classes at a time (a block takes a chunk's
-    memory): d weight is then one matmul per block over all the rows, rounded once, with no
+    computes the logits again a block of the classes at a time (a block takes at most a
+    chunk's memory and 32 MiB, `linear_loss.BLOCK_BYTES`): d weight is then one matmul per block over all the rows, rounded once, with no
     fp32 copy of `weight`; d input sums the blocks in fp32 (4 bytes per element of `input`).
     Otherwise, with reduction "mean" or "sum" the gradients are computed in the forward and
     scaled in place by the incoming gradient in the backward (a second backward then raises);
