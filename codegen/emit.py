@@ -120,6 +120,8 @@ class KernelContext:
         #: linear_loss.py). Only where each element's value needs its row's values and its
         #: own: no row reductions, no column or scalar sums, no gathered element (which may lie
         #: outside the window), nothing drawn per element or read by row position
+        #: element stores whose memory the launcher takes from its caller (`into`)
+        self.into_stores: list[int] = []
         self.windowed = windowed and not (
             any(p.reductions for p in kernel.passes) or kernel.stores_of("column")
             or kernel.stores_of("scalar") or self.picks
@@ -929,6 +931,27 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "saved_shaped": [name for name in saved
                              if name in layout_inputs or name in layout_outputs],
         })
+        bwd = modes[-1]["bwd"]
+        stores = [s["name"] for s in bwd.element_stores]
+        # saved inputs an elementwise backward may write its gradient over, by element store
+        # (codegen/runtime/launch.py `reusable`): each element is read before it is written,
+        # by the program that writes it
+        modes[-1]["reused"] = dict(sorted(
+            (stores.index(gradient_of[a]), a) for a in layout_inputs
+            if bwd.foldable and a in saved and gradient_of.get(a) in stores
+            and not bwd.element_stores[stores.index(gradient_of[a])]["flag"]))
+        reused = modes[-1]["reused"]
+        modes[-1]["into_given"] = [
+            f"launch.to_rows({reused[i]}_given.detach(), ctx.layout)"
+            f" if reused[{list(reused).index(i)}] else None" if i in reused else "None"
+            for i in range(len(stores))]
+        # element stores the launcher takes memory for (`into`): the input gradient's, written
+        # into an upstream gradient (in_place) or a chunk's logits (a row loss); the reused
+        # inputs' gradients
+        first = ([0] if (getattr(module.api, "in_place", False)
+                         or module.api.kind == "row_loss")
+                 and stores and not bwd.element_stores[0]["flag"] else [])
+        bwd.into_stores = sorted({*first, *modes[-1]["reused"]})
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
     for m in modes:

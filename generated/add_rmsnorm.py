@@ -952,7 +952,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
@@ -1096,7 +1096,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
-    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
@@ -1235,7 +1235,7 @@ class _DefaultFunction(torch.autograd.Function):
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        into = dy if overwrite else None
+        into = (dy,) if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1296,7 +1296,7 @@ class _InvertibleFunction(torch.autograd.Function):
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        into = dy if overwrite else None
+        into = (dy,) if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dresidual, dinput_bias, dweight, = _add_rmsnorm_bwd_invertible(

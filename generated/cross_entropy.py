@@ -757,7 +757,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 1, x.element_size(), device)
-    dx = into if into is not None else torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
     if plan:
         dx_ptr = dx.data_ptr()
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
@@ -1178,7 +1178,7 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
     def backward(x, target, outputs, dloss, col_start=0, row_length=None):
         loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = outputs
         # d loss / d logits into the logits' own memory: the chunk's buffer is not read again
-        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=col_start, row_length=row_length, into=x)[0]
+        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=col_start, row_length=row_length, into=(x,))[0]
 
     return linear_loss.Kernels(forward, backward, windowed=True)
 

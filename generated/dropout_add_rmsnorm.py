@@ -903,7 +903,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device)
-    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
     dresidual = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
@@ -1033,7 +1033,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device)
-    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
     dresidual = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dinput_bias_partial = launch.partials(store_dinput_bias, schedule, N, acc, device)
@@ -1156,7 +1156,7 @@ class _DefaultFunction(torch.autograd.Function):
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        into = dy if overwrite else None
+        into = (dy,) if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1222,7 +1222,7 @@ class _InvertibleFunction(torch.autograd.Function):
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        into = dy if overwrite else None
+        into = (dy,) if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("dropout_add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dresidual, dinput_bias, dweight, = _dropout_add_rmsnorm_bwd_invertible(

@@ -280,7 +280,7 @@ def _geglu_tanh_fwd(gate, up):
     return y,
 
 
-def _geglu_tanh_bwd_default(dy, gate, up):
+def _geglu_tanh_bwd_default(dy, gate, up, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
         return _geglu_tanh_bwd_default_torch(dy, gate, up)
@@ -290,13 +290,14 @@ def _geglu_tanh_bwd_default(dy, gate, up):
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _geglu_tanh_bwd_default(dy, gate, up)
+            return _geglu_tanh_bwd_default(dy, gate, up, into=into)
     fold = SCHEDULES.constants.fold_block_n
     if fold and N % fold and not M * N % fold and dy.stride(0) == N and gate.stride(0) == N and up.stride(0) == N:
         # elementwise only, on contiguous rows: read as rows of `fold` columns, which tile the
         # blocks that padded rows of N would not
         folded = (M * N // fold, fold)
-        outputs = _geglu_tanh_bwd_default(dy.view(folded), gate.view(folded), up.view(folded))
+        into = tuple(t.view(folded) if t is not None else None for t in into) if into is not None else None
+        outputs = _geglu_tanh_bwd_default(dy.view(folded), gate.view(folded), up.view(folded), into=into)
         return tuple(t.view(M, N) if t is not None else None for t in outputs)
     dy_stride = dy.stride(0)
     gate_stride = gate.stride(0)
@@ -318,10 +319,8 @@ def _geglu_tanh_bwd_default(dy, gate, up):
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 3, dy.element_size(), device)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dgate = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
-    # rows of stride N: empty_like allocates the same contiguous (M, N) for half the host time
-    dup = torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dgate = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dup = into[1] if into is not None and into[1] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     if plan:
         dgate_ptr = dgate.data_ptr()
         dup_ptr = dup.data_ptr()
@@ -396,9 +395,15 @@ class _DefaultFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up, = ctx.saved_tensors
+        # the gradients of saved inputs that autograd frees after this backward, and that
+        # nothing else holds, go over their memory: no more memory than the inputs took
+        reused = (launch.reusable(gate, ctx.rows, dy.dtype), launch.reusable(up, ctx.rows, dy.dtype)) if dy is not None else None
+        gate_given = gate
+        up_given = up
         gate = launch.to_rows(gate, ctx.layout)
         up = launch.to_rows(up, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        into = (launch.to_rows(gate_given.detach(), ctx.layout) if reused[0] else None, launch.to_rows(up_given.detach(), ctx.layout) if reused[1] else None) if reused else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -408,6 +413,7 @@ class _DefaultFunction(torch.autograd.Function):
         else:
             dgate, dup, = _geglu_tanh_bwd_default(
                 dy, gate, up,
+                into=into,
             )
         needs = ctx.needs_input_grad
         return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None

@@ -755,7 +755,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, s
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
@@ -880,7 +880,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
-    dx = into if into is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
+    dx = into[0] if into is not None and into[0] is not None else torch.empty_like(dy) if dy_stride == N else torch.empty((M, N), dtype=dy.dtype, device=device)
     dweight_partial = launch.partials(store_dweight, schedule, N, acc, device)
     split_sums = split_count = None
     if schedule.split:
@@ -1002,7 +1002,7 @@ class _DefaultFunction(torch.autograd.Function):
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        into = dy if overwrite else None
+        into = (dy,) if overwrite else None
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
             # differentiable torch ops, reading saved values that carry autograd's graph
@@ -1056,7 +1056,7 @@ class _InvertibleFunction(torch.autograd.Function):
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        into = dy if overwrite else None
+        into = (dy,) if overwrite else None
         if torch.is_grad_enabled():
             raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
         dx, dweight, = _rmsnorm_bwd_invertible(

@@ -113,3 +113,111 @@ def test_rows_fold_into_rows_of_the_fold_width(device, variant):
         assert torch.equal(got, want)
     expected = VARIANTS[variant][1](gate, up)
     torch.testing.assert_close(folded[0], expected)
+
+
+def glu_grads(variant, device, scenario, monkeypatch=None):
+    """The gradients of x, w_gate and w_up through variant(x @ w_gate, x @ w_up), taken in
+    `scenario` (how else gate and up are held), whether gate's and up's gradients are at
+    gate's and up's addresses (seen by hooks), and the memory the backward gave its launcher
+    for them (whether it gave any, per input)."""
+    answers = []
+    if monkeypatch is not None:
+        module = swiglu if variant == "swiglu" else geglu
+        name = f"_{variant}_bwd_default"
+        launcher = getattr(module, name)
+
+        def recorded(*args, into=None):
+            # after the backward decided: the spy's frame counts as no holder
+            answers.extend([t is not None for t in into] if into is not None else [False] * 2)
+            return launcher(*args, into=into)
+
+        monkeypatch.setattr(module, name, recorded)
+    ours, _ = VARIANTS[variant]
+    x = randn((6, 16), seed=1, device=device, dtype=torch.float32).requires_grad_()
+    w_gate, w_up = (randn((16, 96), seed=s, device=device, dtype=torch.float32).requires_grad_()
+                    for s in (2, 3))
+    seen = {}
+    gate, up = x @ w_gate, x @ w_up
+    addresses = gate.data_ptr(), up.data_ptr()
+    if scenario == "same":
+        up = gate
+    def seen_at(name):
+        return lambda g: seen.setdefault(name, g.data_ptr()) and None
+
+    gate.register_hook(seen_at("gate"))
+    up.register_hook(seen_at("up"))
+    # what the scenario keeps besides the Function's saved values
+    kept = {"free": (), "same": (), "retain_graph": (), "create_graph": (),
+            "held": (gate,), "view": (gate[1:], up[:, 2:]),
+            "alias": (gate.detach(), up.detach()),
+            "saved_elsewhere": (gate * up,)}[scenario]
+    y = ours(gate, up)
+    loss = (y * randn(y.shape, seed=4, device=device, dtype=torch.float32)).sum()
+    if kept and scenario == "saved_elsewhere":
+        loss = loss + kept[0].sum()  # the product saved gate and up for its own backward
+    del gate, up
+    inputs = (x, w_gate, w_up)
+    retain = scenario in ("retain_graph", "create_graph")
+    grads = torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True,
+                                create_graph=scenario == "create_graph")
+    grads = [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs, strict=True)]
+    if retain:  # the saved inputs are intact for a second backward
+        again = torch.autograd.grad(loss, inputs, allow_unused=True)
+        # (create_graph's backward is torch's ops, the second the kernels: close, not equal)
+        for g, a in zip(grads, again, strict=True):
+            torch.testing.assert_close(g.detach(), torch.zeros_like(g) if a is None else a)
+    at_inputs = seen["gate"] == addresses[0], seen["up"] == addresses[1]
+    return [g.detach() for g in grads], at_inputs, answers, kept
+
+
+SCENARIOS = ["free", "held", "view", "alias", "same", "saved_elsewhere", "retain_graph",
+             "create_graph"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_backward_writes_gradients_over_inputs_only_autograd_holds(device, variant, scenario,
+                                                                   monkeypatch):
+    """Where autograd frees gate and up after the backward and nothing else holds them (a
+    Python reference, a view, a detached alias, the same tensor as both, another node's saved
+    value, a kept graph), each one's gradient are written over their memory; elsewhere the backward
+    allocates. The gradients are the same either way."""
+    expected, *_ = glu_grads(variant, device, "alias")
+    got, at_inputs, answers, kept = glu_grads(variant, device, scenario, monkeypatch)
+    if scenario in ("same", "saved_elsewhere", "create_graph"):
+        # gate's gradient sums two branches, or the backward is torch's ops: checked against
+        # torch's expression
+        ours, theirs = VARIANTS[variant]
+        VARIANTS[variant] = theirs, theirs
+        try:
+            expected, *_ = glu_grads(variant, device, scenario)
+        finally:
+            VARIANTS[variant] = ours, theirs
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e)
+    else:
+        for g, e in zip(got, expected, strict=True):
+            assert torch.equal(g, e)
+    # held: gate alone is kept, up is free. The torch path (no kernels) allocates: the answers
+    # are the same, the addresses not
+    free = {"free": [True, True], "held": [False, True]}.get(scenario, [False, False])
+    if scenario == "create_graph":
+        # the recorded backward's torch ops allocate, and never call the launcher; what the
+        # second backward reuses depends on which inputs the recorded graph saved
+        assert len(answers) == 2
+    else:
+        # a kept graph: the second backward, which frees it, reuses
+        assert answers == {"retain_graph": [False, False, True, True]}.get(scenario, free)
+    if launch.use_triton(got[0]) and scenario in ("free", "held"):
+        assert list(at_inputs) == free
+    if scenario == "view":  # a view kept of an input reads the input, not its gradient
+        assert kept[0].data_ptr() != 0
+
+
+def test_the_probe_counts_once_and_reuse_needs_the_graph_released(device):
+    """The holders of an input nothing else holds are counted once a process, by a probe
+    Function on the CPU; nothing is reused while a backward keeps the graph."""
+    assert launch._exclusive() is not None
+    assert launch._exclusive() is launch._exclusive()
+    x = randn((4, 8), device=device, dtype=torch.float32).requires_grad_()
+    assert not launch.reusable(x * 2, (4, 8), torch.float32)  # grad mode on: a forward

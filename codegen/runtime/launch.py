@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import struct
+import sys
 from collections import namedtuple
 
 import torch
@@ -151,6 +152,79 @@ def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool
     return (use_count() == 1 and tensor.dtype == dtype and tensor.is_contiguous()
             and tensor.numel() == math.prod(shape) and tensor.storage_offset() == 0
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+#: torch's "is the running backward's graph kept" (retain_graph / create_graph); absent from
+#: a torch without it, where no backward reuses a saved input's memory
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """Who holds `tensor` (called from `reusable` alone, whose frames the counts include):
+    Python references to its object, C++ references to its TensorImpl, TensorImpls on its
+    storage."""
+    return (sys.getrefcount(tensor), tensor._use_count(),
+            torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
+    """Whether a backward may write the gradient of `tensor`, an input its Function saved,
+    over that input's memory: autograd frees the saved input once this backward returns (the
+    graph is not kept: no retain_graph, no create_graph), and nothing else holds it.
+
+    "Nothing else" is counted, against the counts of a probe Function's saved input that
+    nothing else holds (`_probe`, once a process): a Python reference (the caller kept the
+    tensor, asked for its gradient), a C++ one (another node saved it, the same tensor saved
+    twice, a leaf's gradient accumulator) or another tensor on its memory (a view, a detached
+    alias) each adds one. The tensor is a non-leaf of autograd's graph, no view, and exactly
+    the backward's contiguous rows of the gradient's dtype. Each element is read before it
+    is written, by the program that writes it (elementwise backwards only)."""
+    if (tensor is None or _KEEP_GRAPH is None or torch.is_grad_enabled() or _KEEP_GRAPH()
+            or tensor.grad_fn is None or tensor._base is not None or tensor.dtype != dtype
+            or torch.compiler.is_compiling()):
+        return False
+    holders = _holders(tensor)
+    if _PROBED is not None:
+        _PROBED.append(holders)
+        return False
+    return (holders == _exclusive() and tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.numel() == math.prod(rows)
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+#: the probe's counts, while `_exclusive` runs it
+_PROBED: list | None = None
+
+
+class _Probe(torch.autograd.Function):
+    """Saves its input and, in its backward, counts its holders as a generated backward does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, = ctx.saved_tensors
+        reusable(x, dy.shape, dy.dtype)
+        return dy
+
+
+@functools.cache
+def _exclusive() -> tuple[int, int, int] | None:
+    """The holders of a saved input that nothing but autograd's saved value holds, counted in
+    a probe's backward on the CPU: torch's own references differ between versions. None
+    where the probe counted nothing, and no memory is reused."""
+    global _PROBED
+    _PROBED = []
+    try:
+        with torch.enable_grad(), torch.inference_mode(False):
+            leaf = torch.zeros(2, requires_grad=True, device="cpu")
+            _Probe.apply(leaf * 1).sum().backward()
+        return _PROBED[0] if len(_PROBED) == 1 else None
+    finally:
+        _PROBED = None
 
 
 def shaped(tensor: torch.Tensor, shape) -> torch.Tensor:
