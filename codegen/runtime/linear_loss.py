@@ -422,6 +422,8 @@ def _blocked(plan, x, weight, bias, target, outputs, dloss, needs):
                     grad_bias[first:last] += dlogits.sum(0, dtype=acc)
             if partial is not None:
                 grad_weight[first:last] = partial[: last - first]
+    # the blocks' memory goes before the cast of d x allocates: never both at once
+    buffer = partial = logits = dlogits = None
     return (grad_x.to(x.dtype) if grad_x is not None else None,
             grad_weight if needs[1] else None,
             grad_bias.to(bias.dtype) if grad_bias is not None else None)
