@@ -58,6 +58,8 @@ def ops() -> dict:
         add_layernorm,
         add_rmsnorm,
         bias_dropout_add,
+        dropout_add_layernorm,
+        dropout_add_rmsnorm,
         geglu,
         gelu,
         gelu_tanh,
@@ -84,6 +86,11 @@ def ops() -> dict:
         "geglu": (geglu, lambda h, o, w, b: geglu.geglu(h, o)),
         "bias_dropout_add": (bias_dropout_add, lambda h, o, w, b: bias_dropout_add
                              .bias_dropout_add(h, o, bias=b, training=False)),
+        # BERT's sublayer outputs: dropout on (no seed: torch's expression draws its own mask)
+        "dropout_add_layernorm": (dropout_add_layernorm, lambda h, o, w, b: dropout_add_layernorm
+                                  .dropout_add_layer_norm(h, o, width(h), w, b, dropout_p=0.1)),
+        "dropout_add_rmsnorm": (dropout_add_rmsnorm, lambda h, o, w, b: dropout_add_rmsnorm
+                                .dropout_add_rms_norm(h, o, width(h), w, 1e-6, dropout_p=0.1)),
     }
 
 

@@ -170,7 +170,9 @@ class NormalizedShapeAPI:
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
-    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never.
+    #: An op that draws its own dropout mask applies torch's dropout in it, and runs it with
+    #: dropout on too where the call gives no seed (any mask will do)
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
     reference_when: str | None = None
@@ -223,7 +225,9 @@ class ElementwiseAPI:
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),
-    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never
+    #: run where it measured cheaper than the kernels (codegen/runtime/dispatch.py); None: never.
+    #: An op that draws its own dropout mask applies torch's dropout in it, and runs it with
+    #: dropout on too where the call gives no seed (any mask will do)
     reference: str | None = None
     #: a further condition, in the same names, for the calls `reference` computes exactly
     reference_when: str | None = None
@@ -609,7 +613,22 @@ def _reference(api) -> list[str]:
             problems.append(f"{role} {text!r} is not a Python expression ({error.msg})")
     if api.reference is None and api.reference_when is not None:
         problems.append("reference_when is given without a reference")
+    drop = getattr(api, "dropout", None)
+    if (api.reference is not None and drop and not getattr(api, "dropout_op", None)
+            and not _parsed_names(api.reference) & {drop}):
+        # it runs with dropout on where no seed is given: it must drop as the kernels do
+        problems.append(f"reference {api.reference!r} must apply dropout with '{drop}', "
+                        f"as the op's kernels do (it runs with seed=None)")
     return problems
+
+
+def _parsed_names(text: str) -> set[str]:
+    """The names a Python expression reads (none where it does not parse)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
 def _names(api, values: set[str]) -> list[str]:

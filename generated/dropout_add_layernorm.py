@@ -2088,8 +2088,9 @@ def dropout_add_layer_norm(
     `seed` (an int, or None to draw one from torch's generator on the input's device) and each
     element's index, as bias_dropout_add's: the backward regenerates it, nothing is stored. The
     same seed gives the same mask on the same device (and on the CPU torch path).
-    `training=False` or `dropout_p=0` turns dropout off exactly. Torch's expression of the op (small CUDA calls,
-    codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
+    `training=False` or `dropout_p=0` turns dropout off exactly. With `seed=None` any mask will do: a call
+    that runs torch's expression of the op (small CUDA calls, codegen/runtime/dispatch.py)
+    draws torch's own dropout mask.
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/dropout_add_layernorm.md):
@@ -2098,9 +2099,9 @@ def dropout_add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
+    if memory == "default" and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
+        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
 
     checks.check_input("dropout_add_layer_norm", input)
     shape, columns = checks.check_normalized_shape("dropout_add_layer_norm", normalized_shape, input)

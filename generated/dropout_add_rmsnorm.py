@@ -1502,8 +1502,9 @@ def dropout_add_rms_norm(
     `seed` (an int, or None to draw one from torch's generator on the input's device) and each
     element's index, as bias_dropout_add's: the backward regenerates it, nothing is stored. The
     same seed gives the same mask on the same device (and on the CPU torch path).
-    `training=False` or `dropout_p=0` turns dropout off exactly. Torch's expression of the op (small CUDA calls,
-    codegen/runtime/dispatch.py) runs only with dropout off: its dropout would draw another mask.
+    `training=False` or `dropout_p=0` turns dropout off exactly. With `seed=None` any mask will do: a call
+    that runs torch's expression of the op (small CUDA calls, codegen/runtime/dispatch.py)
+    draws torch's own dropout mask.
 
     casting_mode (keyword-only, default "gemma"): where a float16 or bfloat16 input's values are
     rounded, as Liger-Kernel's LigerRMSNorm. "gemma" (as torch's rms_norm and Hugging Face's
@@ -1528,9 +1529,9 @@ def dropout_add_rms_norm(
     torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
     backward, so there it always allocates; torch 2.13's hands it over alone.
     """
-    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+    if memory == "default" and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
+        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, eps, prenorm=prenorm)
 
     checks.check_input("dropout_add_rms_norm", input)
     shape, columns = checks.check_normalized_shape("dropout_add_rms_norm", normalized_shape, input)

@@ -12,6 +12,8 @@ from reference import randn
 import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
 import generated.bias_dropout_add as bias_dropout_add
+import generated.dropout_add_layernorm as dropout_add_layernorm
+import generated.dropout_add_rmsnorm as dropout_add_rmsnorm
 import generated.geglu as geglu
 import generated.gelu as gelu
 import generated.gelu_tanh as gelu_tanh
@@ -63,6 +65,12 @@ def calls(dtype):
          (x, r, b)),
         ("bias_dropout_add seeded p=0", bias_dropout_add,
          lambda x: bias_dropout_add.bias_dropout_add(x, None, p=0.0, seed=3), (x,)),
+        ("dropout_add_layer_norm eval", dropout_add_layernorm,
+         lambda x, r, w, b, ib: dropout_add_layernorm.dropout_add_layer_norm(
+             x, r, (N,), w, b, input_bias=ib, dropout_p=0.5, training=False), (x, r, w, b, ib)),
+        ("dropout_add_rms_norm seeded p=0", dropout_add_rmsnorm,
+         lambda x, r, w: dropout_add_rmsnorm.dropout_add_rms_norm(x, r, (N,), w, seed=3),
+         (x, r, w)),
     ]
 
 
@@ -121,6 +129,8 @@ CALLS = [
                                                                  residual_in_fp32=True)),
     (add_rmsnorm, lambda x, r, w: add_rmsnorm.add_rms_norm(x, r, (N,), w, weight_offset=1.0)),
     (bias_dropout_add, lambda x, r, w: bias_dropout_add.bias_dropout_add(x, r, p=0.5, seed=1)),
+    (dropout_add_layernorm, lambda x, r, w: dropout_add_layernorm.dropout_add_layer_norm(
+        x, r, (N,), w, dropout_p=0.5, seed=1)),
     (layernorm, lambda x, r, w: layernorm.layer_norm(x.half(), (N,), w)),
     (add_layernorm, lambda x, r, w: add_layernorm.add_layer_norm(x.half(), r.half(), (N,), w)),
 ]
@@ -128,6 +138,7 @@ CALLS = [
 
 @pytest.mark.parametrize(("module", "call"), CALLS, ids=["invertible", "recompute_mean",
                          "offset", "residual_in_fp32", "add offset", "dropout",
+                         "seeded dropout before a norm",
                          "16-bit input, fp32 weight", "add, 16-bit input, fp32 weight"])
 def test_options_torch_cannot_express_run_the_kernels(module, call, monkeypatch):
     applied = []
@@ -166,6 +177,43 @@ def test_unseeded_dropout_runs_torchs_dropout():
     out.sum().backward()
     torch.testing.assert_close(x.grad, (~dropped).double() * 2)
     torch.testing.assert_close(r.grad, torch.ones_like(r))
+
+
+NORMS = {
+    "dropout_add_layer_norm": (dropout_add_layernorm, torch.nn.functional.layer_norm,
+                               dropout_add_layernorm.dropout_add_layer_norm),
+    "dropout_add_rms_norm": (dropout_add_rmsnorm, torch.nn.functional.rms_norm,
+                             dropout_add_rmsnorm.dropout_add_rms_norm),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_unseeded_dropout_before_a_norm_runs_torchs_dropout(name, monkeypatch):
+    """With no seed any mask will do: torch's expression drops with torch's dropout (its p and
+    training mode), adds the residual and normalizes; its gradients are torch's."""
+    module, norm, function = NORMS[name]
+    x, r = leaf(SHAPE, 1, torch.float64), leaf(SHAPE, 2, torch.float64)
+    ib = leaf((N,), 3, torch.float64)
+    dropped = []
+    real = torch.nn.functional.dropout
+
+    def recorded(input, p, training):
+        dropped.append((p, training, real(input, p, training)))
+        return dropped[-1][2]
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", recorded)
+    with module.DISPATCH.override("torch"):
+        out = function(x, r, (N,), input_bias=ib, dropout_p=0.5)
+    (p, training, kept), = dropped
+    assert (p, training) == (0.5, True)
+    zeros = kept == 0
+    assert 0.2 < zeros.double().mean() < 0.8
+    torch.testing.assert_close(kept[~zeros], 2 * (x + ib)[~zeros])
+    torch.testing.assert_close(out, norm(kept + r, (N,)))
+    grads = torch.autograd.grad(out, (x, r), randn(out.shape, seed=9), retain_graph=True)
+    want = torch.autograd.grad(norm(kept + r, (N,)), (x, r), randn(out.shape, seed=9))
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected)
 
 
 def test_measured_work_decides_for_cuda_tensors_only(monkeypatch):

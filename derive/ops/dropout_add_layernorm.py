@@ -51,10 +51,11 @@ def spec() -> OpSpec:
         params=(Param("weight", "ones"), Param("bias", "zeros", flag="bias")), eps=1e-5,
         residual="residual", call_params=("input_bias",),
         options=(Option("dropout_p", 0.0, check="probability"),), dropout="dropout_p",
-        # torch's dropout draws another mask than a seeded one: only with dropout off
-        reference="dispatch.normalized(torch.nn.functional.layer_norm, "
-                  "dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, "
-                  "eps, prenorm=prenorm)",
+        # torch's dropout draws another mask than a seeded one: with dropout off or no seed
+        reference="dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added("
+                  "torch.nn.functional.dropout(input if input_bias is None else "
+                  "input + input_bias, dropout_p, training), residual), normalized_shape, "
+                  "weight, bias, eps, prenorm=prenorm)",
         reference_when="not residual_in_fp32 and "
                        "dispatch.same_dtype(input, residual, input_bias, weight, bias)")
     return op

@@ -51,9 +51,10 @@ def spec() -> OpSpec:
         choices=(CASTING_MODE,),
         residual="residual", call_params=("input_bias",), dropout="dropout_p",
         in_place=True,
-        # torch's dropout draws another mask than a seeded one: only with dropout off
-        reference="dispatch.normalized(torch.nn.functional.rms_norm, "
-                  "dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, "
-                  "prenorm=prenorm)",
+        # torch's dropout draws another mask than a seeded one: with dropout off or no seed
+        reference="dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added("
+                  "torch.nn.functional.dropout(input if input_bias is None else "
+                  "input + input_bias, dropout_p, training), residual), normalized_shape, "
+                  "weight, eps, prenorm=prenorm)",
         reference_when='not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma"')
     return op
