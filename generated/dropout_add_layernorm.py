@@ -2226,8 +2226,8 @@ class DropoutAddLayerNorm(torch.nn.Module):
 
 
 #: when a call runs torch's expression of this op instead of the kernels
-#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
-DISPATCH = dispatch.Dispatch("dropout_add_layernorm")
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
+DISPATCH = dispatch.Dispatch("dropout_add_layernorm", eager_below=19327352832)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants
