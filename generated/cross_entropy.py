@@ -1202,7 +1202,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     gradient overwrites them.
     Where `weight` needs a gradient, the forward keeps four numbers a row, and the backward
     computes the logits again a block of the classes at a time (a block takes at most a
-    chunk's memory and 32 MiB, `linear_loss.BLOCK_BYTES`): d weight is then one matmul per block over all the rows, rounded once, with no
+    chunk's memory and 16 MiB, `linear_loss.BLOCK_BYTES`): d weight is then one matmul per block over all the rows, rounded once, with no
     fp32 copy of `weight`; d input sums the blocks in fp32 (4 bytes per element of `input`).
     Otherwise, with reduction "mean" or "sum" the gradients are computed in the forward and
     scaled in place by the incoming gradient in the backward (a second backward then raises);

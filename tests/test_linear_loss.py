@@ -490,7 +490,7 @@ def test_returns_z_loss_accuracy_and_predictions(device, reduction, grad):
     # class is predicted, a target at the second is missed
     weight[[7, 12, 30]] = weight[12].clone()
     b[[7, 12, 30]] = 100.0
-    target.view(-1)[[0, 2, 3]] = torch.tensor([7, 12, 30])
+    target.view(-1)[[0, 2, 3]] = torch.tensor([7, 12, 30], device=target.device)
     flags = dict.fromkeys(RETURNED, True)
     leaves = [t.detach().requires_grad_(name in grad) for t, name in
               ((x, "input"), (weight, "weight"), (b, "bias"))]
