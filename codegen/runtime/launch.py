@@ -179,9 +179,10 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
     alias) each adds one. The tensor is a non-leaf of autograd's graph, no view, and exactly
     the backward's contiguous rows of the gradient's dtype. Each element is read before it
     is written, by the program that writes it (elementwise backwards only)."""
-    if (tensor is None or _KEEP_GRAPH is None or torch.is_grad_enabled() or _KEEP_GRAPH()
-            or tensor.grad_fn is None or tensor._base is not None or tensor.dtype != dtype
-            or torch.compiler.is_compiling()):
+    # a backward traced by torch.compile (compiled autograd) asks nothing of the running one
+    if (tensor is None or _KEEP_GRAPH is None or torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or _KEEP_GRAPH() or tensor.grad_fn is None
+            or tensor._base is not None or tensor.dtype != dtype):
         return False
     holders = _holders(tensor)
     if _PROBED is not None:
