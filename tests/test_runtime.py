@@ -550,3 +550,27 @@ def test_broadcast_rows_views_of_any_table(table, shape, order):
     assert rows.shape == want.shape and torch.equal(rows, want)
     in_place = want.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     assert (rows.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()) == in_place
+
+
+def test_remembered_row_geometry_views_each_tensor_at_its_own_offset():
+    """The rows' sizes and strides are remembered per geometry (`checks._row_geometry`, every
+    layer passes the same tables): a second table of the same sizes and strides is viewed at
+    its own storage offset, with its own values."""
+    shape = torch.Size((2, 8, 4, 6))
+    base = torch.randn(3, 2, 1, 4, 6)
+    first, second = base[0], base[2]  # one geometry, two offsets
+    rows = [checks.broadcast_rows(t, shape, checks.row_shape(shape)) for t in (first, second)]
+    for got, table in zip(rows, (first, second), strict=True):
+        assert torch.equal(got, _reference_rows(table, shape, None))
+        assert got.storage_offset() == table.storage_offset()
+    assert checks._row_geometry.cache_info().hits >= 1
+
+
+def test_remembered_memory_order_checks_the_other_tensors_each_call():
+    """The order of a tensor's dims in memory is remembered per strides and sizes; whether the
+    other tensors share those strides is asked on every call."""
+    q = torch.randn(2, 5, 3, 4).transpose(1, 2)  # (B, H, T, D) over a (B, T, H, D) buffer
+    assert launch.memory_order(q) == (0, 2, 1, 3)
+    assert launch.memory_order(q, torch.randn(2, 3, 5, 4)) is None
+    assert launch.memory_order(q, torch.randn(2, 5, 3, 4).transpose(1, 2)) == (0, 2, 1, 3)
+    assert launch.memory_order(torch.randn(2, 3, 5, 4)) is None

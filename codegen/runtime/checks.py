@@ -369,8 +369,18 @@ def broadcast_rows(tensor, shape, row_shape, order=None):
 def _strided_rows(tensor, shape, order):
     """`broadcast_rows`' view as one as_strided, or None where the last dim is not the rows'
     own (broadcast, or strided) or the leading dims beyond three do not merge into one."""
+    geometry = _row_geometry(tensor.shape, tensor.stride(), shape, order)
+    if geometry is None:
+        return None
+    return tensor.as_strided(*geometry, tensor.storage_offset())
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_geometry(sizes, strides, shape, order):
+    """The sizes and strides of `_strided_rows`' view, from the tensor's (a pure function of
+    them, remembered: a model passes the same tables to every layer, host time on each call)."""
     dims = len(shape)
-    sizes, strides = list(tensor.shape), list(tensor.stride())
+    sizes, strides = list(sizes), list(strides)
     if len(sizes) > dims:
         return None
     missing = dims - len(sizes)
@@ -394,8 +404,15 @@ def _strided_rows(tensor, shape, order):
         merged *= size
     (d1, s1), (d2, s2) = [(shape[dim], strides[dim]) if dim >= 0 else (1, 0)
                           for dim in (dims - 3, dims - 2)]
-    return tensor.as_strided((merged, d1, d2, shape[-1]), (lead, s1, s2, 1),
-                             tensor.storage_offset())
+    return (merged, d1, d2, shape[-1]), (lead, s1, s2, 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _broadcasts(shape, full) -> bool:
+    """Whether a tensor of `shape` broadcasts to `full` without growing it (remembered, as
+    `_row_geometry`)."""
+    return len(shape) <= len(full) and all(
+        size in (1, whole) for size, whole in zip(reversed(shape), reversed(full), strict=False))
 
 
 def check_broadcast(function, name, tensor, input, additive):
@@ -407,10 +424,9 @@ def check_broadcast(function, name, tensor, input, additive):
             f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
             f"{type(tensor).__name__}"
         )
-    if tensor.dim() > input.dim() or any(
-        size not in (1, full)
-        for size, full in zip(reversed(tensor.shape), reversed(input.shape), strict=False)
-    ):
+    # under torch.compile sizes may be symbolic, which no cache takes
+    broadcasts = _broadcasts.__wrapped__ if torch.compiler.is_compiling() else _broadcasts
+    if not broadcasts(tensor.shape, input.shape):
         raise ShapeError(
             f"{function}(): argument '{name}' must be broadcastable to the shape of 'input' "
             f"{list(input.shape)}, got {list(tensor.shape)}"

@@ -76,15 +76,26 @@ def memory_order(first: torch.Tensor, *others) -> tuple[int, ...] | None:
     the input's layout as torch's elementwise ops do. None: run in the order given."""
     if first.dim() < 3 or first.is_contiguous() or first.stride(-1) != 1:
         return None
-    strides, sizes = first.stride(), first.shape
-    order = (*sorted(range(first.dim() - 1), key=lambda dim: -strides[dim]), first.dim() - 1)
+    strides = first.stride()
+    # under torch.compile sizes may be symbolic, which no cache takes
+    dense = _dense_order.__wrapped__ if torch.compiler.is_compiling() else _dense_order
+    order = dense(strides, first.shape)
+    if order is None or any(other is not None and other.stride() != strides
+                            for other in others):
+        return None
+    return order
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_order(strides, sizes) -> tuple[int, ...] | None:
+    """`memory_order` of one tensor, from its strides and sizes (a pure function of them,
+    remembered: every layer of a model calls with the same ones)."""
+    order = (*sorted(range(len(sizes) - 1), key=lambda dim: -strides[dim]), len(sizes) - 1)
     expected = 1  # the permuted view's contiguity, from the sizes and strides (no view taken)
     for dim in reversed(order):
         if sizes[dim] != 1 and strides[dim] != expected:
             return None
         expected *= sizes[dim]
-    if any(other is not None and other.stride() != strides for other in others):
-        return None
     return order
 
 
