@@ -15,6 +15,7 @@ import math
 import os
 import struct
 import sys
+import threading
 from collections import namedtuple
 
 import torch
@@ -196,16 +197,18 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
             or tensor._base is not None or tensor.dtype != dtype):
         return False
     holders = _holders(tensor)
-    if _PROBED is not None:
-        _PROBED.append(holders)
+    probed = getattr(_PROBING, "counts", None)
+    if probed is not None:
+        probed.append(holders)
         return False
     return (holders == _exclusive() and tensor.is_contiguous() and tensor.storage_offset() == 0
             and tensor.numel() == math.prod(rows)
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
-#: the probe's counts, while `_exclusive` runs it
-_PROBED: list | None = None
+#: the probe's counts, while `_exclusive` runs it on this thread (a CPU backward runs on the
+#: thread that calls it)
+_PROBING = threading.local()
 
 
 class _Probe(torch.autograd.Function):
@@ -227,16 +230,15 @@ class _Probe(torch.autograd.Function):
 def _exclusive() -> tuple[int, int, int] | None:
     """The holders of a saved input that nothing but autograd's saved value holds, counted in
     a probe's backward on the CPU: torch's own references differ between versions. None
-    where the probe counted nothing, and no memory is reused."""
-    global _PROBED
-    _PROBED = []
+    where the probe counted anything but its one input, and no memory is reused."""
+    _PROBING.counts = counts = []
     try:
         with torch.enable_grad(), torch.inference_mode(False):
             leaf = torch.zeros(2, requires_grad=True, device="cpu")
             _Probe.apply(leaf * 1).sum().backward()
-        return _PROBED[0] if len(_PROBED) == 1 else None
+        return counts[0] if len(counts) == 1 else None
     finally:
-        _PROBED = None
+        _PROBING.counts = None
 
 
 def shaped(tensor: torch.Tensor, shape) -> torch.Tensor:
