@@ -185,7 +185,7 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
     graph is not kept: no retain_graph, no create_graph), and nothing else holds it.
 
     "Nothing else" is counted, against the counts of a probe Function's saved input that
-    nothing else holds (`_probe`, once a process): a Python reference (the caller kept the
+    nothing else holds (`_exclusive`, once a process): a Python reference (the caller kept the
     tensor, asked for its gradient), a C++ one (another node saved it, the same tensor saved
     twice, a leaf's gradient accumulator) or another tensor on its memory (a view, a detached
     alias) each adds one. The tensor is a non-leaf of autograd's graph, no view, and exactly
