@@ -561,7 +561,8 @@ def rotary(input, cos, sin):
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(x) and not torch.compiler.is_compiling():
-        return function.apply(x, cos, sin, row_shape, layout)
+        # inside `apply_rotary_pos_emb`, one node of autograd's graph for every embedded tensor
+        return launch.applied(function, (x, cos, sin, row_shape, layout))
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
@@ -601,7 +602,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     if not isinstance(sin, torch.Tensor):
         raise TypeError(f"apply_rotary_pos_emb(): argument 'sin' must be a torch.Tensor, got {type(sin).__name__}")
     sin = sin.unsqueeze(unsqueeze_dim)
-    return rotary(q, cos, sin), rotary(k, cos, sin)
+    # one node of autograd's graph for all of them (`launch.each`)
+    return launch.each(lambda: rotary(q, cos, sin), lambda: rotary(k, cos, sin))
 
 
 #: when a call runs torch's expression of this op instead of the kernels

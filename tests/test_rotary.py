@@ -10,6 +10,7 @@ import torch
 from reference import FP64_TOL, assert_low_precision_ok, gradcheck, randn
 
 import generated.rotary as rotary
+from codegen.runtime import launch
 
 OP = rotary  # the conftest's schedule fixture forces it looped
 B, S = 2, 5
@@ -56,10 +57,12 @@ def assert_vjp_exact(q, k, cos, sin, **kwargs):
         if q.stride(-1) == 1 and k.stride(-1) == 1:
             assert got.stride() == want.stride()
         torch.testing.assert_close(got, want, **FP64_TOL)
-    # one node of autograd's graph each, right over q and k: the rows are views the op takes
-    # inside, which autograd does not record
-    for got, leaf in zip(mine, leaves, strict=True):
-        assert got.grad_fn.next_functions[0][0].variable is leaf
+    # one node of autograd's graph for q and k together (`launch.each`), right over them: the
+    # rows are views the op takes inside, which autograd does not record
+    node = mine[0].grad_fn
+    assert mine[1].grad_fn is node
+    reached = [f.variable for f, _ in node.next_functions if hasattr(f, "variable")]
+    assert len(reached) == 2 and all(r is leaf for r, leaf in zip(reached, leaves, strict=True))
     grads = torch.autograd.grad(mine, leaves, upstream)
     wanted = torch.autograd.grad(theirs, theirs_leaves, upstream)
     for got, want in zip(grads, wanted, strict=True):
@@ -78,6 +81,39 @@ def test_gradcheck_through_the_function(device):
     gradcheck(lambda a, b: torch.cat([t.flatten() for t in
                                       rotary.apply_rotary_pos_emb(a, b, cos, sin)]),
               [q, k], fast=False)
+
+
+def test_q_and_k_share_one_node_and_its_double_backward(device):
+    """apply_rotary_pos_emb's q and k take one node of autograd's graph (`launch.each`); with
+    one of them not needing a gradient, the other takes a node of its own; the node's
+    backward is differentiable again (create_graph) as each op's own."""
+    cos, sin = tables(6, device)
+    q, k = (t.requires_grad_() for t in qk(6, device, heads=(2, 1)))
+    torch.autograd.gradgradcheck(
+        lambda a, b: torch.cat([t.flatten() for t in
+                                rotary.apply_rotary_pos_emb(a, b, cos, sin)]), [q, k])
+    q_embed, k_embed = rotary.apply_rotary_pos_emb(q, k.detach(), cos, sin)
+    assert k_embed.grad_fn is None and q_embed.grad_fn is not None
+    assert q_embed.grad_fn.next_functions[0][0].variable is q
+    want = hf_apply(q, k, cos, sin)
+    torch.testing.assert_close(q_embed, want[0], **FP64_TOL)
+    torch.testing.assert_close(k_embed, want[1], **FP64_TOL)
+
+
+def test_a_call_that_raises_inside_each_keeps_nothing(device):
+    """An op call that raises inside `launch.each` leaves no kept call behind: the next call
+    applies its Function as ever."""
+    cos, sin = tables(6, device)
+    q, k = (t.requires_grad_() for t in qk(6, device))
+    with pytest.raises(TypeError, match="argument 'k' must be a torch.Tensor"):
+        rotary.apply_rotary_pos_emb(q, None, cos, sin)
+    with pytest.raises(ValueError):
+        # the first call is kept, the second raises
+        launch.each(lambda: rotary.rotary(q, cos[:, None], sin[:, None]),
+                    lambda: rotary.rotary(k, cos[..., :4], sin[..., :4]))
+    assert getattr(launch._EACH, "calls", None) is None
+    out = rotary.rotary(q, cos[:, None], sin[:, None])
+    assert type(out.grad_fn).__name__ == "_DefaultFunctionBackward"
 
 
 def test_gradcheck_of_arbitrary_tables(device):

@@ -241,6 +241,111 @@ def _exclusive() -> tuple[int, int, int] | None:
         _PROBING.counts = None
 
 
+#: the calls `each` keeps, while it runs its callables on this thread
+_EACH = threading.local()
+
+
+class _Kept:
+    """What a call inside `each` returns in place of its Function's result: the index of the
+    Function and arguments it kept."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def applied(function, args: tuple):
+    """`function.apply(*args)`, or, inside `each`, the call kept, to be applied with the others
+    in one node of autograd's graph."""
+    kept = getattr(_EACH, "calls", None)
+    if kept is None or "apply" in vars(function):  # a Function with its own apply: as it is
+        return function.apply(*args)
+    kept.append((function, args))
+    return _Kept(len(kept) - 1)
+
+
+def each(*calls):
+    """The results of `calls` (callables of no arguments, each one generated op's call), whose
+    autograd Functions, where they are one class, become one node of autograd's graph
+    (`_Each`): a node is host time in the forward and again in the backward. Rotary
+    embeddings apply one op to q and to k, with the same tables. Under torch.compile the calls
+    run as they are (each an opaque op there)."""
+    if torch.compiler.is_compiling():
+        return tuple(call() for call in calls)
+    _EACH.calls = kept = []
+    try:
+        results = [call() for call in calls]
+    finally:
+        _EACH.calls = None
+    if not kept:
+        return tuple(results)
+    if len(kept) == 1 or any(function is not kept[0][0] for function, _ in kept):
+        outputs = [function.apply(*args) for function, args in kept]
+    else:
+        counts = tuple(len(args) for _, args in kept)
+        outputs = _Each.apply(kept[0][0], counts, *(a for _, args in kept for a in args))
+    return tuple(outputs[r.index] if isinstance(r, _Kept) else r for r in results)
+
+
+class _Part:
+    """The ctx a generated Function's forward and backward see for one call inside `_Each`:
+    the saved tensors, `needs_input_grad` and attributes of its own; the node's ctx marks
+    what it marks."""
+
+    def __init__(self, ctx, needs_input_grad):
+        self.ctx, self.needs_input_grad = ctx, needs_input_grad
+        self.saved = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved = tensors
+
+    @property
+    def saved_tensors(self):
+        return self.saved
+
+    def set_materialize_grads(self, value):
+        # the node's: off (each backward takes a None gradient as its Function does)
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        self.ctx.mark_non_differentiable(*tensors)
+
+
+class _Each(torch.autograd.Function):
+    """Several calls of one generated Function as one node: its forward and backward run per
+    call on the call's own arguments, each with a `_Part` for a ctx. Each call returns one
+    tensor."""
+
+    @staticmethod
+    def forward(ctx, function, counts, *arguments):
+        parts, outputs, saved, start = [], [], [], 0
+        for count in counts:
+            part = _Part(ctx, ctx.needs_input_grad[2 + start : 2 + start + count])
+            output = function.forward(part, *arguments[start : start + count])
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"{function.__name__}: `each` takes Functions of one result")
+            outputs.append(output)
+            saved += part.saved
+            part.count = len(part.saved)
+            parts.append(part)
+            start += count
+        ctx.function, ctx.parts = function, parts
+        ctx.save_for_backward(*saved)
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved, at = ctx.saved_tensors, 0
+        results = [None, None]
+        for part, grad in zip(ctx.parts, grads, strict=True):
+            part.saved = saved[at : at + part.count]
+            at += part.count
+            results += ctx.function.backward(part, grad)
+        return tuple(results)
+
+
 def shaped(tensor: torch.Tensor, shape) -> torch.Tensor:
     """tensor.reshape(shape), skipped when it has that shape already (host time)."""
     return tensor if tensor.shape == shape else tensor.reshape(shape)
