@@ -273,11 +273,12 @@ def each(*calls):
     run as they are (each an opaque op there)."""
     if torch.compiler.is_compiling():
         return tuple(call() for call in calls)
+    outer = getattr(_EACH, "calls", None)  # an `each` around this one keeps its own
     _EACH.calls = kept = []
     try:
         results = [call() for call in calls]
     finally:
-        _EACH.calls = None
+        _EACH.calls = outer
     if not kept:
         return tuple(results)
     if len(kept) == 1 or any(function is not kept[0][0] for function, _ in kept):
