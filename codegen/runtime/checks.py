@@ -369,10 +369,21 @@ def broadcast_rows(tensor, shape, row_shape, order=None):
 def _strided_rows(tensor, shape, order):
     """`broadcast_rows`' view as one as_strided, or None where the last dim is not the rows'
     own (broadcast, or strided) or the leading dims beyond three do not merge into one."""
-    geometry = _row_geometry(tensor.shape, tensor.stride(), shape, order)
+    geometry = remembered(_row_geometry, tensor.shape, tensor.stride(), shape, order)
     if geometry is None:
         return None
     return tensor.as_strided(*geometry, tensor.storage_offset())
+
+
+def remembered(function, *args):
+    """`function(*args)` through its lru_cache, or computed afresh where sizes may be symbolic
+    (torch.compile, tracing), which no cache takes."""
+    if torch.compiler.is_compiling():
+        return function.__wrapped__(*args)
+    try:
+        return function(*args)
+    except TypeError:  # a symbolic size has no hash
+        return function.__wrapped__(*args)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -424,9 +435,7 @@ def check_broadcast(function, name, tensor, input, additive):
             f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
             f"{type(tensor).__name__}"
         )
-    # under torch.compile sizes may be symbolic, which no cache takes
-    broadcasts = _broadcasts.__wrapped__ if torch.compiler.is_compiling() else _broadcasts
-    if not broadcasts(tensor.shape, input.shape):
+    if not remembered(_broadcasts, tensor.shape, input.shape):
         raise ShapeError(
             f"{function}(): argument '{name}' must be broadcastable to the shape of 'input' "
             f"{list(input.shape)}, got {list(tensor.shape)}"

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import triton_helpers
+from codegen.runtime import checks, triton_helpers
 from codegen.runtime.schedules import CACHE_SIZE, Schedule
 
 #: the accumulator's Triton dtype per torch accumulator dtype
@@ -78,9 +78,7 @@ def memory_order(first: torch.Tensor, *others) -> tuple[int, ...] | None:
     if first.dim() < 3 or first.is_contiguous() or first.stride(-1) != 1:
         return None
     strides = first.stride()
-    # under torch.compile sizes may be symbolic, which no cache takes
-    dense = _dense_order.__wrapped__ if torch.compiler.is_compiling() else _dense_order
-    order = dense(strides, first.shape)
+    order = checks.remembered(_dense_order, strides, first.shape)
     if order is None or any(other is not None and other.stride() != strides
                             for other in others):
         return None
