@@ -159,8 +159,14 @@ def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool
     use_count = getattr(tensor, "_use_count", None)
     if tensor is None or use_count is None or tensor.requires_grad or tensor._base is not None:
         return False
-    return (use_count() == 1 and tensor.dtype == dtype and tensor.is_contiguous()
-            and tensor.numel() == math.prod(shape) and tensor.storage_offset() == 0
+    return use_count() == 1 and tensor.dtype == dtype and _whole_rows(tensor, shape)
+
+
+def _whole_rows(tensor: torch.Tensor, shape) -> bool:
+    """Whether `tensor` is exactly contiguous rows of `shape`'s size and the whole of its
+    memory: a kernel's output written there touches nothing else."""
+    return (tensor.is_contiguous() and tensor.numel() == math.prod(shape)
+            and tensor.storage_offset() == 0
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
@@ -199,9 +205,7 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
     if probed is not None:
         probed.append(holders)
         return False
-    return (holders == _exclusive() and tensor.is_contiguous() and tensor.storage_offset() == 0
-            and tensor.numel() == math.prod(rows)
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return holders == _exclusive() and _whole_rows(tensor, rows)
 
 
 #: the probe's counts, while `_exclusive` runs it on this thread (a CPU backward runs on the
