@@ -350,6 +350,105 @@ def test_patched_phi3_fuses_its_attention_dropout_into_add_rms_norm(torch_path):
     assert_same(logits_and_grads(patched, True), logits_and_grads(original, True), 1e-5)
 
 
+GPT2_FUSED = "GPT2Block(add_layer_norm into ln_2, with attn.resid_dropout)"
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, vocab_size=VOCAB)
+    model = transformers.GPT2LMHeadModel(config).double()
+    with torch.no_grad():
+        for index, parameter in enumerate(model.parameters()):
+            parameter.add_(0.2 * randn(parameter.shape, seed=100 + index,
+                                       dtype=parameter.dtype))
+    return model
+
+
+def test_patched_gpt2_hands_its_attention_dropout_to_add_layer_norm(torch_path):
+    # the dropout is the attention's last step: the attention returns its input as it is and
+    # the block drops it out inside add_layer_norm, with the op's mask
+    original = tiny_gpt2()
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="residual")
+    assert [swap.new for swap in report.swapped] == [GPT2_FUSED] * 2 and report.skipped == []
+    dropout = patched.transformer.h[0].attn.resid_dropout
+    assert isinstance(dropout, torch.nn.Dropout) and type(dropout).__name__ == "HandoffDropout"
+    assert list(patched.state_dict()) == list(original.state_dict())
+    assert_same(logits_and_grads(patched, False), logits_and_grads(original, False), 1e-9)
+    # in training: the original whose resid_dropout draws the op's mask (the attention's and
+    # the MLP's other dropouts stay torch's in both, drawn from the same generator state)
+    seeded = copy.deepcopy(original)
+    for block in seeded.transformer.h:
+        block.attn.resid_dropout = SeededDropout(block.attn.resid_dropout.p)
+    got = logits_and_grads(patched, True)
+    assert_same(got, logits_and_grads(seeded, True), 1e-9)
+    assert not torch.equal(got[0], logits_and_grads(original, True)[0])
+    # the attention called on its own applies its dropout, as torch's does
+    hidden = randn((2, 7, 64), seed=3)
+    outputs = []
+    for model in (patched, original):
+        torch.manual_seed(1)
+        outputs.append(model.transformer.h[0].attn.train()(hidden)[0])
+    assert torch.equal(*outputs)
+    # a dropout put in its place later is another one: the attention applies it
+    for model in (original, patched):
+        for block in model.transformer.h:
+            block.attn.resid_dropout = torch.nn.Dropout(0.1)
+    assert_same(logits_and_grads(patched, True), logits_and_grads(original, True), 1e-9)
+
+
+class ScaledAttention(transformers.models.gpt2.modeling_gpt2.GPT2Attention):
+    """An attention that computes more after its dropout: its dropout cannot be handed over."""
+
+    def forward(self, *args, **kwargs):
+        output, weights = super().forward(*args, **kwargs)
+        return 2 * output, weights
+
+
+def test_an_attention_that_computes_after_its_dropout_keeps_it(torch_path):
+    original = tiny_gpt2()
+    original.transformer.h[0].attn.__class__ = ScaledAttention
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="residual")
+    assert [swap.new for swap in report.swapped] == [
+        "GPT2Block(add_layer_norm into ln_2; attn.resid_dropout not fused: attn returned "
+        "something other than its dropout's output)", GPT2_FUSED]
+    assert type(patched.transformer.h[0].attn.resid_dropout) is torch.nn.Dropout
+    # the first block's dropout is torch's in both, the second's the op's mask
+    original.transformer.h[1].attn.resid_dropout = SeededDropout(0.1)
+    assert_same(logits_and_grads(patched, True), logits_and_grads(original, True), 1e-9)
+
+
+def test_an_attention_changed_after_patching_is_refused_in_training(torch_path):
+    original = tiny_gpt2()
+    patched = copy.deepcopy(original)
+    patch_model(patched, include="residual")
+    for model in (original, patched):
+        model.transformer.h[1].attn.__class__ = ScaledAttention
+    # in eval mode no dropout is handed over: the scaled model, as the original
+    assert_same(logits_and_grads(patched, False), logits_and_grads(original, False), 1e-9)
+    with pytest.raises(RuntimeError, match=r"GPT2Block: attn returned something other than "
+                       r"its dropout's output, which the fused add_layer_norm would drop out; "
+                       r"leave the layer unfused: patch_model\(exclude='GPT2Block'\)"):
+        logits_and_grads(patched, True)
+
+
+def test_a_handed_over_dropout_compiles_as_torch_dropout(torch_path):
+    # a compiled graph gets the attention's own dropout (the compiler fuses it), in one graph
+    original = tiny_gpt2()
+    patched = copy.deepcopy(original)
+    patch_model(patched, include="residual")
+    block = patched.transformer.h[0].train()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    hidden = randn((2, 7, 64), seed=3)
+    outputs = []
+    for module in (compiled, original.transformer.h[0].train()):
+        torch.manual_seed(1)
+        outputs.append(module(hidden))
+    torch.testing.assert_close(*outputs)
+
+
 def test_add_rms_norm_dropout_is_its_dropout_op(device):
     x, residual, input_bias, weight, _ = inputs((3, N), device)
     y, s = add_rms_norm(x, residual, (N,), weight, input_bias=input_bias, dropout_p=EXACT_P,

@@ -25,7 +25,9 @@ layer's own: in eval mode and in training with p = 0 the output is the original'
 with p > 0 the elements whose gradient reaches the dropout's input are the kept ones, about
 1 - p of them, and the output and the gradients are those of the original forward whose
 dropout applies that mask. A dropout with hooks, or of another class, is called as it is (its
-layer is fused without it).
+layer is fused without it). GPT-2's `resid_dropout` is the attention's own last step: it becomes
+a `HandoffDropout`, which returns its input as it is while the block calls the attention, so
+that the block drops it out in its add + norm (see `HandoffDropout`).
 
 The layer object stays the same: its class becomes a subclass of its own class (same name,
 `isinstance` holds, Hugging Face's gradient checkpointing wraps it as the original), whose
@@ -40,6 +42,7 @@ import dataclasses
 import fnmatch
 import inspect
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +88,9 @@ class Family:
     unused: tuple[str, ...] = ()
     original_if: tuple[str, ...] = ()
     #: the child that drops out the input of the add (a torch.nn.Dropout, fused where the add
-    #: + norm op takes a dropout) and the child whose output it drops
+    #: + norm op takes a dropout) and the child whose output it drops; a dotted path names a
+    #: dropout that this child calls last on its output (GPT-2's `attn.resid_dropout`), handed
+    #: over to the add + norm op by a `HandoffDropout`
     dropout: tuple[str, str] | None = None
 
 
@@ -121,14 +126,17 @@ class Fusion:
         return self.function(x, residual, shape, **tensors, **dict(self.options),
                              prenorm=prenorm)
 
-    def fused_dropout(self, layer):
-        """The family's dropout child where this call fuses it: a plain torch.nn.Dropout
-        without hooks (any other is called as it is); else None."""
+    def fused_dropout(self, layer, planning=False):
+        """The family's dropout where this call fuses it: a plain torch.nn.Dropout without hooks
+        (any other is called as it is), a `HandoffDropout` where it lies inside a child (a
+        plain one while the swap is planned: a later plain one is applied where it is); else
+        None."""
         if not self.dropout:
             return None
-        child = layer._modules.get(self.family.dropout[0])
-        if type(child) is not torch.nn.Dropout or child._forward_hooks \
-                or child._forward_pre_hooks:
+        path = self.family.dropout[0]
+        child = _descendant(layer, path)
+        wanted = HandoffDropout if "." in path and not planning else torch.nn.Dropout
+        if type(child) is not wanted or child._forward_hooks or child._forward_pre_hooks:
             return None
         return child
 
@@ -237,9 +245,76 @@ def _gpt2_forward(layer, fusion, args, kwargs):
         return type(layer)._residual_original.forward(layer, *args, **kwargs)
     residual = hidden
     hidden = modules["ln_1"](hidden)
-    attn_output, _ = modules["attn"](hidden, **rest)
-    hidden, residual = fusion(layer, attn_output, residual)
+    dropout = fusion.fused_dropout(layer)
+    if dropout is not None and dropout.training and dropout.p > 0 \
+            and not torch.compiler.is_compiling():
+        attn_output = _handed_over(layer, fusion, dropout, hidden, rest)
+    else:
+        # no dropout to hand over (eval mode, p = 0, or a dropout of another kind), or a
+        # compiled graph (whose compiler fuses the dropout itself): the attention applies it
+        dropout = None
+        attn_output, _ = modules["attn"](hidden, **rest)
+    hidden, residual = fusion(layer, attn_output, residual, dropout=dropout)
     return residual + modules["mlp"](hidden)
+
+
+#: the dropouts whose next call hands its input over, per thread: id(dropout) -> [inputs]
+_OPEN = threading.local()
+
+
+class HandoffDropout(torch.nn.Dropout):
+    """A torch.nn.Dropout that a fused layer's forward can take over for one call: while the
+    layer calls the child that applies it (GPT-2's attention, whose `resid_dropout` it is), its
+    first call returns its input as it is, and the layer drops that out inside its add + norm
+    op. Called from anywhere else (the child called on its own, a compiled graph) it is the
+    dropout it was; `p`, `inplace` and the training mode are its own."""
+
+    def forward(self, input):
+        if not torch.compiler.is_compiling():
+            slot = getattr(_OPEN, "slots", {}).get(id(self))
+            if slot is not None and not slot:
+                slot.append(input)
+                return input
+        return super().forward(input)
+
+
+def _handed_over(layer, fusion, dropout, hidden, rest):
+    """The output of `layer`'s attention called with its dropout `dropout` handed over (not
+    applied): it must be that dropout's input, returned as it is, else the layer cannot stand
+    for what the attention computes after it."""
+    path, source = fusion.family.dropout
+    (output, _), problem = _hand_over(dropout, layer._modules[source], (hidden,), rest)
+    if problem is not None:
+        raise RuntimeError(
+            f"{type(layer).__name__}: {source} {problem}, which the fused "
+            f"{fusion.function.__name__} would drop out; leave the layer unfused: "
+            f"patch_model(exclude={type(layer).__name__!r})")
+    return output
+
+
+def _hand_over(dropout, child, args, kwargs):
+    """`child(*args, **kwargs)` with `dropout` (a `HandoffDropout` it calls) handed over, and
+    None where it returned (as its first output) the handed over input as it is, else what it
+    did instead."""
+    slots = _OPEN.__dict__.setdefault("slots", {})
+    slot = slots[id(dropout)] = []
+    try:
+        output = child(*args, **kwargs)
+    finally:
+        del slots[id(dropout)]
+    first = output[0] if isinstance(output, tuple) else output
+    if not slot:
+        return output, "did not call its dropout"
+    if first is not slot[0]:
+        return output, "returned something other than its dropout's output"
+    return output, None
+
+
+def _descendant(module, path: str):
+    """The module at the dotted `path` below `module` (through `_modules`), or None."""
+    for name in path.split("."):
+        module = module._modules.get(name) if module is not None else None
+    return module
 
 
 def _output_forward(layer, fusion, args, kwargs):
@@ -273,7 +348,7 @@ FAMILIES = (
            optional=("crossattention", "ln_cross_attn"), norms=("ln_1", "ln_2", "ln_cross_attn"),
            pairs=("attn", "crossattention"),
            unused=("encoder_hidden_states", "encoder_attention_mask"),
-           original_if=("encoder_hidden_states",)),
+           original_if=("encoder_hidden_states",), dropout=("attn.resid_dropout", "attn")),
     Family("post-norm output", ("dense", "dropout", "LayerNorm"), "LayerNorm", _output_forward,
            inputs=2, norms=("LayerNorm",), dropout=("dropout", "dense")),
 )
@@ -356,7 +431,9 @@ class _StandIn(torch.nn.Module):
         self.calls.append(", ".join([*args, *sorted(f"{k}={_token(v)}"
                                                     for k, v in kwargs.items())]))
         columns = hidden[..., self.index % hidden.shape[-1]]
-        output = torch.tanh(columns * self.scale + self.shift)
+        output = self.before = torch.tanh(columns * self.scale + self.shift)
+        for child in self._modules.values():  # a dropout the child it stands for applies last
+            output = child(output)
         return (output, None) if self.pair else output
 
 
@@ -401,7 +478,7 @@ def plan(planner, layer, name: str) -> None:
     fusion = None
     if problem is None:
         fusion, problem = _fusion(planner, rules, family, replacement)
-    if problem is None and fusion.dropout and fusion.fused_dropout(layer) is None:
+    if problem is None and fusion.dropout and fusion.fused_dropout(layer, True) is None:
         # no dropout child, or one of another class or with hooks: called as it is
         fusion = dataclasses.replace(fusion, dropout=False)
     if problem is None:
@@ -421,6 +498,9 @@ def plan(planner, layer, name: str) -> None:
         return
     new = fused_class(type(layer), fusion)
     planner.assignments.append((layer, "__class__", type(layer), new))
+    if fusion.dropout and "." in family.dropout[0]:
+        dropout = _descendant(layer, family.dropout[0])
+        planner.assignments.append((dropout, "__class__", type(dropout), HandoffDropout))
     planner.swapped.append(patching.Swap(name, class_name, fusion.label(class_name)))
 
 
@@ -579,25 +659,35 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
     op's (more exact) dropout gradient shows there as a difference of an ulp of those terms."""
     tail = fusion.shape or (patching.PROBE_WIDTH,)
     width = tail[-1]
-    dropout_name, source = family.dropout
+    dropout_path, source = family.dropout
     fused = fused_class(type(layer), fusion)
+    own = dtype
     if dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
     with patching._probing(device):
         noise, done, stand_ins = patching._Noise(), {}, {}
         for index, (child_name, child) in enumerate(layer._modules.items()):
-            if child is not None and child_name not in family.norms + (dropout_name,):
+            if child is not None and child_name not in family.norms + (dropout_path,):
                 stand_ins[child_name] = _StandIn(patching.SEED + index, width,
                                                  child_name in family.pairs, dtype, device)
                 done[id(child)] = stand_ins[child_name]
+        if "." in dropout_path:
+            # a dropout inside `source`: its stand-in applies a copy of it last, handed over
+            handed = copy.copy(_descendant(layer, dropout_path))
+            handed.__class__ = HandoffDropout
+            stand_ins[source].add_module(dropout_path.rpartition(".")[2], handed)
         try:
             # the twin's tensors are its own copies: casting them leaves the layer as it is
             original = patching._twin(layer, noise, done).to(dtype)
         except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
             return f"it cannot be copied to be probed: {patching._error(error)}"
+        if "." in dropout_path:
+            problem = _handover_difference(layer, dropout_path, source, tail, own, device)
+            if problem is not None:
+                return problem
         rewritten = copy.copy(original)
         rewritten.__class__ = fused
-        dropout = original._modules[dropout_name]  # the twins share it
+        dropout = _descendant(original, dropout_path)  # the twins share it
         p = dropout.p or PROBE_DROPOUT
         generator = torch.Generator().manual_seed(patching.SEED)
         inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
@@ -614,10 +704,29 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
                     mode = "training, p = 0" if training else "eval"
                     return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)"
             dropout.p = p
-            return _mask_difference(original, rewritten, dropout_name, stand_ins[source],
+            return _mask_difference(original, rewritten, dropout_path, stand_ins[source],
                                     fusion, inputs, kwargs, p, dtype)
         except Exception as error:  # noqa: BLE001
             return f"the rewritten forward raised on the probe input: {patching._error(error)}"
+
+
+def _handover_difference(layer, dropout_path, source, tail, dtype, device) -> str | None:
+    """Why the dropout at `dropout_path` inside the child `source` cannot be handed over, or
+    None: a copy of the child (its own tensors, the dropout handed over) is called in training
+    on a probe hidden state alone, and must return that dropout's input as it is. The layer's
+    stand-in probes take this on trust: they apply the dropout last, as this child does."""
+    twin = patching._twin(layer._modules[source], None, {})
+    handed = _descendant(twin, dropout_path.partition(".")[2])
+    handed.__class__ = HandoffDropout
+    handed.p = handed.p or PROBE_DROPOUT
+    hidden = torch.randn((*PROBE_ROWS, *tail), generator=torch.Generator().manual_seed(
+        patching.SEED), dtype=torch.float64).to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad():
+            _, problem = _hand_over(handed, twin.train(True), (hidden,), {})
+    except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
+        return f"{source} raised on the probe input: {patching._error(error)}"
+    return None if problem is None else f"{source} {problem}"
 
 
 class _MaskDropout(torch.nn.Module):
@@ -631,16 +740,18 @@ class _MaskDropout(torch.nn.Module):
         return torch.where(self.kept, x / (1 - self.p), torch.zeros_like(x))
 
 
-def _mask_difference(original, rewritten, dropout_name, source, fusion, inputs, kwargs, p,
+def _mask_difference(original, rewritten, dropout_path, source, fusion, inputs, kwargs, p,
                      dtype) -> str | None:
     """The fused dropout of `rewritten` (in training, at `p`) judged by its mask, read off
-    the gradient that reaches its input (the output of the stand-in `source`): about 1 - p of
-    the elements kept, and the output and the gradients those of the original forward whose
-    dropout applies that mask."""
+    the gradient that reaches its input (the output of the stand-in `source`, before the
+    dropout it applies where it holds it): about 1 - p of the elements kept, and the output and
+    the gradients those of the original forward whose dropout applies that mask."""
     captured = []
+    parent, _, dropout_name = dropout_path.rpartition(".")
+    inside = bool(parent)
     handle = source.register_forward_hook(lambda module, args, output: captured.append(
-        output[0] if isinstance(output, tuple) else output))
-    modules = original._modules  # the twins share their children
+        module.before if inside else output[0] if isinstance(output, tuple) else output))
+    modules = (source if inside else original)._modules  # the twins share their children
     dropout = modules[dropout_name]
     results = []
     try:
