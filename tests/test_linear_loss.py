@@ -406,6 +406,23 @@ def test_causal_lm_training_loss_from_hidden_states(torch_path, kind):
     assert again.loss_function.__self__.model is again
 
 
+def test_a_compiled_patched_model_takes_its_loss_from_the_logits(torch_path):
+    # a compiled graph is the model's own forward: the logits and their loss, as the original
+    original = tiny_causal_lm("llama")
+    patched = copy.deepcopy(original)
+    patch_model(patched, include="loss")
+    compiled = torch.compile(patched, backend="aot_eager")
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    out, grads = lm_step(original, tokens, tokens)
+    for _ in range(2):  # a second step runs the compiled graph
+        got, got_grads = lm_step(compiled, tokens, tokens)
+        torch.testing.assert_close(got.logits, out.logits)
+        torch.testing.assert_close(got.loss, out.loss)
+        assert got_grads.keys() == {f"_orig_mod.{name}" for name in grads}
+        for name in grads:
+            torch.testing.assert_close(got_grads[f"_orig_mod.{name}"], grads[name])
+
+
 def test_softcapped_logits_cap_in_the_loss(torch_path):
     """Gemma 2 caps its logits before the loss: the routed forward sets the config's cap
     aside and the loss takes it as its softcap; the loss and every gradient are the model's."""

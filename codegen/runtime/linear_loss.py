@@ -557,7 +557,8 @@ class CausalLMRoute:
     shifted one left unless `shift_labels` is given, the mean over the counted tokens or the
     sum over `num_items_in_batch`) from the hidden states by `linear` (a chunked
     `linear_cross_entropy`), so the logits are never held whole; the output's `logits` are
-    None. Any other call (no labels, eval mode) is the model's own, its loss computed by
+    None. Any other call (no labels, eval mode, under torch.compile) is the model's own, its
+    loss computed by
     `fallback` from the logits.
 
     A model whose config sets `final_logit_softcapping` (Gemma 2's and 3's: the forward caps
@@ -578,7 +579,10 @@ class CausalLMRoute:
         labels = kwargs.get("labels")
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
-        if labels is None or not self.model.training:
+        if labels is None or not self.model.training or torch.compiler.is_compiling():
+            # a compiled graph takes the logits and their loss in whole (the compiler's own
+            # fusion; a module attribute swapped and restored inside it, as below, is replayed
+            # wrongly by some torch versions' graph capture)
             return self.forward(*args, **kwargs)
         call = _Call()
         head = self.head
