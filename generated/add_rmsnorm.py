@@ -1578,10 +1578,11 @@ def add_rms_norm(
     in_place (keyword-only): the kernels' backward writes the input gradient into the memory of
     the output's gradient, saving that allocation, wherever autograd hands the gradient to this
     backward alone; elsewhere (a gradient that also flows into another branch, as an add's two
-    inputs share one, a gradient the caller passed and keeps, a view, another dtype, a
-    backward autograd records) it allocates as without. The values are the same either way.
-    torch 2.11's autograd engine keeps a reference of its own to every gradient it hands a
-    backward, so there it always allocates; torch 2.13's hands it over alone.
+    inputs share one, a gradient the caller passed and keeps, a retained `.grad`, a node post
+    hook, a view, another dtype, a backward autograd records) it allocates as without. The
+    values are the same either way. "Alone" is counted against a probe backward's gradient
+    (codegen/runtime/launch.py `overwritable`): the engine's own references differ between
+    torch versions.
     """
     if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)

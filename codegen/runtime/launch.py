@@ -152,14 +152,28 @@ def returned(tensor: torch.Tensor | None, layout: tuple) -> torch.Tensor | None:
 
 def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool:
     """Whether a backward may write its result into `tensor`, an upstream gradient: autograd
-    handed it to this backward alone (its only reference: not a gradient that also flows into
-    another branch, as the two inputs of an add share one, nor one the caller passed and
-    keeps), it is no view into another tensor's memory, not differentiated itself, and it holds
-    exactly the result's contiguous rows of the result's dtype."""
-    use_count = getattr(tensor, "_use_count", None)
-    if tensor is None or use_count is None or tensor.requires_grad or tensor._base is not None:
+    handed it to this backward alone (not a gradient that also flows into another branch, as
+    the two inputs of an add share one, nor one the caller passed and keeps, nor one a retained
+    `.grad` or a node's post hook reads), it is no view into another tensor's memory, not
+    differentiated itself, and it holds exactly the result's contiguous rows of the result's
+    dtype.
+
+    "Alone" is counted as `reusable` counts: against the holders of the probe Function's
+    upstream gradient, which autograd hands over alone (`_calibrated`, once a process). The
+    engine's own references differ between torch versions (2.11's keeps the list it passes
+    a backward alive through the call; 2.13's moves it), never its references to a gradient
+    it reads afterwards, which add one. Called from a generated backward (`backward(ctx, dy,
+    ...)`, this call in its body), as the probe calls it."""
+    if (tensor is None or not hasattr(tensor, "_use_count") or tensor.requires_grad
+            or tensor._base is not None or torch.compiler.is_compiling()):
         return False
-    return use_count() == 1 and tensor.dtype == dtype and _whole_rows(tensor, shape)
+    holders = _holders(tensor)
+    probed = getattr(_PROBING, "counts", None)
+    if probed is not None:
+        probed.append(("upstream", holders))
+        return False
+    return (holders == _calibrated().get("upstream") and tensor.dtype == dtype
+            and _whole_rows(tensor, shape))
 
 
 def _whole_rows(tensor: torch.Tensor, shape) -> bool:
@@ -176,7 +190,8 @@ _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", 
 
 
 def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """Who holds `tensor` (called from `reusable` alone, whose frames the counts include):
+    """Who holds `tensor` (called from `reusable` and `overwritable` alone, whose frames the
+    counts include):
     Python references to its object, C++ references to its TensorImpl, TensorImpls on its
     storage."""
     return (sys.getrefcount(tensor), tensor._use_count(),
@@ -189,7 +204,7 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
     graph is not kept: no retain_graph, no create_graph), and nothing else holds it.
 
     "Nothing else" is counted, against the counts of a probe Function's saved input that
-    nothing else holds (`_exclusive`, once a process): a Python reference (the caller kept the
+    nothing else holds (`_calibrated`, once a process): a Python reference (the caller kept the
     tensor, asked for its gradient), a C++ one (another node saved it, the same tensor saved
     twice, a leaf's gradient accumulator) or another tensor on its memory (a view, a detached
     alias) each adds one. The tensor is a non-leaf of autograd's graph, no view, and exactly
@@ -203,18 +218,19 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
     holders = _holders(tensor)
     probed = getattr(_PROBING, "counts", None)
     if probed is not None:
-        probed.append(holders)
+        probed.append(("saved", holders))
         return False
-    return holders == _exclusive() and _whole_rows(tensor, rows)
+    return holders == _calibrated().get("saved") and _whole_rows(tensor, rows)
 
 
-#: the probe's counts, while `_exclusive` runs it on this thread (a CPU backward runs on the
+#: the probe's counts, while `_calibrated` runs it on this thread (a CPU backward runs on the
 #: thread that calls it)
 _PROBING = threading.local()
 
 
 class _Probe(torch.autograd.Function):
-    """Saves its input and, in its backward, counts its holders as a generated backward does."""
+    """Saves its input and, in its backward, counts its holders and those of its upstream
+    gradient as a generated backward does."""
 
     @staticmethod
     def forward(ctx, x):
@@ -225,20 +241,24 @@ class _Probe(torch.autograd.Function):
     def backward(ctx, dy):
         x, = ctx.saved_tensors
         reusable(x, dy.shape, dy.dtype)
+        overwritable(dy, dy.shape, dy.dtype)
         return dy
 
 
 @functools.cache
-def _exclusive() -> tuple[int, int, int] | None:
-    """The holders of a saved input that nothing but autograd's saved value holds, counted in
-    a probe's backward on the CPU: torch's own references differ between versions. None
-    where the probe counted anything but its one input, and no memory is reused."""
+def _calibrated() -> dict[str, tuple[int, int, int]]:
+    """The holders of a saved input that nothing but autograd's saved value holds ("saved"),
+    and of an upstream gradient autograd hands over alone ("upstream"), counted in a probe's
+    backward on the CPU: torch's own references differ between versions. Empty where the
+    probe counted anything else: then no memory is reused."""
     _PROBING.counts = counts = []
     try:
         with torch.enable_grad(), torch.inference_mode(False):
             leaf = torch.zeros(2, requires_grad=True, device="cpu")
-            _Probe.apply(leaf * 1).sum().backward()
-        return counts[0] if len(counts) == 1 else None
+            # a product's gradient: a tensor of its own, no view
+            (_Probe.apply(leaf * 1) * 2).sum().backward()
+        kinds = [kind for kind, _ in counts]
+        return dict(counts) if kinds == ["saved", "upstream"] else {}
     finally:
         _PROBING.counts = None
 
