@@ -300,7 +300,8 @@ def test_strict_changes_nothing_and_the_kind_is_selected():
             "post_attention_layernorm, memory='invertible')") in report.swapped
     fusion = type(model[0])._residual_fusion
     assert fusion.function is add_rmsnorm.add_rms_norm
-    assert dict(fusion.options) == {"eps": 1e-6, "weight_offset": 0.0, "memory": "invertible"}
+    assert dict(fusion.options) == {"eps": 1e-6, "weight_offset": 0.0, "memory": "invertible",
+                                    "in_place": True}
     # patched again: the fused layer is no candidate any more
     assert patch_model(model, include="residual") == {}
 
@@ -424,5 +425,6 @@ def test_a_16_bit_llama_layer_fuses_with_its_norms_casting_mode():
     assert ("0", "LlamaDecoderLayer", "LlamaDecoderLayer(add_rms_norm into "
             "post_attention_layernorm, casting_mode='llama')") in report.swapped
     fusion = type(model[0])._residual_fusion
-    assert dict(fusion.options) == {"eps": 1e-6, "weight_offset": 0.0, "casting_mode": "llama"}
+    assert dict(fusion.options) == {"eps": 1e-6, "weight_offset": 0.0, "casting_mode": "llama",
+                                    "in_place": True}
     assert model[0].post_attention_layernorm.casting_mode == "llama"

@@ -141,7 +141,8 @@ class Fusion:
         return child
 
     def label(self, layer_class: str) -> str:
-        options = "".join(f", {k}={v!r}" for k, v in self.options if k != "eps" and v)
+        options = "".join(f", {k}={v!r}" for k, v in self.options
+                          if k not in ("eps", patching.IN_PLACE) and v)
         fused = f", with {self.family.dropout[0]}" if self.dropout else ""
         if self.unfused is not None:
             fused = f"; {self.family.dropout[0]} not fused: {self.unfused}"
@@ -584,6 +585,8 @@ def _fusion(planner, rules, family, replacement):
     options += chosen
     if planner.memory is not None and planner.memory in rule.memory:
         options.append(("memory", planner.memory))
+    if patching.IN_PLACE in _keywords(rule.function):
+        options.append((patching.IN_PLACE, True))
     return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape,
                   dropout), None
 

@@ -639,10 +639,26 @@ def _norm_label(rule, module, carried, options, eps, shape) -> str:
     return rule.module.__name__ + (f"({', '.join(settings)})" if settings else "")
 
 
+#: the option of a norm whose backward writes the input's gradient over the output's where
+#: autograd hands that over alone (as Liger's RMSNorm does by default): the values are the
+#: same, one allocation fewer; a swap turns it on where the op takes it
+IN_PLACE = "in_place"
+
+
+def takes(function, name: str) -> bool:
+    """Whether `function` (a function or a class) takes a parameter `name`."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _build_norm(rule, carried, options, eps, shape, memory, module):
     kwargs = dict(options)
     if memory is not None and memory in rule.memory:
         kwargs["memory"] = memory
+    if takes(rule.function, IN_PLACE):
+        kwargs[IN_PLACE] = True
     if shape is None:
         return LastDimNorm(rule.function, eps, kwargs).train(module.training)
     tensors = {name: getattr(module, name) for name in carried}
