@@ -5,6 +5,10 @@ and inputs, low precision, and the calls the op refuses."""
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import pytest
 import torch
 from reference import FP64_TOL, assert_low_precision_ok, gradcheck, randn
@@ -98,6 +102,32 @@ def test_q_and_k_share_one_node_and_its_double_backward(device):
     want = hf_apply(q, k, cos, sin)
     torch.testing.assert_close(q_embed, want[0], **FP64_TOL)
     torch.testing.assert_close(k_embed, want[1], **FP64_TOL)
+
+
+def test_the_q_and_k_node_frees_its_tables_without_the_garbage_collector(device):
+    """The node of `launch.each` holds its calls' saved tensors as autograd's own (freed with
+    the graph), in no reference cycle that only the garbage collector would break: the step's
+    tables die with their last reference."""
+    cos, sin = tables(6, device)
+    q, k = (t.requires_grad_() for t in qk(6, device))
+    # Triton's interpreter keeps a launch's arguments in closures of its own, which only the
+    # collector frees: there the node's own parts are what is checked
+    interpreted = launch.use_triton(q) and os.environ.get("TRITON_INTERPRET") == "1"
+    gc.collect()
+    gc.disable()
+    try:
+        for backward in (False, True):
+            cos_, sin_ = cos.clone(), sin.clone()
+            alive = weakref.ref(cos_.untyped_storage())
+            outputs = rotary.apply_rotary_pos_emb(q, k, cos_, sin_)
+            parts = outputs[0].grad_fn.parts
+            assert len(parts) == 2 and all(p.saved == () and p.ctx is None for p in parts)
+            if backward:
+                sum(t.sum() for t in outputs).backward()
+            del cos_, sin_, outputs
+            assert alive() is None or interpreted
+    finally:
+        gc.enable()
 
 
 def test_a_call_that_raises_inside_each_keeps_nothing(device):

@@ -356,6 +356,11 @@ class _Each(torch.autograd.Function):
         ctx.function, ctx.parts = function, parts
         ctx.save_for_backward(*saved)
         ctx.set_materialize_grads(False)
+        for part in parts:
+            # autograd holds the saved tensors now (and frees them after the backward); a part
+            # holding them too, or the node (a reference cycle), would keep them until the
+            # garbage collector breaks the cycle
+            part.saved, part.ctx = (), None
         return tuple(outputs)
 
     @staticmethod
@@ -366,6 +371,7 @@ class _Each(torch.autograd.Function):
             part.saved = saved[at : at + part.count]
             at += part.count
             results += ctx.function.backward(part, grad)
+            part.saved = ()
         return tuple(results)
 
 
