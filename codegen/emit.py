@@ -882,6 +882,9 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
                      if name in fwd.element_inputs and name not in fwd.broadcast_inputs] * shaped
     element_stores = {s["name"] for s in fwd.element_stores}
     layout_outputs = [name for name in module.outputs if name in element_stores] * shaped
+    # a norm's output is contiguous whatever its rows' order, as torch's norms return it (the
+    # residual sum beside it keeps the inputs' layout, as torch's `x + r`)
+    dense_outputs = module.outputs[:1] * (module.api.kind == "normalized_shape")
     function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
     gradient_of = dict(module.gradients)
     # optional outputs (those after the first) are stored when asked for (want_<name>); element
@@ -979,6 +982,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "extra_args": extra_args,
         "layout_inputs": layout_inputs,
         "layout_outputs": layout_outputs,
+        "dense_outputs": dense_outputs,
         "fwd_torch": KernelContext(forward, TORCH, backward=False),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),

@@ -1815,7 +1815,7 @@ class _DefaultFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias)
         ctx.set_materialize_grads(False)
@@ -1868,7 +1868,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, bias)
         ctx.set_materialize_grads(False)
@@ -1921,7 +1921,7 @@ class _InvertibleFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight, bias)
         ctx.set_materialize_grads(False)
@@ -2239,7 +2239,11 @@ def add_layer_norm(
     normalized_shape, or None) are added to `input` before the norm. Returns the normalized
     output, or `(output, sum)` with `prenorm=True`: the residual stream a pre-LN block carries
     on, kept in float32 with `residual_in_fp32=True`. A gradient flowing into the returned sum
-    is added into the input gradients inside the same backward kernel.
+    is added into the input gradients inside the same backward kernel. The output is
+    contiguous, as torch's norms return theirs; the sum keeps the layout `input` and `residual`
+    share where their last dim has stride 1 (attention's permuted buffers), as torch's
+    `input + residual` does (with dropout on the kernels return it contiguous: their mask
+    follows each element's index).
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
     may have the dtypes `torch.nn.functional.layer_norm` takes; the output has the dtype of the input
@@ -2304,8 +2308,16 @@ def add_layer_norm(
     if columns == 0:
         output = input.clone()
         return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
+    # the sum returned: the rows in the inputs' memory order where they share one (attention's
+    # permuted buffers), read in place, so that the sum keeps their layout as torch's
+    # `input + residual` does; the normalized output is made contiguous, as torch's norms return
+    # it. (An op that draws its own dropout mask keeps the order given: the mask follows each
+    # element's index.)
+    order = None
+    if prenorm and len(shape) == 1 and not torch.compiler.is_compiling():
+        order = launch.memory_order(input, residual)
     # the rows: made by the Function itself where autograd records it
-    layout = launch.layout(None, input.shape, columns)
+    layout = launch.layout(order, input.shape if order is None else launch.permuted_shape(input.shape, order), columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight, bias) and not torch.compiler.is_compiling():
         outputs = function.apply(x, residual, input_bias, weight, bias, eps, layout, prenorm, residual_out_dtype)
@@ -2326,7 +2338,7 @@ def add_layer_norm(
             residual_out_dtype=residual_out_dtype,
         )
     if prenorm:
-        return launch.shaped(outputs[0], input.shape), launch.shaped(outputs[1], input.shape)
+        return launch.from_rows(outputs[0], layout).contiguous(), launch.from_rows(outputs[1], layout)
     return launch.shaped(outputs[0], input.shape)
 
 

@@ -1610,7 +1610,7 @@ class _DefaultFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias, seed)
         ctx.set_materialize_grads(False)
@@ -1668,7 +1668,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, bias, seed)
         ctx.set_materialize_grads(False)
@@ -1726,7 +1726,7 @@ class _InvertibleFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight, bias, seed)
         ctx.set_materialize_grads(False)
@@ -2074,7 +2074,11 @@ def dropout_add_layer_norm(
     normalized_shape, or None) are added to `input` before the norm. Returns the normalized
     output, or `(output, sum)` with `prenorm=True`: the residual stream a pre-LN block carries
     on, kept in float32 with `residual_in_fp32=True`. A gradient flowing into the returned sum
-    is added into the input gradients inside the same backward kernel.
+    is added into the input gradients inside the same backward kernel. The output is
+    contiguous, as torch's norms return theirs; the sum keeps the layout `input` and `residual`
+    share where their last dim has stride 1 (attention's permuted buffers), as torch's
+    `input + residual` does (with dropout on the kernels return it contiguous: their mask
+    follows each element's index).
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
     may have the dtypes `torch.nn.functional.layer_norm` takes; the output has the dtype of the input

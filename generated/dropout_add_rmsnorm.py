@@ -1135,7 +1135,7 @@ class _DefaultFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
         ctx.set_materialize_grads(False)
@@ -1201,7 +1201,7 @@ class _InvertibleFunction(torch.autograd.Function):
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight, seed)
         ctx.set_materialize_grads(False)
@@ -1488,7 +1488,11 @@ def dropout_add_rms_norm(
     normalized_shape, or None) are added to `input` before the norm. Returns the normalized
     output, or `(output, sum)` with `prenorm=True`: the residual stream a pre-LN block carries
     on, kept in float32 with `residual_in_fp32=True`. A gradient flowing into the returned sum
-    is added into the input gradients inside the same backward kernel.
+    is added into the input gradients inside the same backward kernel. The output is
+    contiguous, as torch's norms return theirs; the sum keeps the layout `input` and `residual`
+    share where their last dim has stride 1 (attention's permuted buffers), as torch's
+    `input + residual` does (with dropout on the kernels return it contiguous: their mask
+    follows each element's index).
 
     Statistics and every sum are accumulated in fp32 (fp64 for fp64 input). The parameters
     may have the dtypes `torch.nn.functional.rms_norm` takes; the output has the dtype of the input

@@ -1477,7 +1477,7 @@ class _DefaultFunction(torch.autograd.Function):
             store_mean=True,
             store_rstd=True,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         ctx.save_for_backward(x_given, mean, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
@@ -1523,7 +1523,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
             store_mean=False,
             store_rstd=True,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         ctx.save_for_backward(x_given, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
@@ -1569,7 +1569,7 @@ class _InvertibleFunction(torch.autograd.Function):
             store_mean=False,
             store_rstd=True,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         ctx.save_for_backward(y, rstd, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device

@@ -984,7 +984,7 @@ class _DefaultFunction(torch.autograd.Function):
             x, weight, eps, weight_offset, round_normalized,
             store_rstd=True,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         ctx.save_for_backward(x_given, rstd, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
@@ -1038,7 +1038,7 @@ class _InvertibleFunction(torch.autograd.Function):
             x, weight, eps, weight_offset, round_normalized,
             store_rstd=True,
         )
-        y = launch.returned(y, layout)
+        y = launch.returned_dense(y, layout)
         ctx.save_for_backward(y, rstd, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device

@@ -189,10 +189,9 @@ DEFAULT_EPS_CALLERS = {
 
 # Permuted rows: attention's (B, T, H, D) buffers seen as (B, H, T, D)
 
-#: every case whose results torch lays out as this test checks (add + norm's prenorm sum is
-#: returned contiguous where torch's x + r keeps the inputs' layout)
-PERMUTED = [name for name in CASES if name not in ("cross_entropy", "add_layer_norm",
-                                                   "add_rms_norm")]
+#: every case whose results torch lays out as this test checks (add + norm's prenorm sum keeps
+#: the inputs' layout, as torch's x + r, its normalized output is contiguous)
+PERMUTED = [name for name in CASES if name != "cross_entropy"]
 
 
 def _permuted_run(fn: Callable, case: Case, device: torch.device, transposed: bool) -> list:
@@ -227,14 +226,15 @@ def test_permuted_rows_compute_in_place_and_keep_torchs_layout(device, name):
             assert torch.equal(a.detach(), b.detach()), f"{name}: result {index} differs"
         else:  # a parameter's gradient: the same rows summed in another order
             torch.testing.assert_close(a, b, **FP64_TOL)
-    with torch.no_grad():
-        operands = [randn((2, 3, 4, N), seed=i, device=device).transpose(1, 2)
-                    for i in range(case.rows)]
-        operands += [randn((N,), seed=10 + i, device=device) for i in range(case.params)]
-        ours, theirs = case.ours(*operands), case.theirs(*operands)
-    ours = ours if isinstance(ours, tuple) else (ours,)
-    theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-    assert [o.stride() for o in ours] == [t.stride() for t in theirs]
+    for grad in (False, True):  # the Function's results and those of the no-grad path
+        with torch.set_grad_enabled(grad):
+            operands = [randn((2, 3, 4, N), seed=i, device=device).transpose(1, 2)
+                        .requires_grad_(grad) for i in range(case.rows)]
+            operands += [randn((N,), seed=10 + i, device=device) for i in range(case.params)]
+            ours, theirs = case.ours(*operands), case.theirs(*operands)
+        ours = ours if isinstance(ours, tuple) else (ours,)
+        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+        assert [o.stride() for o in ours] == [t.stride() for t in theirs], f"grad={grad}"
 
 
 #: the ops whose Functions take the caller's tensors and shape their results (a layout)

@@ -150,6 +150,14 @@ def returned(tensor: torch.Tensor | None, layout: tuple) -> torch.Tensor | None:
     return shaped_ if shaped_ is tensor else shaped_.detach()
 
 
+def returned_dense(tensor: torch.Tensor | None, layout: tuple) -> torch.Tensor | None:
+    """A norm's result, computed as rows: in the layout's shape and contiguous, as torch's
+    norms return theirs, where the rows lay in another order (a copy; else `returned`)."""
+    if tensor is None or layout[0] is None:
+        return returned(tensor, layout)
+    return from_rows(tensor, layout).contiguous()
+
+
 def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool:
     """Whether a backward may write its result into `tensor`, an upstream gradient: autograd
     handed it to this backward alone (not a gradient that also flows into another branch, as
