@@ -246,10 +246,15 @@ def tiny_bert(dtype=torch.float64, **config):
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=128,
                                      vocab_size=VOCAB, **config)
-    model = transformers.BertForMaskedLM(config).to(dtype)
+    return randomised(transformers.BertForMaskedLM(config).to(dtype))
+
+
+def randomised(model):
+    """Every parameter moved off its initial value (no weight of ones hides which is used)."""
     with torch.no_grad():
         for index, parameter in enumerate(model.parameters()):
-            parameter.add_(0.2 * randn(parameter.shape, seed=100 + index, dtype=dtype))
+            parameter.add_(0.2 * randn(parameter.shape, seed=100 + index,
+                                       dtype=parameter.dtype))
     return model
 
 
@@ -327,12 +332,7 @@ def tiny_phi3(**config):
     config = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                      num_key_value_heads=2, head_dim=32, intermediate_size=128,
                                      vocab_size=VOCAB, pad_token_id=0, **config)
-    model = transformers.Phi3ForCausalLM(config)
-    with torch.no_grad():
-        for index, parameter in enumerate(model.parameters()):
-            parameter.add_(0.2 * randn(parameter.shape, seed=100 + index,
-                                       dtype=parameter.dtype))
-    return model
+    return randomised(transformers.Phi3ForCausalLM(config))
 
 
 def test_patched_phi3_fuses_its_attention_dropout_into_add_rms_norm(torch_path):
@@ -357,12 +357,7 @@ def tiny_gpt2():
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
                                      eos_token_id=0, vocab_size=VOCAB)
-    model = transformers.GPT2LMHeadModel(config).double()
-    with torch.no_grad():
-        for index, parameter in enumerate(model.parameters()):
-            parameter.add_(0.2 * randn(parameter.shape, seed=100 + index,
-                                       dtype=parameter.dtype))
-    return model
+    return randomised(transformers.GPT2LMHeadModel(config).double())
 
 
 def test_patched_gpt2_hands_its_attention_dropout_to_add_layer_norm(torch_path):

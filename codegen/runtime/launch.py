@@ -175,13 +175,7 @@ def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool
     if (tensor is None or not hasattr(tensor, "_use_count") or tensor.requires_grad
             or tensor._base is not None or torch.compiler.is_compiling()):
         return False
-    holders = _holders(tensor)
-    probed = getattr(_PROBING, "counts", None)
-    if probed is not None:
-        probed.append(("upstream", holders))
-        return False
-    return (holders == _calibrated().get("upstream") and tensor.dtype == dtype
-            and _whole_rows(tensor, shape))
+    return _alone(tensor, "upstream") and tensor.dtype == dtype and _whole_rows(tensor, shape)
 
 
 def _whole_rows(tensor: torch.Tensor, shape) -> bool:
@@ -198,8 +192,8 @@ _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", 
 
 
 def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """Who holds `tensor` (called from `reusable` and `overwritable` alone, whose frames the
-    counts include):
+    """Who holds `tensor` (called through `_alone` from `reusable` and `overwritable` alone,
+    whose frames the counts include):
     Python references to its object, C++ references to its TensorImpl, TensorImpls on its
     storage."""
     return (sys.getrefcount(tensor), tensor._use_count(),
@@ -223,12 +217,18 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
             or torch.compiler.is_compiling() or _KEEP_GRAPH() or tensor.grad_fn is None
             or tensor._base is not None or tensor.dtype != dtype):
         return False
+    return _alone(tensor, "saved") and _whole_rows(tensor, rows)
+
+
+def _alone(tensor: torch.Tensor, kind: str) -> bool:
+    """Whether `tensor`'s holders are those the probe counted for its `kind` of tensor
+    ("saved", "upstream"); while the probe runs, its count, and False."""
     holders = _holders(tensor)
     probed = getattr(_PROBING, "counts", None)
     if probed is not None:
-        probed.append(("saved", holders))
+        probed.append((kind, holders))
         return False
-    return holders == _calibrated().get("saved") and _whole_rows(tensor, rows)
+    return holders == _calibrated().get(kind)
 
 
 #: the probe's counts, while `_calibrated` runs it on this thread (a CPU backward runs on the
