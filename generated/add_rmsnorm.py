@@ -1582,8 +1582,7 @@ def add_rms_norm(
     in_place (keyword-only): the kernels' backward writes the input gradient into the memory of
     the output's gradient, saving that allocation, wherever autograd hands the gradient to this
     backward alone; elsewhere (a gradient that also flows into another branch, as an add's two
-    inputs share one, a gradient the caller passed and keeps, a retained `.grad`, a node post
-    hook, a view, another dtype, a backward autograd records) it allocates as without. The
+    inputs share one, a gradient the caller passed and keeps, a node post hook, a view, another dtype, a backward autograd records) it allocates as without. The
     values are the same either way. "Alone" is counted against a probe backward's gradient
     (codegen/runtime/launch.py `overwritable`): the engine's own references differ between
     torch versions.

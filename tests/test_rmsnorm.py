@@ -241,7 +241,8 @@ def test_in_place_keeps_a_gradient_the_caller_holds(device):
 @pytest.mark.parametrize("reader", ["retain_grad", "post_hook"])
 def test_in_place_keeps_a_gradient_autograd_reads_afterwards(device, reader):
     # a retained .grad and a post hook of the node read y's gradient after this backward:
-    # the kernels write dx elsewhere
+    # each reads it as it was (the hook's is the tensor handed over, which the kernels then
+    # leave alone; the retained .grad is a tensor of its own)
     x, w = (t.detach().requires_grad_() for t in inputs((6, 37), device))
     y = rmsnorm.rms_norm(x, (37,), w, in_place=True)
     seen = []
