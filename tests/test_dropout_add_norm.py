@@ -393,6 +393,26 @@ def test_patched_gpt2_hands_its_attention_dropout_to_add_layer_norm(torch_path):
     assert_same(logits_and_grads(patched, True), logits_and_grads(original, True), 1e-9)
 
 
+def test_a_checkpointed_gpt2_block_hands_over_the_same_mask_again(torch_path):
+    # Hugging Face's gradient checkpointing runs the block again in the backward, from the
+    # generator state of its forward: the fused dropout draws the same seed, so the
+    # gradients are those of the model without checkpointing
+    patched = tiny_gpt2()
+    patch_model(patched, include="residual")
+    checkpointed = copy.deepcopy(patched)
+    enable = (getattr(checkpointed, "activation_checkpointing_enable", None)
+              or checkpointed.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
+    block = checkpointed.transformer.h[0]
+    calls, checkpoint = [], block._gradient_checkpointing_func
+    block._gradient_checkpointing_func = lambda *args, **kwargs: (
+        calls.append(1), checkpoint(*args, **kwargs))[1]
+    got = logits_and_grads(checkpointed, True)
+    assert calls  # the block ran checkpointed
+    assert_same(got, logits_and_grads(patched, True), 1e-12)
+    assert not torch.equal(got[0], logits_and_grads(patched, True, seed=6)[0])
+
+
 class ScaledAttention(transformers.models.gpt2.modeling_gpt2.GPT2Attention):
     """An attention that computes more after its dropout: its dropout cannot be handed over."""
 
