@@ -162,9 +162,8 @@ def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool
     """Whether a backward may write its result into `tensor`, an upstream gradient: autograd
     handed it to this backward alone (not a gradient that also flows into another branch, as
     the two inputs of an add share one, nor one the caller passed and keeps, nor one a node's
-    post hook reads), it is no view into another tensor's memory, not
-    differentiated itself, and it holds exactly the result's contiguous rows of the result's
-    dtype.
+    post hook reads), it is no view into another tensor's memory, not differentiated itself,
+    and it holds exactly the result's contiguous rows of the result's dtype.
 
     "Alone" is counted as `reusable` counts: against the holders of the probe Function's
     upstream gradient, which autograd hands over alone (`_calibrated`, once a process). The

@@ -572,30 +572,23 @@ def _fusion(planner, rules, family, replacement):
         return None, (f"no add + norm op takes the parameters of its norm's "
                       f"{type(replacement).__name__}")
     rule = matching[0]
-    missing = [option for option, _ in chosen if option not in _keywords(rule.function)]
+    missing = [option for option, _ in chosen if option not in patching.keywords(rule.function)]
     if missing:
         return None, (f"{rule.function.__name__} takes no {', '.join(missing)}, which its "
                       f"norm's {type(replacement).__name__} sets")
     tensors = tuple((param, getattr(replacement, param, None) is not None)
                     for param, _, _ in rule.params)
     options = [("eps", eps)]
-    dropout = family.dropout is not None and DROPOUT in _keywords(rule.function)
+    dropout = family.dropout is not None and DROPOUT in patching.keywords(rule.function)
     options += [(offset, float(offsets.get(offset, 0.0))) for _, _, offset in rule.params
                 if offset]
     options += chosen
     if planner.memory is not None and planner.memory in rule.memory:
         options.append(("memory", planner.memory))
-    if patching.IN_PLACE in _keywords(rule.function):
+    if patching.IN_PLACE in patching.keywords(rule.function):
         options.append((patching.IN_PLACE, True))
     return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape,
                   dropout), None
-
-
-def _keywords(function) -> set[str]:
-    try:
-        return set(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def _difference(layer, family, fusion, dtype, device) -> str | None:

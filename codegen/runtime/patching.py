@@ -645,19 +645,20 @@ def _norm_label(rule, module, carried, options, eps, shape) -> str:
 IN_PLACE = "in_place"
 
 
-def takes(function, name: str) -> bool:
-    """Whether `function` (a function or a class) takes a parameter `name`."""
+def keywords(function) -> set[str]:
+    """The names of the parameters `function` (a function or a class) takes (none where its
+    signature cannot be read)."""
     try:
-        return name in inspect.signature(function).parameters
+        return set(inspect.signature(function).parameters)
     except (TypeError, ValueError):
-        return False
+        return set()
 
 
 def _build_norm(rule, carried, options, eps, shape, memory, module):
     kwargs = dict(options)
     if memory is not None and memory in rule.memory:
         kwargs["memory"] = memory
-    if takes(rule.function, IN_PLACE):
+    if IN_PLACE in keywords(rule.function):
         kwargs[IN_PLACE] = True
     if shape is None:
         return LastDimNorm(rule.function, eps, kwargs).train(module.training)
