@@ -282,13 +282,22 @@ def interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
 def test_a_rotary_embedding_computed_otherwise_is_left_with_the_reason():
     model = tiny("llama")
     attention = model.layers[0].self_attn
-    forward = type(attention).forward
-    # the same forward's code over globals whose apply_rotary_pos_emb is GPT-J's
-    inner = forward.__wrapped__ if hasattr(forward, "__wrapped__") else forward
+    # the same forward over globals whose apply_rotary_pos_emb is GPT-J's, wherever its
+    # decorators (transformers' deprecations, kernels' use_kernelized_func) put the function
+    # that reads the global
+    chain = patch_rotary.forward_chain(type(attention).forward)
+    inner = chain[-1]
     other = types.FunctionType(inner.__code__, {**inner.__globals__,
                                                 "apply_rotary_pos_emb": interleaved_rotary},
                                "forward", inner.__defaults__, inner.__closure__)
     other.__kwdefaults__ = inner.__kwdefaults__
+    for wrapper in reversed(chain[:-1]):  # each decorator's wrapper, around the new function
+        wrapped = types.FunctionType(
+            wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__,
+            tuple(types.CellType(other) if cell.cell_contents is inner else cell
+                  for cell in wrapper.__closure__))
+        wrapped.__kwdefaults__ = wrapper.__kwdefaults__
+        wrapped.__wrapped__, other, inner = other, wrapped, wrapper
     interleaved = type("InterleavedAttention", (type(attention),), {"forward": other})
     attention.__class__ = interleaved
     report = patch_model(model, include="rotary")
