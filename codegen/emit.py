@@ -5,6 +5,7 @@ Templates hold structure only; every math string comes from a printer.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from codegen.fuse import Moments, OnlineExp, OnlineFirst, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
-from codegen.schedule import DEFAULT, ScheduleTable
+from codegen.schedule import ScheduleTable, default_table
 from derive.api import replaces_kind
 from derive.reverse import upstream_symbol
 from derive.spec import Rounded
@@ -861,12 +862,13 @@ SHAPED_KINDS = ("elementwise", "normalized_shape", "position_embedding")
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
-                  schedule: ScheduleTable = DEFAULT, *,
+                  schedule: ScheduleTable | None = None, *,
                   recorded: dict[str, tuple[Any, Kernel | None] | None],
                   siblings: dict[str, Any] | None = None) -> str:
     """`recorded`: per mode, the backward autograd can record (derive/higher.py's
     RecordedBackward) and the kernel derived for it (None: the mode's own), or None.
     `siblings`: the APIs of the ops the API's variant argument selects, by op name."""
+    schedule = schedule or default_table()
     env = environment()
     params = list(module.params)
     extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
@@ -1067,6 +1069,23 @@ def render_patch(apis: list[tuple[str, Any]], memory: dict[str, tuple[str, ...]]
             })
     ops = sorted({rule["op"] for rule in rules})
     return environment().get_template("patch.py.j2").render(rules=rules, ops=ops)
+
+
+def render_facade(sources: dict[str, str]) -> str:
+    """vjpforge.py: every public function and class each generated module defines (by module
+    name -> source), under its own name. Two modules defining one name is an error."""
+    homes: dict[str, str] = {}
+    for module, source in sorted(sources.items()):
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                if node.name in homes:
+                    raise ValueError(f"generated.{homes[node.name]} and generated.{module} "
+                                     f"both define {node.name}: vjpforge can export only one")
+                homes[node.name] = module
+    modules = sorted({module for module in homes.values()})
+    return environment().get_template("vjpforge.py.j2").render(
+        names=sorted(homes.items()),
+        modules=[(m, sorted(n for n, home in homes.items() if home == m)) for m in modules])
 
 
 def render_user_test(module: ModuleSpec, spec_path: str) -> str:

@@ -21,13 +21,23 @@ MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
 _CONSTANT_NAMES = {f.name for f in dataclasses.fields(Constants)}
 
 
+class MissingTable(FileNotFoundError):
+    """The measured schedule table is not where the compiler reads it."""
+
+
 def load_measured(path: Path | None = None) -> dict:
     """The measured table: "ops" (per op, kernel kind and row width, [rows, warps, programs an
     SM, stages, columns a looped step, one sweep, form]: `codegen.runtime.schedules.Measured`,
     trailing values optional), "borrow" (op -> the op whose entries it uses where it has none),
     "constants" (op -> the rules' constants it sets)."""
     path = path or MEASURED_TABLE  # looked up per call: tests point it elsewhere
-    return json.loads(path.read_text()) if path.exists() else {"ops": {}, "borrow": {}}
+    if not path.is_file():
+        # without it every kernel would take the rules' defaults: different generated files,
+        # slower kernels, and nothing to say so
+        raise MissingTable(f"the measured schedule table {path} is missing: derive needs it "
+                           f"to write the kernels it ships (reinstall vjpforge, or restore it "
+                           f"with `git checkout -- codegen/{path.name}`)")
+    return json.loads(path.read_text())
 
 
 def write_measured(table: dict, path: Path | None = None) -> Path:
@@ -85,4 +95,12 @@ class ScheduleTable:
         return dict(sorted(own.items()))
 
 
-DEFAULT = ScheduleTable()
+_DEFAULT: list[ScheduleTable] = []
+
+
+def default_table() -> ScheduleTable:
+    """The shipped measured table, read once, when first needed (importing the compiler does
+    not need it)."""
+    if not _DEFAULT:
+        _DEFAULT.append(ScheduleTable())
+    return _DEFAULT[0]

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from codegen.schedule import MissingTable
 from derive.build import (
     LAYERS,
     OPS,
@@ -52,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             return user_op(parser, args.spec, args.out)
         if args.show is not None:
             return show(args.show)
+        if not (ROOT / "pyproject.toml").is_file():
+            parser.error(f"regenerating the shipped modules writes into a source checkout "
+                         f"(pyproject.toml beside derive/), and {ROOT} is an installed copy; "
+                         f"derive your own op with `derive SPEC --out DIR`")
         return regenerate(only_check=args.check)
-    except (SpecError, DerivationError) as error:
+    except (SpecError, DerivationError, MissingTable) as error:
         print(f"derive: error: {error}", file=sys.stderr)
         return 2
 
@@ -77,7 +82,7 @@ def _user_files(spec: Path, out: Path) -> dict[Path, str]:
     """What `derive SPEC --out DIR` writes; an engine failure is reported, not raised."""
     try:
         return build_user_op(spec, out)
-    except (SpecError, DerivationError):
+    except (SpecError, DerivationError, MissingTable):
         raise
     except Exception as error:  # noqa: BLE001
         raise DerivationError(

@@ -10,7 +10,7 @@ from reference import splits
 
 from codegen.runtime import checks, launch
 from codegen.runtime.schedules import SPLIT_REFUSED, Schedule, fixed_n, forget_all, maxnreg
-from codegen.schedule import DEFAULT, load_measured
+from codegen.schedule import default_table, load_measured
 from generated import (
     add_layernorm,
     add_rmsnorm,
@@ -44,7 +44,7 @@ def test_measured_table_reaches_the_module():
            for kind, widths in table["ops"].get("add_layernorm", {}).items()
            for width, config in widths.items()}
     assert add_layernorm.SCHEDULES.measured == expected | own
-    assert DEFAULT.measured("no_such_op") == []
+    assert default_table().measured("no_such_op") == []
 
 
 def test_an_op_s_own_entries_take_precedence_over_the_ones_it_borrows():
@@ -325,7 +325,8 @@ def test_padded_rows_with_column_partials_loop():
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 def test_wide_rows_stay_whole_only_where_measured(kind):
     limit = f"persistent_max_{kind}_row_bytes"
-    assert getattr(softmax.SCHEDULES.constants, limit) == DEFAULT.constants("softmax")[limit]
+    assert getattr(softmax.SCHEDULES.constants, limit) == \
+        default_table().constants("softmax")[limit]
     # 64 KiB of bf16 may stay whole: the entry decides (the backward's loops, as measured)
     entry = softmax.SCHEDULES.measured[(kind, 32768)]
     assert _looped(softmax, 32768, False, kind) == bool(entry[4])
@@ -603,7 +604,7 @@ def test_backwards_walk_their_rows_from_the_last(module):
 def test_the_masked_softmax_backward_walks_its_rows_from_the_first():
     # measured per op (codegen/schedule_table.json "constants"): from the last it ran 7% slower
     # on the H100
-    assert masked_softmax.SCHEDULES.constants.backward_last_first == DEFAULT.constants(
+    assert masked_softmax.SCHEDULES.constants.backward_last_first == default_table().constants(
         "masked_softmax")["backward_last_first"] == 0
     for module, last_first in ((masked_softmax, False), (softmax, True)):
         schedule = module.SCHEDULES.choose(64, 256, False, "bwd", 1, 2, CPU)
