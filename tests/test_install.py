@@ -5,11 +5,13 @@ are its fast parts, run with the suite."""
 import ast
 import importlib
 import importlib.metadata
+import inspect
 import pkgutil
 from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 
 import codegen.schedule
 import generated
@@ -77,3 +79,13 @@ def test_regenerating_an_installed_copy_is_refused(tmp_path: Path, monkeypatch, 
         assert stopped.value.code == 2
         assert "is an installed copy; derive your own op with `derive SPEC --out DIR`" in \
             capsys.readouterr().err
+
+
+def test_the_readme_gives_every_module_constructor_as_it_is() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name in vjpforge.__all__:
+        cls = getattr(vjpforge, name)
+        if inspect.isclass(cls):
+            own = cls.__init__ is not torch.nn.Module.__init__
+            call = f"{name}{inspect.signature(cls) if own else '()'}"
+            assert f"| `{call}` |" in readme, f"README.md lacks the row | `{call}` |"
