@@ -9,13 +9,16 @@ rebound for everyone: the instance's class becomes a subclass of its own class (
 globals in which `apply_rotary_pos_emb` is the generated one, its decorators rebuilt around it.
 Other instances of the class, and the modeling module, are left as they were.
 
-The swap is proven by behaviour first, as every swap: the original function and the stand-in
-are called on probe q, k, cos and sin as an attention calls them ((batch, heads, seq, head_dim)
-with fewer key than query heads, (batch, seq, head_dim) tables) and must agree within the
-module dtype's tolerance, or raise alike. Tables narrower than the head are probed too: where
-the original rotates only their width and passes the rest (Phi-3's partial rotary,
-`partial_rotary_factor` < 1), the stand-in that does the same (`PartialRotary`) is the one
-proven; where neither stand-in agrees, the module is left with the reason.
+The swap is proven by behaviour first, as every swap, against what the instance computes: its
+own copy of the function where kernels' `use_kernelized_func` gave it one (transformers'
+attention classes), with the forward of a Hub layer where `kernels.kernelize` set one (the
+report then names the Hub layer replaced), else the modeling module's function. That function
+and the stand-in are called on probe q, k, cos and sin as an attention calls them ((batch,
+heads, seq, head_dim) with fewer key than query heads, (batch, seq, head_dim) tables) and must
+agree within the module dtype's tolerance, or raise alike. Tables narrower than the head are
+probed too: where the original rotates only their width and passes the rest (Phi-3's partial
+rotary, `partial_rotary_factor` < 1), the stand-in that does the same (`PartialRotary`) is the
+one proven; where neither stand-in agrees, the module is left with the reason.
 """
 
 from __future__ import annotations
@@ -196,6 +199,11 @@ def plan(planner, module, name: str) -> None:
     if not callable(original):
         planner.skip(module, name, f"its modeling module's {GLOBAL} is not a function")
         return
+    # what the instance computes: its private copy where it has one (kernels routes the global
+    # to it while the forward runs), a Hub layer's forward where kernelize set one
+    private = private_function(module, original)
+    original = private if private is not None else original
+    repo = patching.hub_layer(original)
     dtype, device = patching._placement(module, planner.default)
     if device.type == "meta":
         planner.skip(module, name, patching._META)
@@ -214,11 +222,24 @@ def plan(planner, module, name: str) -> None:
                                                "forward cannot be rebuilt")
                     return
                 planner.assignments.append((module, "__class__", type(module), cls))
-                planner.swapped.append(patching.Swap(name, class_name,
-                                                     f"{class_name}({GLOBAL}: {label(embed)})"))
+                planner.swapped.append(patching.Swap(
+                    name, class_name,
+                    f"{class_name}({GLOBAL}: {label(embed)})" + patching.hub_label(original)))
                 return
             problems.append(f"{label(embed)} {problem}")
-    planner.skip(module, name, f"its {GLOBAL} is not computed by " + "; nor by ".join(problems))
+    hub = f" (Hub layer {repo})" if repo is not None else ""
+    planner.skip(module, name, f"its {GLOBAL}{hub} is not computed by "
+                 + "; nor by ".join(problems))
+
+
+def private_function(module, function):
+    """The instance's own copy of `function` (kernels' `use_kernelized_func`, which transformers
+    applies to its attention classes: each instance holds `type(function)()` in its
+    `_kernel_funcs`, which the global calls while the instance's forward runs), or None."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    if not isinstance(funcs, dict) or isinstance(function, types.FunctionType):
+        return None
+    return next((f for f in funcs.values() if type(f) is type(function)), None)
 
 
 def label(embed: Callable) -> str:

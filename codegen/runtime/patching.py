@@ -9,7 +9,9 @@ deterministic probe input, once with the module's own tensors and once with pert
 of them (so that a weight of ones or zeros cannot hide how the weight is used). The
 configuration of a replacement (an offset of the weight, a weight or none, a weight held as a
 buffer, eps where the module keeps none) is the first the probe accepts, so the behaviour, not
-the name, decides.
+the name, decides. A module whose forward `kernels.kernelize` replaced by a Hub layer's (as
+transformers' decorated norms and activations may be) is probed with that forward: it is
+swapped where the replacement computes what the Hub layer does, the report naming the layer.
 
 Probes run on shallow copies of the modules (their Parameters shared, their buffers copied, no
 hooks), under `torch.no_grad()` and a forked RNG: the model, its training mode and the RNG
@@ -27,6 +29,7 @@ import inspect
 import itertools
 import math
 import numbers
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -303,6 +306,9 @@ class _Planner:
         self.swapped: list[Swap] = []
         self.skipped: list[Skip] = []
         self.done: dict[int, torch.nn.Module | None] = {}
+        #: the Hub layers visited and left in place (excluded, or not proven): a fused layer
+        #: must not compute one without calling it (`replacement`)
+        self.kept: set[int] = set()
 
     def visit(self, parent: torch.nn.Module, prefix: str) -> None:
         """Plan the swaps of `parent`'s descendants, not looking into what is swapped."""
@@ -316,6 +322,8 @@ class _Planner:
                 continue
             new = None if isinstance(child, self.own) else self.replacement(child, prefix + name)
             self.done[id(child)] = new
+            if new is None and hub_layer(child) is not None:
+                self.kept.add(id(child))
             if new is not None:
                 self.assignments.append((parent, name, child, new))
             elif not isinstance(child, self.own):
@@ -328,6 +336,11 @@ class _Planner:
     def replacement(self, module, name):
         """What replaces `module`, or None (its skip recorded where it is a candidate)."""
         class_name = type(module).__name__
+        if id(module) in self.kept:
+            # asked again by a layer's fusion (codegen/runtime/patch_layers.py), which would
+            # compute the norm without calling it: the Hub layer the walk kept stays called
+            return self.skip(module, name, f"its forward is Hub layer {hub_layer(module)}'s, "
+                                           "which stays in place (excluded, or not proven)")
         for kind in ("norm", "activation"):
             rules = [r for r in self.rules if r.kind == kind
                      and fnmatch.fnmatchcase(class_name, r.pattern)
@@ -394,8 +407,10 @@ class _Planner:
             else:
                 problems.append(f"{rule.function.__name__} ({difference})")
         if not matching:
-            return self.skip(module, name, f"its activation {act_name} ({type(act).__name__}) "
-                             "does not compute the activation of " + "; nor of ".join(problems))
+            hub = f", Hub layer {hub_layer(act)}" if hub_layer(act) is not None else ""
+            return self.skip(module, name, f"its activation {act_name} ({type(act).__name__}"
+                             f"{hub}) does not compute the activation of "
+                             + "; nor of ".join(problems))
         layers = [n for n, _ in module.named_children() if n != act_name]
         candidates = [_Candidate(f"GatedMLP({rule.function.__name__}, {layout.label}"
                                  + "".join(f", {k}={v!r}" for k, v in options.items()) + ")",
@@ -406,17 +421,25 @@ class _Planner:
         width = module._modules[layouts[0].down].out_features
         # a dropout draws its mask from the RNG: the probe compares the MLPs without it
         return self.prove(module, name, candidates, (width,), MLP_SCALES, dtype, device,
-                          evaluate=dropout is not None)
+                          evaluate=dropout is not None, note=hub_label(act, act_name))
 
-    def prove(self, module, name, candidates, tail, scales, dtype, device, evaluate=False):
+    def prove(self, module, name, candidates, tail, scales, dtype, device, evaluate=False,
+              note=""):
+        """Swap `module` for the first of `candidates` the probe proves; `note` ends the
+        label (a Hub layer inside the module that the replacement computes)."""
         if device.type == "meta":
             return self.skip(module, name, _META)
+        # the probe measures what the module computes now: a Hub layer's forward where
+        # kernels' kernelize set one (`_twin` binds it to the probe's copies)
         winner, reason = _prove(module, candidates, tail, scales, dtype, device, evaluate,
                                 self.bitwise)
         if winner is None:
+            if hub_layer(module) is not None:
+                reason = f"its forward is Hub layer {hub_layer(module)}'s: {reason}"
             return self.skip(module, name, reason)
         new = winner.build(module)
-        self.swapped.append(Swap(name, type(module).__name__, winner.label))
+        self.swapped.append(Swap(name, type(module).__name__,
+                                 winner.label + hub_label(module) + note))
         return new
 
 
@@ -545,12 +568,35 @@ class _Candidate:
     build: Callable[[torch.nn.Module], torch.nn.Module]
 
 
+def hub_layer(module):
+    """The repository of the Hub layer whose forward `kernels.kernelize` set on `module`
+    (`module.forward` the layer's forward bound to the module, `_kernel_repo` its repository),
+    or None. transformers decorates its norms, activations and `apply_rotary_pos_emb` so that
+    kernelize may do this per instance."""
+    state = getattr(module, "__dict__", {})
+    forward = state.get("forward")
+    if "_kernel_repo" in state and isinstance(forward, types.MethodType) \
+            and forward.__self__ is module:
+        return state["_kernel_repo"]
+    return None
+
+
+def hub_label(module, where: str | None = None) -> str:
+    """What a swap's label adds where `module` (the child `where` of the swapped one) is a Hub
+    layer: the swap replaces that layer, not the class's forward."""
+    repo = hub_layer(module)
+    if repo is None:
+        return ""
+    return f" in place of Hub layer {repo}" + (f" ({where})" if where else "")
+
+
 def _unswappable(module) -> str | None:
-    """Why a module cannot be swapped whatever computes it, or None."""
+    """Why a module cannot be swapped whatever computes it, or None. A Hub layer's forward
+    set by kernelize is no reason: the probe measures it as it measures the class's."""
     hooks = [name.strip("_") for name in HOOKS if getattr(module, name, None)]
     if hooks:
         return f"it has hooks ({', '.join(hooks)}), which a replacement would not run"
-    if "forward" in module.__dict__:
+    if "forward" in module.__dict__ and hub_layer(module) is None:
         return "its forward is replaced on the instance, which a replacement would not do"
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
@@ -992,6 +1038,11 @@ def _twin(module, noise, done):
     state["_buffers"] = {n: _twin_tensor(b, noise, False) for n, b in module._buffers.items()}
     state["_modules"] = {n: None if m is None else _twin(m, noise, done)
                          for n, m in module._modules.items()}
+    forward = state.get("forward")
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        # a forward bound to the module on the instance (a Hub layer's, set by kernelize)
+        # would compute with the module's tensors: the copy's computes with its own
+        state["forward"] = types.MethodType(forward.__func__, twin)
     return twin
 
 
