@@ -65,6 +65,9 @@ DROPOUT = "dropout_p"
 PROBE_DROPOUT = 0.5
 #: how far the probe's kept fraction may lie from 1 - p, in binomial standard deviations
 BINOMIAL_SIGMAS = 5
+#: a flag that sends a call to the original forward where set (transformers 4's layers return
+#: the attention weights then); probed unset, so that the probe runs the rewritten path
+ORIGINAL_IF_TRUE = "output_attentions"
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,9 @@ class Fusion:
     #: why the family's dropout is not fused where it could have been (None: it is, or
     #: the layer has no plain dropout child), for the report
     unfused: str | None = None
+    #: the layer returns its hidden states as a 1-tuple (transformers 4's layers: `(h,)`, and
+    #: `(h, attention weights)` with `output_attentions`, where the original forward runs)
+    returns_tuple: bool = False
 
     def __call__(self, layer, x, residual, prenorm=True, dropout=None):
         """`norm(x + residual)`, or `norm(dropout(x) + residual)` with `dropout` (a
@@ -241,9 +247,7 @@ def _gpt2_forward(layer, fusion, args, kwargs):
     """GPT-2's block: `h = attn(ln_1(x)) + x; return h + mlp(ln_2(h))`, the first add fused with
     ln_2; with encoder states (cross-attention) the original forward runs."""
     modules = layer._modules
-    hidden, values, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
-    if any(values.get(name) is not None for name in fusion.family.original_if):
-        return type(layer)._residual_original.forward(layer, *args, **kwargs)
+    hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
     residual = hidden
     hidden = modules["ln_1"](hidden)
     dropout = fusion.fused_dropout(layer)
@@ -376,9 +380,17 @@ def fused_class(original: type, fusion: Fusion) -> type:
     if cls is not None:
         return cls
     signature = inspect.signature(original.forward)
+    family = fusion.family
+    arguments = _Arguments(signature, f"{original.__qualname__}.forward")
 
     def forward(self, *args, **kwargs):
-        return fusion.family.forward(self, fusion, args, kwargs)
+        if family.original_if or fusion.returns_tuple:
+            values, _ = arguments.bind(args, kwargs)
+            if values.get(ORIGINAL_IF_TRUE) or any(values.get(name) is not None
+                                                   for name in family.original_if):
+                return original.forward(self, *args, **kwargs)
+        hidden = family.forward(self, fusion, args, kwargs)
+        return (hidden,) if fusion.returns_tuple else hidden
 
     forward.__signature__ = signature
     forward.__doc__ = original.forward.__doc__
@@ -387,7 +399,7 @@ def fused_class(original: type, fusion: Fusion) -> type:
         "forward": forward, "__module__": original.__module__,
         "__qualname__": original.__qualname__, "__doc__": original.__doc__,
         "_residual_fusion": fusion, "_residual_original": original,
-        "_residual_arguments": _Arguments(signature, forward.__qualname__),
+        "_residual_arguments": arguments,
         "__reduce_ex__": _reduce_ex,
     }
     cls = type(original.__name__, (original,), namespace)
@@ -487,7 +499,7 @@ def plan(planner, layer, name: str) -> None:
         if device.type == "meta":
             problem = patching._META
         else:
-            problem = _difference(layer, family, fusion, dtype, device)
+            problem, fusion = _difference(layer, family, fusion, dtype, device)
     if problem is None and fusion.dropout:
         # the layer's own dropout, fused where the probe proves it; else called as it is,
         # the report saying why
@@ -591,25 +603,30 @@ def _fusion(planner, rules, family, replacement):
                   dropout), None
 
 
-def _difference(layer, family, fusion, dtype, device) -> str | None:
-    """How the rewritten forward differs from `layer`'s on the probe, or None."""
+def _difference(layer, family, fusion, dtype, device) -> tuple[str | None, Fusion]:
+    """How the rewritten forward differs from `layer`'s on the probe, or None; and the fusion,
+    returning a 1-tuple where the original forward does."""
     tail = fusion.shape or (patching.PROBE_WIDTH,)
     width = tail[-1]
-    fused = fused_class(type(layer), fusion)
     with patching._probing(device):
         noise, done = patching._Noise(), {}
         stand_ins = {}
         for index, (child_name, child) in enumerate(layer._modules.items()):
             if child is not None and child_name not in family.norms:
-                stand_ins[child_name] = _StandIn(patching.SEED + index, width,
-                                                 child_name in family.pairs, dtype, device)
-                done[id(child)] = stand_ins[child_name]
+                stand_in = _StandIn(patching.SEED + index, width, child_name in family.pairs,
+                                    dtype, device)
+                # the plain settings of the child the layer may read (Gemma 3's
+                # `self_attn.is_sliding` in transformers 4), the same in both forwards
+                for key, value in vars(child).items():
+                    if not key.startswith("_") and not hasattr(stand_in, key) \
+                            and isinstance(value, bool | int | float | str | type(None)):
+                        setattr(stand_in, key, value)
+                stand_ins[child_name] = done[id(child)] = stand_in
         try:
             original = patching._twin(layer, noise, done)
         except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
-            return f"it cannot be copied to be probed: {patching._error(error)}"
+            return f"it cannot be copied to be probed: {patching._error(error)}", fusion
         rewritten = copy.copy(original)
-        rewritten.__class__ = fused
         generator = torch.Generator().manual_seed(patching.SEED)
         inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
                               dtype=torch.float64).to(device=device, dtype=dtype)
@@ -625,19 +642,25 @@ def _difference(layer, family, fusion, dtype, device) -> str | None:
                     output = twin(*inputs, **kwargs)
                 except Exception as error:  # noqa: BLE001
                     which = "its forward" if twin is original else "the rewritten forward"
-                    return f"{which} raised on the probe input: {patching._error(error)}"
+                    return (f"{which} raised on the probe input: {patching._error(error)}",
+                            fusion)
                 runs.append((output, {n: list(s.calls) for n, s in stand_ins.items()}))
+                if twin is original and not training:
+                    # the original's return convention decides the rewritten one's
+                    fusion = dataclasses.replace(
+                        fusion, returns_tuple=isinstance(output, tuple) and len(output) == 1)
+                    rewritten.__class__ = fused_class(type(layer), fusion)
             (reference, calls), (output, fused_calls) = runs
             mode = "training" if training else "eval"
-            problem = patching._difference(reference, output, None, dtype, False)
+            problem = _outputs_difference(reference, output, dtype)
             if problem is not None:
-                return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)"
+                return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)", fusion
             for child_name in stand_ins:
                 if calls[child_name] != fused_calls[child_name]:
                     return (f"its forward calls {_calls(child_name, calls[child_name])}, the "
                             f"rewritten one {_calls(child_name, fused_calls[child_name])} (in "
-                            f"{mode} mode)")
-    return None
+                            f"{mode} mode)"), fusion
+    return None, fusion
 
 
 def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
@@ -695,7 +718,7 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
                 dropout.p = probability
                 outputs = [twin.train(training)(*inputs, **kwargs)
                            for twin in (original, rewritten)]
-                problem = patching._difference(*outputs, None, dtype, False)
+                problem = _outputs_difference(*outputs, dtype)
                 if problem is not None:
                     mode = "training, p = 0" if training else "eval"
                     return f"{fusion.label(type(layer).__name__)} {problem} (in {mode} mode)"
@@ -736,6 +759,31 @@ class _MaskDropout(torch.nn.Module):
         return torch.where(self.kept, x / (1 - self.p), torch.zeros_like(x))
 
 
+def _hidden(output):
+    """A layer's hidden states: its output, or the first of the outputs it returns as a tuple
+    (transformers 4's decoder layers and GPT-2 blocks return `(hidden_states, ...)`)."""
+    return output[0] if isinstance(output, tuple) and output else output
+
+
+def _outputs_difference(reference, output, dtype) -> str | None:
+    """How a layer's outputs differ, or None: one tensor, or a tuple of the same length whose
+    tensors are compared one by one and whose other members (None, a cache) are the same."""
+    if not isinstance(reference, tuple):
+        return patching._difference(reference, output, None, dtype, False)
+    if not isinstance(output, tuple) or len(output) != len(reference):
+        what = f"{len(output)} outputs" if isinstance(output, tuple) else type(output).__name__
+        return f"returned {what}, the module {len(reference)} outputs"
+    for index, (want, got) in enumerate(zip(reference, output, strict=True)):
+        if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+            problem = patching._difference(want, got, None, dtype, False)
+            if problem is not None:
+                return f"{problem} in output {index}"
+        elif want is not got:
+            return (f"cannot be compared: its output {index} is a {type(want).__name__}, "
+                    f"not a tensor")
+    return None
+
+
 def _mask_difference(original, rewritten, dropout_path, source, fusion, inputs, kwargs, p,
                      dtype) -> str | None:
     """The fused dropout of `rewritten` (in training, at `p`) judged by its mask, read off
@@ -754,7 +802,7 @@ def _mask_difference(original, rewritten, dropout_path, source, fusion, inputs, 
         with torch.enable_grad():
             for twin in (rewritten, original):
                 leaves = [x.clone().requires_grad_() for x in inputs]
-                output = twin.train(True)(*leaves, **kwargs)
+                output = _hidden(twin.train(True)(*leaves, **kwargs))
                 upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(
                     patching.SEED), dtype=torch.float64).to(output)
                 grads = torch.autograd.grad(output, [captured[-1], *leaves], upstream)
@@ -790,7 +838,8 @@ def _probe_keywords(cls, family) -> dict[str, Any]:
     unset, and one more keyword where the forward takes **kwargs."""
     signature = inspect.signature(cls.forward)
     parameters = list(signature.parameters.values())[1:]
-    kwargs = {p.name: _Sentinel(p.name) for p in parameters[family.inputs:]
+    kwargs = {p.name: False if p.name == ORIGINAL_IF_TRUE else _Sentinel(p.name)
+              for p in parameters[family.inputs:]
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in
               family.unused}
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
