@@ -218,6 +218,51 @@ class MaskOnly(LlamaDecoderLayer):
         return residual + self.mlp(hidden_states)
 
 
+class TupleReturning(LlamaDecoderLayer):
+    """transformers 4's decoder layer: `(hidden_states,)`, and the attention weights after it
+    with `output_attentions`."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                output_attentions=False, use_cache=False, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, weights = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, output_attentions=output_attentions,
+            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        return (hidden_states, weights) if output_attentions else (hidden_states,)
+
+
+def test_a_layer_returning_a_tuple_keeps_its_outputs():
+    torch.manual_seed(0)
+    # LlamaRMSNorm's float32 casts lifted: fp64 throughout
+    original = exact(layers(TupleReturning).double())
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="residual")
+    assert report == {"TupleReturning": 1}, report.skipped
+    x = randn((2, 5, 64), seed=3, dtype=torch.float64)
+    position = (randn((2, 5, 32), seed=4, dtype=torch.float64),
+                randn((2, 5, 32), seed=5, dtype=torch.float64))
+    for output_attentions in (False, True):
+        results = []
+        for model in (original, patched):
+            leaf = x.clone().requires_grad_()
+            out = model[0](leaf, position_embeddings=position,
+                           output_attentions=output_attentions)
+            assert isinstance(out, tuple) and len(out) == 1 + output_attentions
+            out[0].square().sum().backward()
+            results.append((out, leaf.grad))
+        (want, want_grad), (got, got_grad) = results
+        for w, g in zip((*want, want_grad), (*got, got_grad), strict=True):
+            if w is None:
+                assert g is None
+            else:
+                assert_close(g, w, 1e-9, "a tuple-returning layer's output or gradient")
+
+
 def layers(*classes):
     config = decoder_config("llama")
     return torch.nn.Sequential(*(randomised(cls(config, 0)) for cls in classes))
