@@ -211,6 +211,7 @@ def test_loads_hf_bert_layer(attention):
     ours = run(layer, x, mask, grad)
     leaf = x.clone().requires_grad_()
     out = hf(leaf, attention_mask=mask)
+    out = out[0] if isinstance(out, tuple) else out  # transformers 4 returns (hidden,)
     out.backward(grad)
     theirs = {"output": out.detach(), "hidden_states": leaf.grad, **hf_bert_grads(hf)}
     assert_results_close(ours, theirs, **FP64_TOL)
@@ -228,6 +229,7 @@ def test_loads_hf_gpt2_block(attention):
     causal = torch.full((SEQ, SEQ), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
     leaf = x.clone().requires_grad_()
     out = hf(leaf, attention_mask=padding + causal)
+    out = out[0] if isinstance(out, tuple) else out  # transformers 4 returns (hidden,)
     out.backward(grad)
     grads = {name: p.grad for name, p in hf.named_parameters()}
     theirs = {"output": out.detach(), "hidden_states": leaf.grad}

@@ -68,6 +68,8 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "dropout_prob", None), float):
+            module.dropout_prob = 0.0  # transformers 4's BERT SDPA attention: a float
     return model
 
 
@@ -341,9 +343,11 @@ def test_a_rotary_model_pickles_compiles_and_generates():
     for model, layer in ((patched, patched.model.layers[0].self_attn),
                          (everything, everything.model.layers[0])):
         compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-        output = compiled(x, position_embeddings=position)
+        # attention_mask given: transformers 4's attention forward requires it
+        output = compiled(x, position_embeddings=position, attention_mask=None)
         wanted = (original.model.layers[0].self_attn if model is patched
-                  else original.model.layers[0])(x, position_embeddings=position)
+                  else original.model.layers[0])(x, position_embeddings=position,
+                                                 attention_mask=None)
         torch.testing.assert_close(output[0] if isinstance(output, tuple) else output,
                                    wanted[0] if isinstance(wanted, tuple) else wanted)
 
