@@ -15,10 +15,12 @@ import types
 import uuid
 
 import kernels
+import pytest
 import torch
 
 # torch_path: the autouse fixture that runs whole models on the generated torch path
 from test_patch_hf import VOCAB, hidden_loss_and_grads, tiny, torch_path  # noqa: F401
+from transformers.models.llama import modeling_llama as llama_modeling
 
 from codegen.runtime import patching
 from generated import rotary as rotary_module
@@ -99,6 +101,17 @@ class InterleavedRotary(torch.nn.Module):
 '''
 
 
+@pytest.fixture(autouse=True)
+def global_functions_restored():
+    """kernels before 0.17 (transformers 5.17's) hands every attention the modeling module's
+    own apply_rotary_pos_emb, so kernelize sets the Hub layer's forward on that global: undone
+    after each test, which would otherwise leave it to every later model of the process."""
+    yield
+    function = llama_modeling.apply_rotary_pos_emb
+    for name in ("forward", "_kernel_repo"):
+        function.__dict__.pop(name, None)
+
+
 def hub_repository(tmp_path, layer_name: str) -> kernels.LocalLayerRepository:
     """A local kernel repository holding LAYERS, as kernels loads one from disk: a build variant
     directory with its metadata.json and the kernel's package (an id of its own per repository:
@@ -123,6 +136,17 @@ def kernelized(mapping: dict[str, kernels.LocalLayerRepository]) -> torch.nn.Mod
                                     inherit_mapping=False):
         kernels.kernelize(model, mode=kernels.Mode.TRAINING, device="cpu")
     return model
+
+
+def hub_name(module: torch.nn.Module, repo: kernels.LocalLayerRepository):
+    """What patch_model names the Hub layer that kernelize set on `module`: its repository
+    where kernels records it (0.17 on), else the layer's class (kernels 0.16, transformers
+    5.17's)."""
+    if "_kernel_repo" in module.__dict__:
+        assert module.__dict__["_kernel_repo"] == repo  # a deep copy's is a copy
+        return repo
+    layer = repo.load()
+    return f"{layer.__module__}.{layer.__qualname__}"
 
 
 def hub_calls(repo: kernels.LocalLayerRepository) -> list[str]:
@@ -175,18 +199,20 @@ def test_kernelize_sets_the_hub_layers_forward_on_the_instance(tmp_path):
     for module in [*norms(model).values(), *(private_rotary(layer.self_attn)
                                             for layer in model.layers)]:
         forward = module.__dict__["forward"]
-        assert forward.__self__ is module and module.__dict__["_kernel_repo"] is not None
-        assert patching.hub_layer(module) == module.__dict__["_kernel_repo"]
-    assert patching.hub_layer(model.norm) == norm_repo
+        assert forward.__self__ is module and patching.hub_layer(module) is not None
+    assert patching.hub_layer(model.norm) == hub_name(model.norm, norm_repo)
     assert model.norm.forward.__func__.__qualname__ == "SameRMSNorm.forward"
-    assert patching.hub_layer(private_rotary(model.layers[0].self_attn)) == rotary_repo
+    attention_rotary = private_rotary(model.layers[0].self_attn)
+    assert patching.hub_layer(attention_rotary) == hub_name(attention_rotary, rotary_repo)
     twin = copy.deepcopy(model)
     assert twin.norm.forward.__self__ is twin.norm
-    assert patching.hub_layer(twin.norm) == norm_repo
-    # a plain model's norms and private functions are no Hub layers
+    assert patching.hub_layer(twin.norm) == hub_name(model.norm, norm_repo)
+    # a plain model's norms and private functions are no Hub layers (where its function is
+    # its own: kernels before 0.17 shares the global, which kernelize changed for all)
     plain = tiny("llama")
     assert patching.hub_layer(plain.norm) is None
-    assert patching.hub_layer(private_rotary(plain.layers[0].self_attn)) is None
+    if private_rotary(plain.layers[0].self_attn) is not attention_rotary:
+        assert patching.hub_layer(private_rotary(plain.layers[0].self_attn)) is None
 
 
 def test_a_hub_rmsnorm_that_computes_the_same_is_swapped_and_named(tmp_path):
@@ -198,7 +224,8 @@ def test_a_hub_rmsnorm_that_computes_the_same_is_swapped_and_named(tmp_path):
                       "LlamaAttention": 2}
     assert report.skipped == []
     labels = {s.name: s.new for s in report.swapped if s.old == "LlamaRMSNorm"}
-    assert labels == dict.fromkeys(norms(original), f"RMSNorm in place of Hub layer {repo}")
+    name = hub_name(original.norm, repo)
+    assert labels == dict.fromkeys(norms(original), f"RMSNorm in place of Hub layer {name}")
     assert norms(patched) == {}  # every Hub layer replaced by the generated RMSNorm
     assert type(patched.norm).__name__ == "RMSNorm"
     # the fused layers compute the norm the probe proved in place of the Hub layer
@@ -218,6 +245,7 @@ def test_a_hub_rmsnorm_that_computes_otherwise_is_left_with_the_reason(tmp_path)
     assert report == {}
     skipped = {s.name: (s.old, s.reason) for s in report.skipped}
     assert skipped.keys() == {*norms(original), "layers.0", "layers.1"}
+    repo = hub_name(original.norm, repo)
     for name in norms(original):
         old, reason = skipped[name]
         assert old == "LlamaRMSNorm"
@@ -245,7 +273,7 @@ def test_excluded_hub_layers_stay_called(tmp_path):
     assert report == {"LlamaMLP": 2}
     assert [(s.name, s.old) for s in report.skipped] == [("layers.0", "LlamaDecoderLayer"),
                                                          ("layers.1", "LlamaDecoderLayer")]
-    assert all(patching.hub_layer(m) == norm_repo for m in norms(patched).values())
+    assert all(patching.hub_layer(m) == hub_name(m, norm_repo) for m in norms(patched).values())
     assert len(norms(patched)) == 5
     calls = hub_calls(rotary_repo)
     calls.clear()
@@ -259,18 +287,20 @@ def test_a_gated_mlp_whose_activation_is_a_hub_layer(tmp_path):
     """The MLP's swap computes its activation too: proven against the Hub layer, and named."""
     repo = hub_repository(tmp_path, "SameSiLU")
     original = kernelized({"SiLU": repo})
-    assert patching.hub_layer(original.layers[0].mlp.act_fn) == repo
+    name = hub_name(original.layers[0].mlp.act_fn, repo)
+    assert patching.hub_layer(original.layers[0].mlp.act_fn) == name
     patched = copy.deepcopy(original)
     report = patch_model(patched, include="mlp")
     assert report == {"LlamaMLP": 2} and report.skipped == []
     assert [s.new for s in report.swapped] == [
-        f"GatedMLP(swiglu, gate=gate_proj, up=up_proj) in place of Hub layer {repo} (act_fn)"] * 2
+        f"GatedMLP(swiglu, gate=gate_proj, up=up_proj) in place of Hub layer {name} (act_fn)"] * 2
     assert_same_training_step(patched, original)
     # a Hub layer computing another activation: no gated op's
     repo = hub_repository(tmp_path, "QuickSiLU")
     original = kernelized({"SiLU": repo})
     report = patch_model(copy.deepcopy(original), include="mlp")
     assert report == {} and [s.name for s in report.skipped] == ["layers.0.mlp", "layers.1.mlp"]
+    repo = hub_name(original.layers[0].mlp.act_fn, repo)
     for skip in report.skipped:
         assert skip.reason.startswith(f"its activation act_fn (SiLUActivation, Hub layer {repo}) "
                                       "does not compute the activation of geglu "), skip.reason
@@ -282,9 +312,10 @@ def test_a_hub_rotary_that_computes_the_same_is_swapped_and_named(tmp_path, monk
     patched = copy.deepcopy(original)
     report = patch_model(patched, include="rotary")
     assert report == {"LlamaAttention": 2} and report.skipped == []
+    name = hub_name(private_rotary(original.layers[0].self_attn), repo)
     assert [s.new for s in report.swapped] == [
         "LlamaAttention(apply_rotary_pos_emb: generated.rotary.apply_rotary_pos_emb) in place "
-        f"of Hub layer {repo}"] * 2
+        f"of Hub layer {name}"] * 2
     generated = []
     monkeypatch.setattr(rotary_module, "rotary", lambda *args, f=rotary_module.rotary: (
         generated.append(args[0].shape), f(*args))[1])
@@ -317,9 +348,10 @@ def test_an_interleaved_hub_rotary_is_refused(tmp_path):
     assert report == {}
     assert [(s.name, s.old) for s in report.skipped] == [("layers.0.self_attn", "LlamaAttention"),
                                                          ("layers.1.self_attn", "LlamaAttention")]
+    name = hub_name(private_rotary(original.layers[0].self_attn), repo)
     for skip in report.skipped:
         assert skip.reason.startswith(
-            f"its apply_rotary_pos_emb (Hub layer {repo}) is not computed by "
+            f"its apply_rotary_pos_emb (Hub layer {name}) is not computed by "
             "generated.rotary.apply_rotary_pos_emb differs by "), skip.reason
     assert [type(layer.self_attn) for layer in patched.layers] == classes
     calls = hub_calls(repo)
@@ -337,9 +369,10 @@ def test_a_hub_rotary_reading_half_the_tables_is_kept(tmp_path):
     assert_same_training_step(original, tiny("llama").double().train())
     report = patch_model(copy.deepcopy(original), include="rotary")
     assert report == {} and len(report.skipped) == 2
+    name = hub_name(private_rotary(original.layers[0].self_attn), repo)
     for skip in report.skipped:
         assert skip.reason.startswith(
-            f"its apply_rotary_pos_emb (Hub layer {repo}) is not computed by "
+            f"its apply_rotary_pos_emb (Hub layer {name}) is not computed by "
             "generated.rotary.apply_rotary_pos_emb differs by "), skip.reason
         assert "with tables of width 32 for heads of 32" in skip.reason
 
@@ -354,19 +387,25 @@ def test_a_private_rotary_not_kernelized_is_proven_as_the_global_one():
         "LlamaAttention(apply_rotary_pos_emb: generated.rotary.apply_rotary_pos_emb)"] * 2
 
 
-def test_other_forwards_on_the_instance_are_still_skipped(tmp_path):
-    """Only kernelize's own replacement (the Hub layer's forward bound to the module, its
-    repository recorded) is probed; any other forward set on the instance is left, as before."""
+def test_forwards_bound_elsewhere_are_still_skipped(tmp_path):
+    """A Hub layer's forward bound to the module is probed whether or not kernels recorded the
+    repository (it records none before 0.17), as is the class's own forward bound to it (what
+    kernelize sets where no layer is mapped); a forward bound to another module is left."""
     repo = hub_repository(tmp_path, "SameRMSNorm")
     model = tiny("llama")
     layer = repo.load()
     model.norm.forward = types.MethodType(layer.forward, model.norm)  # no repository recorded
+    own = model.layers[1].post_attention_layernorm
+    own.forward = types.MethodType(type(own).forward, own)
     other = model.layers[0].input_layernorm
     # a repository recorded, but the forward bound to another module
     other.forward = types.MethodType(layer.forward, model.layers[1].input_layernorm)
     other.__dict__["_kernel_repo"] = repo
     report = patch_model(model, include="norm")
-    assert report == {"LlamaRMSNorm": 3}
-    assert sorted((s.name, s.reason) for s in report.skipped) == [
-        (name, "its forward is replaced on the instance, which a replacement would not do")
-        for name in ("layers.0.input_layernorm", "norm")]
+    assert report == {"LlamaRMSNorm": 4}
+    new = {s.name: s.new for s in report.swapped}
+    assert new["norm"] == f"RMSNorm in place of Hub layer {layer.__module__}.SameRMSNorm"
+    assert new["layers.1.post_attention_layernorm"] == "RMSNorm"
+    assert [(s.name, s.reason) for s in report.skipped] == [
+        ("layers.0.input_layernorm",
+         "its forward is replaced on the instance, which a replacement would not do")]

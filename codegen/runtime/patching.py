@@ -575,9 +575,15 @@ def hub_layer(module):
     kernelize may do this per instance."""
     state = getattr(module, "__dict__", {})
     forward = state.get("forward")
-    if "_kernel_repo" in state and isinstance(forward, types.MethodType) \
-            and forward.__self__ is module:
+    if not (isinstance(forward, types.MethodType) and forward.__self__ is module):
+        return None
+    if "_kernel_repo" in state:
         return state["_kernel_repo"]
+    if hasattr(type(module), "kernel_layer_name") \
+            and forward.__func__ is not getattr(type(module), "forward", None):
+        # kernels before 0.17 records no repository: the layer's class names it
+        function = forward.__func__
+        return f"{function.__module__}.{function.__qualname__.rpartition('.')[0]}"
     return None
 
 
@@ -596,7 +602,11 @@ def _unswappable(module) -> str | None:
     hooks = [name.strip("_") for name in HOOKS if getattr(module, name, None)]
     if hooks:
         return f"it has hooks ({', '.join(hooks)}), which a replacement would not run"
-    if "forward" in module.__dict__ and hub_layer(module) is None:
+    forward = module.__dict__.get("forward")
+    if forward is not None and hub_layer(module) is None and not (
+            isinstance(forward, types.MethodType) and forward.__self__ is module
+            and forward.__func__ is getattr(type(module), "forward", None)):
+        # (kernelize without a layer for the module binds the class's own forward to it)
         return "its forward is replaced on the instance, which a replacement would not do"
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
