@@ -115,9 +115,12 @@ def global_functions_restored():
 def hub_repository(tmp_path, layer_name: str) -> kernels.LocalLayerRepository:
     """A local kernel repository holding LAYERS, as kernels loads one from disk: a build variant
     directory with its metadata.json and the kernel's package (an id of its own per repository:
-    kernels keeps a loaded kernel in sys.modules under its id)."""
+    kernels keeps a loaded kernel in sys.modules under its id). The variant is the universal
+    noarch one, which kernels loads whatever torch's backend (a CUDA build of torch, as a fresh
+    install picks, has a cuda backend even without a GPU); its metadata names the cpu backend,
+    since kernels before 0.17 knows no "universal" there and the variant's name decides."""
     root = tmp_path / f"hub-{layer_name}"
-    variant = root / "build" / "torch-cpu"
+    variant = root / "build" / "torch-universal"
     variant.mkdir(parents=True)
     metadata = {"name": "vjpforge-test-layers", "id": f"_vjpforge_test_{uuid.uuid4().hex}",
                 "version": 1, "license": "Apache-2.0", "python-depends": [],
