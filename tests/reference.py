@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -379,3 +380,18 @@ def assert_unseeded_calls_replay(draw, device):
     reseed()
     assert torch.equal(draw(), first)
     assert not torch.equal(first, second)
+
+
+def pickled(patched, original):
+    """`patched` through a pickle round trip, where the unpatched `original` pickles. Where it
+    does not (kernels before 0.17 holds transformers' rotary function in a module of a local
+    class, so no such model pickles), `patched` must fail alike, and comes back as it is."""
+    try:
+        pickle.dumps(original)
+    except (AttributeError, TypeError, pickle.PicklingError) as error:
+        try:
+            pickle.dumps(patched)
+        except type(error):
+            return patched
+        raise AssertionError("the patched model pickles where the original does not") from error
+    return pickle.loads(pickle.dumps(patched))

@@ -5,13 +5,12 @@ gradient stay those of the unpatched model."""
 from __future__ import annotations
 
 import copy
-import pickle
 import types
 
 import pytest
 import torch
 import transformers  # a declared test dependency (the `test` extra): import, never skip
-from reference import randn
+from reference import pickled, randn
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
 from codegen.runtime import patch_rotary, patching
@@ -259,7 +258,7 @@ def test_phi3_partial_rotary():
     embed = type(patched.layers[0].self_attn)._rotary_embed
     assert isinstance(embed, patch_rotary.PartialRotary)
     # pickled with its stand-in, which pickles by reference to the generated function
-    patched = pickle.loads(pickle.dumps(patched))
+    patched = pickled(patched, original)
     assert type(patched.layers[0].self_attn)._rotary_embed == embed
     tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     loss, grads = hidden_loss_and_grads(original, tokens)
@@ -326,7 +325,7 @@ def test_a_rotary_model_pickles_compiles_and_generates():
     patched = copy.deepcopy(original)
     assert patch_model(patched, include="rotary") == {"LlamaAttention": 2}
     tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-    restored = pickle.loads(pickle.dumps(patched))
+    restored = pickled(patched, original)
     assert type(restored.model.layers[1].self_attn) is type(patched.model.layers[0].self_attn)
     torch.testing.assert_close(restored(input_ids=tokens).logits,
                                original(input_ids=tokens).logits)

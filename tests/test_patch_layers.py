@@ -5,12 +5,11 @@ probe shows it computes what the original does; logits and gradients stay the un
 from __future__ import annotations
 
 import copy
-import pickle
 
 import pytest
 import torch
 import transformers  # a declared test dependency (the `test` extra): import, never skip
-from reference import randn
+from reference import pickled, randn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from codegen.runtime import patch_layers, patching
@@ -361,7 +360,7 @@ def test_a_fused_model_pickles_checkpoints_and_copies():
     layer = patched.model.layers[0]
     assert type(layer).__name__ == "LlamaDecoderLayer" and isinstance(layer, LlamaDecoderLayer)
     assert list(type(layer).__mro__[1:3]) == [LlamaDecoderLayer, LlamaDecoderLayer.__base__]
-    restored = pickle.loads(pickle.dumps(patched))
+    restored = pickled(patched, original)
     assert type(restored.model.layers[1]) is type(layer)  # the same fused class, rebuilt
     assert_same(original, restored, 1e-5, training=False)
     # Hugging Face's checkpointing wraps the rewritten forward as the original one

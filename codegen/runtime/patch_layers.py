@@ -198,23 +198,23 @@ class _Arguments:
         return values, extra
 
 
-def _sublayer_arguments(layer, family, args, kwargs):
-    """The layer's hidden state and the keyword arguments its attention gets: every named
-    argument after the hidden state (defaults included) but the family's unused ones, then the
-    **kwargs, as the original forward passes them on."""
-    values, extra = type(layer)._residual_arguments.bind(args, kwargs)
+def _sublayer_arguments(layer, family, values, extra):
+    """The layer's hidden state and the keyword arguments its attention gets (from the call's
+    bound arguments `values` and its **kwargs `extra`): every named argument after the hidden
+    state (defaults included) but the family's unused ones, then the **kwargs, as the original
+    forward passes them on."""
     names = type(layer)._residual_arguments.names
     rest = {name: values[name] for name in names[1:] if name not in family.unused}
     rest.update(extra)
-    return values[names[0]], values, rest
+    return values[names[0]], rest
 
 
-def _prenorm_forward(layer, fusion, args, kwargs):
+def _prenorm_forward(layer, fusion, values, extra):
     """LLaMA's decoder layer (and Phi-3's, with its dropouts):
     `h = x + attn(ln_1(x)); return h + mlp(ln_2(h))`, the first add fused with ln_2 (and
     Phi-3's resid_attn_dropout with it, where fused)."""
     modules = layer._modules
-    hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
+    hidden, rest = _sublayer_arguments(layer, fusion.family, values, extra)
     residual = hidden
     hidden = modules["input_layernorm"](hidden)
     hidden, _ = modules["self_attn"](hidden_states=hidden, **rest)
@@ -228,11 +228,11 @@ def _prenorm_forward(layer, fusion, args, kwargs):
     return residual + hidden
 
 
-def _sandwich_forward(layer, fusion, args, kwargs):
+def _sandwich_forward(layer, fusion, values, extra):
     """Gemma 2/3's decoder layer: `h = x + post_ln(attn(ln(x)));
     return h + post_ff_ln(mlp(pre_ff_ln(h)))`, the first add fused with pre_ff_ln."""
     modules = layer._modules
-    hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
+    hidden, rest = _sublayer_arguments(layer, fusion.family, values, extra)
     residual = hidden
     hidden = modules["input_layernorm"](hidden)
     hidden, _ = modules["self_attn"](hidden_states=hidden, **rest)
@@ -243,11 +243,11 @@ def _sandwich_forward(layer, fusion, args, kwargs):
     return residual + hidden
 
 
-def _gpt2_forward(layer, fusion, args, kwargs):
+def _gpt2_forward(layer, fusion, values, extra):
     """GPT-2's block: `h = attn(ln_1(x)) + x; return h + mlp(ln_2(h))`, the first add fused with
     ln_2; with encoder states (cross-attention) the original forward runs."""
     modules = layer._modules
-    hidden, _, rest = _sublayer_arguments(layer, fusion.family, args, kwargs)
+    hidden, rest = _sublayer_arguments(layer, fusion.family, values, extra)
     residual = hidden
     hidden = modules["ln_1"](hidden)
     dropout = fusion.fused_dropout(layer)
@@ -322,10 +322,9 @@ def _descendant(module, path: str):
     return module
 
 
-def _output_forward(layer, fusion, args, kwargs):
+def _output_forward(layer, fusion, values, extra):
     """BERT's attention and feed-forward outputs: `LayerNorm(dropout(dense(h)) + input)`."""
     modules = layer._modules
-    values, _ = type(layer)._residual_arguments.bind(args, kwargs)
     hidden, input_tensor = (values[name] for name in type(layer)._residual_arguments.names)
     hidden = modules["dense"](hidden)
     dropout = fusion.fused_dropout(layer)
@@ -384,12 +383,11 @@ def fused_class(original: type, fusion: Fusion) -> type:
     arguments = _Arguments(signature, f"{original.__qualname__}.forward")
 
     def forward(self, *args, **kwargs):
-        if family.original_if or fusion.returns_tuple:
-            values, _ = arguments.bind(args, kwargs)
-            if values.get(ORIGINAL_IF_TRUE) or any(values.get(name) is not None
-                                                   for name in family.original_if):
-                return original.forward(self, *args, **kwargs)
-        hidden = family.forward(self, fusion, args, kwargs)
+        values, extra = arguments.bind(args, kwargs)
+        if values.get(ORIGINAL_IF_TRUE) or any(values.get(name) is not None
+                                               for name in family.original_if):
+            return original.forward(self, *args, **kwargs)
+        hidden = family.forward(self, fusion, values, extra)
         return (hidden,) if fusion.returns_tuple else hidden
 
     forward.__signature__ = signature
