@@ -85,6 +85,10 @@ class ModuleSpec:
     #: the pairing of the columns the spec reads across (derive/spec.py PAIRINGS), or None:
     #: the API then checks the row width is one the pairing takes
     pairing: str | None = None
+    #: (input or parameter, its tangent) for each one forward mode differentiates, then
+    #: (output, its tangent) for each differentiated output (derive/tangent.py)
+    tangent_inputs: tuple[tuple[str, str], ...] = ()
+    tangent_outputs: tuple[tuple[str, str], ...] = ()
 
 
 def formula(expr: sympy.Expr) -> str:
@@ -862,7 +866,7 @@ SHAPED_KINDS = ("elementwise", "normalized_shape", "position_embedding")
 
 
 def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kernel],
-                  schedule: ScheduleTable | None = None, *,
+                  schedule: ScheduleTable | None = None, *, jvp: Kernel,
                   recorded: dict[str, tuple[Any, Kernel | None] | None],
                   siblings: dict[str, Any] | None = None) -> str:
     """`recorded`: per mode, the backward autograd can record (derive/higher.py's
@@ -959,6 +963,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         bwd.into_stores = sorted({*first, *modes[-1]["reused"]})
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
+    tangents = _tangents(module, jvp, fwd, function_args + extra_args, layout_inputs,
+                         layout_outputs, dense_outputs)
     for m in modes:
         m["unrecorded"] = None if m["recorded"] else _unrecorded(module, m, supported)
     context = {
@@ -993,6 +999,7 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
         "siblings": siblings or {},
+        "tangents": tangents,
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
 
@@ -1018,6 +1025,41 @@ def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: di
         "hidden": list(recorded.hidden),
         "hidden_upstream": [{"name": upstream_symbol(name).name, "row": name in rows,
                              "index": fwd.returns.index(name)} for name in recorded.hidden],
+    }
+
+
+def _tangents(module: ModuleSpec, jvp: Kernel, fwd: KernelContext, arguments: list[str],
+              layout_inputs: list[str], layout_outputs: list[str], dense_outputs: list[str]
+              ) -> dict[str, Any]:
+    """What each autograd Function's `jvp` needs: the JVP's torch path, the primal tensors the
+    forward keeps for it (`save_for_forward`), its tangent arguments (one per argument of the
+    Function, `_<name>` where the argument has none) and the tangent it returns per output."""
+    k = KernelContext(jvp, TORCH, backward=False)
+    tangent_of = dict(module.tangent_inputs)
+    given = {tangent for tangent in tangent_of.values()}
+    primal = [name for name in k.params if name not in given and "=" not in name
+              and name not in (*module.scalars, "row_shape")]
+    calls = {name: f"ctx.{name}" for name in (*module.scalars, "row_shape")}
+    output_tangent = dict(module.tangent_outputs)
+    returns = []
+    for name in module.outputs:
+        tangent = output_tangent.get(name)
+        if tangent is None:
+            returns.append("None")
+        elif name in layout_outputs:
+            how = "returned_dense" if name in dense_outputs else "returned"
+            returns.append(f"launch.{how}({tangent}, ctx.layout)")
+        else:
+            returns.append(tangent)
+    return {
+        "k": k,
+        "saved": primal,
+        "args": [tangent_of.get(name, f"_{name}") for name in arguments],
+        "rows": [(tangent_of[name], name in layout_inputs) for name in module.inputs
+                 if name in tangent_of and name not in module.broadcast_inputs],
+        "call": [calls.get(name, name) for name in k.params if "=" not in name],
+        "unpack": [t.name for t in jvp.outputs],
+        "returns": returns,
     }
 
 

@@ -104,7 +104,8 @@ def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, st
     forward = lower(derivation.forward, f"_{spec.name}_fwd", derivation.saved_outputs)
     backwards = {mode: lower(result.graph, f"_{spec.name}_bwd_{mode}")
                  for mode, result in derivation.backwards.items()}
-    source = render_module(module, forward, backwards,
+    jvp = lower(derivation.tangent.graph, f"_{spec.name}_jvp")
+    source = render_module(module, forward, backwards, jvp=jvp,
                            recorded=recorded_kernels(derivation), siblings=siblings)
     page = render_page(derivation, forward, backwards, module_path)
     return derivation, source, page
@@ -176,6 +177,8 @@ def module_spec(spec: OpSpec, derivation: Derivation) -> ModuleSpec:
                       for n in spec.nodes),
         broadcast_inputs=tuple(n.name for n in spec.nodes if n.broadcast),
         pairing=spec.pairing,
+        tangent_inputs=derivation.tangent.inputs,
+        tangent_outputs=derivation.tangent.outputs,
     )
 
 

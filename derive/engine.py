@@ -17,6 +17,7 @@ from derive.graph import RowGraph
 from derive.higher import RecordedBackward, recorded_backwards
 from derive.reverse import ReverseResult, learn_forward_reductions, reverse_mode
 from derive.spec import OpSpec, SpecError, build_from_file
+from derive.tangent import TangentResult, tangent_mode
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Derivation:
     rules: tuple[tuple[sympy.Expr, sympy.Expr], ...]
     #: per memory mode, the backward autograd can record (create_graph=True); None: none
     recorded: dict[str, RecordedBackward | None]
+    #: the forward-mode derivative (JVP)
+    tangent: TangentResult
 
     @property
     def backward(self) -> BackwardResult:
@@ -46,8 +49,9 @@ def derive(spec: OpSpec) -> Derivation:
     recorded = recorded_backwards(spec)
     for mode, backward in backwards.items():
         _refuse_unread_saves(spec, mode, backward, recorded.get(mode))
+    tangent = tangent_mode(spec, algebra, reverse.stabilisers)
     return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backwards, rules,
-                      recorded)
+                      recorded, tangent)
 
 
 class UnreadSaveError(SpecError):

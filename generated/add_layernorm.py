@@ -1227,6 +1227,38 @@ def _add_layernorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, i
     return dx, dx, dinput_bias, dweight, dbias,
 
 
+def _add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias,
+        input_bias_dot, weight_dot, bias_dot, eps):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    residual = residual.to(acc) if residual is not None else 0.0
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    residual_dot = residual_dot.to(acc) if residual_dot is not None else 0.0
+    input_bias = input_bias.to(acc) if input_bias is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    input_bias_dot = input_bias_dot.to(acc) if input_bias_dot is not None else 0.0
+    weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
+    bias_dot = bias_dot.to(acc) if bias_dot is not None else 0.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
+    mean = (residual_out).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(residual_out)
+    mean_dot = (input_bias_dot + residual_dot + x_dot).sum(dim=-1, keepdim=True) / N  # mean_dot = 1/N * sum_j(input_bias_dot + residual_dot + x_dot)
+    var = ((residual_out - mean) * (residual_out - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+    var_dot = ((2.0 * residual_out - 2.0 * mean) * (input_bias_dot + residual_dot + x_dot)).sum(dim=-1, keepdim=True) / N  # var_dot = 1/N * sum_j((-2*mean + 2*residual_out)*(input_bias_dot + residual_dot + x_dot))
+    rstd = (1.0) / (torch.sqrt(eps + var))  # rstd = 1/sqrt(eps + var)
+    rstd_dot = -0.5 * rstd * rstd * rstd * var_dot  # rstd_dot = -rstd^3*var_dot/2
+    x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
+    common_0 = input_bias_dot + residual_dot + x_dot  # common_0 = input_bias_dot + residual_dot + x_dot
+    y_dot = torch.broadcast_to(bias_dot + weight * (rstd * common_0 + (rstd_dot) / (rstd) * x_hat - mean_dot * rstd) + weight_dot * x_hat, (M, N)).to(dtype).contiguous()
+    residual_out_dot = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
+    return y_dot, residual_out_dot,
+
+
 def _add_layernorm_fwd(x, residual, input_bias, weight, bias, eps, store_residual_out, store_mean,
         store_rstd, residual_out_dtype=None):
     M, N = x.shape
@@ -1818,11 +1850,24 @@ class _DefaultFunction(torch.autograd.Function):
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, residual, input_bias, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.eps = eps
+        ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _layout, _want_residual_out, _residual_out_dtype):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, input_bias, weight, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, residual_out_dot, = _add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
@@ -1871,11 +1916,24 @@ class _RecomputeMeanFunction(torch.autograd.Function):
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, residual, input_bias, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.eps = eps
+        ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _layout, _want_residual_out, _residual_out_dtype):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, input_bias, weight, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, residual_out_dot, = _add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
@@ -1924,11 +1982,24 @@ class _InvertibleFunction(torch.autograd.Function):
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, residual, input_bias, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.eps = eps
+        ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _layout, _want_residual_out, _residual_out_dtype):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, input_bias, weight, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, residual_out_dot, = _add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):

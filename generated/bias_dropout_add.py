@@ -266,6 +266,25 @@ def _bias_dropout_add_bwd_default_torch(dy, bias, p, seed, store_dbias):
     return dx, dy, dbias,
 
 
+def _bias_dropout_add_jvp_torch(x, residual, x_dot, residual_dot, bias, bias_dot, p, seed):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    residual = residual.to(acc) if residual is not None else 0.0
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    residual_dot = residual_dot.to(acc) if residual_dot is not None else 0.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    bias_dot = bias_dot.to(acc) if bias_dot is not None else 0.0
+    p = torch.tensor(p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
+    keep = torch.where((p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, p <= u), (0, True))
+    y_dot = torch.broadcast_to(residual_dot + (keep * (bias_dot + x_dot)) / (1.0 - p), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _bias_dropout_add_fwd(x, residual, bias, p, seed):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -457,11 +476,23 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned(y, layout)
         ctx.save_for_backward(bias, seed)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, residual, bias, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.p = p
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, bias_dot, _p, _seed, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, bias, seed, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, = _bias_dropout_add_jvp_torch(x, residual, x_dot, residual_dot, bias, bias_dot, ctx.p, seed)
+        return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

@@ -580,6 +580,49 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     return dx,
 
 
+def _cross_entropy_jvp_torch(x, x_dot, weight, target, ignore_index, label_smoothing,
+        lse_square_scale, softcap):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    target = target[:, None]
+    key = torch.arange(N, device=x.device)[None, :]
+    target_weight_mask = (target >= 0) & (target < N)
+    if N:
+        target_weight_at = target.clamp(0, N - 1)
+        target_weight_weight = weight[target_weight_at] if isinstance(weight, torch.Tensor) else weight
+        target_weight = torch.where(target_weight_mask, target_weight_weight, 0.0).to(acc)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
+    else:
+        target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
+    z = (softcap * torch.tanh((x) / (softcap)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
+    row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    target_logit_dot = ((x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) * torch.where((key == target), 1.0, 0.0).to(acc) if HAS_SOFTCAP else x_dot * torch.where((key == target), 1.0, 0.0).to(acc))).sum(dim=-1, keepdim=True)  # target_logit_dot = 1 * sum_j(x_dot*Piecewise((1, Eq(key, target)), (0, True))*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
+    weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
+    sum_target_gap_dot = ((-weight * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else -weight * x_dot)).sum(dim=-1, keepdim=True)  # sum_target_gap_dot = 1 * sum_j(-weight*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
+    target_gap_dot = ((sum_target_gap_dot + N * target_logit_dot * weight_mean)) / (N)  # target_gap_dot = (N*target_logit_dot*weight_mean + sum_target_gap_dot)/N
+    smoothed_dot = target_gap_dot * torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc)  # smoothed_dot = target_gap_dot*Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))
+    factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
+    e = torch.exp(z - row_max)  # e = exp(-row_max + z)
+    denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
+    denominator_dot = ((e * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else e * x_dot)).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
+    z_loss_dot = (denominator_dot * torch.where((ignore_index == target), 0.0, (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (2*lse_square_scale*(row_max + log(denominator))/denominator, True))
+    loss_dot = denominator_dot * torch.where((ignore_index == target), 0.0, (factor) / (denominator)).to(acc) + smoothed_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc) + target_logit_dot * torch.where((ignore_index == target), 0.0, -factor).to(acc) + z_loss_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc)  # loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target)), (factor/denominator, True)) + smoothed_dot*Piecewise((0, Eq(ignore_index, target)), (1, True)) + target_logit_dot*Piecewise((0, Eq(ignore_index, target)), (-factor, True)) + z_loss_dot*Piecewise((0, Eq(ignore_index, target)), (1, True))
+    loss_dot = torch.broadcast_to(loss_dot, (M, 1)).reshape(M).contiguous()
+    return loss_dot,
+
+
 def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
         store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max,
         store_denominator, store_target_weight, store_weight_mean):
@@ -854,6 +897,8 @@ class _DefaultFunction(torch.autograd.Function):
         if predicted_tokens is not None:
             ctx.mark_non_differentiable(predicted_tokens)  # never differentiated (`output(grad=False)`)
         ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, weight)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, weight, target)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.ignore_index = ignore_index
@@ -861,6 +906,15 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.lse_square_scale = lse_square_scale
         ctx.softcap = softcap
         return loss, z_loss, token_accuracy, predicted_tokens
+
+    @staticmethod
+    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, target, = ctx.saved_tensors
+        x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
+        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap)
+        return loss_dot, None, None, None
 
     @staticmethod
     def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):

@@ -745,6 +745,42 @@ def _dropout_add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_
     return dx, dresidual, dinput_bias, dweight,
 
 
+def _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight,
+        input_bias_dot, weight_dot, eps, weight_offset, dropout_p, round_normalized, seed):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    residual = residual.to(acc) if residual is not None else 0.0
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    residual_dot = residual_dot.to(acc) if residual_dot is not None else 0.0
+    input_bias = input_bias.to(acc) if input_bias is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    input_bias_dot = input_bias_dot.to(acc) if input_bias_dot is not None else 0.0
+    weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
+    keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+    dropped = (keep * (input_bias + x)) / (1.0 - dropout_p)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
+    residual_out = dropped + residual  # residual_out = dropped + residual
+    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
+    mean_square_dot = (2.0 * residual_out * (residual_dot + (input_bias_dot * keep) / (1.0 - dropout_p) + (keep * x_dot) / (1.0 - dropout_p))).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*residual_out*(input_bias_dot*keep/(-dropout_p + 1) + keep*x_dot/(-dropout_p + 1) + residual_dot))
+    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    rstd_dot = -0.5 * mean_square_dot * rstd * rstd * rstd  # rstd_dot = -mean_square_dot*rstd^3/2
+    common_0 = (keep) / (1.0 - dropout_p)  # common_0 = keep/(-dropout_p + 1)
+    x_hat = rstd * residual_out  # x_hat = residual_out*rstd
+    common_1 = residual_dot + common_0 * input_bias_dot + common_0 * x_dot  # common_1 = common_0*input_bias_dot + common_0*x_dot + residual_dot
+    y_dot = torch.broadcast_to((weight_dot * (x_hat).to(dtype).to(acc) + (weight + weight_offset) * (rstd * common_1 + (rstd_dot) / (rstd) * x_hat) if HAS_ROUND_NORMALIZED else weight_dot * x_hat + (weight + weight_offset) * (rstd * common_1 + (rstd_dot) / (rstd) * x_hat)), (M, N)).to(dtype).contiguous()
+    residual_out_dot = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    return y_dot, residual_out_dot,
+
+
 def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p,
         round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype=None):
     M, N = x.shape
@@ -1138,6 +1174,8 @@ class _DefaultFunction(torch.autograd.Function):
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, residual, input_bias, weight, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
@@ -1146,7 +1184,18 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.dropout_p = dropout_p
         ctx.round_normalized = round_normalized
         ctx.in_place = in_place
+        ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, input_bias, weight, seed, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, seed)
+        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
@@ -1204,6 +1253,8 @@ class _InvertibleFunction(torch.autograd.Function):
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         ctx.save_for_backward(y, rstd, input_bias, weight, seed)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, residual, input_bias, weight, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
@@ -1212,7 +1263,18 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.dropout_p = dropout_p
         ctx.round_normalized = round_normalized
         ctx.in_place = in_place
+        ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, input_bias, weight, seed, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, seed)
+        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):

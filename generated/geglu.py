@@ -207,6 +207,24 @@ def _geglu_bwd_default_torch(dy, gate, up):
     return dgate, dup,
 
 
+def _geglu_jvp_torch(gate, up, gate_dot, up_dot):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = gate.dtype
+    acc = launch.accumulator(dtype)
+    M, N = gate.shape
+    gate = gate.to(acc)
+    up = up.to(acc)
+    gate_dot = gate_dot.to(acc) if gate_dot is not None else 0.0
+    up_dot = up_dot.to(acc) if up_dot is not None else 0.0
+    common_0 = 0.5 * gate  # common_0 = gate/2
+    common_1 = 1.4142135623730951 * common_0  # common_1 = sqrt(2)*common_0
+    common_2 = torch.erf(common_1)  # common_2 = erf(common_1)
+    activation = common_0 * (1.0 + common_2)  # activation = common_0*(common_2 + 1)
+    y_dot = torch.broadcast_to(activation * up_dot + gate_dot * up * (0.5 + 0.5 * common_2 + 0.5641895835477563 * common_1 * torch.exp(-0.5 * gate * gate)), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _geglu_fwd(gate, up):
     M, N = gate.shape
     if M == 0 or N == 0 or not launch.use_triton(gate):
@@ -396,10 +414,22 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned(y, layout)
         ctx.save_for_backward(gate_given, up_given)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(gate, up)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
         ctx.layout = layout
         return y
+
+    @staticmethod
+    def jvp(ctx, gate_dot, up_dot, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        gate, up, = ctx.saved_tensors
+        gate_dot = launch.to_rows(gate_dot, ctx.layout)
+        up_dot = launch.to_rows(up_dot, ctx.layout)
+        y_dot, = _geglu_jvp_torch(gate, up, gate_dot, up_dot)
+        return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

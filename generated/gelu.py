@@ -291,6 +291,22 @@ def _gelu_bwd_default_torch(dy, x, bias, store_dbias):
     return dx, dbias,
 
 
+def _gelu_jvp_torch(x, x_dot, bias, bias_dot):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    bias_dot = bias_dot.to(acc) if bias_dot is not None else 0.0
+    z = bias + x  # z = bias + x
+    common_0 = 0.7071067811865476 * z  # common_0 = sqrt(2)*z/2
+    y_dot = torch.broadcast_to((bias_dot + x_dot) * (0.5 + 0.5 * torch.erf(common_0) + 0.5641895835477563 * common_0 * torch.exp(-0.5 * z * z)), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _gelu_fwd(x, bias):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -486,10 +502,21 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned(y, layout)
         ctx.save_for_backward(x_given, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, bias_dot, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _gelu_jvp_torch(x, x_dot, bias, bias_dot)
+        return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

@@ -972,6 +972,30 @@ def _layernorm_bwd_default_recorded_torch(dy, x, weight, bias, eps, store_dweigh
     return dx, dweight, dbias,
 
 
+def _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, eps):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    bias = bias.to(acc) if bias is not None else 0.0
+    weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
+    bias_dot = bias_dot.to(acc) if bias_dot is not None else 0.0
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    mean = (x).sum(dim=-1, keepdim=True) / N  # mean = 1/N * sum_j(x)
+    mean_dot = (x_dot).sum(dim=-1, keepdim=True) / N  # mean_dot = 1/N * sum_j(x_dot)
+    var = ((x - mean) * (x - mean)).sum(dim=-1, keepdim=True) / N  # var = 1/N * sum_j((-mean + x)^2)
+    var_dot = (x_dot * (2.0 * x - 2.0 * mean)).sum(dim=-1, keepdim=True) / N  # var_dot = 1/N * sum_j(x_dot*(-2*mean + 2*x))
+    rstd = (1.0) / (torch.sqrt(eps + var))  # rstd = 1/sqrt(eps + var)
+    rstd_dot = -0.5 * rstd * rstd * rstd * var_dot  # rstd_dot = -rstd^3*var_dot/2
+    x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
+    y_dot = torch.broadcast_to(bias_dot + weight * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat - mean_dot * rstd) + weight_dot * x_hat, (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _layernorm_fwd(x, weight, bias, eps, store_mean, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -1479,11 +1503,22 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned_dense(y, layout)
         ctx.save_for_backward(x_given, mean, rstd, weight, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.eps = eps
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):
@@ -1525,11 +1560,22 @@ class _RecomputeMeanFunction(torch.autograd.Function):
         )
         y = launch.returned_dense(y, layout)
         ctx.save_for_backward(x_given, rstd, weight, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.eps = eps
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):
@@ -1571,11 +1617,22 @@ class _InvertibleFunction(torch.autograd.Function):
         )
         y = launch.returned_dense(y, layout)
         ctx.save_for_backward(y, rstd, weight, bias)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, weight, bias)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.eps = eps
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, bias, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

@@ -404,6 +404,34 @@ def _masked_softmax_bwd_default_recorded_torch(dy, dp, p, scale, window, dropout
     return dx,
 
 
+def _masked_softmax_jvp_torch(x, attention_mask, x_dot, scale, window, dropout_p, seed, row_shape):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    attention_mask = attention_mask.reshape(M, N).to(acc) if attention_mask is not None else 0.0
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    scale = torch.tensor(scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    window = torch.tensor(window, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    key = torch.arange(N, device=x.device)[None, :]
+    query = (torch.arange(M, device=x.device) % row_shape[2])[:, None]
+    u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
+    z = torch.where((key <= query + window), attention_mask + scale * x, float("-inf")).to(acc)  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
+    row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    e = torch.exp(z - row_max)  # e = exp(-row_max + z)
+    denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
+    denominator_dot = (e * x_dot * torch.where((key <= query + window), scale, 0.0).to(acc)).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot*Piecewise((scale, key <= query + window), (0, True)))
+    common_0 = (key <= query + window)  # common_0 = key <= query + window
+    p = helpers.guarded_reciprocal_torch(denominator) * e  # p = e*GuardedReciprocal(denominator)
+    keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
+    y_dot = torch.broadcast_to((keep * p * (torch.where(common_0, scale * x_dot, 0.0).to(acc) - denominator_dot * helpers.guarded_reciprocal_torch(denominator))) / (1.0 - dropout_p), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _masked_softmax_fwd(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p,
         p_dtype=None):
     M, N = x.shape
@@ -613,6 +641,8 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned(y, layout)
         ctx.save_for_backward(p, seed)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, attention_mask, seed)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
@@ -621,6 +651,15 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.dropout_p = dropout_p
         ctx.row_shape = row_shape
         return y, p
+
+    @staticmethod
+    def jvp(ctx, x_dot, _attention_mask, _scale, _window, _dropout_p, _seed, _row_shape, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, attention_mask, seed, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _masked_softmax_jvp_torch(x, attention_mask, x_dot, ctx.scale, ctx.window, ctx.dropout_p, seed, ctx.row_shape)
+        return launch.returned(y_dot, ctx.layout), None
 
     @staticmethod
     def backward(ctx, dy, dp):

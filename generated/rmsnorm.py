@@ -633,6 +633,29 @@ def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, round
     return dx, dweight,
 
 
+def _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, eps, weight_offset, round_normalized):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    weight = weight.to(acc) if weight is not None else 1.0
+    weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
+    HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
+    mean_square_dot = (2.0 * x * x_dot).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*x*x_dot)
+    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    rstd_dot = -0.5 * mean_square_dot * rstd * rstd * rstd  # rstd_dot = -mean_square_dot*rstd^3/2
+    x_hat = rstd * x  # x_hat = rstd*x
+    y_dot = torch.broadcast_to((weight_dot * (x_hat).to(dtype).to(acc) + (weight + weight_offset) * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat) if HAS_ROUND_NORMALIZED else weight_dot * x_hat + (weight + weight_offset) * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat)), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -986,6 +1009,8 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned_dense(y, layout)
         ctx.save_for_backward(x_given, rstd, weight)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
@@ -994,6 +1019,15 @@ class _DefaultFunction(torch.autograd.Function):
         ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):
@@ -1040,6 +1074,8 @@ class _InvertibleFunction(torch.autograd.Function):
         )
         y = launch.returned_dense(y, layout)
         ctx.save_for_backward(y, rstd, weight)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, weight)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
@@ -1048,6 +1084,15 @@ class _InvertibleFunction(torch.autograd.Function):
         ctx.round_normalized = round_normalized
         ctx.in_place = in_place
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

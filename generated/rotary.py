@@ -196,6 +196,22 @@ def _rotary_bwd_default_torch(dy, cos, sin, row_shape):
     return dx,
 
 
+def _rotary_jvp_torch(x, cos, sin, x_dot, row_shape):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    cos = cos.reshape(M, N).to(acc)
+    sin = sin.reshape(M, N).to(acc)
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    j = torch.arange(N, device=x.device)[None, :]
+    x_rotated_dot = helpers.partner_torch(x_dot, "half")  # x_dot at each column's partner
+    y_dot = torch.broadcast_to(cos * x_dot + sin * x_rotated_dot * torch.where((j < 0.5 * N), -1.0, 1.0).to(acc), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _rotary_fwd(x, cos, sin, row_shape):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -386,11 +402,22 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned(y, layout)
         ctx.save_for_backward(cos, sin)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x, cos, sin)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         ctx.layout = layout
         ctx.row_shape = row_shape
         return y
+
+    @staticmethod
+    def jvp(ctx, x_dot, _cos, _sin, _row_shape, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, cos, sin, = ctx.saved_tensors
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _rotary_jvp_torch(x, cos, sin, x_dot, ctx.row_shape)
+        return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

@@ -284,6 +284,24 @@ def _softmax_bwd_default_torch(dp, p):
     return dx,
 
 
+def _softmax_jvp_torch(x, x_dot):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = x.dtype
+    acc = launch.accumulator(dtype)
+    M, N = x.shape
+    x = x.to(acc)
+    x_dot = x_dot.to(acc) if x_dot is not None else 0.0
+    row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    e = torch.exp(x - row_max)  # e = exp(-row_max + x)
+    denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
+    denominator_dot = (e * x_dot).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot)
+    p = (e) / (denominator)  # p = e/denominator
+    p_dot = torch.broadcast_to(p * (x_dot - (denominator_dot) / (denominator)), (M, N)).to(dtype).contiguous()
+    return p_dot,
+
+
 def _softmax_fwd(x):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
@@ -467,9 +485,20 @@ class _DefaultFunction(torch.autograd.Function):
             x,
         )
         ctx.save_for_backward(p)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(x)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
         return p
+
+    @staticmethod
+    def jvp(ctx, x_dot):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, = ctx.saved_tensors
+        x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
+        p_dot, = _softmax_jvp_torch(x, x_dot)
+        return p_dot
 
     @staticmethod
     def backward(ctx, dp):

@@ -245,6 +245,26 @@ def _swiglu_bwd_default_torch(dy, gate, up, gate_multiplier, down_multiplier):
     return dgate, dup,
 
 
+def _swiglu_jvp_torch(gate, up, gate_dot, up_dot, gate_multiplier, down_multiplier):
+    """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
+    tangents (`<name>_dot`; None: zero), in plain torch on any device."""
+    dtype = gate.dtype
+    acc = launch.accumulator(dtype)
+    M, N = gate.shape
+    gate = gate.to(acc)
+    up = up.to(acc)
+    gate_dot = gate_dot.to(acc) if gate_dot is not None else 0.0
+    up_dot = up_dot.to(acc) if up_dot is not None else 0.0
+    gate_multiplier = torch.tensor(gate_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    down_multiplier = torch.tensor(down_multiplier, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    gate_scaled = gate_multiplier * gate  # gate_scaled = gate*gate_multiplier
+    e = torch.exp(-gate_scaled)  # e = exp(-gate_scaled)
+    s = (1.0) / ((1.0 + e))  # s = 1/(e + 1)
+    common_0 = gate_multiplier * gate_dot * up  # common_0 = gate_dot*gate_multiplier*up
+    y_dot = torch.broadcast_to(down_multiplier * s * (common_0 + gate_scaled * up_dot + common_0 * gate_scaled * (1.0 - s)), (M, N)).to(dtype).contiguous()
+    return y_dot,
+
+
 def _swiglu_fwd(gate, up, gate_multiplier, down_multiplier):
     M, N = gate.shape
     if M == 0 or N == 0 or not launch.use_triton(gate):
@@ -442,12 +462,24 @@ class _DefaultFunction(torch.autograd.Function):
         )
         y = launch.returned(y, layout)
         ctx.save_for_backward(gate_given, up_given)
+        # what the forward-mode derivative reads (`jvp`); kept only while it runs
+        ctx.save_for_forward(gate, up)
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
         ctx.layout = layout
         ctx.gate_multiplier = gate_multiplier
         ctx.down_multiplier = down_multiplier
         return y
+
+    @staticmethod
+    def jvp(ctx, gate_dot, up_dot, _gate_multiplier, _down_multiplier, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        gate, up, = ctx.saved_tensors
+        gate_dot = launch.to_rows(gate_dot, ctx.layout)
+        up_dot = launch.to_rows(up_dot, ctx.layout)
+        y_dot, = _swiglu_jvp_torch(gate, up, gate_dot, up_dot, ctx.gate_multiplier, ctx.down_multiplier)
+        return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):

@@ -8,6 +8,7 @@ import math
 import numbers
 
 import torch
+from torch.autograd import forward_ad
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -276,11 +277,16 @@ def check_real(function, name, value):
 
 
 def needs_grad(*tensors):
-    if not torch.is_grad_enabled():
-        return False
-    for tensor in tensors:  # a loop: any() over a generator takes twice the host time
-        if tensor is not None and tensor.requires_grad:
-            return True
+    """Whether autograd differentiates the call: in reverse mode (a tensor requires grad) or
+    in forward mode (a tensor carries a tangent, which only the autograd Functions pass on)."""
+    if torch.is_grad_enabled():
+        for tensor in tensors:  # a loop: any() over a generator takes twice the host time
+            if tensor is not None and tensor.requires_grad:
+                return True
+    if forward_ad._current_level >= 0:  # a dual level is open
+        for tensor in tensors:
+            if tensor is not None and forward_ad.unpack_dual(tensor).tangent is not None:
+                return True
     return False
 
 
