@@ -963,8 +963,10 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         bwd.into_stores = sorted({*first, *modes[-1]["reused"]})
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
+    hidden = next((m["recorded"]["hidden"] for m in modes
+                   if m["recorded"] and m["recorded"]["hidden"]), [])
     tangents = _tangents(module, jvp, fwd, function_args + extra_args, layout_inputs,
-                         layout_outputs, dense_outputs)
+                         layout_outputs, dense_outputs, hidden)
     for m in modes:
         m["unrecorded"] = None if m["recorded"] else _unrecorded(module, m, supported)
     context = {
@@ -1029,8 +1031,8 @@ def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: di
 
 
 def _tangents(module: ModuleSpec, jvp: Kernel, fwd: KernelContext, arguments: list[str],
-              layout_inputs: list[str], layout_outputs: list[str], dense_outputs: list[str]
-              ) -> dict[str, Any]:
+              layout_inputs: list[str], layout_outputs: list[str], dense_outputs: list[str],
+              hidden: list[str]) -> dict[str, Any]:
     """What each autograd Function's `jvp` needs: the JVP's torch path, the primal tensors the
     forward keeps for it (`save_for_forward`), its tangent arguments (one per argument of the
     Function, `_<name>` where the argument has none) and the tangent it returns per output."""
@@ -1042,10 +1044,12 @@ def _tangents(module: ModuleSpec, jvp: Kernel, fwd: KernelContext, arguments: li
     calls = {name: f"ctx.{name}" for name in (*module.scalars, "row_shape")}
     output_tangent = dict(module.tangent_outputs)
     returns = []
-    for name in module.outputs:
+    for name in [*module.outputs, *hidden]:
         tangent = output_tangent.get(name)
         if tangent is None:
             returns.append("None")
+        elif name in hidden:  # rows, as the Function returns them
+            returns.append(tangent)
         elif name in layout_outputs:
             how = "returned_dense" if name in dense_outputs else "returned"
             returns.append(f"launch.{how}({tangent}, ctx.layout)")

@@ -49,7 +49,10 @@ def derive(spec: OpSpec) -> Derivation:
     recorded = recorded_backwards(spec)
     for mode, backward in backwards.items():
         _refuse_unread_saves(spec, mode, backward, recorded.get(mode))
-    tangent = tangent_mode(spec, algebra, reverse.stabilisers)
+    # saved values a mode returns so that they carry autograd's graph: a backward recorded
+    # under forward mode (forward-over-reverse) reads their tangents
+    hidden = [name for plan in recorded.values() if plan is not None for name in plan.hidden]
+    tangent = tangent_mode(spec, algebra, reverse.stabilisers, tuple(dict.fromkeys(hidden)))
     return Derivation(spec, forward_graph(spec), saved_outputs(spec), reverse, backwards, rules,
                       recorded, tangent)
 

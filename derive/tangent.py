@@ -56,9 +56,11 @@ def tangent_name(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def tangent_mode(spec: OpSpec, algebra: Algebra, stabilisers: tuple[str, ...]) -> TangentResult:
+def tangent_mode(spec: OpSpec, algebra: Algebra, stabilisers: tuple[str, ...],
+                 hidden: tuple[str, ...] = ()) -> TangentResult:
     """The forward's tangent graph; `spec` in canonical form, `stabilisers` the row maxes
-    reverse mode proved the outputs do not depend on."""
+    reverse mode proved the outputs do not depend on, `hidden` the saved values the op returns
+    besides its outputs (derive/higher.py), whose tangents it returns too."""
     taken = {n.name for n in spec.nodes}
     dot: dict[sympy.Symbol, sympy.Symbol] = {}
     inputs: list[tuple[str, str]] = []
@@ -175,10 +177,10 @@ def tangent_mode(spec: OpSpec, algebra: Algebra, stabilisers: tuple[str, ...]) -
     named_rows = {d.name for d in definitions}
     outputs = [(name, value[spec.node(name).symbol].name
                 if getattr(value.get(spec.node(name).symbol), "name", None) in named_rows
-                else tangent_name(name, taken)) for name in spec.differentiated]
-    levels = {name: spec.node(name).level for name in spec.outputs}
+                else tangent_name(name, taken)) for name in [*spec.differentiated, *hidden]]
+    levels = {name: spec.node(name).level for name, _ in outputs}
     output_value = {name: stable(value.get(spec.node(name).symbol, sympy.Integer(0)))
-                    for name in spec.outputs}
+                    for name, _ in outputs}
     shared = extras(spec)
     element_tangents = [dot[n.symbol].name for n in spec.nodes
                         if n.kind is Kind.INPUT and n.symbol in dot]

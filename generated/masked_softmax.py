@@ -428,8 +428,10 @@ def _masked_softmax_jvp_torch(x, attention_mask, x_dot, scale, window, dropout_p
     common_0 = (key <= query + window)  # common_0 = key <= query + window
     p = helpers.guarded_reciprocal_torch(denominator) * e  # p = e*GuardedReciprocal(denominator)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-    y_dot = torch.broadcast_to((keep * p * (torch.where(common_0, scale * x_dot, 0.0).to(acc) - denominator_dot * helpers.guarded_reciprocal_torch(denominator))) / (1.0 - dropout_p), (M, N)).to(dtype).contiguous()
-    return y_dot,
+    common_2 = p * (torch.where(common_0, scale * x_dot, 0.0).to(acc) - denominator_dot * helpers.guarded_reciprocal_torch(denominator))  # common_2 = p*(-denominator_dot*GuardedReciprocal(denominator) + Piecewise((scale*x_dot, common_0), (0, True)))
+    y_dot = torch.broadcast_to((common_2 * keep) / (1.0 - dropout_p), (M, N)).to(dtype).contiguous()
+    p_dot = torch.broadcast_to(common_2, (M, N)).to(dtype).contiguous()
+    return y_dot, p_dot,
 
 
 def _masked_softmax_fwd(x, attention_mask, scale, window, dropout_p, seed, row_shape, store_p,
@@ -658,8 +660,8 @@ class _DefaultFunction(torch.autograd.Function):
         derived from the same spec, run as plain torch ops on the rows."""
         x, attention_mask, seed, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _masked_softmax_jvp_torch(x, attention_mask, x_dot, ctx.scale, ctx.window, ctx.dropout_p, seed, ctx.row_shape)
-        return launch.returned(y_dot, ctx.layout), None
+        y_dot, p_dot, = _masked_softmax_jvp_torch(x, attention_mask, x_dot, ctx.scale, ctx.window, ctx.dropout_p, seed, ctx.row_shape)
+        return launch.returned(y_dot, ctx.layout), p_dot
 
     @staticmethod
     def backward(ctx, dy, dp):

@@ -325,10 +325,13 @@ class _Part:
 
     def __init__(self, ctx, needs_input_grad):
         self.ctx, self.needs_input_grad = ctx, needs_input_grad
-        self.saved = ()
+        self.saved = self.saved_for_forward = ()
 
     def save_for_backward(self, *tensors):
         self.saved = tensors
+
+    def save_for_forward(self, *tensors):
+        self.saved_for_forward = tensors
 
     @property
     def saved_tensors(self):
@@ -362,13 +365,27 @@ class _Each(torch.autograd.Function):
             start += count
         ctx.function, ctx.parts = function, parts
         ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*(t for part in parts for t in part.saved_for_forward))
         ctx.set_materialize_grads(False)
         for part in parts:
             # autograd holds the saved tensors now (and frees them after the backward); a part
             # holding them too, or the node (a reference cycle), would keep them until the
             # garbage collector breaks the cycle
-            part.saved, part.ctx = (), None
+            part.forward_count = len(part.saved_for_forward)
+            part.saved, part.saved_for_forward, part.ctx = (), (), None
         return tuple(outputs)
+
+    @staticmethod
+    def jvp(ctx, _function, _counts, *tangents):
+        saved, at, start, results = ctx.saved_tensors, 0, 0, []
+        for part in ctx.parts:
+            count = len(part.needs_input_grad)
+            part.saved = saved[at : at + part.forward_count]
+            at += part.forward_count
+            results.append(ctx.function.jvp(part, *tangents[start : start + count]))
+            part.saved = ()
+            start += count
+        return tuple(results)
 
     @staticmethod
     def backward(ctx, *grads):

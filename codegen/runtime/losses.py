@@ -124,8 +124,14 @@ class CountedMean(torch.autograd.Function):
             mean, scale = mean_and_scale(loss, counted)
             mean = mean.to(dtype)
         ctx.save_for_backward(scale)
-        ctx.rows = loss.shape
+        ctx.save_for_forward(scale)
+        ctx.rows, ctx.dtype = loss.shape, dtype
         return mean
+
+    @staticmethod
+    def jvp(ctx, loss_dot, _counted, _dtype):
+        (scale,) = ctx.saved_tensors
+        return torch.mul(loss_dot.sum(), scale).to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, grad):
