@@ -107,7 +107,7 @@ def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, st
     jvp = lower(derivation.tangent.graph, f"_{spec.name}_jvp")
     source = render_module(module, forward, backwards, jvp=jvp,
                            recorded=recorded_kernels(derivation), siblings=siblings)
-    page = render_page(derivation, forward, backwards, module_path)
+    page = render_page(derivation, forward, backwards, jvp, module_path)
     return derivation, source, page
 
 

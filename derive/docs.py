@@ -34,6 +34,8 @@ def name_latex(name: str) -> str:
     """One spec name as LaTeX: a single letter (x, y, N) or a Greek letter's name stays an
     italic symbol, a name already in LaTeX (\\bar{x}) is kept, any other name is upright and
     whole (\\mathrm{x\\_hat})."""
+    if name.endswith("_dot") and len(name) > 4:  # a tangent (derive/tangent.py)
+        return tangent_latex(name[:-4])
     if len(name) == 1 or name.startswith("\\"):
         return name
     if name.lower() in _GREEK:
@@ -64,6 +66,12 @@ def gradient_latex(name: str, expr: sympy.Expr) -> str:
     return f"{bar}{{{symbol}}} = {latex(expr)}"
 
 
+def tangent_latex(name: str) -> str:
+    """The tangent of a value (its derivative along the inputs' tangents): a dot over its
+    name."""
+    return rf"\dot{{{name_latex(name)}}}"
+
+
 def reduction_count(title: str, kernel: Kernel) -> dict[str, object]:
     """How many times one kernel goes over a row and what it reduces: its passes, each pass's
     row reductions, the sweeps a looped row takes (fused passes, and the epilogue when it
@@ -82,7 +90,7 @@ def reduction_count(title: str, kernel: Kernel) -> dict[str, object]:
 
 
 def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Kernel],
-                module_path: str | None = None) -> str:
+                jvp: Kernel, module_path: str | None = None) -> str:
     """The page of one op. `module_path` is where the module was written for a spec outside
     this repo (`derive SPEC --out DIR`): its page sits there too, away from the docs site, so
     it names the project's pages instead of linking them."""
@@ -148,6 +156,11 @@ def render_page(derivation: Derivation, forward: Kernel, backwards: dict[str, Ke
         "modes": modes,
         "column_params": [n.name for n in spec.nodes if n.kind is Kind.COLUMN_PARAM],
         "forward_ir": forward.listing(),
+        "tangent_inputs": [{"name": name, "math": tangent_latex(name)}
+                           for name, tangent in derivation.tangent.inputs],
+        "tangents": [{"name": name, "math": f"{tangent_latex(name)} = {latex(expr)}"}
+                     for name, expr in derivation.tangent.tangents],
+        "jvp_ir": jvp.listing(),
         "counts": [reduction_count("forward", forward)]
                   + [reduction_count(f"backward, mode `{mode}`", kernel)
                      for mode, kernel in backwards.items()],

@@ -112,3 +112,13 @@ def test_layer_tangent_matches_reference(kind, device):
             output = torch.func.functional_call(module, duals, (hidden, mask.to(hidden.device)))
             results.append(fwAD.unpack_dual(output).tangent.cpu())
     torch.testing.assert_close(results[0], results[1], **FP64_TOL)
+
+
+def test_linear_cross_entropy_refuses_forward_mode(device):
+    """The chunked linear loss names the op and the transform, never a missing tangent."""
+    from generated.cross_entropy import linear_cross_entropy
+
+    x, weight = randn((3, 4), device=device), randn((5, 4), device=device)
+    target = torch.tensor([1, 2, 0], device=device)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="linear_cross_entropy: forward-mode"):
+        linear_cross_entropy(fwAD.make_dual(x, torch.ones_like(x)), weight, target)

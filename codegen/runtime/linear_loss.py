@@ -467,6 +467,15 @@ class _LinearLoss(torch.autograd.Function):
         return _reduce(plan, loss, counted)
 
     @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(
+            f"{ctx.plan.function}: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp, "
+            "jacfwd) is not supported: its logits are never held whole, and their tangents "
+            "would be; take the forward-mode derivative of cross_entropy of the linear layer's "
+            "logits instead"
+        )
+
+    @staticmethod
     def backward(ctx, grad):
         if torch.is_grad_enabled():
             raise RuntimeError(
