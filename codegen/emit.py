@@ -1025,6 +1025,7 @@ def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: di
         "emit": fresh,
         "unpack": [o.name for o in (kernel or backward).outputs],
         "hidden": list(recorded.hidden),
+        "reads": list(recorded.reads),
         "hidden_upstream": [{"name": upstream_symbol(name).name, "row": name in rows,
                              "index": fwd.returns.index(name)} for name in recorded.hidden],
     }

@@ -461,7 +461,7 @@ def _bias_dropout_add_bwd_default(dy, bias, p, seed, store_dbias):
     return dx, dy, dbias,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves nothing. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -521,6 +521,66 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, residual, bias, p, seed, layout):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
+        y, = _bias_dropout_add_fwd_torch(
+            x, residual, bias, p, seed,
+        )
+        y = launch.returned(y, layout)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, residual, bias, p, seed, layout, = inputs
+        y = output
+        ctx.save_for_backward(bias, seed)
+        ctx.save_for_forward(x, residual, bias, seed)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.p = p
+
+    @staticmethod
+    def backward(ctx, dy):
+        bias, seed, = ctx.saved_tensors
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
+            dy, bias,
+            ctx.p,
+            seed,
+            store_dbias=bias is not None and ctx.needs_input_grad[2],
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dbias if needs[2] else None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, bias_dot, _p, _seed, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, bias, seed, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        residual = launch.to_rows(residual, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, = _bias_dropout_add_jvp_torch(x, residual, x_dot, residual_dot, bias, bias_dot, ctx.p, seed)
+        return launch.returned(y_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _bias_dropout_add_stores(memory):

@@ -872,7 +872,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
     return dx,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves x, target, row_max, denominator, target_weight, weight_mean. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -945,6 +945,76 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss, want_token_accuracy, want_predicted_tokens):
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd_torch(
+            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+            store_z_loss=want_z_loss,
+            store_token_accuracy=want_token_accuracy,
+            store_predicted_tokens=want_predicted_tokens,
+            store_row_max=False,
+            store_denominator=False,
+            store_target_weight=False,
+            store_weight_mean=False,
+        )
+        return loss, z_loss, token_accuracy, predicted_tokens
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
+        loss, z_loss, token_accuracy, predicted_tokens, = output
+        if z_loss is not None:
+            ctx.mark_non_differentiable(z_loss)  # never differentiated (`output(grad=False)`)
+        if token_accuracy is not None:
+            ctx.mark_non_differentiable(token_accuracy)  # never differentiated (`output(grad=False)`)
+        if predicted_tokens is not None:
+            ctx.mark_non_differentiable(predicted_tokens)  # never differentiated (`output(grad=False)`)
+        ctx.save_for_backward(x, target, weight)
+        ctx.save_for_forward(x, weight, target)
+        ctx.set_materialize_grads(False)
+        rows = x
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.ignore_index = ignore_index
+        ctx.label_smoothing = label_smoothing
+        ctx.lse_square_scale = lse_square_scale
+        ctx.softcap = softcap
+
+    @staticmethod
+    def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
+        x, target, weight, = ctx.saved_tensors
+        dloss = dloss.reshape(-1) if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
+        dx, = _cross_entropy_bwd_default_recorded_torch(
+            x, weight, dloss, target,
+            ctx.ignore_index,
+            ctx.label_smoothing,
+            ctx.lse_square_scale,
+            ctx.softcap,
+        )
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, target, = ctx.saved_tensors
+        x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
+        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap)
+        return loss_dot, None, None, None
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens):

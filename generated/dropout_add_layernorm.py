@@ -1630,7 +1630,7 @@ def _dropout_add_layernorm_bwd_invertible(dy, dresidual_out, y, input_bias, weig
     return dx, dresidual, dinput_bias, dweight, dbias,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves residual_out, mean, rstd. Keeps the sum and both statistics.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1701,7 +1701,7 @@ class _DefaultFunction(torch.autograd.Function):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
 
 
-class _RecomputeMeanFunction(torch.autograd.Function):
+class _RecomputeMeanFunction(launch.RowFunction):
     """Memory mode 'recompute_mean': saves residual_out, rstd. The backward recomputes the row mean from the saved sum.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1772,7 +1772,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
 
 
-class _InvertibleFunction(torch.autograd.Function):
+class _InvertibleFunction(launch.RowFunction):
     """Memory mode 'invertible': saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1837,6 +1837,80 @@ _FUNCTIONS = {
     "recompute_mean": _RecomputeMeanFunction,
     "invertible": _InvertibleFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
+        x = launch.to_rows(x, layout)
+        residual = launch.to_rows(residual, layout)
+        y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd_torch(
+            x, residual, input_bias, weight, bias, eps, dropout_p, seed,
+            store_residual_out=want_residual_out,
+            store_mean=False,
+            store_rstd=False,
+            residual_out_dtype=residual_out_dtype,
+        )
+        y = launch.returned_dense(y, layout)
+        residual_out = launch.returned(residual_out, layout)
+        return y, residual_out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype, = inputs
+        y, residual_out, = output
+        ctx.save_for_backward(residual_out, input_bias, weight, bias, seed)
+        ctx.save_for_forward(x, residual, input_bias, weight, bias, seed)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.eps = eps
+        ctx.dropout_p = dropout_p
+        ctx.residual_out_dtype = residual_out_dtype
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out):
+        residual_out, input_bias, weight, bias, seed, = ctx.saved_tensors
+        residual_out = launch.to_rows(residual_out, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
+        dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
+            dy, dresidual_out, residual_out, input_bias, weight, bias,
+            ctx.eps,
+            ctx.dropout_p,
+            seed,
+            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
+            store_dweight=weight is not None and ctx.needs_input_grad[3],
+            store_dbias=bias is not None and ctx.needs_input_grad[4],
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _want_residual_out, _residual_out_dtype):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, residual, input_bias, weight, bias, seed, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        residual = launch.to_rows(residual, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        residual_dot = launch.to_rows(residual_dot, ctx.layout)
+        y_dot, residual_out_dot, = _dropout_add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps, ctx.dropout_p, seed)
+        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
+_RecomputeMeanFunction.functional = _Functional
+_InvertibleFunction.functional = _Functional
 
 
 def _dropout_add_layernorm_stores(memory, want_residual_out):

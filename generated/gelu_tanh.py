@@ -476,7 +476,7 @@ def _gelu_tanh_bwd_default(dy, x, bias, store_dbias):
     return dx, dbias,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves x. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -530,6 +530,61 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, bias, layout):
+        x = launch.to_rows(x, layout)
+        y, = _gelu_tanh_fwd_torch(
+            x, bias,
+        )
+        y = launch.returned(y, layout)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, bias, layout, = inputs
+        y = output
+        ctx.save_for_backward(x, bias)
+        ctx.save_for_forward(x, bias)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dx, dbias, = _gelu_tanh_bwd_default_torch(
+            dy, x, bias,
+            store_dbias=bias is not None and ctx.needs_input_grad[1],
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dbias if needs[1] else None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, bias_dot, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _gelu_tanh_jvp_torch(x, x_dot, bias, bias_dot)
+        return launch.returned(y_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _gelu_tanh_stores(memory):

@@ -1487,7 +1487,7 @@ def _layernorm_bwd_invertible(dy, y, weight, bias, rstd, store_dweight, store_db
     return dx, dweight, dbias,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves x, mean, rstd. The fastest backward: only x_hat is recomputed.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1544,7 +1544,7 @@ class _DefaultFunction(torch.autograd.Function):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None
 
 
-class _RecomputeMeanFunction(torch.autograd.Function):
+class _RecomputeMeanFunction(launch.RowFunction):
     """Memory mode 'recompute_mean': saves x, rstd. DeepSpeed's useMean=false: the backward recomputes the row mean from x.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1601,7 +1601,7 @@ class _RecomputeMeanFunction(torch.autograd.Function):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None
 
 
-class _InvertibleFunction(torch.autograd.Function):
+class _InvertibleFunction(launch.RowFunction):
     """Memory mode 'invertible': saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1655,6 +1655,68 @@ _FUNCTIONS = {
     "recompute_mean": _RecomputeMeanFunction,
     "invertible": _InvertibleFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, eps, layout):
+        x = launch.to_rows(x, layout)
+        y, mean, rstd, = _layernorm_fwd_torch(
+            x, weight, bias, eps,
+            store_mean=False,
+            store_rstd=False,
+        )
+        y = launch.returned_dense(y, layout)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, eps, layout, = inputs
+        y = output
+        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_forward(x, weight, bias)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+            dy, x, weight, bias,
+            ctx.eps,
+            store_dweight=weight is not None and ctx.needs_input_grad[1],
+            store_dbias=bias is not None and ctx.needs_input_grad[2],
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps)
+        return launch.returned_dense(y_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
+_RecomputeMeanFunction.functional = _Functional
+_InvertibleFunction.functional = _Functional
 
 
 def _layernorm_stores(memory):

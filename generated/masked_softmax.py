@@ -622,7 +622,7 @@ def _masked_softmax_bwd_default(dy, p, scale, window, dropout_p, seed, row_shape
     return dx,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves p. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -696,6 +696,70 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, attention_mask, scale, window, dropout_p, seed, row_shape, layout):
+        x = launch.to_rows(x, layout)
+        y, p, = _masked_softmax_fwd_torch(
+            x, attention_mask, scale, window, dropout_p, seed, row_shape,
+            store_p=True,
+        )
+        y = launch.returned(y, layout)
+        return y, p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, attention_mask, scale, window, dropout_p, seed, row_shape, layout, = inputs
+        y, p, = output
+        ctx.save_for_backward(p, seed)
+        ctx.save_for_forward(x, attention_mask, seed)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.scale = scale
+        ctx.window = window
+        ctx.dropout_p = dropout_p
+        ctx.row_shape = row_shape
+
+    @staticmethod
+    def backward(ctx, dy, dp):
+        p, seed, = ctx.saved_tensors
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dp = launch.rows(ctx.rows, dp) if dp is not None else None
+        dx, = _masked_softmax_bwd_default_recorded_torch(
+            dy, dp, p,
+            ctx.scale,
+            ctx.window,
+            ctx.dropout_p,
+            seed,
+            ctx.row_shape,
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, _attention_mask, _scale, _window, _dropout_p, _seed, _row_shape, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, attention_mask, seed, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, p_dot, = _masked_softmax_jvp_torch(x, attention_mask, x_dot, ctx.scale, ctx.window, ctx.dropout_p, seed, ctx.row_shape)
+        return launch.returned(y_dot, ctx.layout), p_dot
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _masked_softmax_stores(memory):

@@ -994,7 +994,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized
     return dx, dweight,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves x, rstd. Keeps the input and the row statistic.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1059,7 +1059,7 @@ class _DefaultFunction(torch.autograd.Function):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
 
 
-class _InvertibleFunction(torch.autograd.Function):
+class _InvertibleFunction(launch.RowFunction):
     """Memory mode 'invertible': saves y, rstd. Keeps the output instead of the input; x_hat is recovered as y / (weight_offset + weight) with the divisor clamped below.
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -1119,6 +1119,69 @@ _FUNCTIONS = {
     "default": _DefaultFunction,
     "invertible": _InvertibleFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, eps, weight_offset, round_normalized, in_place, layout):
+        x = launch.to_rows(x, layout)
+        y, rstd, = _rmsnorm_fwd_torch(
+            x, weight, eps, weight_offset, round_normalized,
+            store_rstd=False,
+        )
+        y = launch.returned_dense(y, layout)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, eps, weight_offset, round_normalized, in_place, layout, = inputs
+        y = output
+        ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.eps = eps
+        ctx.weight_offset = weight_offset
+        ctx.round_normalized = round_normalized
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
+            dy, x, weight,
+            ctx.eps,
+            ctx.weight_offset,
+            ctx.round_normalized,
+            store_dweight=weight is not None and ctx.needs_input_grad[1],
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, weight, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        return launch.returned_dense(y_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
+_InvertibleFunction.functional = _Functional
 
 
 def _rmsnorm_stores(memory):

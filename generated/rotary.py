@@ -388,7 +388,7 @@ def _rotary_bwd_default(dy, cos, sin, row_shape):
     return dx,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves cos, sin. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -442,6 +442,61 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, cos, sin, row_shape, layout):
+        x = launch.to_rows(x, layout)
+        y, = _rotary_fwd_torch(
+            x, cos, sin, row_shape,
+        )
+        y = launch.returned(y, layout)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, cos, sin, row_shape, layout, = inputs
+        y = output
+        ctx.save_for_backward(cos, sin)
+        ctx.save_for_forward(x, cos, sin)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(x, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.row_shape = row_shape
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin, = ctx.saved_tensors
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dx, = _rotary_bwd_default_torch(
+            dy, cos, sin,
+            ctx.row_shape,
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, _cos, _sin, _row_shape, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, cos, sin, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        x_dot = launch.to_rows(x_dot, ctx.layout)
+        y_dot, = _rotary_jvp_torch(x, cos, sin, x_dot, ctx.row_shape)
+        return launch.returned(y_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _rotary_stores(memory):

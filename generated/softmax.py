@@ -473,7 +473,7 @@ def _softmax_bwd_default(dp, p):
     return dx,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves p. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -521,6 +521,55 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        p, = _softmax_fwd_torch(
+            x,
+        )
+        return p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, = inputs
+        p = output
+        ctx.save_for_backward(p)
+        ctx.save_for_forward(x)
+        ctx.set_materialize_grads(False)
+        rows = x
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+
+    @staticmethod
+    def backward(ctx, dp):
+        p, = ctx.saved_tensors
+        dp = launch.rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dx, = _softmax_bwd_default_torch(
+            dp, p,
+        )
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None
+
+    @staticmethod
+    def jvp(ctx, x_dot):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        x, = ctx.saved_tensors
+        x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
+        p_dot, = _softmax_jvp_torch(x, x_dot)
+        return p_dot
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _softmax_stores(memory):

@@ -447,7 +447,7 @@ def _swiglu_bwd_default(dy, gate, up, gate_multiplier, down_multiplier, into=Non
     return dgate, dup,
 
 
-class _DefaultFunction(torch.autograd.Function):
+class _DefaultFunction(launch.RowFunction):
     """Memory mode 'default': saves gate, up. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
@@ -515,6 +515,68 @@ class _DefaultFunction(torch.autograd.Function):
 _FUNCTIONS = {
     "default": _DefaultFunction,
 }
+
+
+class _Functional(torch.autograd.Function):
+    """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
+    the forward, the derived backward (as memory mode 'default' records it) and the derived
+    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
+    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gate, up, gate_multiplier, down_multiplier, layout):
+        gate = launch.to_rows(gate, layout)
+        up = launch.to_rows(up, layout)
+        y, = _swiglu_fwd_torch(
+            gate, up, gate_multiplier, down_multiplier,
+        )
+        y = launch.returned(y, layout)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gate, up, gate_multiplier, down_multiplier, layout, = inputs
+        y = output
+        ctx.save_for_backward(gate, up)
+        ctx.save_for_forward(gate, up)
+        ctx.set_materialize_grads(False)
+        rows = launch.to_rows(gate, layout)
+        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        ctx.layout = layout
+        ctx.gate_multiplier = gate_multiplier
+        ctx.down_multiplier = down_multiplier
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, = ctx.saved_tensors
+        gate = launch.to_rows(gate, ctx.layout)
+        up = launch.to_rows(up, ctx.layout)
+        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+        dgate, dup, = _swiglu_bwd_default_torch(
+            dy, gate, up,
+            ctx.gate_multiplier,
+            ctx.down_multiplier,
+        )
+        needs = ctx.needs_input_grad
+        return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, gate_dot, up_dot, _gate_multiplier, _down_multiplier, _layout):
+        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
+        derived from the same spec, run as plain torch ops on the rows."""
+        gate, up, = ctx.saved_tensors
+        gate = launch.to_rows(gate, ctx.layout)
+        up = launch.to_rows(up, ctx.layout)
+        gate_dot = launch.to_rows(gate_dot, ctx.layout)
+        up_dot = launch.to_rows(up_dot, ctx.layout)
+        y_dot, = _swiglu_jvp_torch(gate, up, gate_dot, up_dot, ctx.gate_multiplier, ctx.down_multiplier)
+        return launch.returned(y_dot, ctx.layout)
+
+
+
+_DefaultFunction.functional = _Functional
 
 
 def _swiglu_stores(memory):

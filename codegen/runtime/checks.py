@@ -277,8 +277,9 @@ def check_real(function, name, value):
 
 
 def needs_grad(*tensors):
-    """Whether autograd differentiates the call: in reverse mode (a tensor requires grad) or
-    in forward mode (a tensor carries a tangent, which only the autograd Functions pass on)."""
+    """Whether the call goes through its autograd Function: autograd differentiates it in
+    reverse mode (a tensor requires grad) or in forward mode (a tensor carries a tangent, which
+    only the Functions pass on), or a torch.func transform is active."""
     if torch.is_grad_enabled():
         for tensor in tensors:  # a loop: any() over a generator takes twice the host time
             if tensor is not None and tensor.requires_grad:
@@ -287,7 +288,8 @@ def needs_grad(*tensors):
         for tensor in tensors:
             if tensor is not None and forward_ad.unpack_dual(tensor).tangent is not None:
                 return True
-    return False
+    # torch.func transforms wrap the tensors: only the autograd Functions take them
+    return torch._C._are_functorch_transforms_active()
 
 
 def check_option(function, name, value, check):

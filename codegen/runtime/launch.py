@@ -284,11 +284,28 @@ class _Kept:
         self.index = index
 
 
+class RowFunction(torch.autograd.Function):
+    """A generated op's autograd Function (one per memory mode). Under torch.func transforms it
+    applies the op's `functional` Function instead: the same results and derivatives as plain
+    torch ops, which the transforms can wrap and vmap can batch (the kernels take whole
+    tensors)."""
+
+    #: set by the generated module
+    functional: type[torch.autograd.Function]
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return cls.functional.apply(*args)
+        return super().apply(*args)
+
+
 def applied(function, args: tuple):
     """`function.apply(*args)`, or, inside `each`, the call kept, to be applied with the others
     in one node of autograd's graph."""
     kept = getattr(_EACH, "calls", None)
-    if kept is None or "apply" in vars(function):  # a Function with its own apply: as it is
+    if kept is None or "apply" in vars(function) or torch._C._are_functorch_transforms_active():
+        # a Function with its own apply, or one under torch.func transforms: as it is
         return function.apply(*args)
     kept.append((function, args))
     return _Kept(len(kept) - 1)

@@ -148,8 +148,8 @@ def reduce_rows(loss, reduction, shape, counted, target, ignore_index, weight, d
         return loss.reshape(shape[:-1]).to(dtype)
     if reduction == "sum":
         return loss.sum().to(dtype)
-    if counted is None:
-        # under torch.compile, or no rows: torch's ops
+    if counted is None or torch._C._are_functorch_transforms_active():
+        # under torch.compile or torch.func transforms, or no rows: torch's ops
         counted = count_rows(target, ignore_index, weight, loss.dtype)
         # all rows ignored: a NaN mean, as torch, but zero (not NaN) gradients, as torch
         return mean_and_scale(loss, counted)[0].to(dtype)
@@ -326,7 +326,8 @@ def check_target(function, name, target, input, ignore_index, weight=None):
             return check_target(function, name, target, input, ignore_index, weight)
     # an out-of-range class would silently read no logit
     classes = input.shape[-1]
-    if launch.use_triton(target):
+    # torch.func transforms wrap what is made inside them: the kernels take plain tensors only
+    if launch.use_triton(target) and not torch._C._are_functorch_transforms_active():
         flat = target.reshape(-1).contiguous()
         dtype = launch.accumulator(input.dtype) if weight is not None else torch.int64
         counted = torch.empty((), dtype=dtype, device=target.device)

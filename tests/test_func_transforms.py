@@ -1,0 +1,81 @@
+"""torch.func transforms through every generated op and memory mode: grad, jacrev, jacfwd,
+vmap, per-sample gradients (vmap of grad), Hessians (jacfwd of jacrev) and functional_call of the
+modules, against torch's own composites in fp64, on every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import FP64_TOL, randn
+from test_double_backward import leaves
+from test_forward_ad import ALL
+from torch.func import functional_call, grad, jacfwd, jacrev, vmap
+
+import generated.layernorm as layernorm
+import generated.rmsnorm as rmsnorm
+
+
+def total(fn):
+    """A scalar of every output, each weighted differently."""
+    def scalar(*args):
+        outputs = fn(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return sum((o * (index + 1.5)).sum() for index, o in enumerate(outputs))
+    return scalar
+
+
+def batched(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+    """The first input stacked twice (a batch of two samples), and vmap's in_dims."""
+    return torch.stack([inputs[0], 2 * inputs[0]]), (0,) + (None,) * (len(inputs) - 1)
+
+
+TRANSFORMS = {
+    "grad": lambda fn, xs: grad(total(fn), argnums=tuple(range(len(xs))))(*xs),
+    "jacrev": lambda fn, xs: jacrev(fn, argnums=tuple(range(len(xs))))(*xs),
+    "jacfwd": lambda fn, xs: jacfwd(fn, argnums=tuple(range(len(xs))))(*xs),
+    "vmap": lambda fn, xs: vmap(fn, in_dims=batched(xs)[1])(batched(xs)[0], *xs[1:]),
+    "per_sample_grad": lambda fn, xs: vmap(grad(total(fn), argnums=tuple(range(len(xs)))),
+                                           in_dims=batched(xs)[1])(batched(xs)[0], *xs[1:]),
+    "hessian": lambda fn, xs: jacfwd(jacrev(total(fn)))(*xs),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_transform_matches_torch(name, transform, device):
+    case = ALL[name]
+    primals = [t.detach() for t in leaves(case)]
+    ours = TRANSFORMS[transform](case.ours, [p.to(device) for p in primals])
+    theirs = TRANSFORMS[transform](case.theirs, primals)
+    got, want = torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(theirs)
+    assert len(got) == len(want)
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a.cpu(), b, msg=lambda m, i=index: f"result {i}: {m}",
+                                   **FP64_TOL)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_functional_call_per_sample_weight_grads(kind, device):
+    """Per-sample gradients of a module's parameters with functional_call, as torch's module."""
+    ours = (layernorm.LayerNorm(6, dtype=torch.float64) if kind == "layer_norm"
+            else rmsnorm.RMSNorm(6, dtype=torch.float64)).to(device)
+    theirs = (torch.nn.LayerNorm(6, dtype=torch.float64) if kind == "layer_norm"
+              else torch.nn.RMSNorm(6, dtype=torch.float64))
+    with torch.no_grad():
+        for index, (a, b) in enumerate(zip(ours.parameters(), theirs.parameters(), strict=True)):
+            b.copy_(1 + 0.3 * randn(b.shape, seed=index))
+            a.copy_(b)
+    x = randn((4, 3, 6), seed=9)
+
+    def per_sample(module, x):
+        params = {k: v.detach() for k, v in module.named_parameters()}
+
+        def loss(params, sample):
+            return (functional_call(module, params, (sample,)) ** 2).sum()
+
+        return vmap(grad(loss), in_dims=(None, 0))(params, x)
+
+    got, want = per_sample(ours, x.to(device)), per_sample(theirs, x)
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key].cpu(), want[key], **FP64_TOL)
