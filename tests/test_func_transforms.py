@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import FP64_TOL, randn
-from test_double_backward import leaves
+from test_double_backward import leaves, unrecordable  # noqa: F401 - a fixture
 from test_forward_ad import ALL
 from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 
@@ -79,3 +79,17 @@ def test_functional_call_per_sample_weight_grads(kind, device):
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key].cpu(), want[key], **FP64_TOL)
+
+
+def test_op_without_recordable_backward(unrecordable, device):
+    """An op whose backward autograd cannot record still batches under vmap and gives its
+    derived JVP under jacfwd; grad says what it lacks, naming the op and the transform."""
+    x = randn((3, 5), seed=3)
+    op = unrecordable.shifted_exp_softmax
+    torch.testing.assert_close(vmap(lambda r: op(r, -1))(x.to(device)).cpu(),
+                               torch.softmax(x, -1), **FP64_TOL)
+    torch.testing.assert_close(jacfwd(lambda r: op(r, -1))(x.to(device)).cpu(),
+                               jacfwd(lambda r: torch.softmax(r, -1))(x), **FP64_TOL)
+    with pytest.raises(RuntimeError, match=r"shifted_exp_softmax: reverse mode under torch.func "
+                       r"transforms \(grad, vjp, jacrev\) is not supported: it saves e"):
+        grad(lambda r: op(r, -1).square().sum())(x.to(device))
