@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import FP64_TOL, randn
-from test_double_backward import leaves, unrecordable  # noqa: F401 - a fixture
+from test_double_backward import leaves, unrecordable  # noqa: F401, F811 - a fixture
 from test_forward_ad import ALL
 from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 
@@ -81,7 +81,7 @@ def test_functional_call_per_sample_weight_grads(kind, device):
         torch.testing.assert_close(got[key].cpu(), want[key], **FP64_TOL)
 
 
-def test_op_without_recordable_backward(unrecordable, device):
+def test_op_without_recordable_backward(unrecordable, device):  # noqa: F811
     """An op whose backward autograd cannot record still batches under vmap and gives its
     derived JVP under jacfwd; grad says what it lacks, naming the op and the transform."""
     x = randn((3, 5), seed=3)
