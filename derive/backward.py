@@ -145,7 +145,7 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], save
                            for r in resolutions]
             resolutions.append(Resolution(node.name, "solved", solved))
             continue
-        if _recomputable(spec, node.name, available):
+        if _recomputable(spec, node.name, defined):
             resolutions.append(Resolution(node.name, "recomputed", node.expr))
             continue
         inverted = _invert_from_saved_element(spec, node, available)
@@ -222,9 +222,14 @@ def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> 
     (`unrounded`)."""
     expr = unrounded(expr)
     try:
-        return list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
+        solutions = list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
     except NotImplementedError:
         return []
+    # a solution undefined somewhere (nan where a clamp max(norm, eps) takes its floor and
+    # forgets norm) inverts one branch only: the value is not determined there
+    if any(s.has(sympy.nan, sympy.zoo) for s in solutions):
+        return []
+    return solutions
 
 
 def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:
