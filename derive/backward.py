@@ -25,7 +25,7 @@ from derive.algebra import (
 from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult, upstream_symbol
-from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec, Rounded
+from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec, Rounded, is_language_power
 
 
 @dataclass(frozen=True)
@@ -226,8 +226,11 @@ def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> 
     except NotImplementedError:
         return []
     # a solution undefined somewhere (nan where a clamp max(norm, eps) takes its floor and
-    # forgets norm) inverts one branch only: the value is not determined there
-    if any(s.has(sympy.nan, sympy.zoo) for s in solutions):
+    # forgets norm) inverts one branch only: the value is not determined there; one through a
+    # power the kernels do not take (s = r**(2/3) from r = s**(3/2)) is no use to them
+    if any(s.has(sympy.nan, sympy.zoo) or any(
+            not p.is_number and not is_language_power(p.exp) for p in s.atoms(sympy.Pow))
+           for s in solutions):
         return []
     return solutions
 
