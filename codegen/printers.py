@@ -47,6 +47,9 @@ class Dialect:
     divide: str = ""
     #: a value rounded to the input's dtype and back (`Rounded`), `{}` the value
     rounded: str = ""
+    #: both conditions, and either, `{}` each (empty: `&` and `|`)
+    conjunction: str = ""
+    disjunction: str = ""
 
 
 TRITON = Dialect(
@@ -68,6 +71,9 @@ TRITON = Dialect(
     divide="helpers.div({}, {}, EXACT)",
     # ROUND: the kernel's constexpr, its input's dtype (rounded as the kernel's stores round)
     rounded="({}).to(ROUND).to(ACC)",
+    # as selections: Triton's interpreter cannot `|` a condition of scalars with a tensor's
+    conjunction="tl.where({}, {}, False)",
+    disjunction="tl.where({}, True, {})",
 )
 
 TORCH = Dialect(
@@ -359,8 +365,8 @@ class KernelPrinter:
         return source, _ATOM
 
     def _boolean(self, expr: sympy.Basic) -> str:
-        """A condition: comparisons joined by & and |, every dialect's elementwise and/or of
-        booleans (a Python bool, a torch or a Triton tensor alike). A negation is pushed onto
+        """A condition: comparisons joined by the dialect's and/or (& and |, elementwise for a
+        Python bool and a torch tensor alike; selections in Triton). A negation is pushed onto
         the comparisons (not (x < 6) is x >= 6); one of a condition a temporary holds is that
         value compared with 0 (Python's `not` fails on a tensor; `~` of a Python bool is -2)."""
         if expr == sympy.true:
@@ -378,9 +384,16 @@ class KernelPrinter:
                 return self._boolean(expr.to_nnf())
             return f"({self._print(inner)[0]} == 0)"
         if isinstance(expr, (sympy.And, sympy.Or)):
-            joint = " & " if isinstance(expr, sympy.And) else " | "
-            terms = sorted(expr.args, key=sympy.default_sort_key)
-            return "(" + joint.join(self._condition(t) for t in terms) + ")"
+            conjunction = isinstance(expr, sympy.And)
+            form = self.dialect.conjunction if conjunction else self.dialect.disjunction
+            first, *rest = sorted(expr.args, key=sympy.default_sort_key)
+            if form:
+                source = self._boolean(first)
+                for term in rest:
+                    source = form.format(source, self._boolean(term))
+                return source
+            joint = " & " if conjunction else " | "
+            return "(" + joint.join(self._condition(t) for t in (first, *rest)) + ")"
         return self._print(expr)[0]
 
     def _condition(self, expr: sympy.Basic) -> str:

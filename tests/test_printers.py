@@ -46,16 +46,16 @@ def torch_(expr: sympy.Expr) -> str:
     (x ** sympy.Rational(-5, 2), "helpers.div(1.0, x * x * helpers.sqrt(x), EXACT)"),
     # sqrt(sqrt(x)), as SymPy writes it, and its powers: square roots nested
     (x ** sympy.Rational(3, 4), "helpers.sqrt(x) * helpers.sqrt(helpers.sqrt(x))"),
-    # conditions joined by & and |, a negation pushed onto the comparisons
+    # conditions joined as selections, a negation pushed onto the comparisons
     (sympy.Piecewise((x, sympy.And(x > -1, x < 1)), (y, True)),
-     "tl.where(((x > -1.0) & (x < 1.0)), x, y)"),
+     "tl.where(tl.where((x > -1.0), (x < 1.0), False), x, y)"),
     (sympy.Piecewise((x, sympy.Or(x < -1, y > 1)), (y, True)),
-     "tl.where(((y > 1.0) | (x < -1.0)), x, y)"),
+     "tl.where(tl.where((y > 1.0), True, (x < -1.0)), x, y)"),
     (sympy.Piecewise((x, sympy.Not(sympy.And(x > -1, y < 1))), (y, True)),
-     "tl.where(((y >= 1.0) | (x <= -1.0)), x, y)"),
+     "tl.where(tl.where((y >= 1.0), True, (x <= -1.0)), x, y)"),
     # ReLU6's min(max(x, 0), 6): SymPy writes a comparison of a selection as an ITE
     (sympy.Piecewise((x, sympy.ITE(c, x < 6, True)), (6, True)),
-     "tl.where(((c == 0) | (x < 6.0)), x, 6.0)"),
+     "tl.where(tl.where((c == 0), True, (x < 6.0)), x, 6.0)"),
 ])
 def test_triton_printer(expr: sympy.Expr, source: str) -> None:
     assert triton(expr) == source
@@ -65,6 +65,9 @@ def test_torch_printer_uses_torch_functions() -> None:
     # its quotients divide as the Triton printer's do (an element, not times a reciprocal)
     assert torch_(sympy.exp(x) / sympy.sqrt(y)) == "(torch.exp(x)) / (torch.sqrt(y))"
     assert torch_(sympy.erf(x)) == "torch.erf(x)"
+    # its conditions joined by & and |, elementwise for tensors and Python bools alike
+    assert torch_(sympy.Piecewise((x, sympy.Or(sympy.And(x > 0, y < 1), c)), (y, True))) == \
+        "torch.where((c | ((x > 0.0) & (y < 1.0))), x, y).to(acc)"
 
 
 def test_row_invariant_factors_print_first() -> None:
