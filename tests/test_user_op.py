@@ -364,6 +364,27 @@ API_MISMATCHES = {
         "options=(Option('dim', 1.0),))",
         "'dim' is an argument that a ReductionAPI takes for itself; choose another name (an "
         "option is named as its scalar)"),
+    # fields of the wrong type, which would otherwise crash the checks or the generated code
+    "parameters given as names": (
+        "x = op.input('x')\n    w = op.column_param('w')\n"
+        "    op.output(op.element('y', x * w))\n    op.save(x)",
+        "NormalizedShapeAPI(function='bad', module='Bad', torch_function='-', "
+        "torch_module='Bad', params=('w',), eps=None)",
+        "NormalizedShapeAPI.params must be a tuple of Param, got ('w',)"),
+    "one option not in a tuple": (
+        "x = op.input('x')\n    beta = op.scalar('beta')\n"
+        "    op.output(op.element('y', x * beta))\n    op.save(x)",
+        "ElementwiseAPI(function='bad', module='Bad', torch_function='-', "
+        "options=Option('beta', 1.0))",
+        "ElementwiseAPI.options must be a tuple of Option, got Option(name='beta', "
+        "default=1.0, module_only=False, check=None, doc='', keyword_only=False)"),
+    "eps given as a str": (
+        "x = op.input('x')\n    eps = op.scalar('eps', positive=True)\n"
+        "    op.output(op.element('y', x / sympy.sqrt(op.row_mean('m', x**2) + eps)))\n"
+        "    op.save(x)",
+        "NormalizedShapeAPI(function='bad', module='Bad', torch_function='-', "
+        "torch_module='Bad', params=(), eps='1e-5')",
+        "NormalizedShapeAPI.eps must be a number or None, got '1e-5'"),
     "default that is not a finite number": (
         "x = op.input('x')\n    window = op.scalar('window')\n"
         "    op.output(op.element('y', x * window))\n    op.save(x)",
