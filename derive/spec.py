@@ -121,9 +121,15 @@ def is_language_power(exponent: sympy.Expr) -> bool:
 def outside_language(expr: sympy.Basic) -> str | None:
     """Why `expr` is outside the spec language, or None where it is inside."""
     if getattr(expr, "is_number", False) and not expr.free_symbols:
+        if expr.has(sympy.nan, sympy.zoo) or expr.is_extended_real is False:
+            return f"the number {expr} is not a real number or ±oo"
         return None
     from derive.algebra import GuardedReciprocal  # the engine's own, which specs may use too
 
+    if isinstance(expr, sympy.Mod) and not (expr.args[0].is_integer and
+                                             expr.args[1].is_Integer and expr.args[1] > 0):
+        return (f"{expr}: Mod is of the column index by a positive integer (its parity, "
+                "Mod(j, 2)) in the spec language (docs/spec_language.md)")
     if isinstance(expr, (*FUNCTIONS, GuardedReciprocal)):
         pass
     elif isinstance(expr, sympy.Pow):
@@ -449,7 +455,7 @@ class OpSpec:
         for node in self.nodes:
             if node.symbol == symbol:
                 return node
-        raise SpecError(f"{self.source}: {role}() got {symbol!r}, which is not a value "
+        raise SpecError(f"{_caller_location()}: {role}() got {symbol!r}, which is not a value "
                         f"declared in spec '{self.name}'")
 
     def level_of(self, symbol: sympy.Symbol) -> Level:
@@ -492,6 +498,9 @@ class OpSpec:
             expr = sympy.sympify(expr)
         except (sympy.SympifyError, TypeError) as error:
             raise self._error(name, f"cannot read the expression {expr!r}: {error}") from error
+        if isinstance(expr, sympy.logic.boolalg.Boolean) and not isinstance(expr, sympy.Expr):
+            raise self._error(name, f"{expr} is a condition, not a value: a condition selects "
+                                    f"in a Piecewise, as Piecewise((1, {expr}), (0, True))")
         expr = _exact_exponents(expr)
         why = outside_language(expr)
         if why is not None:

@@ -78,6 +78,20 @@ CASES = {
         "    x = op.input('x')\n    op.element('y', sympy.Piecewise((x, -1 < x < 1), (0, True)))\n",
         r"bad\.py:11: TypeError: cannot determine truth value of Relational.*a chained "
         r"comparison `a < x < b`.*sympy\.And\(a < x, x < b\)"),
+    "complex number": ("    x = op.input('x')\n    op.element('y', x * sympy.I)\n",
+                       r"bad\.py:11: 'y': the number I is not a real number or ±oo"),
+    "division by zero": ("    x = op.input('x')\n    op.element('y', x / 0)\n",
+                         r"bad\.py:11: 'y': the number zoo is not a real number or ±oo"),
+    "condition as a value": (
+        "    x = op.input('x')\n    op.element('y', x > 0)\n",
+        r"bad\.py:11: 'y': x > 0 is a condition, not a value: a condition selects in a "
+        r"Piecewise, as Piecewise\(\(1, x > 0\), \(0, True\)\)"),
+    "residue of a value": ("    x = op.input('x')\n    op.element('y', sympy.Mod(x, 2))\n",
+                           r"bad\.py:11: 'y': Mod\(x, 2\): Mod is of the column index by a "
+                           r"positive integer"),
+    "save of an expression": ("    x = op.input('x')\n    op.output(op.element('y', x**2))\n"
+                              "    op.save(2 * x)\n",
+                              r"bad\.py:12: save\(\) got 2\*x, which is not a value declared"),
     # y = 2x: the VJP 2 dy reads no x, whose saving would only hold memory
     "unread save": ("    x = op.input('x')\n    op.output(op.element('y', 2 * x))\n"
                     "    op.save(x)\n",
