@@ -21,13 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 functional = torch.nn.functional
 
 HEADER = ("import sympy\nfrom sympy import (Abs, And, Heaviside, Max, Min, Not, Or, Piecewise, "
-          "Rational, cos, cosh, erf, exp, log, sign, sin, sinh, sqrt, tanh)\n\n"
+          "Rational, Eq, Mod, cos, cosh, erf, exp, log, sign, sin, sinh, sqrt, tanh)\n\n"
           "from derive.api import ElementwiseAPI, NormalizedShapeAPI, Option\n"
           "from derive.spec import OpSpec\n\n\ndef spec():\n")
 
 
-def _elementwise(name: str, expr: str, options: str = "", save: str = "x") -> str:
-    return (f"    op = OpSpec('{name}')\n    x = op.input('x')\n"
+def _elementwise(name: str, expr: str, options: str = "", save: str = "x",
+                 declare: str = "") -> str:
+    return (f"    op = OpSpec('{name}')\n    x = op.input('x')\n{declare}"
             + "".join(f"    {o.split('=')[0]} = op.scalar('{o.split('=')[0]}')\n"
                       for o in options.split(",") if o)
             + f"    op.output(op.element('y', {expr}))\n    op.save({save})\n"
@@ -66,6 +67,10 @@ SPECS = {
         + torch.tanh(x) * torch.erf(x) + torch.exp(-x**2) + torch.log(1 + x**2)
         + torch.where(x > 0, 1.0, 0.0) * x + torch.sign(x) * x**2,
         {}),
+    # the column index's parity; a backward that reads no saved value (op.save())
+    "parity": (_elementwise("parity", "Piecewise((x, Eq(Mod(j, 2), 0)), (-x, True))",
+                            save="", declare="    j = op.column_index('j')\n"),
+               lambda x: x * (1 - 2 * (torch.arange(x.shape[-1], device=x.device) % 2)), {}),
     # its generated test draws x positive
     "log_domain": (_elementwise("log_domain", "log(x) * x + sqrt(x)"),
                    lambda x: torch.log(x) * x + torch.sqrt(x), {}),
