@@ -1109,11 +1109,12 @@ _SCALE = "randn(N) + 2.0"
 
 def positive_tensors(spec: Any) -> frozenset[str]:
     """The tensors of a spec (inputs and parameters) that its generated test draws positive:
-    those a log's argument or a root's base depends on, where that argument is not positive
-    for every real value of them (log(x), sqrt(x * w), but not log(1 + exp(x)) nor
-    sqrt(mean(x**2) + eps)). Proved with SymPy's assumptions: each value is written in the
-    tensors, the row sums as values of their own, positive where their bodies are; a value
-    declared positive is; a scalar is its option's default where the API has one."""
+    those a log's argument or a root's base depends on, where that argument may be negative
+    for real values of them (log(x), sqrt(x * w), but not log(1 + exp(x)) nor sqrt(sum(x**2)):
+    a random draw is 0 with probability 0). Proved with SymPy's assumptions: each value is
+    written in the tensors, the row sums as values of their own, nonnegative or positive where
+    their bodies are; a value declared positive is; a scalar is its option's default where the
+    API has one."""
     from derive.spec import Kind
 
     tensors = {n.name for n in spec.nodes
@@ -1129,7 +1130,7 @@ def positive_tensors(spec: Any) -> frozenset[str]:
                 continue
             for argument in _needs_positive(node.expr):
                 written = argument.xreplace(values)
-                if written.is_positive is not True:
+                if written.is_nonnegative is not True:
                     needing |= {name for s in argument.free_symbols
                                 for name in depends.get(s.name, ())} & tensors
         if needing <= positive:
