@@ -345,8 +345,8 @@ class KernelPrinter:
 
     @staticmethod
     def _power(base: str, power: int) -> str:
-        """base**power for power >= 1 as products: up to the fourth in a row, higher ones by
-        squaring (b⁶ = (b·b·b)·(b·b·b)), each factor exact as torch's multiplications; the
+        """base**power for power >= 1 as products, never a float pow: up to the fourth in a
+        row, higher ones by squaring (b⁶ = (b·b·b)·(b·b·b), three roundings deep, not five); the
         compiler evaluates each repeated factor once."""
         if power <= 4:
             return " * ".join([base] * power)
