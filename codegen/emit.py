@@ -1135,13 +1135,17 @@ def render_facade(sources: dict[str, str]) -> str:
         modules=[(m, sorted(n for n, home in homes.items() if home == m)) for m in modules])
 
 
-def render_user_test(module: ModuleSpec, spec_path: str) -> str:
+def render_user_test(module: ModuleSpec, spec_path: str,
+                     positive: frozenset[str] = frozenset()) -> str:
     """A finite-difference test that sits next to a module derived from a user's spec: it calls
-    the op as its API kind says, varying every tensor that gets a gradient."""
-    call = _user_call(module)
+    the op as its API kind says, varying every tensor that gets a gradient; the tensors named
+    in `positive` (spec names, `positive_tensors`) are drawn positive."""
+    call = _user_call(module, positive)
+    draws_positive = any(value.startswith("positive(") for _, value in
+                         call["varied"] + call["fixed"])
     return environment().get_template("user_test.py.j2").render(
         module=module, spec_path=spec_path, modes=[mode for mode, _, _ in module.modes],
-        **call)
+        draws_positive=draws_positive, **call)
 
 
 #: the tensors of a user op's generated test: a row of N elements, and ROWS rows
@@ -1150,25 +1154,108 @@ _ELEMENTS = "randn(ROWS, N)"
 _SCALE = "randn(N) + 2.0"
 
 
-def _user_call(module: ModuleSpec) -> dict[str, Any]:
+def positive_tensors(spec: Any) -> frozenset[str]:
+    """The tensors of a spec (inputs and parameters) that its generated test draws positive:
+    those a log's argument or a root's base depends on, where that argument may be negative
+    for real values of them (log(x), sqrt(x * w), but not log(1 + exp(x)) nor sqrt(sum(x**2)):
+    a random draw is 0 with probability 0). Proved with SymPy's assumptions: each value is
+    written in the tensors, the row sums as values of their own, nonnegative or positive where
+    their bodies are; a value declared positive is; a scalar is its option's default where the
+    API has one."""
+    from derive.spec import Kind
+
+    tensors = {n.name for n in spec.nodes
+               if n.kind in (Kind.INPUT, Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)}
+    defaults = {o.name: o.default for o in getattr(spec.api, "options", ())
+                if isinstance(o.default, (int, float)) and not isinstance(o.default, bool)}
+    positive: set[str] = set()
+    while True:
+        values, depends = _values_in_tensors(spec, positive, defaults)
+        needing: set[str] = set()
+        for node in spec.nodes:
+            if node.expr is None:
+                continue
+            for argument in _needs_positive(node.expr):
+                written = argument.xreplace(values)
+                if written.is_nonnegative is not True:
+                    needing |= {name for s in argument.free_symbols
+                                for name in depends.get(s.name, ())} & tensors
+        if needing <= positive:
+            return frozenset(positive)
+        positive |= needing
+
+
+def _needs_positive(expr: sympy.Expr) -> list[sympy.Expr]:
+    """The arguments of logs and the bases of roots in expr."""
+    found = [e.args[0] for e in expr.atoms(sympy.log)]
+    found += [e.base for e in expr.atoms(sympy.Pow) if not e.exp.is_integer]
+    return found
+
+
+def _values_in_tensors(spec: Any, positive: set[str], defaults: dict[str, float]
+                       ) -> tuple[dict[sympy.Symbol, sympy.Expr], dict[str, set[str]]]:
+    """Each value of the spec written in its tensors (positive ones as positive symbols), and
+    the tensors each depends on, by name."""
+    from derive.spec import Kind
+
+    values: dict[sympy.Symbol, sympy.Expr] = {}
+    depends: dict[str, set[str]] = {}
+    for node in spec.nodes:
+        name = node.name
+        depends[name] = {name}
+        if node.kind in (Kind.INPUT, Kind.COLUMN_PARAM, Kind.SCALAR_PARAM):
+            values[node.symbol] = sympy.Symbol(name, positive=True) if name in positive \
+                else sympy.Symbol(name, real=True)
+        elif node.kind is Kind.PARTNER:
+            # the value at another column, of the same sign as the tensor read
+            read = values[spec.node(node.partner_of).symbol]
+            values[node.symbol] = sympy.Symbol(name, **read.assumptions0)
+            depends[name] = {node.partner_of}
+        elif node.kind is Kind.SCALAR and not node.symbol.is_positive and name in defaults:
+            values[node.symbol] = sympy.nsimplify(defaults[name])
+        elif node.kind is Kind.RANDOM or node.kind is Kind.INDEX:
+            values[node.symbol] = sympy.Symbol(name, nonnegative=True)
+        elif node.expr is not None:
+            depends[name] = {d for s in node.expr.free_symbols for d in depends.get(s.name, ())}
+            body = node.expr.xreplace(values)
+            if node.symbol.is_positive:
+                values[node.symbol] = node.symbol  # declared positive
+            elif node.kind is Kind.REDUCE:
+                # a sum of positive values is positive; a max of them too
+                assumptions = {"positive": True} if body.is_positive else \
+                    {"nonnegative": True} if body.is_nonnegative else {"real": True}
+                values[node.symbol] = sympy.Symbol(name, **assumptions)
+            else:
+                values[node.symbol] = body
+    return values, depends
+
+
+def _user_call(module: ModuleSpec, positive: frozenset[str] = frozenset()) -> dict[str, Any]:
     """How the generated test calls the op: `varied` (name, value) are the tensors that get a
     gradient, in the test function's argument order; `fixed` (name, value) the other tensors,
-    read as `_fixed["name"]`; `arguments` the call's arguments, as source."""
+    read as `_fixed["name"]`; `arguments` the call's arguments, as source. A tensor named in
+    `positive` is drawn positive, away from 0."""
+    def draw(name: str, value: str) -> str:
+        if name not in positive:
+            return value
+        return "positive" + value[len("randn"):].split(" +")[0]
+
     api = module.api
     varied: list[tuple[str, str]] = []
     fixed: list[tuple[str, str]] = []
     arguments: list[str] = []
     keywords: list[str] = []
     if api.kind == "normalized_shape":
-        varied.append(("input", _ELEMENTS))
+        varied.append(("input", draw(module.inputs[0], _ELEMENTS)))
         if api.residual:
-            varied.append((api.residual, _ELEMENTS))
+            varied.append((api.residual, draw(api.residual, _ELEMENTS)))
         arguments = [name for name, _ in varied] + ["(N,)"]
         for param in api.params:
-            varied.append((param.name, "randn(())" if param.scalar else _SCALE))
+            varied.append((param.name, draw(param.name, "randn(())" if param.scalar
+                                            else _SCALE)))
             arguments.append(param.name)
         for name in api.call_params:
-            varied.append((name, _SCALE))
+            varied.append((name, draw(name, _SCALE)))
             keywords.append(f"{name}={name}")
         if api.residual:
             keywords.append("prenorm=True")  # both outputs: the sum's gradient too
@@ -1179,21 +1266,22 @@ def _user_call(module: ModuleSpec) -> dict[str, Any]:
         spec_inputs = dict(zip(api.inputs, module.inputs, strict=True))
         for public, name in spec_inputs.items():
             if name in module.broadcast_inputs:
-                fixed.append((public, "randn(1, N)"))  # broadcast over the rows, in place
+                # broadcast over the rows, in place
+                fixed.append((public, draw(name, "randn(1, N)")))
                 arguments.append(f'_fixed["{public}"]')
             elif name in dict(module.gradients):
-                varied.append((public, _ELEMENTS))
+                varied.append((public, draw(name, _ELEMENTS)))
                 arguments.append(public)
             else:
-                fixed.append((public, _ELEMENTS))
+                fixed.append((public, draw(name, _ELEMENTS)))
                 arguments.append(f'_fixed["{public}"]')
         for name in api.call_params:
-            varied.append((name, "randn(N)"))
+            varied.append((name, draw(name, "randn(N)")))
             keywords.append(f"{name}={name}")
         if api.dropout:
             keywords.append("seed=0")  # the same keep mask at every call of gradcheck
     else:
-        varied.append(("input", _ELEMENTS))
+        varied.append(("input", draw(module.inputs[0], _ELEMENTS)))
         arguments.append("input")
         if api.kind in ("dim", "reduction"):
             arguments.append("-1")

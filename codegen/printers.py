@@ -15,7 +15,7 @@ import sympy
 from sympy.codegen.cfunctions import log1p
 
 from derive.algebra import GuardedReciprocal
-from derive.spec import Rounded
+from derive.spec import Rounded, is_language_power
 
 
 class PrintError(ValueError):
@@ -47,6 +47,9 @@ class Dialect:
     divide: str = ""
     #: a value rounded to the input's dtype and back (`Rounded`), `{}` the value
     rounded: str = ""
+    #: both conditions, and either, `{}` each (empty: `&` and `|`)
+    conjunction: str = ""
+    disjunction: str = ""
 
 
 TRITON = Dialect(
@@ -68,6 +71,9 @@ TRITON = Dialect(
     divide="helpers.div({}, {}, EXACT)",
     # ROUND: the kernel's constexpr, its input's dtype (rounded as the kernel's stores round)
     rounded="({}).to(ROUND).to(ACC)",
+    # as selections: Triton's interpreter cannot `|` a condition of scalars with a tensor's
+    conjunction="tl.where({}, {}, False)",
+    disjunction="tl.where({}, True, {})",
 )
 
 TORCH = Dialect(
@@ -107,6 +113,18 @@ def _summation_rank(term: sympy.Expr) -> int:
     if not rest.has(*_TRANSCENDENTAL):
         return 1
     return 2 if isinstance(rest, _TRANSCENDENTAL) else 3
+
+
+def _enclosed(source: str) -> bool:
+    """Whether source is one parenthesised group: "(a) & (b)" is not, "((a) & (b))" is."""
+    if not source.startswith("("):
+        return False
+    depth = 0
+    for index, character in enumerate(source):
+        depth += {"(": 1, ")": -1}.get(character, 0)
+        if depth == 0:
+            return index == len(source) - 1
+    return False
 
 
 class KernelPrinter:
@@ -180,6 +198,9 @@ class KernelPrinter:
         if isinstance(expr, sympy.core.relational.Relational):
             lhs, rhs = self._wrap(expr.lhs, _ADD), self._wrap(expr.rhs, _ADD)
             return f"({lhs} {expr.rel_op} {rhs})", _ATOM
+        if isinstance(expr, (sympy.And, sympy.Or, sympy.Not, sympy.ITE)) \
+                or expr in (sympy.true, sympy.false):
+            return self._boolean(expr), _ATOM
         raise PrintError(f"the {self.dialect.name} printer has no rule for "
                          f"{type(expr).__name__}: {expr} (the functions a spec may use: "
                          "docs/spec_language.md)", offending=expr)
@@ -288,30 +309,50 @@ class KernelPrinter:
 
     def _pow(self, expr: sympy.Pow) -> tuple[str, int]:
         base, exponent = expr.args
-        if exponent.is_Integer:
+        if exponent.is_Integer and exponent != 0:
             power = int(exponent)
-            if 1 <= abs(power) <= 4:
-                repeated = " * ".join([self._wrap(base, _UNARY)] * abs(power))
-                if power < 0:
-                    if self.dialect.divide:
-                        return self.dialect.divide.format("1.0", repeated), _ATOM
-                    return f"1.0 / ({repeated})" if abs(power) > 1 else \
-                        f"1.0 / {self._wrap(base, _UNARY)}", _MUL
-                return repeated, (_MUL if power > 1 else _ATOM)
-        if exponent.is_Rational and exponent.q == 2 and abs(exponent.p) <= 3:
-            root = f"{self.dialect.sqrt}({self._print(base)[0]})"
-            integer = abs(exponent.p) // 2
-            source = " * ".join([self._wrap(base, _UNARY)] * integer + [root])
+            repeated = self._power(self._wrap(base, _UNARY), abs(power))
+            if power < 0:
+                if self.dialect.divide:
+                    return self.dialect.divide.format("1.0", repeated), _ATOM
+                return f"1.0 / ({repeated})" if abs(power) > 1 else \
+                    f"1.0 / {self._wrap(base, _UNARY)}", _MUL
+            return repeated, (_MUL if power > 1 else _ATOM)
+        if is_language_power(exponent):
+            # x**(n + f), f a sum of 1/2, 1/4, ...: x**n times nested square roots
+            integer = abs(exponent.p) // exponent.q
+            fraction = abs(exponent) - integer
+            roots, root = [], self._print(base)[0]
+            while fraction:
+                root = f"{self.dialect.sqrt}({root})"
+                fraction *= 2
+                if fraction >= 1:
+                    roots.append(root)
+                    fraction -= 1
+            source = " * ".join(([self._power(self._wrap(base, _UNARY), integer)]
+                                 if integer else []) + roots)
+            single = not integer and len(roots) == 1
             if exponent < 0:
-                if not integer and self.dialect.rsqrt:
+                if single and exponent.q == 2 and self.dialect.rsqrt:
                     return self.dialect.rsqrt.format(self._print(base)[0]), _ATOM
                 if self.dialect.divide:
                     return self.dialect.divide.format("1.0", source), _ATOM
-                return (f"1.0 / ({source})" if integer else f"1.0 / {root}"), _MUL
-            return source, (_MUL if integer else _ATOM)
+                return (f"1.0 / {source}" if single else f"1.0 / ({source})"), _MUL
+            return source, (_ATOM if single else _MUL)
         raise PrintError(f"the {self.dialect.name} printer has no rule for the power {expr}: "
-                         "integer powers up to 4 and half-integer powers up to 3/2 print",
+                         "integer powers times square roots print (docs/spec_language.md)",
                          offending=expr)
+
+    @staticmethod
+    def _power(base: str, power: int) -> str:
+        """base**power for power >= 1 as products, never a float pow: up to the fourth in a
+        row, higher ones by squaring (b⁶ = (b·b·b)·(b·b·b), three roundings deep, not five); the
+        compiler evaluates each repeated factor once."""
+        if power <= 4:
+            return " * ".join([base] * power)
+        half = KernelPrinter._power(base, power // 2)
+        square = f"({half}) * ({half})" if power // 2 > 1 else f"{half} * {half}"
+        return f"{square} * {base}" if power % 2 else square
 
     def _piecewise(self, expr: sympy.Piecewise) -> tuple[str, int]:
         *cases, (last_value, last_condition) = expr.args
@@ -322,6 +363,46 @@ class KernelPrinter:
             source = (f"{self.dialect.where}({self._print(condition)[0]}, "
                       f"{self._print(value)[0]}, {source}){self.dialect.where_cast}")
         return source, _ATOM
+
+    def _boolean(self, expr: sympy.Basic) -> str:
+        """A condition: comparisons joined by the dialect's and/or (& and |, elementwise for a
+        Python bool and a torch tensor alike; selections in Triton). A negation is pushed onto
+        the comparisons (not (x < 6) is x >= 6); one of a condition a temporary holds is that
+        value compared with 0 (Python's `not` fails on a tensor; `~` of a Python bool is -2)."""
+        if expr == sympy.true:
+            return "True"
+        if expr == sympy.false:
+            return "False"
+        if isinstance(expr, sympy.ITE):
+            # (a and b) or (not a and c), simplified where b or c is a constant
+            return self._boolean(expr.to_nnf())
+        if isinstance(expr, sympy.Not):
+            inner = expr.args[0]
+            if isinstance(inner, sympy.core.relational.Relational):
+                return self._print(inner.negated)[0]
+            if isinstance(inner, (sympy.And, sympy.Or, sympy.Not, sympy.ITE)):
+                return self._boolean(expr.to_nnf())
+            return f"({self._print(inner)[0]} == 0)"
+        if isinstance(expr, (sympy.And, sympy.Or)):
+            conjunction = isinstance(expr, sympy.And)
+            form = self.dialect.conjunction if conjunction else self.dialect.disjunction
+            first, *rest = sorted(expr.args, key=sympy.default_sort_key)
+            if form:
+                source = self._boolean(first)
+                for term in rest:
+                    source = form.format(source, self._boolean(term))
+                return source
+            joint = " & " if conjunction else " | "
+            return "(" + joint.join(self._condition(t) for t in (first, *rest)) + ")"
+        return self._print(expr)[0]
+
+    def _condition(self, expr: sympy.Basic) -> str:
+        """A condition as an operand of & or |, which bind tighter than comparisons:
+        parenthesised unless it is a name or enclosed already."""
+        source = self._boolean(expr)
+        if isinstance(expr, sympy.Symbol) or _enclosed(source):
+            return source
+        return f"({source})"
 
     def _varies_expr(self, expr: sympy.Expr) -> bool:
         return any(self.varies(s.name) for s in expr.free_symbols)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import keyword
+import types
+import typing
 from dataclasses import dataclass
 
 
@@ -351,6 +354,56 @@ RETURNS_AS = ("loss", "fraction", "index")
 CHECKS = (None, "probability", "unit", "integer", "positive", "finite")
 
 
+def _type_mismatches(value: object, where: str) -> list[str]:
+    """Each field of an API dataclass (and of the Params, Options, ... it holds) whose value is
+    not of its declared type: `params=("w",)` for `params=(Param("w", "ones"),)`."""
+    problems = []
+    hints = typing.get_type_hints(type(value))
+    for field in dataclasses.fields(value):
+        got = getattr(value, field.name)
+        name = f"{where}.{field.name}"
+        if not _has_type(got, hints[field.name]):
+            problems.append(f"{name} must be {_type_name(hints[field.name])}, got {got!r}")
+            continue
+        for item in got if isinstance(got, tuple) else (got,):
+            if dataclasses.is_dataclass(item):
+                problems += _type_mismatches(item, f"{name}[{type(item).__name__}"
+                                                   f"('{getattr(item, 'name', '')}')]")
+    return problems
+
+
+def _has_type(value: object, hint: object) -> bool:
+    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, argument) for argument in arguments)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(arguments) == 2 and arguments[1] is Ellipsis:
+            return all(_has_type(item, arguments[0]) for item in value)
+        return len(value) == len(arguments) and all(
+            _has_type(item, argument) for item, argument in zip(value, arguments, strict=True))
+    if hint is type(None):
+        return value is None
+    if hint is float:  # a number; a bool is not one
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: object) -> str:
+    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(argument) for argument in arguments)
+    if origin is tuple:
+        if len(arguments) == 2 and arguments[1] is Ellipsis:
+            return f"a tuple of {_type_name(arguments[0])}"
+        return f"a tuple ({', '.join(_type_name(a) for a in arguments)})"
+    if hint is type(None):
+        return "None"
+    return {str: "a str", float: "a number", bool: "a bool"}.get(hint, getattr(
+        hint, "__name__", str(hint)))
+
+
 def api_mismatches(spec) -> list[str]:
     """What in `spec.api` does not match the spec's values, each as one sentence: a mismatch
     would otherwise surface only when the generated module is imported or its function called
@@ -361,6 +414,9 @@ def api_mismatches(spec) -> list[str]:
     if not isinstance(api, KINDS):
         return [f"op.api must be one of {', '.join(k.__name__ for k in KINDS)}; got "
                 f"{type(api).__name__}"]
+    typed = _type_mismatches(api, type(api).__name__)
+    if typed:
+        return typed  # the checks below read the fields as their types say
     kinds = {node.name: node.kind for node in spec.nodes}
     scalars = [n.name for n in spec.nodes if n.kind is Kind.SCALAR]
     params = [n.name for n in spec.nodes if n.kind in (Kind.COLUMN_PARAM, Kind.SCALAR_PARAM)]

@@ -25,7 +25,7 @@ from derive.algebra import (
 from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
 from derive.reverse import DerivationError, ReverseResult, upstream_symbol
-from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec, Rounded
+from derive.spec import REGENERATED, Kind, Level, N, Node, OpSpec, Rounded, is_language_power
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], save
                            for r in resolutions]
             resolutions.append(Resolution(node.name, "solved", solved))
             continue
-        if _recomputable(spec, node.name, available):
+        if _recomputable(spec, node.name, defined):
             resolutions.append(Resolution(node.name, "recomputed", node.expr))
             continue
         inverted = _invert_from_saved_element(spec, node, available)
@@ -222,9 +222,17 @@ def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> 
     (`unrounded`)."""
     expr = unrounded(expr)
     try:
-        return list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
+        solutions = list(sympy.solve(sympy.Eq(symbol, expr), unknown, dict=False))
     except NotImplementedError:
         return []
+    # a solution undefined somewhere (nan where a clamp max(norm, eps) takes its floor and
+    # forgets norm) inverts one branch only: the value is not determined there; one through a
+    # power the kernels do not take (s = r**(2/3) from r = s**(3/2)) is no use to them
+    if any(s.has(sympy.nan, sympy.zoo) or any(
+            not p.is_number and not is_language_power(p.exp) for p in s.atoms(sympy.Pow))
+           for s in solutions):
+        return []
+    return solutions
 
 
 def merge_sums(expr: sympy.Expr, algebra: Algebra) -> sympy.Expr:

@@ -11,6 +11,7 @@ import sympy
 
 from codegen.emit import (
     ModuleSpec,
+    positive_tensors,
     render_facade,
     render_module,
     render_patch,
@@ -94,7 +95,7 @@ def build_user_op(path: Path, out: Path) -> dict[Path, str]:
     derivation, source, page = _generate(spec, path.name, str(out / f"{name}.py"))
     return {out / f"{name}.py": source, out / f"{name}.md": page,
             out / f"test_{name}.py": render_user_test(module_spec(derivation.spec, derivation),
-                                                      path.name)}
+                                                      path.name, positive_tensors(spec))}
 
 
 def _build(spec: OpSpec, module_path: str | None = None) -> tuple[Derivation, str, str]:

@@ -10,7 +10,7 @@ import sympy
 from sympy.codegen.cfunctions import log1p
 
 from derive.algebra import Algebra, RowSum, sorted_symbols, unguarded
-from derive.spec import Kind, Level, N, Node, OpSpec
+from derive.spec import Kind, Level, N, Node, OpSpec, is_language_power
 
 
 class DerivationError(ValueError):
@@ -109,8 +109,7 @@ def reverse_mode(spec: OpSpec, algebra: Algebra) -> ReverseResult:
             if node.kind is not Kind.REDUCE:
                 # Written in the node's own name where it reappears: d exp(u) = exp(u) du = e du.
                 # Never for a reduction: its symbol is the sum of its body, not the body.
-                derivative = in_own_value(node, derivative.subs(node.expr, node.symbol),
-                                          algebra)
+                derivative = in_own_value(node, _in_own_name(node, derivative), algebra)
             if derivative == 0:
                 continue
             varies = algebra.levels[argument] in (Level.ELEMENT, Level.COLUMN)
@@ -237,6 +236,15 @@ def _shift_index(expr: sympy.Expr, j: sympy.Symbol, pairing: str, node: Node) ->
             "cannot move to the partner column: with pairing 'half' compare the index with N/2 "
             "(j < N/2 or j >= N/2); with 'interleaved' use its parity Mod(j, 2)")
     return expr
+
+
+def _in_own_name(node: Node, derivative: sympy.Expr) -> sympy.Expr:
+    """derivative with node's expression written as its name, unless that takes a power
+    outside the language (y = u**(-3/2) makes u**(-5/2) into y**(5/3))."""
+    named = derivative.subs(node.expr, node.symbol)
+    if all(is_language_power(p.exp) for p in named.atoms(sympy.Pow)):
+        return named
+    return derivative
 
 
 def in_own_value(node: Node, derivative: sympy.Expr, algebra: Algebra) -> sympy.Expr:

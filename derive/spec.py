@@ -94,6 +94,72 @@ class Rounded(sympy.Function):
         return text if exp is None else f"{text}^{{{exp}}}"
 
 
+#: The functions of the spec language (docs/spec_language.md, "Supported functions"); a
+#: function of numbers alone is a number and may be any SymPy evaluates (sqrt(2), log(2)).
+FUNCTIONS = (sympy.exp, sympy.log, sympy.tanh, sympy.erf, sympy.sin, sympy.cos,
+             sympy.sinh, sympy.cosh, sympy.Abs, sympy.Max, sympy.Min, sympy.Heaviside,
+             sympy.sign, sympy.Piecewise, sympy.Mod, Rounded)
+
+#: What else an expression of the language is built of: arithmetic, and the conditions of a
+#: Piecewise (comparisons joined by And, Or, Not)
+_STRUCTURE = (sympy.Symbol, sympy.Add, sympy.Mul, sympy.core.relational.Relational, sympy.And,
+              sympy.Or, sympy.Not, sympy.ITE, sympy.logic.boolalg.BooleanAtom,
+              sympy.functions.elementary.piecewise.ExprCondPair)
+
+
+#: the most square roots nested in a power of the language: x**(1/16)
+ROOT_DEPTH = 4
+
+
+def is_language_power(exponent: sympy.Expr) -> bool:
+    """Whether x**exponent is a power of the spec language: an integer power times square
+    roots nested at most ROOT_DEPTH deep (x**6, x**(-3/2), sqrt(sqrt(x)) = x**(1/4))."""
+    return bool(exponent.is_Rational) and exponent.q <= 2**ROOT_DEPTH and \
+        exponent.q & (exponent.q - 1) == 0
+
+
+def outside_language(expr: sympy.Basic) -> str | None:
+    """Why `expr` is outside the spec language, or None where it is inside."""
+    if getattr(expr, "is_number", False) and not expr.free_symbols:
+        if expr.has(sympy.nan, sympy.zoo) or expr.is_extended_real is False:
+            return f"the number {expr} is not a real number or ±oo"
+        return None
+    from derive.algebra import GuardedReciprocal  # the engine's own, which specs may use too
+
+    if isinstance(expr, sympy.Mod) and not (expr.args[0].is_integer and
+                                             expr.args[1].is_Integer and expr.args[1] > 0):
+        return (f"{expr}: Mod is of the column index by a positive integer (its parity, "
+                "Mod(j, 2)) in the spec language (docs/spec_language.md)")
+    if isinstance(expr, (*FUNCTIONS, GuardedReciprocal)):
+        pass
+    elif isinstance(expr, sympy.Pow):
+        exponent = expr.exp
+        if not is_language_power(exponent):
+            return (f"the power {expr} is outside the spec language, which has integer "
+                    "powers and powers of square roots (x**6, x**-3, sqrt(x), x**(3/2), "
+                    "sqrt(sqrt(x)) = x**(1/4)); write a power of a positive base with another "
+                    "exponent as exp(exponent * log(base))")
+    elif isinstance(expr, sympy.Function):
+        name = getattr(type(expr), "__name__", str(expr.func))
+        return (f"{name} is not a function of the spec language (its functions: "
+                f"{', '.join(f.__name__ for f in FUNCTIONS)}, sqrt and powers; "
+                "docs/spec_language.md)")
+    elif not isinstance(expr, _STRUCTURE):
+        return (f"{type(expr).__name__} ({expr}) is outside the spec language "
+                "(docs/spec_language.md)")
+    return next((why for arg in expr.args if (why := outside_language(arg)) is not None), None)
+
+
+def _exact_exponents(expr: sympy.Expr) -> sympy.Expr:
+    """A float exponent that is a power's of the language as that rational (x**0.5 is sqrt(x),
+    x**2.0 is x*x, x**0.25 is sqrt(sqrt(x)))."""
+    def exact(e: sympy.Basic) -> bool:
+        return isinstance(e, sympy.Pow) and e.exp.is_Float and \
+            is_language_power(sympy.Rational(float(e.exp)))
+
+    return expr.replace(exact, lambda e: sympy.Pow(e.base, sympy.Rational(float(e.exp))))
+
+
 class SpecError(ValueError):
     """A malformed spec. The message names the spec file and line that declared the culprit."""
 
@@ -389,7 +455,7 @@ class OpSpec:
         for node in self.nodes:
             if node.symbol == symbol:
                 return node
-        raise SpecError(f"{self.source}: {role}() got {symbol!r}, which is not a value "
+        raise SpecError(f"{_caller_location()}: {role}() got {symbol!r}, which is not a value "
                         f"declared in spec '{self.name}'")
 
     def level_of(self, symbol: sympy.Symbol) -> Level:
@@ -432,6 +498,13 @@ class OpSpec:
             expr = sympy.sympify(expr)
         except (sympy.SympifyError, TypeError) as error:
             raise self._error(name, f"cannot read the expression {expr!r}: {error}") from error
+        if isinstance(expr, sympy.logic.boolalg.Boolean) and not isinstance(expr, sympy.Expr):
+            raise self._error(name, f"{expr} is a condition, not a value: a condition selects "
+                                    f"in a Piecewise, as Piecewise((1, {expr}), (0, True))")
+        expr = _exact_exponents(expr)
+        why = outside_language(expr)
+        if why is not None:
+            raise self._error(name, why)
         unknown = sorted((s for s in expr.free_symbols if s != N and
                           not any(node.symbol == s for node in self.nodes)), key=str)
         if unknown:
@@ -496,6 +569,10 @@ def _user_code_error(path: Path, error: Exception) -> SpecError:
         methods = sorted(m for m in dir(OpSpec) if not m.startswith("_") and
                          callable(getattr(OpSpec, m)))
         message += f" (OpSpec's methods: {', '.join(methods)})"
+    elif isinstance(error, TypeError) and "truth value of Relational" in str(error):
+        message += (" (Python's `and`, `or`, `not`, a chained comparison `a < x < b` or the "
+                    "builtin max/min asked for the truth of a symbolic comparison: write "
+                    "sympy.And(a < x, x < b), sympy.Or, sympy.Not, sympy.Max, sympy.Min)")
     elif isinstance(error, TypeError) and ("float" in str(error) or "real number" in str(error)):
         message += (" (a math-module function got a symbol: use the sympy function instead, "
                     "e.g. sympy.tanh, not math.tanh; the supported functions are listed in "

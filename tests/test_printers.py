@@ -5,7 +5,7 @@ import sympy
 
 from codegen.printers import TORCH, TRITON, KernelPrinter, PrintError
 
-x, y, rstd, total = sympy.symbols("x y rstd total", real=True)
+x, y, rstd, total, c = sympy.symbols("x y rstd total c", real=True)
 N = sympy.Symbol("N", positive=True, integer=True)
 ELEMENTS = {"x", "y"}
 
@@ -38,6 +38,24 @@ def torch_(expr: sympy.Expr) -> str:
     (sympy.Rational(1, 2) * x, "0.5 * x"),
     (sympy.Max(x, y), "tl.maximum(x, y)"),
     (sympy.Piecewise((x, x > 0), (y, True)), "tl.where((x > 0.0), x, y)"),
+    # integer powers past the fourth by squaring: each repeated factor evaluated once
+    (x**5, "(x * x) * (x * x) * x"),
+    (x**6, "(x * x * x) * (x * x * x)"),
+    (x**-9, "helpers.div(1.0, (x * x * x * x) * (x * x * x * x) * x, EXACT)"),
+    (x ** sympy.Rational(11, 2), "(x * x) * (x * x) * x * helpers.sqrt(x)"),
+    (x ** sympy.Rational(-5, 2), "helpers.div(1.0, x * x * helpers.sqrt(x), EXACT)"),
+    # sqrt(sqrt(x)), as SymPy writes it, and its powers: square roots nested
+    (x ** sympy.Rational(3, 4), "helpers.sqrt(x) * helpers.sqrt(helpers.sqrt(x))"),
+    # conditions joined as selections, a negation pushed onto the comparisons
+    (sympy.Piecewise((x, sympy.And(x > -1, x < 1)), (y, True)),
+     "tl.where(tl.where((x > -1.0), (x < 1.0), False), x, y)"),
+    (sympy.Piecewise((x, sympy.Or(x < -1, y > 1)), (y, True)),
+     "tl.where(tl.where((y > 1.0), True, (x < -1.0)), x, y)"),
+    (sympy.Piecewise((x, sympy.Not(sympy.And(x > -1, y < 1))), (y, True)),
+     "tl.where(tl.where((y >= 1.0), True, (x <= -1.0)), x, y)"),
+    # ReLU6's min(max(x, 0), 6): SymPy writes a comparison of a selection as an ITE
+    (sympy.Piecewise((x, sympy.ITE(c, x < 6, True)), (6, True)),
+     "tl.where(tl.where((c == 0), True, (x < 6.0)), x, 6.0)"),
 ])
 def test_triton_printer(expr: sympy.Expr, source: str) -> None:
     assert triton(expr) == source
@@ -47,6 +65,9 @@ def test_torch_printer_uses_torch_functions() -> None:
     # its quotients divide as the Triton printer's do (an element, not times a reciprocal)
     assert torch_(sympy.exp(x) / sympy.sqrt(y)) == "(torch.exp(x)) / (torch.sqrt(y))"
     assert torch_(sympy.erf(x)) == "torch.erf(x)"
+    # its conditions joined by & and |, elementwise for tensors and Python bools alike
+    assert torch_(sympy.Piecewise((x, sympy.Or(sympy.And(x > 0, y < 1), c)), (y, True))) == \
+        "torch.where((c | ((x > 0.0) & (y < 1.0))), x, y).to(acc)"
 
 
 def test_row_invariant_factors_print_first() -> None:
@@ -60,3 +81,35 @@ def test_row_invariant_factors_print_first() -> None:
 def test_unprintable_expressions_raise(expr: sympy.Expr) -> None:
     with pytest.raises(PrintError):
         triton(expr)
+
+
+#: expressions whose printed torch source must compute what SymPy does, at every point
+EVALUATED = [
+    x**5, x**6, x**7, x**-6, x**12, (x + y) ** 9, x ** sympy.Rational(7, 2),
+    x ** sympy.Rational(-9, 2), y ** -13, x ** sympy.Rational(3, 4),
+    x ** sympy.Rational(-5, 4), x ** sympy.Rational(23, 16),
+    sympy.Piecewise((x, sympy.And(x > -1, x < 1)), (y, True)),
+    sympy.Piecewise((x, sympy.Or(x < -1, y > 1)), (-y, True)),
+    sympy.Piecewise((x, sympy.Not(sympy.Or(x < -1, y > 1))), (y**2, True)),
+    sympy.Piecewise((x, sympy.ITE(x > 0, y < 1, x < -1)), (6, True)),
+    sympy.Piecewise((x**2, sympy.And(sympy.Or(x < 0, y < 0), sympy.Ne(x, y))), (x * y, True)),
+]
+
+
+@pytest.mark.parametrize("expr", EVALUATED, ids=str)
+def test_printed_torch_source_computes_the_expression(expr: sympy.Expr) -> None:
+    import torch
+
+    # x never 0 (negative powers), positive under a root
+    rooted = any(not p.exp.is_Integer for p in expr.atoms(sympy.Pow))
+    values = torch.linspace(-2.5, 2.5, 11, dtype=torch.float64) + 0.1
+    grid_x, grid_y = (t.reshape(-1) for t in torch.meshgrid(values, values + 0.25,
+                                                             indexing="ij"))
+    if rooted:
+        grid_x = grid_x.abs()
+    printed = eval(torch_(expr), {"torch": torch, "acc": torch.float64},  # noqa: S307
+                   {"x": grid_x, "y": grid_y})
+    function = sympy.lambdify((x, y), expr, modules="math")
+    for index in range(len(grid_x)):
+        want = float(function(grid_x[index].item(), grid_y[index].item()))
+        assert float(printed[index]) == pytest.approx(want, rel=1e-14), (expr, index)

@@ -56,6 +56,42 @@ CASES = {
         "    op.save(x)\n",
         r"bad\.py:12: the adjoint of the partner read 'p' uses the column index 'j' in .*, which "
         r"the engine cannot move to the partner column"),
+    # outside the language: refused where written, before the engine differentiates it
+    "function outside the language": (
+        "    x = op.input('x')\n    beta = op.scalar('beta')\n"
+        "    op.output(op.element('y', x * sympy.floor(beta * x)))\n",
+        r"bad\.py:12: 'y': floor is not a function of the spec language \(its functions: exp, "
+        r"log, .*\)"),
+    "function of a row value outside the language": (
+        "    x = op.input('x')\n    s = op.row_sum('s', x)\n"
+        "    op.row('r', sympy.gamma(s))\n",
+        r"bad\.py:12: 'r': gamma is not a function of the spec language"),
+    "power outside the language": (
+        "    x = op.input('x')\n    op.element('y', x ** sympy.Rational(1, 3))\n",
+        r"bad\.py:11: 'y': the power x\*\*\(1/3\) is outside the spec language, which has "
+        r"integer powers and powers of square roots .* exp\(exponent \* log\(base\)\)"),
+    "power of a variable exponent": (
+        "    x = op.input('x')\n    beta = op.scalar('beta')\n"
+        "    op.element('y', 2 ** (beta * x))\n",
+        r"bad\.py:12: 'y': the power 2\*\*\(beta\*x\) is outside the spec language"),
+    "chained comparison": (
+        "    x = op.input('x')\n    op.element('y', sympy.Piecewise((x, -1 < x < 1), (0, True)))\n",
+        r"bad\.py:11: TypeError: cannot determine truth value of Relational.*a chained "
+        r"comparison `a < x < b`.*sympy\.And\(a < x, x < b\)"),
+    "complex number": ("    x = op.input('x')\n    op.element('y', x * sympy.I)\n",
+                       r"bad\.py:11: 'y': the number I is not a real number or ±oo"),
+    "division by zero": ("    x = op.input('x')\n    op.element('y', x / 0)\n",
+                         r"bad\.py:11: 'y': the number zoo is not a real number or ±oo"),
+    "condition as a value": (
+        "    x = op.input('x')\n    op.element('y', x > 0)\n",
+        r"bad\.py:11: 'y': x > 0 is a condition, not a value: a condition selects in a "
+        r"Piecewise, as Piecewise\(\(1, x > 0\), \(0, True\)\)"),
+    "residue of a value": ("    x = op.input('x')\n    op.element('y', sympy.Mod(x, 2))\n",
+                           r"bad\.py:11: 'y': Mod\(x, 2\): Mod is of the column index by a "
+                           r"positive integer"),
+    "save of an expression": ("    x = op.input('x')\n    op.output(op.element('y', x**2))\n"
+                              "    op.save(2 * x)\n",
+                              r"bad\.py:12: save\(\) got 2\*x, which is not a value declared"),
     # y = 2x: the VJP 2 dy reads no x, whose saving would only hold memory
     "unread save": ("    x = op.input('x')\n    op.output(op.element('y', 2 * x))\n"
                     "    op.save(x)\n",
