@@ -1065,6 +1065,11 @@ def _tangents(module: ModuleSpec, jvp: Kernel, fwd: KernelContext, arguments: li
         "call": [calls.get(name, name) for name in k.params if "=" not in name],
         "unpack": [t.name for t in jvp.outputs],
         "returns": returns,
+        # tangents the JVP cannot take as None (zero): a learnable scalar's, and one read at
+        # the partner column
+        "zeros": [(tangent, name) for name, tangent in module.tangent_inputs
+                  if any(t.name == tangent and t.level == "scalar" for t in jvp.inputs)
+                  or any(source == tangent for _, source, _ in jvp.partners)],
     }
 
 

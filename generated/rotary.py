@@ -416,6 +416,7 @@ class _DefaultFunction(launch.RowFunction):
         derived from the same spec, run as plain torch ops on the rows."""
         x, cos, sin, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
+        x_dot = x_dot if x_dot is not None else torch.zeros_like(x)
         y_dot, = _rotary_jvp_torch(x, cos, sin, x_dot, ctx.row_shape)
         return launch.returned(y_dot, ctx.layout)
 
@@ -491,6 +492,7 @@ class _Functional(torch.autograd.Function):
         x, cos, sin, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
+        x_dot = x_dot if x_dot is not None else torch.zeros_like(x)
         y_dot, = _rotary_jvp_torch(x, cos, sin, x_dot, ctx.row_shape)
         return launch.returned(y_dot, ctx.layout)
 
