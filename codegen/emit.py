@@ -19,6 +19,7 @@ from codegen.fuse import Moments, OnlineExp, OnlineFirst, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
+from codegen.runtime import amp
 from codegen.schedule import ScheduleTable, default_table
 from derive.api import replaces_kind
 from derive.reverse import upstream_symbol
@@ -993,6 +994,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "sympy_version": sympy.__version__,
         "api_template": f"api_{module.api.kind}.py.j2",
         "siblings": siblings or {},
+        # the op of its torch counterpart that torch's autocast runs in float32, if any
+        "autocast": amp.policy(module.api.torch_function),
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
 
