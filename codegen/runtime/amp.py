@@ -50,8 +50,12 @@ def float32(op: str, tensor: torch.Tensor) -> bool:
     """Whether torch's autocast, as it is set now, runs `op` (a name `policy` gave) in float32
     for `tensor`, the call's first input: autocast is on for its device type, lists `op`, and
     casts the tensor's dtype."""
+    if not torch._C._is_any_autocast_enabled():  # the common call, at once (host time)
+        return False
     device_type = tensor.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # (no autocast at all for some device types: the meta device's)
+    if not (torch._C._is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
         return False
     # the other accelerators share CUDA's lists in ATen
     return tensor.dtype in CAST and op in FLOAT32.get(device_type, FLOAT32["cuda"])
