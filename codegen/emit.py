@@ -995,9 +995,25 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "api_template": f"api_{module.api.kind}.py.j2",
         "siblings": siblings or {},
         # the op of its torch counterpart that torch's autocast runs in float32, if any
-        "autocast": amp.policy(module.api.torch_function),
+        "autocast": autocast_policy(module.api.torch_function),
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
+
+
+#: a torch function called in a counterpart expression: its name in torch or torch.nn.functional
+_TORCH_CALL = re.compile(r"\btorch\.(?:nn\.functional\.)?(\w+)")
+
+
+def autocast_policy(torch_function: str) -> str | None:
+    """The first torch function that `torch_function` (an API's counterpart, such as
+    "torch.nn.functional.layer_norm(input + residual, ...)") calls and that torch's autocast
+    runs in float32 on some device type (codegen/runtime/amp.py `FLOAT32`); None where it
+    calls none."""
+    listed = frozenset().union(*amp.FLOAT32.values())
+    for name in _TORCH_CALL.findall(torch_function):
+        if name in listed:
+            return name
+    return None
 
 
 def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: dict[str, Any],
