@@ -244,14 +244,21 @@ def test_compile_dynamic_fullgraph_without_recompiling(device, name):
     compiled_matches_eager(COMPILED[name].ours, device, "eager")
 
 
-def every_case(*tensors):
-    return tuple(result for case in COMPILED.values() for result in outputs(case.ours(*tensors)))
+#: the compiled calls in a few graphs (one each would take twice the compile time)
+GRAPHS = 3
 
 
-def test_compile_dynamic_fullgraph_backward_traced(device):
-    """Every call in one graph through aot_eager, which traces the backward too (the backward
-    ops' fake implementations given symbolic shapes)."""
-    compiled_matches_eager(every_case, device, "aot_eager")
+@pytest.mark.parametrize("graph", range(GRAPHS))
+def test_compile_dynamic_fullgraph_backward_traced(graph):
+    """A graph of every GRAPHS-th call through aot_eager, which traces the backward too (the
+    backward ops' fake implementations given symbolic shapes). The trace is the same on either
+    path; the process's path runs it (the test above runs each op's backward on both)."""
+    cases = list(COMPILED.values())[graph::GRAPHS]
+
+    def calls(*tensors):
+        return tuple(result for case in cases for result in outputs(case.ours(*tensors)))
+
+    compiled_matches_eager(calls, torch.device("cpu"), "aot_eager")
 
 
 def test_compiled_rotary_tables_of_fixed_shape(device):
@@ -431,5 +438,30 @@ def test_off_dropout_draws_as_torch(device, name):
             torch.cuda.manual_seed(1234)
         forward_backward(call, tensors)
         states.append(rng_state(device))
+    for got, want in zip(states[1], states[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_off_dropout_draws_as_torch_compiled(device):
+    """The same under torch.compile: a graph of every call with its dropout off draws what
+    torch's calls draw eagerly."""
+
+    def every(which):
+        def calls(*tensors):
+            return tuple(result for pair in OFF_DROPOUTS.values()
+                         for result in outputs(pair[which](*tensors)))
+        return calls
+
+    tensors = operands(device)[:4]
+    torch._dynamo.reset()
+    compiled = torch.compile(every(0), backend="eager", fullgraph=True)
+    states = []
+    for call in (every(1), compiled):
+        torch.manual_seed(1234)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(1234)
+        forward_backward(call, tensors)
+        states.append(rng_state(device))
+    torch._dynamo.reset()
     for got, want in zip(states[1], states[0], strict=True):
         assert torch.equal(got, want)
