@@ -19,6 +19,7 @@ from codegen.fuse import Moments, OnlineExp, OnlineFirst, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
+from codegen.runtime import amp
 from codegen.schedule import ScheduleTable, default_table
 from derive.api import replaces_kind
 from derive.reverse import upstream_symbol
@@ -1002,8 +1003,26 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "api_template": f"api_{module.api.kind}.py.j2",
         "siblings": siblings or {},
         "tangents": tangents,
+        # the op of its torch counterpart that torch's autocast runs in float32, if any
+        "autocast": autocast_policy(module.api.torch_function),
     }
     return _without_unused_imports(env.get_template("module.py.j2").render(**context))
+
+
+#: a torch function called in a counterpart expression: its name in torch or torch.nn.functional
+_TORCH_CALL = re.compile(r"\btorch\.(?:nn\.functional\.)?(\w+)")
+
+
+def autocast_policy(torch_function: str) -> str | None:
+    """The first torch function that `torch_function` (an API's counterpart, such as
+    "torch.nn.functional.layer_norm(input + residual, ...)") calls and that torch's autocast
+    runs in float32 on some device type (codegen/runtime/amp.py `FLOAT32`); None where it
+    calls none."""
+    listed = frozenset().union(*amp.FLOAT32.values())
+    for name in _TORCH_CALL.findall(torch_function):
+        if name in listed:
+            return name
+    return None
 
 
 def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: dict[str, Any],

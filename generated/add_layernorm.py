@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 from generated import dropout_add_layernorm as _sibling_dropout_add_layernorm
@@ -2445,11 +2445,18 @@ def add_layer_norm(
     weight = checks.check_param("add_layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
+    added_dtype = None  # the dtype the returned sum is cast to (None: as computed)
+    if amp.float32("layer_norm", input):
+        # torch's autocast runs layer_norm in float32 (codegen/runtime/amp.py): its tensors
+        # cast to float32 as it casts them; the sum returned keeps the dtype of the tensors
+        # added, as torch's sum before the norm has it
+        added_dtype = None if residual_in_fp32 else input.dtype
+        input, residual, input_bias, weight, bias, = amp.to_float32(input, residual, input_bias, weight, bias)
     function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
-        return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
+        return (output, output.to(residual_out_dtype or added_dtype or input.dtype)) if prenorm else output
     # the sum returned: the rows in the inputs' memory order where they share one (attention's
     # permuted buffers), read in place, so that the sum keeps their layout as torch's
     # `input + residual` does; the normalized output is made contiguous, as torch's norms return
@@ -2462,8 +2469,8 @@ def add_layer_norm(
     layout = launch.layout(order, input.shape if order is None else launch.permuted_shape(input.shape, order), columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight, bias) and not torch.compiler.is_compiling():
-        outputs = function.apply(x, residual, input_bias, weight, bias, eps, layout, prenorm, residual_out_dtype)
-        return (outputs[0], outputs[1]) if prenorm else outputs[0]
+        outputs = launch.apply(function, x, residual, input_bias, weight, bias, eps, layout, prenorm, residual_out_dtype)
+        return (outputs[0], amp.restored(outputs[1], added_dtype)) if prenorm else outputs[0]
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
@@ -2480,7 +2487,7 @@ def add_layer_norm(
             residual_out_dtype=residual_out_dtype,
         )
     if prenorm:
-        return launch.from_rows(outputs[0], layout).contiguous(), launch.from_rows(outputs[1], layout)
+        return launch.from_rows(outputs[0], layout).contiguous(), amp.restored(launch.from_rows(outputs[1], layout), added_dtype)
     return launch.shaped(outputs[0], input.shape)
 
 

@@ -735,13 +735,13 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
         raise TypeError(f"bias_dropout_add(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         p = 0.0
-    seed = checks.seed("bias_dropout_add", seed, input.device)
+    seed = checks.seed("bias_dropout_add", seed, input.device, draw=p != 0)
     x = input
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(x, residual, bias) and not torch.compiler.is_compiling():
-        return function.apply(x, residual, bias, p, seed, layout)
+        return launch.apply(function, x, residual, bias, p, seed, layout)
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime import linear_loss, losses
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
@@ -1226,6 +1226,9 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if size_average is not None or reduce is not None:
         reduction = losses.legacy_reduction(size_average, reduce)
     checks.check_input("cross_entropy", input, "input")
+    # the losses' dtype: float32 where torch's autocast runs cross_entropy in float32
+    # (codegen/runtime/amp.py), computed from the logits in float32 as there; else the input's
+    dtype = torch.float32 if amp.float32("cross_entropy", input) else input.dtype
     losses.check_flag("cross_entropy", "return_z_loss", return_z_loss)
     losses.check_flag("cross_entropy", "return_token_accuracy", return_token_accuracy)
     losses.check_flag("cross_entropy", "return_predicted_tokens", return_predicted_tokens)
@@ -1247,13 +1250,13 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, "default", return_z_loss, return_token_accuracy, return_predicted_tokens)
     elif checks.needs_grad(x):
-        outputs = function.apply(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, return_z_loss, return_token_accuracy, return_predicted_tokens)
+        outputs = launch.apply(function, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, return_z_loss, return_token_accuracy, return_predicted_tokens)
     else:
         outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=return_z_loss, store_token_accuracy=return_token_accuracy, store_predicted_tokens=return_predicted_tokens, store_row_max=False, store_denominator=False, store_target_weight=False, store_weight_mean=False)
-    results = [losses.reduce_rows(outputs[0], reduction, shape, counted, target, ignore_index, weight, input.dtype)]
+    results = [losses.reduce_rows(outputs[0], reduction, shape, counted, target, ignore_index, weight, dtype)]
     if return_z_loss:
         # reduced as the loss, never differentiated
-        results.append(losses.reduce_rows(outputs[1].detach(), reduction, shape, counted, target, ignore_index, weight, input.dtype))
+        results.append(losses.reduce_rows(outputs[1].detach(), reduction, shape, counted, target, ignore_index, weight, dtype))
     if return_token_accuracy:
         results.append(losses.reduce_returned("fraction", outputs[2].detach(), reduction, shape, target, ignore_index))
     if return_predicted_tokens:

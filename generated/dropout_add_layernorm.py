@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -2272,18 +2272,25 @@ def dropout_add_layer_norm(
         raise TypeError(f"dropout_add_layer_norm(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         dropout_p = 0.0
-    seed = checks.seed("dropout_add_layer_norm", seed, input.device)
+    seed = checks.seed("dropout_add_layer_norm", seed, input.device, draw=dropout_p != 0)
+    added_dtype = None  # the dtype the returned sum is cast to (None: as computed)
+    if amp.float32("layer_norm", input):
+        # torch's autocast runs layer_norm in float32 (codegen/runtime/amp.py): its tensors
+        # cast to float32 as it casts them; the sum returned keeps the dtype of the tensors
+        # added, as torch's sum before the norm has it
+        added_dtype = None if residual_in_fp32 else input.dtype
+        input, residual, input_bias, weight, bias, = amp.to_float32(input, residual, input_bias, weight, bias)
     function = checks.check_choice("dropout_add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()
-        return (output, output.to(residual_out_dtype or input.dtype)) if prenorm else output
+        return (output, output.to(residual_out_dtype or added_dtype or input.dtype)) if prenorm else output
     # the rows: made by the Function itself where autograd records it
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight, bias) and not torch.compiler.is_compiling():
-        outputs = function.apply(x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, prenorm, residual_out_dtype)
-        return (outputs[0], outputs[1]) if prenorm else outputs[0]
+        outputs = launch.apply(function, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, prenorm, residual_out_dtype)
+        return (outputs[0], amp.restored(outputs[1], added_dtype)) if prenorm else outputs[0]
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
@@ -2300,7 +2307,7 @@ def dropout_add_layer_norm(
             residual_out_dtype=residual_out_dtype,
         )
     if prenorm:
-        return launch.shaped(outputs[0], input.shape), launch.shaped(outputs[1], input.shape)
+        return launch.shaped(outputs[0], input.shape), amp.restored(launch.shaped(outputs[1], input.shape), added_dtype)
     return launch.shaped(outputs[0], input.shape)
 
 

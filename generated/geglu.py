@@ -652,7 +652,7 @@ def geglu(gate, up, *, approximate="none"):
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(gate, up) and not torch.compiler.is_compiling():
-        return function.apply(gate, up, layout)
+        return launch.apply(function, gate, up, layout)
     gate = launch.to_rows(gate, layout)
     up = launch.to_rows(up, layout)
     if torch.compiler.is_compiling():

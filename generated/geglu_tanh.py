@@ -636,7 +636,7 @@ def geglu_tanh(gate, up):
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(gate, up) and not torch.compiler.is_compiling():
-        return function.apply(gate, up, layout)
+        return launch.apply(function, gate, up, layout)
     gate = launch.to_rows(gate, layout)
     up = launch.to_rows(up, layout)
     if torch.compiler.is_compiling():

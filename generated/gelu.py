@@ -734,7 +734,7 @@ def gelu(input, *, approximate="none", bias=None):
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(x, bias) and not torch.compiler.is_compiling():
-        return function.apply(x, bias, layout)
+        return launch.apply(function, x, bias, layout)
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

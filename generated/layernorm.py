@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -1972,6 +1972,10 @@ def layer_norm(
     weight = checks.check_param("layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
     bias = checks.check_param("layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("layer_norm", eps, input.dtype)
+    if amp.float32("layer_norm", input):
+        # torch's autocast runs layer_norm in float32 (codegen/runtime/amp.py): its tensors
+        # cast to float32 as it casts them
+        input, weight, bias, = amp.to_float32(input, weight, bias)
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
@@ -1979,7 +1983,7 @@ def layer_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, weight, bias) and not torch.compiler.is_compiling():
-        outputs = function.apply(x, weight, bias, eps, layout)
+        outputs = launch.apply(function, x, weight, bias, eps, layout)
         return outputs
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -917,6 +917,10 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     columns = shape[-1] if len(shape) else 1
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, mask = checks.promote(input, mask)
+    if amp.float32("softmax", input):
+        # torch's autocast runs softmax in float32 (codegen/runtime/amp.py): its tensors
+        # cast to float32 as it casts them
+        input, mask, = amp.to_float32(input, mask)
     scale = checks.check_option("masked_softmax", "scale", scale, None)
     dropout_p = checks.check_option("masked_softmax", "dropout_p", dropout_p, "probability")
     if not isinstance(causal, bool):
@@ -926,7 +930,7 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
         raise TypeError(f"masked_softmax(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         dropout_p = 0.0
-    seed = checks.seed("masked_softmax", seed, input.device)
+    seed = checks.seed("masked_softmax", seed, input.device, draw=dropout_p != 0)
     row_shape = checks.row_shape(shape)
     x = input
     attention_mask = checks.broadcast_rows(mask, shape, row_shape) if mask is not None else None
@@ -934,7 +938,7 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(x) and not torch.compiler.is_compiling():
-        return function.apply(x, attention_mask, scale, window, dropout_p, seed, row_shape, layout)
+        return launch.apply(function, x, attention_mask, scale, window, dropout_p, seed, row_shape, layout)
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

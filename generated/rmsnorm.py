@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -1409,6 +1409,10 @@ def rms_norm(
         weight_offset = 0.0
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
+    if amp.float32("rms_norm", input):
+        # torch's autocast runs rms_norm in float32 (codegen/runtime/amp.py): its tensors
+        # cast to float32 as it casts them
+        input, weight, = amp.to_float32(input, weight)
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
@@ -1416,7 +1420,7 @@ def rms_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, weight) and not torch.compiler.is_compiling():
-        outputs = function.apply(x, weight, eps, weight_offset, round_normalized, in_place, layout)
+        outputs = launch.apply(function, x, weight, eps, weight_offset, round_normalized, in_place, layout)
         return outputs
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():

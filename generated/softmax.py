@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codegen.runtime import checks, dispatch, launch
+from codegen.runtime import amp, checks, dispatch, launch
 from codegen.runtime import triton_helpers as helpers
 from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
@@ -687,6 +687,9 @@ def softmax(input, dim=-1, dtype=None):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.softmax(input, dim, dtype=dtype)
 
+    if dtype is None and isinstance(input, torch.Tensor) and amp.float32("softmax", input):
+        # torch's autocast runs softmax with dtype=torch.float32 (codegen/runtime/amp.py)
+        dtype = torch.float32
     if dtype is not None:
         if dtype not in checks.FLOAT_DTYPES:
             # torch: TypeError for what is no dtype, NotImplementedError for an integer one

@@ -722,7 +722,7 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]
     if checks.needs_grad(gate, up) and not torch.compiler.is_compiling():
-        return function.apply(gate, up, gate_multiplier, down_multiplier, layout)
+        return launch.apply(function, gate, up, gate_multiplier, down_multiplier, layout)
     gate = launch.to_rows(gate, layout)
     up = launch.to_rows(up, layout)
     if torch.compiler.is_compiling():

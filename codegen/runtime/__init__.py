@@ -11,6 +11,7 @@ here, written and tested once:
   Triton's per-call binding, column sums of per-program partials);
 - `triton_helpers`: `@triton.jit` math helpers and their plain-torch twins;
 - `checks`: argument checks that raise torch's kinds of errors;
+- `amp`: torch's autocast policies, as the ops whose counterparts have one follow them;
 - `losses`: the helpers of per-row losses with a target.
 
 This package imports neither sympy nor jinja: it is what runs in a user's process.

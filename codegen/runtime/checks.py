@@ -8,6 +8,7 @@ import math
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -265,6 +266,16 @@ def promote(*tensors):
     )
 
 
+def concrete(tensor) -> bool:
+    """Whether `tensor`'s values exist to be read: not while torch.compile traces, nor for a meta
+    tensor or a fake one (FakeTensorMode), which have a shape and a dtype but no values. A check
+    of values runs only where this holds; the others check shapes and dtypes alone."""
+    if tensor.is_meta or torch.compiler.is_compiling():
+        return False
+    # the common tensor first: host time on every call
+    return type(tensor) is torch.Tensor or not is_fake(tensor)
+
+
 def check_real(function, name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
@@ -310,17 +321,23 @@ def check_option(function, name, value, check):
         raise OptionError(
             f"{function}(): argument '{name}' must be a finite number > 0 or None, got {value}"
         )
-    if check == "finite" and not math.isfinite(value):
+    # comparisons, not math.isfinite: torch.compile(dynamic=True) passes a float it takes from
+    # a function's defaults or a module's attributes as a symbolic float, which they trace
+    if check == "finite" and not -math.inf < value < math.inf:
         raise OptionError(f"{function}(): argument '{name}' must be finite, got {value}")
     if check == "integer" and not value.is_integer():
         raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
     return value
 
 
-def seed(function, seed, device):
+def seed(function, seed, device, draw=True):
     """The call's seed as a 0-d int64 tensor on the input's device (drawn from torch's generator
-    of that device when None, so torch.manual_seed and activation checkpointing replay it)."""
+    of that device when None, so torch.manual_seed and activation checkpointing replay it).
+    `draw=False` (dropout off: no mask is read) draws nothing where none is given, as torch's
+    dropout draws nothing when off: every later random op gives what it gives without it."""
     if seed is None:
+        if not draw:
+            return torch.zeros((), dtype=torch.int64, device=device)
         return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
     if isinstance(seed, bool) or not isinstance(seed, (numbers.Integral, torch.Tensor)):
         raise TypeError(
@@ -430,8 +447,11 @@ def _row_geometry(sizes, strides, shape, order):
 def _broadcasts(shape, full) -> bool:
     """Whether a tensor of `shape` broadcasts to `full` without growing it (remembered, as
     `_row_geometry`)."""
+    # `==` each, not `size in (1, whole)`: torch.compile's `in` takes a constant size (a
+    # buffer's) for unequal to a symbolic one, where `==` guards on their values
     return len(shape) <= len(full) and all(
-        size in (1, whole) for size, whole in zip(reversed(shape), reversed(full), strict=False))
+        size == 1 or size == whole for size, whole in zip(reversed(shape), reversed(full),
+                                                          strict=False))
 
 
 def check_broadcast(function, name, tensor, input, additive):

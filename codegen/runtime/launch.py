@@ -21,6 +21,7 @@ from collections import namedtuple
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from codegen.runtime import checks, triton_helpers
 from codegen.runtime.schedules import CACHE_SIZE, Schedule
@@ -44,8 +45,13 @@ def fp32_pair(value: float) -> tuple[float, float]:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """CUDA tensors run the Triton kernels; CPU tensors run them only under TRITON_INTERPRET=1."""
-    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    """CUDA tensors run the Triton kernels; CPU tensors run them only under TRITON_INTERPRET=1;
+    meta and fake tensors (FakeTensorMode) never: they have no memory for a kernel, and the
+    torch path gives their results' shapes and dtypes."""
+    if not (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or tensor.is_meta:
+        return False
+    # the common tensor first: host time on every call
+    return type(tensor) is torch.Tensor or not is_fake(tensor)
 
 
 def ieee(device: torch.device):
@@ -89,7 +95,15 @@ def memory_order(first: torch.Tensor, *others) -> tuple[int, ...] | None:
 def _dense_order(strides, sizes) -> tuple[int, ...] | None:
     """`memory_order` of one tensor, from its strides and sizes (a pure function of them,
     remembered: every layer of a model calls with the same ones)."""
-    order = (*sorted(range(len(sizes) - 1), key=lambda dim: -strides[dim]), len(sizes) - 1)
+    # the leading dims by decreasing stride, equal ones in their order: an insertion sort of
+    # comparisons, which torch.compile traces over symbolic strides (sorted's keys it cannot)
+    leading = []
+    for dim in range(len(sizes) - 1):
+        at = len(leading)
+        while at and strides[leading[at - 1]] < strides[dim]:
+            at -= 1
+        leading.insert(at, dim)
+    order = (*leading, len(sizes) - 1)
     expected = 1  # the permuted view's contiguity, from the sizes and strides (no view taken)
     for dim in reversed(order):
         if sizes[dim] != 1 and strides[dim] != expected:
@@ -300,13 +314,27 @@ class RowFunction(torch.autograd.Function):
         return super().apply(*args)
 
 
+def apply(function, *args):
+    """`function.apply(*args)`. Autograd saves no inference tensor (one made under
+    torch.inference_mode) for a backward: where it refuses one of `args`, the call is made again
+    with such tensors copied, as torch's own ops save intermediates of their own beside an
+    operand that needs grad. An inference tensor never requires grad: no gradient is lost."""
+    try:
+        return function.apply(*args)
+    except RuntimeError:
+        if not any(isinstance(arg, torch.Tensor) and arg.is_inference() for arg in args):
+            raise
+    return function.apply(*(arg.clone() if isinstance(arg, torch.Tensor) and arg.is_inference()
+                            else arg for arg in args))
+
+
 def applied(function, args: tuple):
-    """`function.apply(*args)`, or, inside `each`, the call kept, to be applied with the others
+    """`apply(function, *args)`, or, inside `each`, the call kept, to be applied with the others
     in one node of autograd's graph."""
     kept = getattr(_EACH, "calls", None)
     if kept is None or "apply" in vars(function) or torch._C._are_functorch_transforms_active():
         # a Function with its own apply, or one under torch.func transforms: as it is
-        return function.apply(*args)
+        return apply(function, *args)
     kept.append((function, args))
     return _Kept(len(kept) - 1)
 
@@ -328,10 +356,10 @@ def each(*calls):
     if not kept:
         return tuple(results)
     if len(kept) == 1 or any(function is not kept[0][0] for function, _ in kept):
-        outputs = [function.apply(*args) for function, args in kept]
+        outputs = [apply(function, *args) for function, args in kept]
     else:
         counts = tuple(len(args) for _, args in kept)
-        outputs = _Each.apply(kept[0][0], counts, *(a for _, args in kept for a in args))
+        outputs = apply(_Each, kept[0][0], counts, *(a for _, args in kept for a in args))
     return tuple(outputs[r.index] if isinstance(r, _Kept) else r for r in results)
 
 

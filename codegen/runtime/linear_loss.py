@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from codegen.runtime import checks, launch, losses
+from codegen.runtime import amp, checks, launch, losses
 from codegen.runtime.checks import DeviceError, DtypeError, OptionError, ShapeError
 
 
@@ -106,7 +106,7 @@ def check_linear(function, input, weight, bias):
                 f"({input.device}), got {tensor.device}"
             )
     dtype = input.dtype
-    if torch.is_autocast_enabled(input.device.type):
+    if amp.enabled(input.device.type):
         # F.linear runs in autocast's dtype, cross-entropy in float32
         cast = torch.get_autocast_dtype(input.device.type)
         input, weight = input.to(cast), weight.to(cast)
@@ -222,7 +222,7 @@ def linear_loss(function, input, weight, bias, target, counted, reduction, chunk
                 tuple(how is not None for how in returns))
     extras = [None] * len(returns)  # the per-row values of the wanted ones, filled by the sweep
     if checks.needs_grad(input, weight, bias):
-        loss = _LinearLoss.apply(x, weight, bias, target, counted, plan, extras)
+        loss = launch.apply(_LinearLoss, x, weight, bias, target, counted, plan, extras)
     else:
         loss = _reduce(plan, _sweep(plan, x, weight, bias, target, None, (), extras=extras)[0],
                        counted)
@@ -280,7 +280,7 @@ def _sweep(plan, x, weight, bias, target, dloss, needs, loss=True, extras=None):
         if grads and bias is not None and needs[2] else None
     buffer = torch.empty((min(plan.chunk, rows), classes), dtype=x.dtype, device=device)
     transposed = weight.t()
-    with torch.autocast(device.type, enabled=False):  # the dtypes are autocast's already
+    with amp.disabled(device.type):  # the dtypes are autocast's already
         _chunks(plan, x, weight, bias, target, dloss, buffer, transposed, losses_, grad_x,
                 grad_weight, grad_bias, extras if any(wanted) else None)
     if grad_weight is not None:
@@ -353,7 +353,7 @@ def _statistics(plan, x, weight, bias, target, extras):
     buffer = torch.empty((min(plan.chunk, rows), classes), dtype=x.dtype, device=x.device)
     transposed = weight.t()
     parts = []
-    with torch.autocast(x.device.type, enabled=False):
+    with amp.disabled(x.device.type):
         # no rows: one chunk of none, whose outputs are the empty ones of each
         for start in range(0, rows, plan.chunk) or (0,):
             stop = min(start + plan.chunk, rows)
@@ -398,7 +398,7 @@ def _blocked(plan, x, weight, bias, target, outputs, dloss, needs):
     # d weight of a block summed over row chunks (where one chunk does not hold every row)
     partial = torch.empty((min(block, classes), features), dtype=acc, device=device) \
         if chunk < rows else None
-    with torch.autocast(device.type, enabled=False):
+    with amp.disabled(device.type):
         for first in range(0, classes, block):
             last = min(first + block, classes)
             w = weight[first:last]

@@ -19,6 +19,7 @@ from codegen.runtime.checks import (
     DtypeError,
     OptionError,
     ShapeError,
+    concrete,
 )
 
 #: targets a step of `target_stats`' one program reads
@@ -298,7 +299,7 @@ def check_target(function, name, target, input, ignore_index, weight=None):
     """Integer class indices, one per row of `input`, each in [0, N) or ignore_index: returns
     them as int64, and the count of those other than ignore_index (the sum of their class
     weights where `weight` is given, at the loss's precision): a 0-d tensor on their device;
-    None for no rows or under torch.compile, where the caller counts (`counted`)."""
+    None for no rows or where the values cannot be read (`concrete`), where the caller counts."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(
             f"{function}(): argument '{name}' must be a torch.Tensor, got {type(target).__name__}"
@@ -319,7 +320,8 @@ def check_target(function, name, target, input, ignore_index, weight=None):
             f"got {target.device}"
         )
     target = target.to(torch.int64)
-    if torch.compiler.is_compiling() or not target.numel():
+    if not target.numel() or not concrete(target):
+        # no values to check (torch.compile's tracing, meta or fake tensors): the caller counts
         return target, None
     if target.is_cuda and target.device.index != torch._C._cuda_getDevice():
         with torch.cuda.device(target.device):  # Triton launches on the current device
