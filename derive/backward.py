@@ -21,6 +21,7 @@ from derive.algebra import (
     expand_sums,
     sorted_symbols,
     substitute,
+    surely_nonzero,
 )
 from derive.forward import extras
 from derive.graph import ColumnParam, Definition, RowGraph
@@ -359,7 +360,8 @@ def hoist_zero_branches(expr: sympy.Expr) -> sympy.Expr:
         value, condition = piece.args[0]
         if value != 0 or condition == sympy.true:
             continue
-        if sympy.simplify(expr.xreplace({condition: sympy.true})) == 0:
+        holds = expr.xreplace({condition: sympy.true})
+        if not surely_nonzero(holds) and sympy.simplify(holds) == 0:
             rest = hoist_zero_branches(expr.xreplace({condition: sympy.false}))
             return sympy.Piecewise((0, condition), (rest, True))
     return expr
