@@ -81,8 +81,7 @@ def rewrite_functions(expr: sympy.Expr) -> sympy.Expr:
     expr = expr.replace(lambda e: isinstance(e, (sympy.sinh, sympy.cosh)),
                         lambda e: e.rewrite(sympy.exp))
     expr = expr.replace(lambda e: isinstance(e, (sympy.Max, sympy.Min)), _min_max_piecewise)
-    expr = expr.replace(lambda e: isinstance(e, sympy.Abs),
-                        lambda e: sympy.Piecewise((-e.args[0], e.args[0] < 0), (e.args[0], True)))
+    expr = expr.replace(lambda e: isinstance(e, sympy.Abs), _abs_piecewise)
     expr = expr.replace(lambda e: isinstance(e, sympy.sign),
                         lambda e: sympy.Piecewise((1, e.args[0] > 0), (-1, e.args[0] < 0),
                                                   (0, True)))
@@ -92,12 +91,29 @@ def rewrite_functions(expr: sympy.Expr) -> sympy.Expr:
 
 
 def _min_max_piecewise(e: sympy.Expr) -> sympy.Expr:
-    first, *rest = e.args
-    result = first
-    for arg in rest:
-        test = (arg > result) if isinstance(e, sympy.Max) else (arg < result)
-        result = sympy.Piecewise((arg, test), (result, True))
-    return result
+    """Max (Min) as a selection whose derivative is torch's: where k arguments tie at the
+    extreme, each gets 1/k of the gradient (torch.maximum's halves; torch.amax's share of a
+    stacked tie). A tie's branch is the tied arguments' mean, their common value, so its
+    derivative is the mean of theirs; NaN reaches it (no comparison holds) and stays NaN, as in
+    torch.maximum. The comparisons are of the arguments themselves, one at a time: a decision
+    tree, never a comparison of a selection."""
+    beats = sympy.Gt if isinstance(e, sympy.Max) else sympy.Lt
+
+    def extreme(tied: list[sympy.Expr], rest: list[sympy.Expr]) -> sympy.Expr:
+        if not rest:
+            return sympy.Add(*tied) / len(tied)
+        top, following, later = tied[0], rest[0], rest[1:]
+        return sympy.Piecewise((extreme(tied, later), beats(top, following)),
+                               (extreme([following], later), beats(following, top)),
+                               (extreme([*tied, following], later), True))
+
+    return extreme([e.args[0]], list(e.args[1:]))
+
+
+def _abs_piecewise(e: sympy.Abs) -> sympy.Expr:
+    """|u| with torch.abs's derivative, 0 at u = 0 (sgn(0)); NaN stays NaN."""
+    u = e.args[0]
+    return sympy.Piecewise((0, sympy.Eq(u, 0)), (-u, u < 0), (u, True))
 
 
 def _heaviside_piecewise(e: sympy.Expr) -> sympy.Expr:
