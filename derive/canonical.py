@@ -5,9 +5,10 @@ inline, so the derived backward depends on the op, not on its spelling:
 
 1. an expression the spec already named is replaced by its name wherever it reappears;
 2. non-smooth functions (Max, Min, Abs, Heaviside, sign) become `Piecewise`, whose derivative is
-   again a `Piecewise` the printers know; overflow-prone forms get their safe equivalents
-   (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)), also where exp(u) is a named value;
-   log(1 + exp(u)) -> max(u, 0) + log1p(exp(-|u|)));
+   again a `Piecewise` the printers know, with torch's derivative at a tie (docs/spec_language.md);
+   overflow-prone forms get their safe equivalents (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)),
+   also where exp(u) is a named value; logs of products of exponentials, softmaxes and sigmoids
+   as sums of their arguments and softplus terms, and x·log x as 0 where x = 0: derive/stable.py);
 3. every sigmoid 1 / (1 + c·exp(u)) inside a definition is named, so its derivative is written
    in its own value (σ(1 − σ), derive/reverse.py), never through exp(u), which overflows first;
 4. every function of an elementwise value used more than once, or inside a reduction body, is
@@ -28,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 
 import sympy
-from sympy.codegen.cfunctions import log1p
 
 from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
+from derive.stable import known_positive, softplus, stable_logs, xlogy
 
 #: The functions a spec may use; error messages and docs/spec_language.md point here.
 SUPPORTED_FUNCTIONS = (
@@ -47,6 +48,8 @@ def canonical(spec: OpSpec) -> OpSpec:
     levels = {node.symbol: node.level for node in spec.nodes}
     kept: dict[sympy.Expr, sympy.Symbol] = {}  # a value already named, by its expression
     exponentials: dict[sympy.Symbol, sympy.Expr] = {}  # values named that are an exp(u)
+    values: dict[sympy.Symbol, sympy.Expr] = {}  # element and row definitions, by name
+    positive = {node.symbol for node in spec.nodes if node.symbol.is_positive}
     nodes: list[Node] = []
     for node in spec.nodes:
         if node.is_definition:
@@ -55,6 +58,11 @@ def canonical(spec: OpSpec) -> OpSpec:
             inlined = expr.xreplace(exponentials)
             if _safe_forms(inlined) != inlined:
                 expr = _safe_forms(inlined)
+            expr = xlogy(stable_logs(expr, values, positive))
+            if node.kind is not Kind.REDUCE:
+                values[node.symbol] = expr
+            if node.reduction != "min" and known_positive(expr, positive):
+                positive.add(node.symbol)
             expr = expr.xreplace(kept)
             _refuse_cross_element(spec, node, expr)
             node = dataclasses.replace(node, expr=expr)
@@ -123,7 +131,7 @@ def _heaviside_piecewise(e: sympy.Expr) -> sympy.Expr:
 
 def _safe_forms(expr: sympy.Expr) -> sympy.Expr:
     """exp(u) / (exp(u) + c) -> 1 / (1 + c·exp(-u)), finite where exp(u) overflows (inf / inf);
-    log(1 + exp(u)) -> u·[u > 0] + log1p(exp(-|u|)), finite where exp(u) overflows."""
+    log(1 + exp(u)) -> softplus(u), finite where exp(u) overflows."""
     def sigmoid_like(e: sympy.Expr) -> bool:
         if not isinstance(e, sympy.Mul):
             return False
@@ -138,13 +146,7 @@ def _safe_forms(expr: sympy.Expr) -> sympy.Expr:
     def softplus_like(e: sympy.Expr) -> bool:
         return isinstance(e, sympy.log) and _softplus_argument(e.args[0]) is not None
 
-    def softplus(e: sympy.Expr) -> sympy.Expr:
-        u = _softplus_argument(e.args[0])
-        magnitude = sympy.Piecewise((-u, u < 0), (u, True))
-        # log1p: log(1 + exp(-|u|)) would round exp(-|u|) < 2^-24 away (softplus(-30) = 0)
-        return sympy.Piecewise((u, u > 0), (0, True)) + log1p(sympy.exp(-magnitude))
-
-    return expr.replace(softplus_like, softplus)
+    return expr.replace(softplus_like, lambda e: softplus(_softplus_argument(e.args[0])))
 
 
 def _sigmoid_parts(e: sympy.Mul) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr] | None:
