@@ -220,15 +220,17 @@ def _varying(expr: sympy.Expr, levels: dict[sympy.Symbol, Level]) -> set[sympy.S
 
 
 def _sigmoids(nodes: list[Node], levels: dict[sympy.Symbol, Level]) -> list[sympy.Expr]:
-    """Every 1 / (1 + c·exp(u)) of an elementwise u that is not a whole definition: named, its
-    derivative is written in its own value, σ' = σ(1 − σ) (derive/reverse.py), never through
-    exp(u), which overflows where σ is still finite (x·σ(x) at x = −89)."""
+    """Every 1 / (1 + c·exp(u)) of an elementwise u that is not a whole elementwise definition
+    (a reduction's whole body is one: its name is the sum): named, its derivative is written in
+    its own value, σ' = σ(1 − σ) (derive/reverse.py), never through exp(u), which overflows
+    where σ is still finite (x·σ(x) at x = −89)."""
     found = []
     for node in nodes:
         if not node.is_definition:
             continue
         for sub in sympy.preorder_traversal(node.expr):
-            if sub != node.expr and _is_sigmoid(sub) and _varying(sub, levels):
+            whole = sub == node.expr and node.kind is not Kind.REDUCE
+            if not whole and _is_sigmoid(sub) and _varying(sub, levels):
                 found.append(sub)
     return found
 

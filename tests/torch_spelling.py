@@ -1,4 +1,5 @@
-"""A spec as torch's autograd sees it, against the engine's derivation of it.
+"""A spec as torch's autograd sees it, and in exact arithmetic, against the engine's
+derivation of it.
 
 `spelled` evaluates a spec's nodes with torch's own ops, the spelling a user would write in
 torch (Max is torch.maximum, or for more arguments torch.amax of their stack; Min likewise; Abs
@@ -7,10 +8,15 @@ a zero derivative), and takes the gradients with autograd. `derived` evaluates t
 forward graph and each memory mode's backward graph with the torch printer's own source, the
 plain-torch path the generated modules run. Both work on (M, N) rows in any float dtype, so
 their values can be compared at any input: at ties of Max/Min/Abs and Piecewise boundaries,
-and at magnitudes where an exponential overflows."""
+and at magnitudes where an exponential overflows. `exact` evaluates the spec as written in
+arbitrary precision (mpmath), its gradients by forward mode: the value a spelling has
+where torch's fp64 overflows or cancels (away from ties, where it is differentiable)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import mpmath
 import sympy
 import torch
 
@@ -276,10 +282,153 @@ def derived(derivation: Derivation, inputs: dict[str, torch.Tensor],
     return outputs, gradients
 
 
+def exact(spec: OpSpec, inputs: dict[str, torch.Tensor], scalars: dict[str, float],
+          upstream: dict[str, torch.Tensor]
+          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(outputs, gradients) of the spec as written, rounded to fp64 (beyond its range: inf),
+    at 50 digits more than exp of twice the largest input needs (1 - σ(x) at x = 1e3 is
+    e^-1000, which 50 digits would round to 0), and more where a difference still rounds to 0.
+    The gradients by forward mode, one leaf entry at a time, each node's partial derivatives
+    SymPy's (a step's 0 where it is constant, a row max's through its largest element): exact
+    away from ties. Row inputs and column indices are not supported (none is needed)."""
+    rows, width = next(t for t in inputs.values() if t.dim() == 2).shape
+    kinds = {node.name: (node.kind, node.level) for node in spec.nodes}
+    singular = (sympy.DiracDelta,)
+    compiled = {}
+    for node in spec.nodes:
+        if node.is_definition:
+            arguments = sorted(node.expr.free_symbols, key=lambda s: s.name)
+            partials = [sympy.diff(node.expr, a).replace(lambda e: isinstance(e, singular),
+                                                         lambda e: sympy.Integer(0))
+                        for a in arguments]
+            compiled[node.name] = (arguments,
+                                   sympy.lambdify(arguments, node.expr, "mpmath"),
+                                   [sympy.lambdify(arguments, d, "mpmath") for d in partials])
+
+    def grid(level: Level, fill: object) -> object:
+        if level is Level.ELEMENT:
+            return [[fill] * width for _ in range(rows)]
+        return [fill] * rows if level is Level.ROW else fill
+
+    def at(values: dict, name: str, r: int, j: int) -> object:
+        if name == "N":
+            return width
+        kind, level = kinds[name]
+        value = values[name]
+        if kind is Kind.COLUMN_PARAM:
+            return value[j]
+        if level is Level.ELEMENT:
+            return value[r][j]
+        return value[r] if level is Level.ROW else value
+
+    def evaluate(seed: tuple[str, tuple[int, ...]] | None) -> tuple[dict, dict]:
+        """The values, and their derivatives along one leaf entry (`seed`)."""
+        values: dict = {}
+        tangents: dict = {}
+        zero = mpmath.mpf(0)
+        for node in spec.nodes:
+            name, (kind, level) = node.name, kinds[node.name]
+            if kind is Kind.SCALAR:
+                values[name], tangents[name] = mpmath.mpf(scalars[name]), zero
+            elif kind is Kind.COLUMN_PARAM:
+                values[name] = [mpmath.mpf(float(v)) for v in inputs[name].tolist()]
+                tangents[name] = [zero] * width
+            elif kind is Kind.SCALAR_PARAM:
+                values[name], tangents[name] = mpmath.mpf(float(inputs[name])), zero
+            elif kind is Kind.INPUT:
+                values[name] = [[mpmath.mpf(v) for v in row] for row in inputs[name].tolist()]
+                tangents[name] = grid(Level.ELEMENT, zero)
+            if seed is not None and seed[0] == name:
+                if kind is Kind.INPUT:
+                    tangents[name][seed[1][0]][seed[1][1]] = mpmath.mpf(1)
+                elif kind is Kind.COLUMN_PARAM:
+                    tangents[name][seed[1][0]] = mpmath.mpf(1)
+                else:
+                    tangents[name] = mpmath.mpf(1)
+            if not node.is_definition:
+                continue
+            arguments, function, partials = compiled[name]
+
+            def local(r: int, j: int, arguments=arguments, function=function,
+                      partials=partials) -> tuple[object, object]:
+                point = [at(values, a.name, r, j) for a in arguments]
+                slope = mpmath.fsum(partial(*point) * at(tangents, a.name, r, j)
+                                    for a, partial in zip(arguments, partials, strict=True))
+                return function(*point), slope
+
+            if kind is Kind.REDUCE:
+                value, tangent = [], []
+                for r in range(rows):
+                    body = [local(r, j) for j in range(width)]
+                    if node.reduction in ("max", "min"):
+                        pick = (max if node.reduction == "max" else min)(
+                            range(width), key=lambda j, body=body: body[j][0])
+                        value.append(body[pick][0])
+                        tangent.append(body[pick][1])
+                    else:
+                        scale = width if node.reduction == "mean" else 1
+                        value.append(mpmath.fsum(v for v, _ in body) / scale)
+                        tangent.append(mpmath.fsum(t for _, t in body) / scale)
+                values[name], tangents[name] = value, tangent
+            elif level is Level.ROW:
+                pairs = [local(r, 0) for r in range(rows)]
+                values[name], tangents[name] = [v for v, _ in pairs], [t for _, t in pairs]
+            else:
+                pairs = [[local(r, j) for j in range(width)] for r in range(rows)]
+                values[name] = [[v for v, _ in row] for row in pairs]
+                tangents[name] = [[t for _, t in row] for row in pairs]
+        return values, tangents
+
+    def as_tensor(value: object) -> torch.Tensor:
+        rows_of = value if isinstance(value, list) else [value]
+        return torch.tensor([[float(v) for v in row] if isinstance(row, list) else [float(row)]
+                             for row in rows_of], dtype=torch.float64)
+
+    largest = max(float(t.abs().max()) for t in inputs.values() if t.numel())
+    digits = 50 + int(0.87 * largest)  # exp(2·largest): 2·log10(e) = 0.87 digits per unit
+    while True:
+        try:
+            return _at_digits(digits, evaluate, as_tensor, spec, inputs, upstream, rows, width)
+        except ZeroDivisionError:  # a difference rounded to 0 (1 - σ(x)): more digits
+            digits *= 2
+
+
+def _at_digits(digits: int, evaluate: Callable, as_tensor: Callable, spec: OpSpec,
+               inputs: dict[str, torch.Tensor], upstream: dict[str, torch.Tensor], rows: int,
+               width: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    with mpmath.workdps(digits):
+        values, _ = evaluate(None)
+        outputs = {name: as_tensor(values[name]) for name in spec.outputs}
+        weights = {name: value.tolist() for name, value in upstream.items()}
+        gradients = {}
+        for node in spec.nodes:
+            if not node.grad or node.kind not in (Kind.INPUT, Kind.COLUMN_PARAM,
+                                                  Kind.SCALAR_PARAM):
+                continue
+            shape = inputs[node.name].shape
+            entries = [()] if not shape else [(j,) for j in range(width)] if len(shape) == 1 \
+                else [(r, j) for r in range(rows) for j in range(width)]
+            grad = []
+            for entry in entries:
+                _, tangents = evaluate((node.name, entry))
+                total = mpmath.mpf(0)
+                for output in spec.outputs:
+                    dy, slope = weights["d" + output], tangents[output]
+                    for r in range(rows):
+                        if spec.node(output).level is Level.ELEMENT:
+                            total += mpmath.fsum(mpmath.mpf(dy[r][j]) * slope[r][j]
+                                                 for j in range(width))
+                        else:
+                            total += mpmath.mpf(dy[r][0]) * slope[r]
+                grad.append(float(total))
+            gradients[node.name] = torch.tensor(grad, dtype=torch.float64).reshape(shape)
+        return outputs, gradients
+
+
 def row_of(value: float | list[float], width: int, dtype: torch.dtype) -> torch.Tensor:
     """A (1, width) row holding `value` (a number, or values cycled over the row)."""
     values = value if isinstance(value, list) else [value]
     return torch.tensor([values[j % len(values)] for j in range(width)], dtype=dtype)[None, :]
 
 
-__all__ = ["N", "Ties", "derived", "row_of", "spelled", "torch_of"]
+__all__ = ["N", "Ties", "derived", "exact", "row_of", "spelled", "torch_of"]
