@@ -64,12 +64,12 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
     differentiable = differentiable_nodes(spec)
     targets = {n.name: reverse.adjoints.get(n.name, sympy.Integer(0)) for n in differentiable}
     pivots = pivot_table(spec, algebra)
-    targets = {name: substitute(expr, dict(pivots)) for name, expr in targets.items()}
+    targets = {name: pivoted(expr, dict(pivots)) for name, expr in targets.items()}
     basis_algebra = Algebra(algebra.levels)
     for node in spec.nodes:
         if node.kind is Kind.REDUCE and node.reduction in ("sum", "mean"):
             value = node.symbol * (N if node.reduction == "mean" else 1)
-            basis_algebra.learn(substitute(node.expr, dict(pivots)), value)
+            basis_algebra.learn(pivoted(node.expr, dict(pivots)), value)
     targets = {name: tidy(basis_algebra.normalize(expr), algebra.varies)
                for name, expr in targets.items()}
     targets, resolutions = resolve(spec, basis_algebra, targets, saved, reverse.partners)
@@ -106,6 +106,18 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
             pivots = [(u, substitute(g, {varying[0]: solutions[0]})) for u, g in pivots]
             pivots.append((varying[0], solutions[0]))
     return pivots
+
+
+def pivoted(expr: sympy.Expr, pivots: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
+    """expr with the pivots substituted everywhere but in its selections' conditions: a test
+    of x at a tie (Eq(w·x, 0)) stays one of x, where x = m + (2x - 2m)/2, rounded, is no
+    longer exactly 0 (docs/spec_language.md, the gradient at a kink)."""
+    if isinstance(expr, sympy.Piecewise):
+        return sympy.Piecewise(*((pivoted(value, pivots), condition)
+                                 for value, condition in expr.args))
+    if not expr.args:
+        return pivots.get(expr, expr)
+    return expr.func(*(pivoted(arg, pivots) for arg in expr.args))
 
 
 def _divides_by_possible_zero(expr: sympy.Expr) -> bool:

@@ -8,7 +8,8 @@ inline, so the derived backward depends on the op, not on its spelling:
    again a `Piecewise` the printers know, with torch's derivative at a tie (docs/spec_language.md);
    overflow-prone forms get their safe equivalents (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)),
    also where exp(u) is a named value; logs of products of exponentials, softmaxes and sigmoids
-   as sums of their arguments and softplus terms, and x·log x as 0 where x = 0: derive/stable.py);
+   as sums of their arguments and softplus terms, and x·log x as 0 where x = 0; a row sum of
+   exponentials that no max stabilises shifted by the max of its exponents: derive/stable.py);
 3. every sigmoid 1 / (1 + c·exp(u)) inside a definition is named, so its derivative is written
    in its own value (σ(1 − σ), derive/reverse.py), never through exp(u), which overflows first;
 4. every function of an elementwise value used more than once, or inside a reduction body, is
@@ -31,7 +32,13 @@ import dataclasses
 import sympy
 
 from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
-from derive.stable import known_positive, softplus, stable_logs, xlogy
+from derive.stable import (
+    known_positive,
+    shift_exponential_sums,
+    softplus,
+    stable_logs,
+    xlogy,
+)
 
 #: The functions a spec may use; error messages and docs/spec_language.md point here.
 SUPPORTED_FUNCTIONS = (
@@ -45,6 +52,7 @@ _SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.erf, sympy.sin, sympy.cos)
 
 def canonical(spec: OpSpec) -> OpSpec:
     """A new OpSpec equal in value to `spec`, in canonical form (see the module doc)."""
+    spec = shift_exponential_sums(spec)
     levels = {node.symbol: node.level for node in spec.nodes}
     kept: dict[sympy.Expr, sympy.Symbol] = {}  # a value already named, by its expression
     exponentials: dict[sympy.Symbol, sympy.Expr] = {}  # values named that are an exp(u)

@@ -262,11 +262,11 @@ def in_own_value(node: Node, derivative: sympy.Expr, algebra: Algebra) -> sympy.
 
 
 def _vanishes(expr: sympy.Expr, spec: OpSpec, algebra: Algebra) -> bool:
-    """Prove expr == 0, inlining elementwise definitions and row sums one at a time, latest
-    first, so the recognition rules still see the names the forward reductions were written in
-    until a name is what hides the cancellation (an entropy's Σ_j p·log p, whose p = e / s
-    cancels the stabilising max only once written in e)."""
-    definitions = [n for n in spec.nodes if n.kind is Kind.ELEMENT
+    """Prove expr == 0, inlining elementwise and row definitions and row sums one at a time,
+    latest first, so the recognition rules still see the names the forward reductions were
+    written in until a name is what hides the cancellation (an entropy's Σ_j p·log p, whose
+    p = e / s cancels the stabilising max only once written in e)."""
+    definitions = [n for n in spec.nodes if n.kind in (Kind.ELEMENT, Kind.ROW)
                    or (n.kind is Kind.REDUCE and n.reduction in ("sum", "mean"))]
     expr = algebra.normalize(unguarded(expr))
     for node in reversed(definitions):

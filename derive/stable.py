@@ -1,4 +1,5 @@
-"""Overflow-safe forms of logs, whatever the spelling (the canonical form's rule 2).
+"""Overflow-safe forms of logs and of sums of exponentials, whatever the spelling (the canonical
+form's rule 2).
 
 A log whose argument, seen through the names it is made of, is a product of exponentials,
 positive values and binomials c0 + c1·exp(w) is written as a sum: log exp(u) = u, a positive
@@ -11,6 +12,14 @@ value keeps its log, and each binomial becomes a softplus, which never overflows
   where exp(x - m) underflows to 0;
 - log(1 + exp(u)) = softplus(u).
 
+A row sum of exponentials that no row max stabilises, Σ_j exp(u_j)·w_j, is shifted by the max
+of its exponents, as torch.logsumexp is: m = max_j u_j and s' = Σ_j exp(u_j - m)·w_j are named,
+the sum is exp(m)·s', and each later value that reads the sum reads exp(m)·s', where the
+exponentials meet: log Σ_j exp(x_j) = m + log s', exp(x) / Σ_j exp(x_j) = exp(x - m) / s'. The
+max cancels from every output (the engine proves it, docs/design.md rule 5). A sum that is an
+output or saved, or that a later value reads other than in a log or beside exponentials, is
+left as written.
+
 A product that holds a log of one of its own factors (x·log x, t·(log t - log p)) is 0 where
 that factor is 0, and so is its derivative there: torch.xlogy's value and torch.kl_div's
 gradient, where the product as written is 0·(-inf) = NaN.
@@ -18,10 +27,13 @@ gradient, where the product as written is 0·(-inf) = NaN.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import sympy
 from sympy.codegen.cfunctions import log1p
+
+from derive.spec import RESERVED, Kind, Level, Node, OpSpec
 
 
 def softplus(u: sympy.Expr) -> sympy.Expr:
@@ -137,3 +149,102 @@ def xlogy(expr: sympy.Expr) -> sympy.Expr:
 
     return expr.replace(lambda e: isinstance(e, sympy.Mul) and factor_logged(e) is not None,
                         guarded)
+
+
+def shift_exponential_sums(spec: OpSpec) -> OpSpec:
+    """`spec` with each row sum of exponentials that no row max stabilises shifted by the max
+    of its exponents (see the module doc), where the shift cancels: the sum is no output and
+    no saved value, and every value that reads it reads it in a log or beside exponentials
+    that take exp(m) in. Elsewhere exp(m) would stay a factor, and its derivative
+    exp(x - m)·exp(m), 0·inf where exp(x) alone is finite."""
+    kept: set[str] = set()
+    while True:
+        shifted, scaled = _shifted(spec, kept)
+        if not scaled:
+            return shifted
+        kept |= scaled
+
+
+def _shifted(spec: OpSpec, kept: set[str]) -> tuple[OpSpec, set[str]]:
+    """`spec` with the sums not in `kept` shifted, and those whose shift does not cancel."""
+    levels = {node.symbol: node.level for node in spec.nodes}
+    maxes = {node.symbol for node in spec.nodes if node.reduction == "max"}
+    taken = {node.name for node in spec.nodes} | set(RESERVED)
+    exponentials: dict[sympy.Symbol, sympy.Expr] = {}  # element values that are an exp(u)
+    shifted: dict[sympy.Symbol, sympy.Expr] = {}  # each shifted sum: exp(m)·s'
+    factors: dict[str, sympy.Expr] = {}  # each shifted sum's exp(m)
+    saved = spec.saved_anywhere() | set(spec.outputs)
+    scaled: set[str] = set()  # sums whose exp(m) stays a factor
+    nodes: list[Node] = []
+    for node in spec.nodes:
+        if node.is_definition and node.expr.has(*shifted):
+            # where the sum meets an exponential, exp(x)·exp(-m) = exp(x - m)
+            expr = merge_exponentials(node.expr.xreplace(shifted).xreplace(exponentials))
+            outside = expr.replace(lambda e: isinstance(e, sympy.log), lambda e: sympy.Integer(1))
+            scaled |= {name for name, factor in factors.items() if outside.has(factor)}
+            node = dataclasses.replace(node, expr=expr)
+        parts = None if node.name in kept | saved else \
+            _exponential_sum(node, exponentials, levels, maxes)
+        if parts is None:
+            if node.kind is Kind.ELEMENT and isinstance(node.expr, sympy.exp):
+                exponentials[node.symbol] = node.expr
+            nodes.append(node)
+            continue
+        exponent, rest = parts
+        top = _declare(f"max_{node.name}", taken, node, Kind.REDUCE, exponent, "max")
+        total = _declare(f"{node.name}_shifted", taken, node, Kind.REDUCE,
+                         merge_exponentials(sympy.exp(exponent - top.symbol) * rest),
+                         node.reduction)
+        levels[top.symbol] = levels[total.symbol] = Level.ROW
+        maxes.add(top.symbol)
+        factors[node.name] = sympy.exp(top.symbol)
+        shifted[node.symbol] = factors[node.name] * total.symbol
+        nodes += [top, total, dataclasses.replace(node, kind=Kind.ROW, reduction=None,
+                                                  expr=shifted[node.symbol])]
+    if not shifted:
+        return spec, scaled
+    return dataclasses.replace(spec, nodes=nodes), scaled
+
+
+def _exponential_sum(node: Node, exponentials: Mapping[sympy.Symbol, sympy.Expr],
+                     levels: Mapping[sympy.Symbol, Level], maxes: set[sympy.Symbol]
+                     ) -> tuple[sympy.Expr, sympy.Expr] | None:
+    """(u, w) where node is Σ_j exp(u_j)·w_j (a sum or mean), u elementwise and shifted by no
+    row max, w free of elementwise exponentials."""
+    if node.kind is not Kind.REDUCE or node.reduction not in ("sum", "mean"):
+        return None
+    factors = sympy.Mul.make_args(merge_exponentials(node.expr.xreplace(exponentials)))
+
+    def varies(e: sympy.Expr) -> bool:
+        return any(levels.get(s) in (Level.ELEMENT, Level.COLUMN) for s in e.free_symbols)
+
+    exps = [f for f in factors if isinstance(f, sympy.exp) and varies(f.args[0])]
+    if len(exps) != 1 or exps[0].args[0].free_symbols & maxes:
+        return None
+    rest = sympy.Mul(*(f for f in factors if f is not exps[0]))
+    if any(varies(e.args[0]) for e in rest.atoms(sympy.exp)):
+        return None
+    return exps[0].args[0], rest
+
+
+def _declare(base: str, taken: set[str], source: Node, kind: Kind, expr: sympy.Expr,
+             reduction: str) -> Node:
+    name, index = base, 2
+    while name in taken:
+        name, index = f"{base}{index}", index + 1
+    taken.add(name)
+    return Node(name, sympy.Symbol(name, real=True), kind, Level.ROW, expr, reduction,
+                where=source.where)
+
+
+def merge_exponentials(expr: sympy.Expr) -> sympy.Expr:
+    """Each product's exponential factors as one: exp(x)·exp(-m) = exp(x - m)."""
+    def several(e: sympy.Expr) -> bool:
+        return isinstance(e, sympy.Mul) and sum(isinstance(f, sympy.exp) for f in e.args) > 1
+
+    def merged(e: sympy.Mul) -> sympy.Expr:
+        exps = [f for f in e.args if isinstance(f, sympy.exp)]
+        rest = [f for f in e.args if not isinstance(f, sympy.exp)]
+        return sympy.Mul(sympy.exp(sympy.Add(*(f.args[0] for f in exps))), *rest)
+
+    return expr.replace(several, merged)

@@ -9,8 +9,10 @@
   one, the value of torch's own op: binary cross-entropy written with log∘sigmoid (torch's
   binary_cross_entropy_with_logits) for |x| up to 1e4, a KL divergence whose target holds 0
   (torch's kl_div, value and both gradients), x·log x at 0 (torch.xlogy), a log of a softmax
-  in two spellings (torch.log_softmax), the entropy of a softmax and an expectation under one,
-  for logits spread over 1e3, where exp(x - max) underflows."""
+  in three spellings (torch.log_softmax), the entropy of a softmax and an expectation under
+  one, for logits spread over 1e4, where exp(x - max) underflows; a log-sum-exp, a softmax and
+  a log-softmax spelled with no max at all (torch.logsumexp, softmax, log_softmax), where
+  exp(x) overflows."""
 
 from __future__ import annotations
 
@@ -115,6 +117,22 @@ SPECS = {
     op.output(op.row('h', -op.row_sum('plogp', p * sympy.log(p))))
     op.save(x)
 """, "ReductionAPI(function='entropy', module='M', torch_function='-')"),
+    "logsumexp": ("""
+    x = op.input('x')
+    op.output(op.row('y', sympy.log(op.row_sum('total', sympy.exp(x)))))
+    op.save(x)
+""", "ReductionAPI(function='logsumexp', module='M', torch_function='-')"),
+    "softmax": ("""
+    x = op.input('x')
+    e = op.element('e', sympy.exp(x))
+    op.output(op.element('p', e / op.row_sum('total', e)))
+    op.save(x)
+""", "DimAPI(function='softmax', module='M', torch_function='-')"),
+    "log_softmax": ("""
+    x = op.input('x')
+    op.output(op.element('y', sympy.log(sympy.exp(x) / op.row_sum('total', sympy.exp(x)))))
+    op.save(x)
+""", "DimAPI(function='log_softmax', module='M', torch_function='-')"),
     "expectation": ("""
     x = op.input('x')
     top = op.row_max('top', x)
@@ -259,6 +277,13 @@ STABLE = {
     "log_of_softmax": (lambda x: torch.log_softmax(x, -1), [True],
                        lambda m, dtype, device: [logits(m, dtype, device)]),
     "entropy": (entropy_reference, [True], lambda m, dtype, device: [logits(m, dtype, device)]),
+    # spelled without a max: log Σ exp(x), exp(x) / Σ exp(x), log(exp(x) / Σ exp(x))
+    "logsumexp": (lambda x: torch.logsumexp(x, -1), [True],
+                  lambda m, dtype, device: [logits(m, dtype, device)]),
+    "softmax": (lambda x: torch.softmax(x, -1), [True],
+                lambda m, dtype, device: [logits(m, dtype, device)]),
+    "log_softmax": (lambda x: torch.log_softmax(x, -1), [True],
+                    lambda m, dtype, device: [logits(m, dtype, device)]),
     "expectation": (lambda x: (torch.softmax(x, -1) * x).sum(-1), [True],
                     lambda m, dtype, device: [logits(m, dtype, device)]),
 }
