@@ -127,6 +127,15 @@ def _enclosed(source: str) -> bool:
     return False
 
 
+def _single(number: sympy.Expr) -> bool:
+    """Whether float32 holds the number exactly."""
+    value = float(sympy.N(number, 30))
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0] == value
+    except OverflowError:  # beyond float32's range
+        return False
+
+
 class KernelPrinter:
     """Prints one expression; `varies(name)` says whether a symbol changes along the row."""
 
@@ -359,9 +368,16 @@ class KernelPrinter:
         if last_condition != sympy.true:
             raise PrintError(f"a Piecewise must end with an otherwise branch: {expr}")
         source = self._print(last_value)[0]
+        otherwise = last_value
         for value, condition in reversed(cases):
-            source = (f"{self.dialect.where}({self._print(condition)[0]}, "
+            test = self._print(condition)[0]
+            if self.dialect.where_cast and otherwise.is_number and value.is_number \
+                    and not (_single(value) and _single(otherwise)):
+                # torch.where of two Python numbers is float32: one of them a tensor of `acc`
+                source = f"torch.full_like({test}, {source}, dtype=acc)"
+            source = (f"{self.dialect.where}({test}, "
                       f"{self._print(value)[0]}, {source}){self.dialect.where_cast}")
+            otherwise = sympy.Piecewise((value, condition), (otherwise, True))
         return source, _ATOM
 
     def _boolean(self, expr: sympy.Basic) -> str:

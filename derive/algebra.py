@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -95,7 +95,11 @@ class Algebra:
             invariant, varying = [], []
             # Row-invariant factors hidden in a sum (a denominator N·e·s² + N·s⁴) come out too,
             # so sums that differ by a row-invariant factor are one sum.
+            term = self._guarded(term)
             for factor in sympy.Mul.make_args(sympy.factor_terms(term)):
+                if isinstance(factor, sympy.Piecewise) and self.varies(factor):
+                    common, factor = self.shared_factor(factor)
+                    invariant.append(common)
                 (varying if self.varies(factor) else invariant).append(factor)
             element_part = sympy.Mul(*varying)
             if element_part == 1:
@@ -104,6 +108,34 @@ class Algebra:
                 atom = RowSum(element_part)
                 total += sympy.Mul(*invariant) * self.rules.get(atom, atom)
         return total
+
+    def _guarded(self, term: sympy.Expr) -> sympy.Expr:
+        """term with its elementwise factors moved into the first varying selection with a 0
+        branch that it holds, and that selection dropped where the guard is needless: a guard
+        holds the product it guards before it may go (Piecewise((0, Eq(t, 0)), (t, True)) / t
+        is 0/0 at t = 0, not 1)."""
+        factors = sympy.Mul.make_args(term)
+        guard = next((f for f in factors if isinstance(f, sympy.Piecewise) and self.varies(f)
+                      and any(value == 0 for value, _ in f.args)), None)
+        if guard is None:
+            return term
+        inside = sympy.Mul(*(f for f in factors if f is not guard and self.varies(f)))
+        outside = sympy.Mul(*(f for f in factors if f is not guard and not self.varies(f)))
+        return outside * needless_guards(sympy.Piecewise(
+            *((inside * value if value != 0 else value, condition)
+              for value, condition in guard.args)), self.varies)
+
+    def shared_factor(self, piece: sympy.Piecewise) -> tuple[sympy.Expr, sympy.Expr]:
+        """(r, selection) with piece = r·selection, r the row-invariant factor every nonzero
+        branch holds: Σ_j Piecewise((0, t = 0), (t/s, True)) is (1/s)·Σ_j Piecewise((0, t = 0),
+        (t, True)), the same sum as its 1/s-free form."""
+        values = [value for value, _ in piece.args if value != 0]
+        shares = {sympy.Mul(*(f for f in sympy.Mul.make_args(sympy.factor_terms(value))
+                              if not self.varies(f))) for value in values}
+        if len(shares) != 1 or (common := shares.pop()) == 1:
+            return sympy.Integer(1), piece
+        return common, sympy.Piecewise(*((value / common if value != 0 else value, condition)
+                                         for value, condition in piece.args))
 
     def learn(self, relation_sum: sympy.Expr, value: sympy.Expr) -> sympy.Expr | None:
         """Record Σ_j body = value as a rewrite rule for its leading sum; return that sum."""
@@ -118,6 +150,39 @@ class Algebra:
         rest = sympy.expand(lhs - coefficient * lead)
         self.rules[lead] = sympy.expand((value - rest) / coefficient)
         return lead
+
+
+def into_selections(expr: sympy.Expr) -> sympy.Expr:
+    """Each product holding a selection with a 0 branch, the product's other factors moved into
+    the selection's branches: Piecewise((a·b, c), (0, True)), exactly 0 where c fails, never
+    a·Piecewise((b, c), (0, True)), which is inf·0 = NaN there when a is not finite (1/‖x‖ of
+    a zero row, where a clamp max(‖x‖, eps) takes its floor)."""
+    def selection(e: sympy.Expr) -> sympy.Piecewise | None:
+        return next((f for f in e.args if isinstance(f, sympy.Piecewise)
+                     and any(value == 0 for value, _ in f.args)), None)
+
+    def fold(e: sympy.Mul) -> sympy.Expr:
+        piece = selection(e)
+        rest = sympy.Mul(*(f for f in e.args if f is not piece))
+        return sympy.Piecewise(*((into_selections(rest * value) if value != 0 else value, cond)
+                                 for value, cond in piece.args))
+
+    return expr.replace(lambda e: isinstance(e, sympy.Mul) and selection(e) is not None, fold)
+
+
+def needless_guards(expr: sympy.Expr, varies: Callable[[sympy.Expr], bool]) -> sympy.Expr:
+    """Each selection Piecewise((a, Eq(v, c)), (b, True)) of an elementwise v (`varies`) whose
+    b is a at v = c, written b: a guard of x·log x differentiated, Piecewise((0, Eq(t, 0)),
+    (t, True)), is t. A switch on a scalar stays: the kernels are compiled for its cases."""
+    def needless(e: sympy.Expr) -> bool:
+        if not (isinstance(e, sympy.Piecewise) and len(e.args) == 2):
+            return False
+        (value, condition), (other, otherwise) = e.args
+        return (otherwise == sympy.true and isinstance(condition, sympy.Eq)
+                and isinstance(condition.lhs, sympy.Symbol) and varies(condition.lhs)
+                and other.subs(condition.lhs, condition.rhs) == value)
+
+    return expr.replace(needless, lambda e: e.args[1][0])
 
 
 def expand_sums(expr: sympy.Expr) -> sympy.Expr:

@@ -10,6 +10,7 @@ Three passes, each a verb:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy
@@ -19,6 +20,8 @@ from derive.algebra import (
     GuardedReciprocal,
     RowSum,
     expand_sums,
+    into_selections,
+    needless_guards,
     sorted_symbols,
     substitute,
     surely_nonzero,
@@ -62,13 +65,14 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
     differentiable = differentiable_nodes(spec)
     targets = {n.name: reverse.adjoints.get(n.name, sympy.Integer(0)) for n in differentiable}
     pivots = pivot_table(spec, algebra)
-    targets = {name: substitute(expr, dict(pivots)) for name, expr in targets.items()}
+    targets = {name: pivoted(expr, dict(pivots)) for name, expr in targets.items()}
     basis_algebra = Algebra(algebra.levels)
     for node in spec.nodes:
         if node.kind is Kind.REDUCE and node.reduction in ("sum", "mean"):
             value = node.symbol * (N if node.reduction == "mean" else 1)
-            basis_algebra.learn(substitute(node.expr, dict(pivots)), value)
-    targets = {name: tidy(basis_algebra.normalize(expr)) for name, expr in targets.items()}
+            basis_algebra.learn(pivoted(node.expr, dict(pivots)), value)
+    targets = {name: tidy(basis_algebra.normalize(expr), algebra.varies)
+               for name, expr in targets.items()}
     targets, resolutions = resolve(spec, basis_algebra, targets, saved, reverse.partners)
     targets = {name: basis_algebra.normalize(expr) for name, expr in targets.items()}
     merged = {name: merge_sums(expr, algebra) for name, expr in targets.items()}
@@ -78,7 +82,7 @@ def derive_backward(spec: OpSpec, algebra: Algebra, reverse: ReverseResult,
     if _distinct_sums(merged) <= _distinct_sums(targets):
         targets = merged
     targets, reductions = name_reductions(targets, algebra)
-    gradients = tuple((name, tidy(expr)) for name, expr in targets.items())
+    gradients = tuple((name, tidy(expr, algebra.varies)) for name, expr in targets.items())
     graph = backward_graph(spec, reverse, gradients, resolutions, reductions, saved,
                            reverse.partners)
     return BackwardResult(graph, gradients, tuple(pivots), tuple(resolutions), tuple(reductions))
@@ -103,6 +107,18 @@ def pivot_table(spec: OpSpec, algebra: Algebra) -> list[tuple[sympy.Symbol, symp
             pivots = [(u, substitute(g, {varying[0]: solutions[0]})) for u, g in pivots]
             pivots.append((varying[0], solutions[0]))
     return pivots
+
+
+def pivoted(expr: sympy.Expr, pivots: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
+    """expr with the pivots substituted everywhere but in its selections' conditions: a test
+    of x at a tie (Eq(w·x, 0)) stays one of x, where x = m + (2x - 2m)/2, rounded, is no
+    longer exactly 0 (docs/spec_language.md, the gradient at a kink)."""
+    if isinstance(expr, sympy.Piecewise):
+        return sympy.Piecewise(*((pivoted(value, pivots), condition)
+                                 for value, condition in expr.args))
+    if not expr.args:
+        return pivots.get(expr, expr)
+    return expr.func(*(pivoted(arg, pivots) for arg in expr.args))
 
 
 def _divides_by_possible_zero(expr: sympy.Expr) -> bool:
@@ -303,13 +319,14 @@ def reduction_name(body: sympy.Expr, taken: set[str]) -> str:
     return candidate
 
 
-def tidy(expr: sympy.Expr) -> sympy.Expr:
+def tidy(expr: sympy.Expr, varies: Callable[[sympy.Expr], bool]) -> sympy.Expr:
     """The cheapest of a few equivalent forms (by operation count): expanded with common
     factors pulled out suits sums of reductions; elementwise chains are cheaper left nested."""
     expanded = sympy.factor_terms(expand_sums(expr))
     candidates = [expanded, sympy.factor_terms(expr), expr]
     chosen = min(candidates, key=sympy.count_ops)
-    return hoist_zero_branches(into_selections(denominators_into_sums(chosen)))
+    selections = into_selections(denominators_into_sums(chosen))
+    return hoist_zero_branches(needless_guards(selections, varies))
 
 
 def denominators_into_sums(expr: sympy.Expr) -> sympy.Expr:
@@ -332,24 +349,6 @@ def denominators_into_sums(expr: sympy.Expr) -> sympy.Expr:
         return coefficient.p * others * scaled
 
     return expr.replace(cleared, restore)
-
-
-def into_selections(expr: sympy.Expr) -> sympy.Expr:
-    """Each product holding a selection with a 0 branch, the product's other factors moved into
-    the selection's branches: Piecewise((a·b, c), (0, True)), exactly 0 where c fails, never
-    a·Piecewise((b, c), (0, True)), which is inf·0 = NaN there when a is not finite (1/‖x‖ of
-    a zero row, where a clamp max(‖x‖, eps) takes its floor)."""
-    def selection(e: sympy.Expr) -> sympy.Piecewise | None:
-        return next((f for f in e.args if isinstance(f, sympy.Piecewise)
-                     and any(value == 0 for value, _ in f.args)), None)
-
-    def fold(e: sympy.Mul) -> sympy.Expr:
-        piece = selection(e)
-        rest = sympy.Mul(*(f for f in e.args if f is not piece))
-        return sympy.Piecewise(*((into_selections(rest * value) if value != 0 else value, cond)
-                                 for value, cond in piece.args))
-
-    return expr.replace(lambda e: isinstance(e, sympy.Mul) and selection(e) is not None, fold)
 
 
 def hoist_zero_branches(expr: sympy.Expr) -> sympy.Expr:

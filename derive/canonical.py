@@ -5,9 +5,11 @@ inline, so the derived backward depends on the op, not on its spelling:
 
 1. an expression the spec already named is replaced by its name wherever it reappears;
 2. non-smooth functions (Max, Min, Abs, Heaviside, sign) become `Piecewise`, whose derivative is
-   again a `Piecewise` the printers know; overflow-prone forms get their safe equivalents
-   (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)), also where exp(u) is a named value;
-   log(1 + exp(u)) -> max(u, 0) + log1p(exp(-|u|)));
+   again a `Piecewise` the printers know, with torch's derivative at a tie (docs/spec_language.md);
+   overflow-prone forms get their safe equivalents (exp(u) / (exp(u) + 1) -> 1 / (1 + exp(-u)),
+   also where exp(u) is a named value; logs of products of exponentials, softmaxes and sigmoids
+   as sums of their arguments and softplus terms, and x·log x as 0 where x = 0; a row sum of
+   exponentials that no max stabilises shifted by the max of its exponents: derive/stable.py);
 3. every sigmoid 1 / (1 + c·exp(u)) inside a definition is named, so its derivative is written
    in its own value (σ(1 − σ), derive/reverse.py), never through exp(u), which overflows first;
 4. every function of an elementwise value used more than once, or inside a reduction body, is
@@ -28,9 +30,15 @@ from __future__ import annotations
 import dataclasses
 
 import sympy
-from sympy.codegen.cfunctions import log1p
 
 from derive.spec import RESERVED, Kind, Level, N, Node, OpSpec, SpecError
+from derive.stable import (
+    known_positive,
+    shift_exponential_sums,
+    softplus,
+    stable_logs,
+    xlogy,
+)
 
 #: The functions a spec may use; error messages and docs/spec_language.md point here.
 SUPPORTED_FUNCTIONS = (
@@ -44,9 +52,12 @@ _SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.erf, sympy.sin, sympy.cos)
 
 def canonical(spec: OpSpec) -> OpSpec:
     """A new OpSpec equal in value to `spec`, in canonical form (see the module doc)."""
+    spec = shift_exponential_sums(spec)
     levels = {node.symbol: node.level for node in spec.nodes}
     kept: dict[sympy.Expr, sympy.Symbol] = {}  # a value already named, by its expression
     exponentials: dict[sympy.Symbol, sympy.Expr] = {}  # values named that are an exp(u)
+    values: dict[sympy.Symbol, sympy.Expr] = {}  # element and row definitions, by name
+    positive = {node.symbol for node in spec.nodes if node.symbol.is_positive}
     nodes: list[Node] = []
     for node in spec.nodes:
         if node.is_definition:
@@ -55,6 +66,11 @@ def canonical(spec: OpSpec) -> OpSpec:
             inlined = expr.xreplace(exponentials)
             if _safe_forms(inlined) != inlined:
                 expr = _safe_forms(inlined)
+            expr = xlogy(stable_logs(expr, values, positive))
+            if node.kind is not Kind.REDUCE:
+                values[node.symbol] = expr
+            if node.reduction != "min" and known_positive(expr, positive):
+                positive.add(node.symbol)
             expr = expr.xreplace(kept)
             _refuse_cross_element(spec, node, expr)
             node = dataclasses.replace(node, expr=expr)
@@ -81,8 +97,7 @@ def rewrite_functions(expr: sympy.Expr) -> sympy.Expr:
     expr = expr.replace(lambda e: isinstance(e, (sympy.sinh, sympy.cosh)),
                         lambda e: e.rewrite(sympy.exp))
     expr = expr.replace(lambda e: isinstance(e, (sympy.Max, sympy.Min)), _min_max_piecewise)
-    expr = expr.replace(lambda e: isinstance(e, sympy.Abs),
-                        lambda e: sympy.Piecewise((-e.args[0], e.args[0] < 0), (e.args[0], True)))
+    expr = expr.replace(lambda e: isinstance(e, sympy.Abs), _abs_piecewise)
     expr = expr.replace(lambda e: isinstance(e, sympy.sign),
                         lambda e: sympy.Piecewise((1, e.args[0] > 0), (-1, e.args[0] < 0),
                                                   (0, True)))
@@ -92,12 +107,29 @@ def rewrite_functions(expr: sympy.Expr) -> sympy.Expr:
 
 
 def _min_max_piecewise(e: sympy.Expr) -> sympy.Expr:
-    first, *rest = e.args
-    result = first
-    for arg in rest:
-        test = (arg > result) if isinstance(e, sympy.Max) else (arg < result)
-        result = sympy.Piecewise((arg, test), (result, True))
-    return result
+    """Max (Min) as a selection whose derivative is torch's: where k arguments tie at the
+    extreme, each gets 1/k of the gradient (torch.maximum's halves; torch.amax's share of a
+    stacked tie). A tie's branch is the tied arguments' mean, their common value, so its
+    derivative is the mean of theirs; NaN reaches it (no comparison holds) and stays NaN, as in
+    torch.maximum. The comparisons are of the arguments themselves, one at a time: a decision
+    tree, never a comparison of a selection."""
+    beats = sympy.Gt if isinstance(e, sympy.Max) else sympy.Lt
+
+    def extreme(tied: list[sympy.Expr], rest: list[sympy.Expr]) -> sympy.Expr:
+        if not rest:
+            return sympy.Add(*tied) / len(tied)
+        top, following, later = tied[0], rest[0], rest[1:]
+        return sympy.Piecewise((extreme(tied, later), beats(top, following)),
+                               (extreme([following], later), beats(following, top)),
+                               (extreme([*tied, following], later), True))
+
+    return extreme([e.args[0]], list(e.args[1:]))
+
+
+def _abs_piecewise(e: sympy.Abs) -> sympy.Expr:
+    """|u| with torch.abs's derivative, 0 at u = 0 (sgn(0)); NaN stays NaN."""
+    u = e.args[0]
+    return sympy.Piecewise((0, sympy.Eq(u, 0)), (-u, u < 0), (u, True))
 
 
 def _heaviside_piecewise(e: sympy.Expr) -> sympy.Expr:
@@ -107,7 +139,7 @@ def _heaviside_piecewise(e: sympy.Expr) -> sympy.Expr:
 
 def _safe_forms(expr: sympy.Expr) -> sympy.Expr:
     """exp(u) / (exp(u) + c) -> 1 / (1 + c·exp(-u)), finite where exp(u) overflows (inf / inf);
-    log(1 + exp(u)) -> u·[u > 0] + log1p(exp(-|u|)), finite where exp(u) overflows."""
+    log(1 + exp(u)) -> softplus(u), finite where exp(u) overflows."""
     def sigmoid_like(e: sympy.Expr) -> bool:
         if not isinstance(e, sympy.Mul):
             return False
@@ -122,13 +154,7 @@ def _safe_forms(expr: sympy.Expr) -> sympy.Expr:
     def softplus_like(e: sympy.Expr) -> bool:
         return isinstance(e, sympy.log) and _softplus_argument(e.args[0]) is not None
 
-    def softplus(e: sympy.Expr) -> sympy.Expr:
-        u = _softplus_argument(e.args[0])
-        magnitude = sympy.Piecewise((-u, u < 0), (u, True))
-        # log1p: log(1 + exp(-|u|)) would round exp(-|u|) < 2^-24 away (softplus(-30) = 0)
-        return sympy.Piecewise((u, u > 0), (0, True)) + log1p(sympy.exp(-magnitude))
-
-    return expr.replace(softplus_like, softplus)
+    return expr.replace(softplus_like, lambda e: softplus(_softplus_argument(e.args[0])))
 
 
 def _sigmoid_parts(e: sympy.Mul) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr] | None:
@@ -202,15 +228,17 @@ def _varying(expr: sympy.Expr, levels: dict[sympy.Symbol, Level]) -> set[sympy.S
 
 
 def _sigmoids(nodes: list[Node], levels: dict[sympy.Symbol, Level]) -> list[sympy.Expr]:
-    """Every 1 / (1 + c·exp(u)) of an elementwise u that is not a whole definition: named, its
-    derivative is written in its own value, σ' = σ(1 − σ) (derive/reverse.py), never through
-    exp(u), which overflows where σ is still finite (x·σ(x) at x = −89)."""
+    """Every 1 / (1 + c·exp(u)) of an elementwise u that is not a whole elementwise definition
+    (a reduction's whole body is one: its name is the sum): named, its derivative is written in
+    its own value, σ' = σ(1 − σ) (derive/reverse.py), never through exp(u), which overflows
+    where σ is still finite (x·σ(x) at x = −89)."""
     found = []
     for node in nodes:
         if not node.is_definition:
             continue
         for sub in sympy.preorder_traversal(node.expr):
-            if sub != node.expr and _is_sigmoid(sub) and _varying(sub, levels):
+            whole = sub == node.expr and node.kind is not Kind.REDUCE
+            if not whole and _is_sigmoid(sub) and _varying(sub, levels):
                 found.append(sub)
     return found
 

@@ -270,16 +270,26 @@ def in_own_value(node: Node, derivative: sympy.Expr, algebra: Algebra) -> sympy.
 
 
 def _vanishes(expr: sympy.Expr, spec: OpSpec, algebra: Algebra) -> bool:
-    """Prove expr == 0, inlining elementwise definitions one at a time, latest first, so the
-    recognition rules still see the names the forward reductions were written in."""
-    definitions = [n for n in spec.nodes if n.kind is Kind.ELEMENT]
+    """Prove expr == 0, inlining elementwise and row definitions and row sums one at a time,
+    latest first, so the recognition rules still see the names the forward reductions were
+    written in until a name is what hides the cancellation (an entropy's Σ_j p·log p, whose
+    p = e / s cancels the stabilising max only once written in e)."""
+    definitions = [n for n in spec.nodes if n.kind in (Kind.ELEMENT, Kind.ROW)
+                   or (n.kind is Kind.REDUCE and n.reduction in ("sum", "mean"))]
     expr = algebra.normalize(unguarded(expr))
     for node in reversed(definitions):
         if _is_zero(expr):
             return True
         if node.symbol in expr.free_symbols or any(
                 node.symbol in atom.free_symbols for atom in expr.atoms(RowSum)):
-            expr = algebra.normalize(unguarded(expr.xreplace({node.symbol: node.expr})))
+            value = node.expr
+            if node.kind is Kind.REDUCE:
+                value = RowSum(value) / (N if node.reduction == "mean" else 1)
+                # without the rule that names this sum, which would only fold it back
+                algebra = Algebra(algebra.levels, {
+                    lead: rule for lead, rule in algebra.rules.items()
+                    if node.symbol not in rule.free_symbols})
+            expr = algebra.normalize(unguarded(expr.xreplace({node.symbol: value})))
     return _is_zero(expr)
 
 

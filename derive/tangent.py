@@ -90,7 +90,8 @@ def tangent_mode(spec: OpSpec, algebra: Algebra, stabilisers: tuple[str, ...],
     value: dict[sympy.Symbol, sympy.Expr] = dict(dot)
 
     def stable(expr: sympy.Expr) -> sympy.Expr:
-        return tidy(substitute(expr, pivots)) if expr.free_symbols & set(pivots) else expr
+        return (tidy(substitute(expr, pivots), algebra.varies) if expr.free_symbols & set(pivots)
+                else expr)
 
     reads = {n.symbol: n.expr.free_symbols for n in spec.nodes if n.is_definition}
 
