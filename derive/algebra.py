@@ -219,6 +219,18 @@ def substitute(expr: sympy.Expr, replacements: Mapping[sympy.Symbol, sympy.Expr]
     return expr.xreplace(dict(replacements))
 
 
+def _in_domain(symbol: sympy.Symbol, value: sympy.Rational) -> sympy.Rational:
+    """`value` (> 0) moved into what the symbol's assumptions allow, as simplify assumes it:
+    an integer (even or odd), negative, zero."""
+    if symbol.is_zero:
+        return sympy.Integer(0)
+    if symbol.is_integer:
+        value = sympy.Integer(value.p + value.q)
+        if symbol.is_even and value % 2 or symbol.is_odd and not value % 2:
+            value += 1
+    return -value if symbol.is_negative or symbol.is_nonpositive else value
+
+
 def surely_nonzero(expr: sympy.Expr) -> bool:
     """Whether expr is nonzero at some point, found by evaluating it at a few fixed rational
     points (each sum, function of a sum and unknown function a value of its own): a proof of
@@ -228,7 +240,7 @@ def surely_nonzero(expr: sympy.Expr) -> bool:
     expr = expr.xreplace({atom: sympy.Dummy() for atom in atoms})
     symbols = sorted(expr.free_symbols, key=sympy.default_sort_key)
     for trial in range(3):
-        point = {s: sympy.Rational(3 + 5 * index + 7 * trial, 11 + 2 * trial)
+        point = {s: _in_domain(s, sympy.Rational(3 + 5 * index + 7 * trial, 11 + 2 * trial))
                  for index, s in enumerate(symbols)}
         try:
             value = expr.xreplace(point).evalf(30, chop=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import sympy
 from sympy.codegen.cfunctions import log1p
 
-from derive.algebra import Algebra, RowSum, sorted_symbols, unguarded
+from derive.algebra import Algebra, RowSum, sorted_symbols, surely_nonzero, unguarded
 from derive.spec import Kind, Level, N, Node, OpSpec, is_language_power
 
 
@@ -298,6 +298,8 @@ def _is_zero(expr: sympy.Expr) -> bool:
     false, each case simplified on its own (smoothing · [smoothing ≠ 0] − smoothing is 0 in
     both cases, and in neither form alone)."""
     expr = expr.replace(lambda e: isinstance(e, log1p), lambda e: sympy.log(1 + e.args[0]))
+    if surely_nonzero(expr):  # no simplification can make it 0 (and it may take minutes to try)
+        return False
     if sympy.simplify(expr) == 0:
         return True
     cases = _cases(expr)
