@@ -992,7 +992,7 @@ class _Functional(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
         x, target, weight, = ctx.saved_tensors
-        dloss = dloss.reshape(-1) if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
+        dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
         dx, = _cross_entropy_bwd_default_recorded_torch(
             x, weight, dloss, target,
             ctx.ignore_index,
