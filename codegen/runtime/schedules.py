@@ -282,18 +282,22 @@ class Schedules:
             must_loop = (
                 block_n > persistent_max_block_n and row_bytes > c.persistent_max_fwd_row_bytes
             )
-        # 4-byte rows take the entries measured on them where there are some
-        wide = "_fp32" if element_size == 4 else ""
+        # 4- and 8-byte rows take the entries measured on 4-byte ones where there are some.
+        # An entry ran as measured only at its own element size (`exact`): 16-bit entries for
+        # 2-byte rows, "_fp32" ones for 4-byte rows; fp64 rows, measured on neither, and rows
+        # taking another size's entry keep the shared memory bound below
+        wide = "_fp32" if element_size >= 4 else ""
         # a padded row measured at its own width takes that width's entries; other padded rows
         # take their power-of-two width's
         width = N if (kind + wide, N) in self.measured or (kind, N) in self.measured else block_n
         entry = self.entry((kind + wide, width), (kind, width))
-        exact = (kind + wide, width) in self.measured or element_size == 2
+        exact = element_size == 2 or (element_size == 4 and (kind + wide, width) in self.measured)
         if must_loop and (entry is None or not self.measured[entry][4]):
             # looped entries were measured at N == width: a padded row that must loop keeps the
             # constants
             entry = self.entry((kind + wide + "_looped", width), (kind + "_looped", width))
-            exact = (kind + wide + "_looped", width) in self.measured or element_size == 2
+            exact = element_size == 2 or (
+                element_size == 4 and (kind + wide + "_looped", width) in self.measured)
             entry = entry if N == width else None
         if grid_stride and N < width and block_n >= c.padded_partial_looped_block_n:
             # a padded row with column partials takes the constants whatever its width's entry
