@@ -314,7 +314,9 @@ def test_autocast_dtypes_as_torch(device, name, dtype):
     if case.exact:
         # torch rounds some intermediates (a sum before a norm) to the inputs' dtype, which the
         # kernels keep in float32: the inputs' precision bounds the difference
-        tolerance = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+        # (and autocast's bf16 product rounds the logits of linear_cross_entropy's reference)
+        tolerance = ({"rtol": 1.6e-2, "atol": 1e-2}
+                     if dtype == torch.bfloat16 or name == "linear_cross_entropy" else {})
         for got, want in zip(got_results, want_results, strict=True):
             torch.testing.assert_close(got, want, **tolerance)
 
@@ -329,7 +331,10 @@ def test_cross_entropy_autocast_loss_is_torchs(device):
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, F.cross_entropy(x.float(), t, w.detach().float(),
                                                     label_smoothing=0.1))
-    torch.testing.assert_close(got, want)
+    # torch's own: on CUDA autocast keeps its log-probabilities in bf16 (cross_entropy passes
+    # log_softmax the logits' dtype), so ours, from float32 ones, is within twice its error
+    exact = F.cross_entropy(x.double(), t, w.detach().double(), label_smoothing=0.1)
+    assert (got.double() - exact).abs() <= 2 * (want.double() - exact).abs() + 1e-6
 
 
 # Inference tensors
@@ -399,13 +404,13 @@ def _off_dropouts():
         "BiasDropoutAdd": (bias_dropout_add.BiasDropoutAdd(0.3),
                            lambda module, x, r, w, b: module(x, r, b), torch.nn.Dropout(0.3),
                            lambda dropout, x, r, w, b: r + dropout(x + b)),
-        "DropoutAddLayerNorm": (dropout_add_layernorm.DropoutAddLayerNorm(N, dropout_p=0.3),
+        "DropoutAddLayerNorm": (dropout_add_layernorm.DropoutAddLayerNorm(N, elementwise_affine=False, dropout_p=0.3),
                                 lambda module, x, r, w, b: module(x, r), torch.nn.Dropout(0.3),
                                 lambda dropout, x, r, w, b: F.layer_norm(dropout(x) + r, (N,))),
-        "DropoutAddRMSNorm": (dropout_add_rmsnorm.DropoutAddRMSNorm(N, dropout_p=0.3),
+        "DropoutAddRMSNorm": (dropout_add_rmsnorm.DropoutAddRMSNorm(N, elementwise_affine=False, dropout_p=0.3),
                               lambda module, x, r, w, b: module(x, r), torch.nn.Dropout(0.3),
                               lambda dropout, x, r, w, b: F.rms_norm(dropout(x) + r, (N,))),
-        "AddLayerNorm": (add_layernorm.AddLayerNorm(N, dropout_p=0.3),
+        "AddLayerNorm": (add_layernorm.AddLayerNorm(N, elementwise_affine=False, dropout_p=0.3),
                          lambda module, x, r, w, b: module(x, r), torch.nn.Dropout(0.3),
                          lambda dropout, x, r, w, b: F.layer_norm(dropout(x) + r, (N,))),
         "MaskedSoftmax": (masked_softmax.MaskedSoftmax(dropout_p=0.3),
@@ -414,9 +419,10 @@ def _off_dropouts():
                           lambda dropout, x, r, w, b: dropout(torch.softmax(x + b.detach(), -1))),
     }
     for name, (module, ours, dropout, theirs) in modules.items():
+        # the norms without parameters, as their references: nothing moves to x's device
+        # inside a compiled call, where a new Parameter breaks the graph
         calls[f"{name}-eval"] = (
-            lambda x, r, w, b, module=module, ours=ours:
-                ours(module.eval().to(x.device), x, r, w, b),
+            lambda x, r, w, b, module=module, ours=ours: ours(module.eval(), x, r, w, b),
             lambda x, r, w, b, dropout=dropout, theirs=theirs: theirs(dropout.eval(), x, r, w, b))
     return calls
 

@@ -20,7 +20,8 @@ import contextlib
 import torch
 
 #: the torch functions (by their name in `torch` or `torch.nn.functional`) whose results
-#: autocast makes float32, per device type: ATen's autocast lists (its "fp32" and
+#: autocast makes float32, per device type (the other accelerators share CUDA's lists in ATen),
+#: as `listed` finds them where it cannot ask the installed torch: ATen's autocast lists (its "fp32" and
 #: "fp32_set_opt_dtype" ones for CUDA and the other accelerators, its own list for the CPU,
 #: where norms and softmax keep a 16-bit dtype).
 #: cross_entropy is listed where the ops it is made of are (log_softmax, nll_loss on CUDA) or
@@ -33,6 +34,43 @@ FLOAT32 = {
 #: the dtypes autocast casts for an op it runs in float32 (never float64)
 CAST = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
+#: a call of each op of FLOAT32 on a tiny tensor: the lists change between torch versions
+#: (rms_norm is on CUDA's in some), so the installed torch is asked once per op and device type
+#: (`listed`), FLOAT32 answering only where it cannot be asked (while torch.compile traces)
+_PROBES = {
+    "layer_norm": lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]),
+    "group_norm": lambda t: torch.nn.functional.group_norm(t, 1),
+    "rms_norm": lambda t: torch.nn.functional.rms_norm(t, t.shape[-1:]),
+    "softmax": lambda t: torch.softmax(t, -1),
+    "log_softmax": lambda t: torch.log_softmax(t, -1),
+    "logsumexp": lambda t: torch.logsumexp(t, -1),
+    "cross_entropy": lambda t: torch.nn.functional.cross_entropy(t, _targets(t)),
+    "nll_loss": lambda t: torch.nn.functional.nll_loss(t, _targets(t)),
+}
+#: (op, device type, autocast dtype) -> whether the installed torch's autocast runs op in float32
+_LISTED: dict[tuple[str, str, torch.dtype], bool] = {}
+
+
+def _targets(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape[:1], dtype=torch.long, device=t.device)
+
+
+def listed(op: str, device: torch.device) -> bool:
+    """Whether the installed torch's autocast, on now for `device`'s type, runs `op` in float32:
+    asked of torch once (a call on a tiny tensor of the autocast dtype), FLOAT32 while
+    torch.compile traces."""
+    device_type = device.type
+    key = (op, device_type, torch.get_autocast_dtype(device_type))
+    seen = _LISTED.get(key)
+    if seen is not None:
+        return seen
+    if torch.compiler.is_compiling() or op not in _PROBES:
+        return op in FLOAT32.get(device_type, FLOAT32["cuda"])
+    probe = torch.ones((2, 4), dtype=key[2], device=device)
+    with torch.no_grad():
+        seen = _LISTED[key] = _PROBES[op](probe).dtype == torch.float32
+    return seen
+
 
 def float32(op: str, tensor: torch.Tensor) -> bool:
     """Whether torch's autocast, as it is set now, runs `op` (a name of `FLOAT32`) in float32
@@ -43,8 +81,7 @@ def float32(op: str, tensor: torch.Tensor) -> bool:
     device_type = tensor.device.type
     if not enabled(device_type):
         return False
-    # the other accelerators share CUDA's lists in ATen
-    return tensor.dtype in CAST and op in FLOAT32.get(device_type, FLOAT32["cuda"])
+    return tensor.dtype in CAST and listed(op, tensor.device)
 
 
 def enabled(device_type: str) -> bool:
