@@ -508,6 +508,11 @@ class KernelContext:
             base, exponent = r.scale.as_base_exp()
             if r.scale == 1:
                 prefix, suffix = "", ""
+            elif exponent == -1 and self.dialect is TRITON:
+                # correctly rounded whatever the element dtype: a row statistic one ulp off
+                # (Triton's `/` is div.full.f32) shifts every deviation from it, and a row of
+                # -1e4 then normalises to 0.2 instead of 0 (once a row, so free)
+                prefix, suffix = "helpers.div(", f", {self.printer(base)}, True)"
             elif exponent == -1:
                 prefix, suffix = "", f" / {self.printer(base)}"
             else:
@@ -530,9 +535,10 @@ class KernelContext:
                 "broadcast": self._broadcast({s.name for s in r.body.free_symbols},
                                              self._element_exprs.keys() | element_names),
                 "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
-                # a max is only ever a proven stabiliser, so any finite shift serves; where the
-                # max is not finite (+inf, a fully masked row) exp(x - max) would be NaN
-                "finite": "a stabiliser: an infinite max shifts by a finite value"})
+                # a max is only ever a proven stabiliser, so any finite shift serves: a row of
+                # -inf (fully masked) shifts by 0, not by -inf (exp(-inf + inf) = NaN); a +inf
+                # max shifts by itself, NaN throughout its row as torch.softmax's
+                "finite": "a stabiliser: a row of -inf shifts by 0"})
         return {
             "element_loads": [n for n in step.loads if n not in columns],
             "column_inputs": [self._column(n) for n in step.loads if n in columns],
@@ -677,7 +683,7 @@ class KernelContext:
             # each lane's count of values: CHUNKS, less one where the last step is past N
             f"{mean}_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, "
             "CHUNKS, CHUNKS - 1).to(ACC)",
-            f"{mean} = tl.sum({mean}_acc * {mean}_count, axis=1)[:, None] / N  # {mean} = "
+            f"{mean} = helpers.div(tl.sum({mean}_acc * {mean}_count, axis=1)[:, None], N, True)  # {mean} = "
             f"{formula(pair.mean.scale)} * sum_j({formula(pair.mean.body)}), from the lane means",
             # the lanes' squared deviations about the row's mean: theirs plus their means' own
             f"{second} = {self._scaled(pair.second, merged)}"
@@ -705,7 +711,7 @@ class KernelContext:
             "axis=1)[:, None])",
             f"{name}_next = helpers.stable_shift({name}_acc)"]
         finish = [f"{name} = {name}_shift  # {name} = {formula(peak.scale)} * "
-                  f"max_j({formula(peak.body)}), infinities made finite"]
+                  f"max_j({formula(peak.body)}), -inf made 0"]
         return init, update, finish
 
     def _online_exp(self, pair: OnlineExp) -> tuple[list[str], list[str], list[str]]:

@@ -92,8 +92,8 @@ def _add_layernorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_strid
         else:
             residual = tl.full([], 0.0, ACC)
         residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-        mean = tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
-        var = tl.sum(tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+        mean = helpers.div(tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
+        var = helpers.div(tl.sum(tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0), axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + residual_out)^2)
         rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         y = bias + weight * x_hat  # y = bias + weight*x_hat
@@ -167,8 +167,8 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
                 mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
                 var_acc += mean_delta * tl.where(mask, residual_out - mean_acc, 0.0)
             mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1).to(ACC)
-            mean = tl.sum(mean_acc * mean_count, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out), from the lane means
-            var = tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            mean = helpers.div(tl.sum(mean_acc * mean_count, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out), from the lane means
+            var = helpers.div(tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + residual_out)^2)
             rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         else:
             mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -187,7 +187,7 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 mean_acc += tl.where(mask, residual_out, 0.0)
-            mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+            mean = helpers.div(tl.sum(mean_acc, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -204,7 +204,7 @@ def _add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_strid
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
                 var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
-            var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            var = helpers.div(tl.sum(var_acc, axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + residual_out)^2)
             rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -579,7 +579,7 @@ def _add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidual_out_p
         else:
             dresidual_out = tl.full([], 0.0, ACC)
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.sum(residual_out, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+        mean = helpers.div(tl.sum(residual_out, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -653,7 +653,7 @@ def _add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidual_out_p
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += residual_out
             sum_dy_weight_acc += dy * weight
-        mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+        mean = helpers.div(tl.sum(mean_acc, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -789,7 +789,7 @@ def _add_layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, dresidual_out
         tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
-        mean = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+        mean = helpers.div(tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
@@ -2411,10 +2411,6 @@ def add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
-
     dropout_p = checks.check_option("add_layer_norm", "dropout_p", dropout_p, "probability")
     if not isinstance(training, bool):
         raise TypeError(f"add_layer_norm(): argument 'training' must be a bool, got {type(training).__name__}")
@@ -2433,8 +2429,7 @@ def add_layer_norm(
             seed=seed,
             memory=memory,
         )
-    if seed is not None:
-        checks.seed("add_layer_norm", seed, input.device)  # checked as with dropout on
+    checks.check_seed("add_layer_norm", seed)  # checked as with dropout on
     checks.check_input("add_layer_norm", input)
     shape, columns = checks.check_normalized_shape("add_layer_norm", normalized_shape, input)
     residual = checks.check_like_input("add_layer_norm", "residual", residual, input)
@@ -2445,6 +2440,11 @@ def add_layer_norm(
     weight = checks.check_param("add_layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
+    function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
+
     added_dtype = None  # the dtype the returned sum is cast to (None: as computed)
     if amp.float32("layer_norm", input):
         # torch's autocast runs layer_norm in float32 (codegen/runtime/amp.py): its tensors
@@ -2452,7 +2452,6 @@ def add_layer_norm(
         # added, as torch's sum before the norm has it
         added_dtype = None if residual_in_fp32 else input.dtype
         input, residual, input_bias, weight, bias, = amp.to_float32(input, residual, input_bias, weight, bias)
-    function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()

@@ -87,7 +87,7 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
         else:
             residual = tl.full([], 0.0, ACC)
         residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-        mean_square = tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
+        mean_square = helpers.div(tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
@@ -154,7 +154,7 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             mean_square_acc += tl.where(mask, residual_out * residual_out, 0.0)
-        mean_square = tl.sum(mean_square_acc, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
+        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -1716,10 +1716,6 @@ def add_rms_norm(
     (codegen/runtime/launch.py `overwritable`): the engine's own references differ between
     torch versions.
     """
-    if memory == "default" and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
-
     dropout_p = checks.check_option("add_rms_norm", "dropout_p", dropout_p, "probability")
     if not isinstance(training, bool):
         raise TypeError(f"add_rms_norm(): argument 'training' must be a bool, got {type(training).__name__}")
@@ -1740,8 +1736,7 @@ def add_rms_norm(
             memory=memory,
             in_place=in_place,
         )
-    if seed is not None:
-        checks.seed("add_rms_norm", seed, input.device)  # checked as with dropout on
+    checks.check_seed("add_rms_norm", seed)  # checked as with dropout on
     checks.check_input("add_rms_norm", input)
     shape, columns = checks.check_normalized_shape("add_rms_norm", normalized_shape, input)
     residual = checks.check_like_input("add_rms_norm", "residual", residual, input)
@@ -1758,6 +1753,11 @@ def add_rms_norm(
         weight_offset = 0.0
     if not isinstance(in_place, bool):
         raise TypeError(f"add_rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
+    function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
+
     added_dtype = None  # the dtype the returned sum is cast to (None: as computed)
     if amp.float32("rms_norm", input):
         # torch's autocast runs rms_norm in float32 (codegen/runtime/amp.py): its tensors
@@ -1765,7 +1765,6 @@ def add_rms_norm(
         # added, as torch's sum before the norm has it
         added_dtype = None if residual_in_fp32 else input.dtype
         input, residual, input_bias, weight, = amp.to_float32(input, residual, input_bias, weight)
-    function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()

@@ -716,10 +716,6 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if (p == 0 or training is False or seed is None) and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.added(torch.nn.functional.dropout(input if bias is None else input + bias, p, training), residual)
-
     checks.check_input("bias_dropout_add", input, "input")
     residual = checks.check_like_input("bias_dropout_add", "residual", residual, input, "input")
     # the rows in the input's memory order: a permuted input is read in place, and the result
@@ -735,6 +731,11 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
         raise TypeError(f"bias_dropout_add(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         p = 0.0
+    checks.check_seed("bias_dropout_add", seed)
+    if (p == 0 or training is False or seed is None) and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.added(torch.nn.functional.dropout(input if bias is None else input + bias, p, training), residual)
+
     seed = checks.seed("bias_dropout_add", seed, input.device, draw=p != 0)
     x = input
     # the dense tensors' rows: made by the Function itself where autograd records it

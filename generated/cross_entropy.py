@@ -121,12 +121,12 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         key = cols
         z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
         row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
-        row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
-        weight_mean = tl.sum(tl.where(mask, weight, 0.0), axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
+        row_max = helpers.stable_shift(row_max)  # a stabiliser: a row of -inf shifts by 0
+        weight_mean = helpers.div(tl.sum(tl.where(mask, weight, 0.0), axis=1)[:, None], N, True)  # weight_mean = 1/N * sum_j(weight)
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        target_gap = tl.sum(tl.where(mask, weight * (target_logit - z), 0.0), axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+        target_gap = helpers.div(tl.sum(tl.where(mask, weight * (target_logit - z), 0.0), axis=1)[:, None], N, True)  # target_gap = 1/N * sum_j(weight*(target_logit - z))
         if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
             first_max = tl.min(tl.where(mask, tl.where((row_max <= z), key, N), float("inf")), axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
@@ -250,9 +250,9 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                     first_max_acc = tl.where(row_max_next != row_max_shift, float("inf"), first_max_acc)
                     first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max_next <= z), key, N), float("inf")))  # the candidates at the row's max so far
                 row_max_shift = row_max_next
-            weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
-            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
-            row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
+            weight_mean = helpers.div(tl.sum(weight_mean_acc, axis=1)[:, None], N, True)  # weight_mean = 1/N * sum_j(weight)
+            target_gap = helpers.div(tl.sum(target_gap_acc, axis=1)[:, None], N, True)  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+            row_max = row_max_shift  # row_max = 1 * max_j(z), -inf made 0
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
@@ -281,8 +281,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, z, float("-inf")))
                 weight_mean_acc += tl.where(mask, weight, 0.0)
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
-            row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
-            weight_mean = tl.sum(weight_mean_acc, axis=1)[:, None] / N  # weight_mean = 1/N * sum_j(weight)
+            row_max = helpers.stable_shift(row_max)  # a stabiliser: a row of -inf shifts by 0
+            weight_mean = helpers.div(tl.sum(weight_mean_acc, axis=1)[:, None], N, True)  # weight_mean = 1/N * sum_j(weight)
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -305,7 +305,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                     first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max <= z), key, N), float("inf")))
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-            target_gap = tl.sum(target_gap_acc, axis=1)[:, None] / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+            target_gap = helpers.div(tl.sum(target_gap_acc, axis=1)[:, None], N, True)  # target_gap = 1/N * sum_j(weight*(target_logit - z))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
@@ -486,7 +486,7 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
         target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
     z = (softcap * torch.tanh((x) / (softcap)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
     row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
@@ -570,7 +570,7 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
         target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
     z = (softcap * torch.tanh((x) / (softcap)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
     row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
@@ -607,7 +607,7 @@ def _cross_entropy_jvp_torch(x, x_dot, weight, target, ignore_index, label_smoot
         target_weight = torch.zeros((M, 1), dtype=acc, device=x.device)
     z = (softcap * torch.tanh((x) / (softcap)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
     row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     target_logit_dot = ((x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) * torch.where((key == target), 1.0, 0.0).to(acc) if HAS_SOFTCAP else x_dot * torch.where((key == target), 1.0, 0.0).to(acc))).sum(dim=-1, keepdim=True)  # target_logit_dot = 1 * sum_j(x_dot*Piecewise((1, Eq(key, target)), (0, True))*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
     weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
     sum_target_gap_dot = ((-weight * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else -weight * x_dot)).sum(dim=-1, keepdim=True)  # sum_target_gap_dot = 1 * sum_j(-weight*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))

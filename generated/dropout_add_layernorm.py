@@ -111,8 +111,8 @@ def _dropout_add_layernorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_r
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
         dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
         residual_out = dropped + residual  # residual_out = dropped + residual
-        mean = tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
-        var = tl.sum(tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+        mean = helpers.div(tl.sum(tl.where(mask, residual_out, 0.0), axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
+        var = helpers.div(tl.sum(tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0), axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + residual_out)^2)
         rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         y = bias + weight * x_hat  # y = bias + weight*x_hat
@@ -199,8 +199,8 @@ def _dropout_add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_r
                 mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
                 var_acc += mean_delta * tl.where(mask, residual_out - mean_acc, 0.0)
             mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1).to(ACC)
-            mean = tl.sum(mean_acc * mean_count, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out), from the lane means
-            var = tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            mean = helpers.div(tl.sum(mean_acc * mean_count, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out), from the lane means
+            var = helpers.div(tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + residual_out)^2)
             rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         else:
             mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -223,7 +223,7 @@ def _dropout_add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_r
                 dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
                 residual_out = dropped + residual  # residual_out = dropped + residual
                 mean_acc += tl.where(mask, residual_out, 0.0)
-            mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+            mean = helpers.div(tl.sum(mean_acc, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
@@ -244,7 +244,7 @@ def _dropout_add_layernorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_r
                 dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
                 residual_out = dropped + residual  # residual_out = dropped + residual
                 var_acc += tl.where(mask, (residual_out - mean) * (residual_out - mean), 0.0)
-            var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + residual_out)^2)
+            var = helpers.div(tl.sum(var_acc, axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + residual_out)^2)
             rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = helpers.column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N
@@ -555,7 +555,7 @@ def _dropout_add_layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, dresidu
             dresidual_out = tl.full([], 0.0, ACC)
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
-        mean = tl.sum(residual_out, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+        mean = helpers.div(tl.sum(residual_out, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (residual_out - mean)  # x_hat = rstd*(-mean + residual_out)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -638,7 +638,7 @@ def _dropout_add_layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, dresidu
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += residual_out
             sum_dy_weight_acc += dy * weight
-        mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(residual_out)
+        mean = helpers.div(tl.sum(mean_acc, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(residual_out)
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -2253,10 +2253,6 @@ def dropout_add_layer_norm(
         "invertible": saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
-
     checks.check_input("dropout_add_layer_norm", input)
     shape, columns = checks.check_normalized_shape("dropout_add_layer_norm", normalized_shape, input)
     residual = checks.check_like_input("dropout_add_layer_norm", "residual", residual, input)
@@ -2272,6 +2268,12 @@ def dropout_add_layer_norm(
         raise TypeError(f"dropout_add_layer_norm(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         dropout_p = 0.0
+    checks.check_seed("dropout_add_layer_norm", seed)
+    function = checks.check_choice("dropout_add_layer_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
+
     seed = checks.seed("dropout_add_layer_norm", seed, input.device, draw=dropout_p != 0)
     added_dtype = None  # the dtype the returned sum is cast to (None: as computed)
     if amp.float32("layer_norm", input):
@@ -2280,7 +2282,6 @@ def dropout_add_layer_norm(
         # added, as torch's sum before the norm has it
         added_dtype = None if residual_in_fp32 else input.dtype
         input, residual, input_bias, weight, bias, = amp.to_float32(input, residual, input_bias, weight, bias)
-    function = checks.check_choice("dropout_add_layer_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()

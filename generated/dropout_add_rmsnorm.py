@@ -106,7 +106,7 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
         dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
         residual_out = dropped + residual  # residual_out = dropped + residual
-        mean_square = tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
+        mean_square = helpers.div(tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
@@ -185,7 +185,7 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
             dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
             residual_out = dropped + residual  # residual_out = dropped + residual
             mean_square_acc += tl.where(mask, residual_out * residual_out, 0.0)
-        mean_square = tl.sum(mean_square_acc, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(residual_out^2)
+        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
@@ -1670,10 +1670,6 @@ def dropout_add_rms_norm(
     (codegen/runtime/launch.py `overwritable`): the engine's own references differ between
     torch versions.
     """
-    if memory == "default" and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, eps, prenorm=prenorm)
-
     checks.check_input("dropout_add_rms_norm", input)
     shape, columns = checks.check_normalized_shape("dropout_add_rms_norm", normalized_shape, input)
     residual = checks.check_like_input("dropout_add_rms_norm", "residual", residual, input)
@@ -1690,12 +1686,18 @@ def dropout_add_rms_norm(
         raise TypeError(f"dropout_add_rms_norm(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         dropout_p = 0.0
-    seed = checks.seed("dropout_add_rms_norm", seed, input.device, draw=dropout_p != 0)
+    checks.check_seed("dropout_add_rms_norm", seed)
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
     if not isinstance(in_place, bool):
         raise TypeError(f"dropout_add_rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
+    function = checks.check_choice("dropout_add_rms_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, eps, prenorm=prenorm)
+
+    seed = checks.seed("dropout_add_rms_norm", seed, input.device, draw=dropout_p != 0)
     added_dtype = None  # the dtype the returned sum is cast to (None: as computed)
     if amp.float32("rms_norm", input):
         # torch's autocast runs rms_norm in float32 (codegen/runtime/amp.py): its tensors
@@ -1703,7 +1705,6 @@ def dropout_add_rms_norm(
         # added, as torch's sum before the norm has it
         added_dtype = None if residual_in_fp32 else input.dtype
         input, residual, input_bias, weight, = amp.to_float32(input, residual, input_bias, weight)
-    function = checks.check_choice("dropout_add_rms_norm", "memory", memory, _FUNCTIONS)
     residual_out_dtype = torch.float32 if residual_in_fp32 else None
     if columns == 0:
         output = input.clone()

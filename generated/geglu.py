@@ -633,10 +633,6 @@ def geglu(gate, up, *, approximate="none"):
         checks.check_variant("geglu", "approximate", approximate, ('none', 'tanh'))
         if approximate == "tanh":
             return _sibling_geglu_tanh.geglu_tanh(gate, up)
-    if DISPATCH.to_torch(gate):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.gelu(gate) * up
-
     checks.check_input("geglu", gate, "gate")
     if up is None:
         raise TypeError("geglu(): argument 'up' must be a torch.Tensor, got NoneType")
@@ -648,6 +644,10 @@ def geglu(gate, up, *, approximate="none"):
     columns = shape[-1] if len(shape) else 1
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
+    if DISPATCH.to_torch(gate):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.gelu(gate) * up
+
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]

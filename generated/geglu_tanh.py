@@ -617,10 +617,6 @@ def geglu_tanh(gate, up):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if DISPATCH.to_torch(gate):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.gelu(gate, approximate="tanh") * up
-
     checks.check_input("geglu_tanh", gate, "gate")
     if up is None:
         raise TypeError("geglu_tanh(): argument 'up' must be a torch.Tensor, got NoneType")
@@ -632,6 +628,10 @@ def geglu_tanh(gate, up):
     columns = shape[-1] if len(shape) else 1
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     gate, up = checks.promote(gate, up)
+    if DISPATCH.to_torch(gate):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]

@@ -716,10 +716,6 @@ def gelu(input, *, approximate="none", bias=None):
         checks.check_variant("gelu", "approximate", approximate, ('none', 'tanh'))
         if approximate == "tanh":
             return _sibling_gelu_tanh.gelu_tanh(input, bias=bias)
-    if DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.gelu(input if bias is None else input + bias)
-
     checks.check_input("gelu", input, "input")
     # the rows in the input's memory order: a permuted input is read in place, and the result
     # keeps its layout (`launch.memory_order`)
@@ -729,6 +725,10 @@ def gelu(input, *, approximate="none", bias=None):
     bias = checks.check_param("gelu", "bias", bias, (columns,), input, promotes=True)
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, bias = checks.promote(input, bias)
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.gelu(input if bias is None else input + bias)
+
     x = input
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)

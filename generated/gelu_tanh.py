@@ -698,10 +698,6 @@ def gelu_tanh(input, *, bias=None):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.gelu(input if bias is None else input + bias, approximate="tanh")
-
     checks.check_input("gelu_tanh", input, "input")
     # the rows in the input's memory order: a permuted input is read in place, and the result
     # keeps its layout (`launch.memory_order`)
@@ -711,6 +707,10 @@ def gelu_tanh(input, *, bias=None):
     bias = checks.check_param("gelu_tanh", "bias", bias, (columns,), input, promotes=True)
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, bias = checks.promote(input, bias)
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.gelu(input if bias is None else input + bias, approximate="tanh")
+
     x = input
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)

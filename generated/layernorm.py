@@ -69,8 +69,8 @@ def _layernorm_fwd_per(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.sum(x, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
-        var = tl.sum(tl.where(mask, (x - mean) * (x - mean), 0.0), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
+        mean = helpers.div(tl.sum(x, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(x)
+        var = helpers.div(tl.sum(tl.where(mask, (x - mean) * (x - mean), 0.0), axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + x)^2)
         rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         y = bias + weight * x_hat  # y = bias + weight*x_hat
@@ -126,8 +126,8 @@ def _layernorm_fwd_red(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
                 mean_acc += mean_delta * (1.0 / tl.cast(chunk + 1, ACC))
                 var_acc += mean_delta * tl.where(mask, x - mean_acc, 0.0)
             mean_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, CHUNKS, CHUNKS - 1).to(ACC)
-            mean = tl.sum(mean_acc * mean_count, axis=1)[:, None] / N  # mean = 1/N * sum_j(x), from the lane means
-            var = tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
+            mean = helpers.div(tl.sum(mean_acc * mean_count, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(x), from the lane means
+            var = helpers.div(tl.sum(var_acc + mean_count * (mean_acc - mean) * (mean_acc - mean), axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + x)^2)
             rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         else:
             mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -137,7 +137,7 @@ def _layernorm_fwd_red(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 mean_acc += x
-            mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+            mean = helpers.div(tl.sum(mean_acc, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(x)
             var_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -145,7 +145,7 @@ def _layernorm_fwd_red(x_ptr, x_row_stride, weight_ptr, bias_ptr, y_ptr, y_row_s
                 mask = row_mask & col_mask
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 var_acc += tl.where(mask, (x - mean) * (x - mean), 0.0)
-            var = tl.sum(var_acc, axis=1)[:, None] / N  # var = 1/N * sum_j((-mean + x)^2)
+            var = helpers.div(tl.sum(var_acc, axis=1)[:, None], N, True)  # var = 1/N * sum_j((-mean + x)^2)
             rstd = helpers.rsqrt(eps + var, FIXED_N)  # rstd = 1/sqrt(eps + var)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -443,7 +443,7 @@ def _layernorm_bwd_recompute_mean_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean = tl.sum(x, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+        mean = helpers.div(tl.sum(x, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(dy * weight, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         sum_dy_weight_x_hat = tl.sum(dy * weight * x_hat, axis=1)[:, None]  # sum_dy_weight_x_hat = 1 * sum_j(dy*weight*x_hat)
@@ -506,7 +506,7 @@ def _layernorm_bwd_recompute_mean_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_acc += x
             sum_dy_weight_acc += dy * weight
-        mean = tl.sum(mean_acc, axis=1)[:, None] / N  # mean = 1/N * sum_j(x)
+        mean = helpers.div(tl.sum(mean_acc, axis=1)[:, None], N, True)  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(sum_dy_weight_acc, axis=1)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         sum_dy_weight_x_hat_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -616,7 +616,7 @@ def _layernorm_bwd_recompute_mean_split(dy_ptr, dy_row_stride, x_ptr, x_row_stri
         tl.store(split_slot + (member * 2 + 1) * ROWS + tl.arange(0, ROWS), tl.sum(dy * weight, axis=1))
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
-        mean = tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None] / N  # mean = 1/N * sum_j(x)
+        mean = helpers.div(tl.sum(tl.load(split_slot + (members * 2 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None], N, True)  # mean = 1/N * sum_j(x)
         sum_dy_weight = tl.sum(tl.load(split_slot + (members * 2 + 1) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_weight = 1 * sum_j(dy*weight)
         x_hat = rstd * (x - mean)  # x_hat = rstd*(-mean + x)
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 2 * ROWS
@@ -1963,20 +1963,20 @@ def layer_norm(
         "invertible": saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / weight with |weight| clamped below (see INVERSION_GUARD).
     With no gradient needed, nothing is saved whatever the mode.
     """
-    if memory == "default" and dispatch.same_dtype(input, weight, bias) and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
-
     checks.check_input("layer_norm", input)
     shape, columns = checks.check_normalized_shape("layer_norm", normalized_shape, input)
     weight = checks.check_param("layer_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.layer_norm")
     bias = checks.check_param("layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("layer_norm", eps, input.dtype)
+    function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and (len(shape) == 1 or weight is None and bias is None) and dispatch.same_dtype(input, weight, bias) and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
     if amp.float32("layer_norm", input):
         # torch's autocast runs layer_norm in float32 (codegen/runtime/amp.py): its tensors
         # cast to float32 as it casts them
         input, weight, bias, = amp.to_float32(input, weight, bias)
-    function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
     # the rows: made by the Function itself where autograd records it

@@ -85,7 +85,7 @@ def _masked_softmax_fwd_per(x_ptr, x_row_stride, attention_mask_ptr, attention_m
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
         row_max = tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(z)
-        row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
+        row_max = helpers.stable_shift(row_max)  # a stabiliser: a row of -inf shifts by 0
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = helpers.guarded_reciprocal(denominator) * e  # p = e*GuardedReciprocal(denominator)
@@ -163,7 +163,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 row_max_next = helpers.stable_shift(row_max_acc)
                 denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
-            row_max = row_max_shift  # row_max = 1 * max_j(z), infinities made finite
+            row_max = row_max_shift  # row_max = 1 * max_j(z), -inf made 0
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
@@ -181,7 +181,7 @@ def _masked_softmax_fwd_red(x_ptr, x_row_stride, attention_mask_ptr, attention_m
                 z = tl.where((key <= query + window), attention_mask + scale * x, float("-inf"))  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, z, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(z)
-            row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
+            row_max = helpers.stable_shift(row_max)  # a stabiliser: a row of -inf shifts by 0
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
@@ -351,7 +351,7 @@ def _masked_softmax_fwd_torch(x, attention_mask, scale, window, dropout_p, seed,
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     z = torch.where((key <= query + window), attention_mask + scale * x, float("-inf")).to(acc)  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
     row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = helpers.guarded_reciprocal_torch(denominator) * e  # p = e*GuardedReciprocal(denominator)
@@ -421,7 +421,7 @@ def _masked_softmax_jvp_torch(x, attention_mask, x_dot, scale, window, dropout_p
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     z = torch.where((key <= query + window), attention_mask + scale * x, float("-inf")).to(acc)  # z = Piecewise((attention_mask + scale*x, key <= query + window), (-oo, True))
     row_max = torch.broadcast_to(z, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(z)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     denominator_dot = (e * x_dot * torch.where((key <= query + window), scale, 0.0).to(acc)).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot*Piecewise((scale, key <= query + window), (0, True)))
@@ -917,10 +917,6 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     columns = shape[-1] if len(shape) else 1
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, mask = checks.promote(input, mask)
-    if amp.float32("softmax", input):
-        # torch's autocast runs softmax in float32 (codegen/runtime/amp.py): its tensors
-        # cast to float32 as it casts them
-        input, mask, = amp.to_float32(input, mask)
     scale = checks.check_option("masked_softmax", "scale", scale, None)
     dropout_p = checks.check_option("masked_softmax", "dropout_p", dropout_p, "probability")
     if not isinstance(causal, bool):
@@ -930,7 +926,12 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
         raise TypeError(f"masked_softmax(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
         dropout_p = 0.0
+    checks.check_seed("masked_softmax", seed)
     seed = checks.seed("masked_softmax", seed, input.device, draw=dropout_p != 0)
+    if amp.float32("softmax", input):
+        # torch's autocast runs softmax in float32 (codegen/runtime/amp.py): its tensors
+        # cast to float32 as it casts them
+        input, mask, = amp.to_float32(input, mask)
     row_shape = checks.row_shape(shape)
     x = input
     attention_mask = checks.broadcast_rows(mask, shape, row_shape) if mask is not None else None

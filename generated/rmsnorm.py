@@ -70,7 +70,7 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean_square = tl.sum(x * x, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
+        mean_square = helpers.div(tl.sum(x * x, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(x^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         x_hat = rstd * x  # x_hat = rstd*x
         y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
@@ -121,7 +121,7 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             mean_square_acc += x * x
-        mean_square = tl.sum(mean_square_acc, axis=1)[:, None] / N  # mean_square = 1/N * sum_j(x^2)
+        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(x^2)
         rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -1394,10 +1394,6 @@ def rms_norm(
     (codegen/runtime/launch.py `overwritable`): the engine's own references differ between
     torch versions.
     """
-    if memory == "default" and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
-
     checks.check_input("rms_norm", input)
     shape, columns = checks.check_normalized_shape("rms_norm", normalized_shape, input)
     weight = checks.check_param("rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
@@ -1409,11 +1405,15 @@ def rms_norm(
         weight_offset = 0.0
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
+    function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
+    if memory == "default" and (len(shape) == 1 or weight is None) and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
+
     if amp.float32("rms_norm", input):
         # torch's autocast runs rms_norm in float32 (codegen/runtime/amp.py): its tensors
         # cast to float32 as it casts them
         input, weight, = amp.to_float32(input, weight)
-    function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
     if columns == 0:
         return input.clone()
     # the rows: made by the Function itself where autograd records it

@@ -618,10 +618,6 @@ def rotary(input, cos, sin):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return input * cos + torch.cat((-input[..., input.shape[-1] // 2:], input[..., :input.shape[-1] // 2]), dim=-1) * sin
-
     checks.check_input("rotary", input, "input")
     checks.check_pairing("rotary", "input", input, "half")
     if cos is None:
@@ -637,6 +633,10 @@ def rotary(input, cos, sin):
     columns = shape[-1] if len(shape) else 1
     # the result takes the dtype torch's arithmetic on these gives (`checks.promote`)
     input, cos, sin = checks.promote(input, cos, sin)
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return input * cos + torch.cat((-input[..., input.shape[-1] // 2:], input[..., :input.shape[-1] // 2]), dim=-1) * sin
+
     row_shape = checks.row_shape(shape)
     x = input
     cos = checks.broadcast_rows(cos, shape, row_shape, order)

@@ -56,7 +56,7 @@ def _softmax_fwd_per(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]  # row_max = 1 * max_j(x)
-        row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
+        row_max = helpers.stable_shift(row_max)  # a stabiliser: a row of -inf shifts by 0
         e = helpers.exp(x - row_max, EXACT)  # e = exp(-row_max + x)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
         p = helpers.div(e, denominator, EXACT)  # p = e/denominator
@@ -104,7 +104,7 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
                 row_max_next = helpers.stable_shift(row_max_acc)
                 denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(x - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
                 row_max_shift = row_max_next
-            row_max = row_max_shift  # row_max = 1 * max_j(x), infinities made finite
+            row_max = row_max_shift  # row_max = 1 * max_j(x), -inf made 0
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + x)), every lane at the row's max
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
@@ -115,7 +115,7 @@ def _softmax_fwd_red(x_ptr, x_row_stride, p_ptr, p_row_stride, M, N, ACC: tl.con
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
                 row_max_acc = tl.maximum(row_max_acc, tl.where(mask, x, float("-inf")))
             row_max = tl.max(row_max_acc, axis=1)[:, None]  # row_max = 1 * max_j(x)
-            row_max = helpers.stable_shift(row_max)  # a stabiliser: an infinite max shifts by a finite value
+            row_max = helpers.stable_shift(row_max)  # a stabiliser: a row of -inf shifts by 0
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
                 cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -264,7 +264,7 @@ def _softmax_fwd_torch(x):
     M, N = x.shape
     x = x.to(acc)
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     p = (e) / (denominator)  # p = e/denominator
@@ -293,7 +293,7 @@ def _softmax_jvp_torch(x, x_dot):
     x = x.to(acc)
     x_dot = x_dot.to(acc) if x_dot is not None else 0.0
     row_max = torch.broadcast_to(x, (M, N)).amax(dim=-1, keepdim=True) if N else torch.full((M, 1), float("-inf"), dtype=acc, device=x.device)  # row_max = 1 * max_j(x)
-    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: an infinite max shifts by a finite value
+    row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     e = torch.exp(x - row_max)  # e = exp(-row_max + x)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     denominator_dot = (e * x_dot).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot)
@@ -683,10 +683,6 @@ def softmax(input, dim=-1, dtype=None):
     CUDA tensors run the generated Triton kernels; CPU tensors run the generated torch path
     (the kernels under TRITON_INTERPRET=1).
     """
-    if DISPATCH.to_torch(input):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.softmax(input, dim, dtype=dtype)
-
     if dtype is None and isinstance(input, torch.Tensor) and amp.float32("softmax", input):
         # torch's autocast runs softmax with dtype=torch.float32 (codegen/runtime/amp.py)
         dtype = torch.float32
@@ -702,6 +698,10 @@ def softmax(input, dim=-1, dtype=None):
             input = input.to(dtype)
     checks.check_input("softmax", input)
     dim = _check_dim("softmax", dim, input)
+    if DISPATCH.to_torch(input):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.softmax(input, dim, dtype=dtype)
+
     if input.dim() == 0:
         return softmax(input.reshape(1), 0).reshape(())
     moved = input.movedim(dim, -1)

@@ -701,10 +701,6 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     CUDA tensors run the generated Triton kernels, CPU tensors the generated torch path (the
     kernels under TRITON_INTERPRET=1).
     """
-    if gate_multiplier == 1 and down_multiplier == 1 and DISPATCH.to_torch(gate):
-        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
-        return torch.nn.functional.silu(gate) * up
-
     checks.check_input("swiglu", gate, "gate")
     if up is None:
         raise TypeError("swiglu(): argument 'up' must be a torch.Tensor, got NoneType")
@@ -718,6 +714,10 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     gate, up = checks.promote(gate, up)
     gate_multiplier = checks.check_option("swiglu", "gate_multiplier", gate_multiplier, None)
     down_multiplier = checks.check_option("swiglu", "down_multiplier", down_multiplier, None)
+    if gate_multiplier == 1 and down_multiplier == 1 and DISPATCH.to_torch(gate):
+        # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
+        return torch.nn.functional.silu(gate) * up
+
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
     function = _FUNCTIONS["default"]

@@ -131,28 +131,6 @@ NON_CONTIGUOUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# References at +inf
-
-
-def softmax_through_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """softmax shifted as torch.logsumexp shifts: exp(x - logsumexp(x)). On a row holding +inf,
-    NaN at the +inf and 0 elsewhere (torch.softmax shifts by the +inf itself: NaN throughout);
-    torch.softmax's values on every other row."""
-    return torch.exp(x - torch.logsumexp(x, -1, keepdim=True))
-
-
-def at_infinity(theirs: Callable, through_logsumexp: Callable) -> Callable:
-    """A reference: `theirs` (torch's op), but `through_logsumexp` on the rows whose last dim
-    holds +inf, where the ops that stabilise with a row max follow torch.logsumexp. Each sees
-    the other's rows as 0, so no NaN of the branch not taken reaches the gradient."""
-    def reference(x: torch.Tensor) -> torch.Tensor:
-        hot = (x == math.inf).any(-1, keepdim=True)
-        shifted = through_logsumexp(torch.where(hot, x, 0.0))
-        plain = theirs(torch.where(hot, 0.0, x))
-        return torch.where(hot if plain.dim() == x.dim() else hot[..., 0], shifted, plain)
-    return reference
-
-
 # Running and judging
 
 

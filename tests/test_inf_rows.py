@@ -2,13 +2,17 @@
 exponentials with a row max (softmax, masked_softmax, cross_entropy and the tutorial's user op
 logsumexp), on every path and schedule, in fp32 and fp64, outputs and gradients.
 
-A stabilising max only shifts the exponentials; where it is infinite the kernels shift by a
-finite value instead (the largest finite one for +inf, 0 for -inf), so the row's values are those
-of torch.logsumexp: the log-sum-exp of a row holding +inf is +inf (its gradient NaN at the +inf,
-0 elsewhere), of a row of -inf -inf. The normalised ops follow it: softmax = exp(x - logsumexp(x))
-and the loss logsumexp(x) - x[target] (+ smoothing · mean(x[target] - x)), torch's own softmax
-and cross-entropy on every row without a +inf. On a row with one, softmax is NaN at the +inf and
-0 elsewhere, where torch's softmax, shifting by the +inf itself (inf - inf), is NaN throughout.
+A stabilising max only shifts the exponentials. The kernels shift by the max itself where it is
+finite or +inf, as torch.softmax and torch.nn.functional.cross_entropy do, and by 0 where it is
+-inf (`helpers.stable_shift`). On a row holding +inf, exp(x - inf) is 0 at every finite x and
+exp(inf - inf) NaN at the +inf, so the row's sum is NaN and so is everything read from it:
+softmax is NaN throughout the row, as torch.softmax is, and the cross-entropy loss and its
+gradient are NaN whatever the target, as F.cross_entropy's are. A row of only -inf shifts by 0:
+its sum is 0, and softmax's 0 / 0 and the loss's -inf - x[target] are torch's NaN (masked_softmax
+documents 0 and a 0 gradient for such a fully masked row). The references are therefore torch's
+own ops evaluated in fp64. Only torch.logsumexp differs: it returns +inf on a row holding +inf,
+where the tutorial's logsumexp, stabilised by the same rule, gives NaN (its output and the whole
+row's gradient); on every other row it is torch.logsumexp.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import FP64_TOL, force_looped, force_split, randn, select_path, splits
 
 import generated.cross_entropy as cross_entropy
@@ -125,26 +130,52 @@ def check(ours: Callable, reference: Callable, x: torch.Tensor) -> None:
 
 
 def softmax_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x - torch.logsumexp(x, -1, keepdim=True))
+    """torch.softmax: NaN throughout a row holding +inf or of only -inf."""
+    return torch.softmax(x, -1)
 
 
 def masked_reference(x: torch.Tensor) -> torch.Tensor:
-    """softmax_reference of 0.5·x; a row with no element above -inf gives 0 and a 0 gradient
-    (masked_softmax's documented fully-masked row; its input is taken as 0 there, so no NaN of
-    the unselected branch reaches the gradient)."""
+    """torch.softmax of 0.5·x on the rows with an element above -inf (finite or +inf); a row
+    with none gives 0 and a 0 gradient (masked_softmax's documented fully-masked row; its input
+    is taken as 0 there, so no NaN of the unselected branch reaches the gradient)."""
     z = 0.5 * x
     dead = z.amax(-1, keepdim=True) == -INF
-    return torch.where(dead, 0.0, softmax_reference(torch.where(dead, 0.0, z)))
+    return torch.where(dead, 0.0, torch.softmax(torch.where(dead, 0.0, z), -1))
 
 
 def cross_entropy_reference(target: torch.Tensor, smoothing: float) -> Callable:
+    """F.cross_entropy(reduction="none", label_smoothing=smoothing) of the given targets, but
+    for one case apart from the infinite max: with smoothing, a target whose logit is -inf in a
+    row of finite max has the loss NaN, where torch's is +inf (its gradient is torch's). The
+    spec (derive/ops/cross_entropy.py) takes the smoothing term from the gaps to the target,
+    smoothing · mean_j(x[target] - x_j), whose j = target term is -inf - (-inf) = NaN; torch
+    sums smoothing · mean_j(logsumexp(x) - x_j) = +inf."""
     def loss(x: torch.Tensor) -> torch.Tensor:
-        picked = x.gather(-1, target[:, None].to(x.device))
-        value = torch.logsumexp(x, -1) - picked[:, 0]
+        labels = target.to(x.device)
+        value = F.cross_entropy(x, labels, label_smoothing=smoothing, reduction="none")
         if smoothing:
-            value = value + smoothing * (picked - x).mean(-1)
+            gap = (x.detach().gather(-1, labels[:, None])[:, 0] == -INF) & ~holding_plus_inf(x)
+            value = value + torch.where(gap, NAN, 0.0)
         return value
     return loss
+
+
+def holding_plus_inf(x: torch.Tensor) -> torch.Tensor:
+    """Which rows (the last dim) of x hold +inf."""
+    return (x == INF).any(-1)
+
+
+def logsumexp_reference(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp on the rows without +inf; on a row holding +inf, the log-sum-exp shifted
+    by its max as torch.softmax shifts, the +inf itself: m + log(sum(exp(x - m))), NaN, and its
+    gradient softmax(x), NaN throughout the row. Each branch sees the other's rows as 0, so no
+    NaN of the branch not taken reaches the gradient."""
+    hot = holding_plus_inf(x)
+    plain = torch.logsumexp(torch.where(hot[:, None], 0.0, x), -1)
+    z = torch.where(hot[:, None], x, 0.0)
+    peak = z.amax(-1, keepdim=True).detach()
+    shifted = peak[:, 0] + torch.log(torch.exp(z - peak).sum(-1))
+    return torch.where(hot, shifted, plain)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -177,21 +208,28 @@ def test_cross_entropy(monkeypatch, layout, path, dtype, target, smoothing):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("layout", "path"), [*FORMS, REVERSE])
 def test_tutorial_logsumexp(logsumexp, monkeypatch, layout, path, dtype):
-    """torch.logsumexp itself is the reference: +inf for a row holding +inf (gradient NaN at
-    the +inf, 0 elsewhere), -inf for a row of -inf."""
+    """torch.logsumexp on every row without +inf (-inf for a row of -inf, its gradient NaN as
+    torch's); NaN on a row holding +inf, output and gradient of the whole row, where
+    torch.logsumexp gives +inf (the rule of every op stabilised by a row max: module doc)."""
     with form(logsumexp, layout, path, monkeypatch) as device:
         x = rows().to(device, dtype)
-        assert logsumexp.logsumexp(x, -1)[[1, 2, 7, 8, 9, 10]].eq(INF).all()
-        check(lambda t: logsumexp.logsumexp(t, -1), lambda t: torch.logsumexp(t, -1), x)
+        hot = holding_plus_inf(x)
+        assert hot.nonzero()[:, 0].tolist() == [1, 2, 6, 7, 8, 9, 10]
+        out, grad = results(lambda t: logsumexp.logsumexp(t, -1), x)
+        assert out[hot].isnan().all() and grad[hot].isnan().all(), (out, grad)
+        assert torch.logsumexp(x, -1)[hot & ~x.isnan().any(-1)].eq(INF).all()
+        check(lambda t: logsumexp.logsumexp(t, -1), logsumexp_reference, x)
 
 
 @pytest.mark.parametrize(("layout", "path"), [*FORMS, REVERSE])
 def test_running_sums_of_rows_that_start_with_minus_inf(logsumexp, monkeypatch, layout, path):
     """Where the rows loop in one sweep, the sum rescales to each step's shift: a row whose
     first block is -inf has every lane's sum 0 at shift 0 when values near -1000 arrive, and the
-    sums must stay 0 (not 0 · exp(1000) = NaN); a row of values near 100 whose +inf comes in the
-    second block has the +inf's lane inf and the others 0 (exp(x - the largest finite value)).
-    The log-sum-exp and the loss of a finite target are torch's: finite, and +inf."""
+    sums must stay 0 (not 0 · exp(1000) = NaN): its log-sum-exp and loss are torch's, finite. A
+    row of values near 100 whose +inf comes in the second block shifts by the +inf from then on:
+    the first block's sums rescale by exp(100 - inf) = 0, the +inf's lane takes
+    exp(inf - inf) = NaN, so the row's log-sum-exp and its loss of a finite target are NaN, as
+    F.cross_entropy's loss is (torch.logsumexp alone gives +inf there)."""
     x = randn((2, WIDTH), seed=5, dtype=torch.float32)
     x[0] -= 1000.0
     x[0, :16] = -INF
@@ -199,11 +237,11 @@ def test_running_sums_of_rows_that_start_with_minus_inf(logsumexp, monkeypatch, 
     x[1, 20] = INF
     target = torch.tensor([30, 1])
     for module, ours, theirs in (
-            (logsumexp, lambda t: logsumexp.logsumexp(t, -1), lambda t: torch.logsumexp(t, -1)),
+            (logsumexp, lambda t: logsumexp.logsumexp(t, -1), logsumexp_reference),
             (cross_entropy,
              lambda t: cross_entropy.cross_entropy(t, target.to(t.device), reduction="none"),
              cross_entropy_reference(target, 0.0))):
         with form(module, layout, path, monkeypatch) as device:
             got = ours(x.to(device)).cpu()
-            torch.testing.assert_close(got, theirs(x.double()).float())
-            assert got[0].isfinite() and got[1] == INF
+            torch.testing.assert_close(got, theirs(x.double()).float(), equal_nan=True)
+            assert got[0].isfinite() and got[1].isnan()

@@ -330,15 +330,11 @@ def check_option(function, name, value, check):
     return value
 
 
-def seed(function, seed, device, draw=True):
-    """The call's seed as a 0-d int64 tensor on the input's device (drawn from torch's generator
-    of that device when None, so torch.manual_seed and activation checkpointing replay it).
-    `draw=False` (dropout off: no mask is read) draws nothing where none is given, as torch's
-    dropout draws nothing when off: every later random op gives what it gives without it."""
+def check_seed(function, seed):
+    """A given seed's type and range (an int in [0, 2**63), or a one-element int64 tensor);
+    None passes."""
     if seed is None:
-        if not draw:
-            return torch.zeros((), dtype=torch.int64, device=device)
-        return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+        return
     if isinstance(seed, bool) or not isinstance(seed, (numbers.Integral, torch.Tensor)):
         raise TypeError(
             f"{function}(): argument 'seed' must be an int or None, got {type(seed).__name__}"
@@ -349,9 +345,22 @@ def seed(function, seed, device, draw=True):
                 f"{function}(): argument 'seed' as a tensor must hold one int64, got "
                 f"{seed.numel()} of {seed.dtype}"
             )
-        return seed.reshape(()).to(device)
-    if not 0 <= seed < 2**63:
+    elif not 0 <= seed < 2**63:
         raise ValueError(f"{function}(): argument 'seed' must be in [0, 2**63), got {seed}")
+
+
+def seed(function, seed, device, draw=True):
+    """The call's seed as a 0-d int64 tensor on the input's device (drawn from torch's generator
+    of that device when None, so torch.manual_seed and activation checkpointing replay it).
+    `draw=False` (dropout off: no mask is read) draws nothing where none is given, as torch's
+    dropout draws nothing when off: every later random op gives what it gives without it."""
+    if seed is None:
+        if not draw:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+    check_seed(function, seed)
+    if isinstance(seed, torch.Tensor):
+        return seed.reshape(()).to(device)
     return torch.tensor(seed, dtype=torch.int64, device=device)
 
 

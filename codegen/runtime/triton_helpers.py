@@ -180,22 +180,21 @@ def log1p(v):
 
 @triton.jit
 def stable_shift(peak):
-    """The shift of a stabilising row max: the max where finite, the largest finite value
-    where it is +inf, 0 where it is -inf (a row of -inf, or fully masked). Any finite shift
-    serves a stabiliser; these keep exp(x - shift) what the formula without the shift gives
-    at the infinities, as torch.logsumexp: inf at a +inf, 0 at every finite x of its row
-    (never exp(inf - inf) = NaN), 0 throughout a row of -inf. A NaN max stays NaN."""
-    if peak.dtype == tl.float64:
-        largest = 1.7976931348623157e308
-    else:
-        largest = 3.4028234663852886e38
-    return tl.where(peak == float("inf"), largest, tl.where(peak == float("-inf"), 0.0, peak))
+    """The shift of a stabilising row max: the max itself where finite or +inf, 0 where it is
+    -inf (a row of -inf, or fully masked); a NaN max stays NaN. A row holding +inf is shifted by
+    the +inf, as torch.softmax and torch.nn.functional.cross_entropy shift it: exp(x - inf) is 0
+    at every finite x and exp(inf - inf) NaN at the +inf, so the row's sum, and every value and
+    gradient read from it, is NaN, as torch's softmax and cross-entropy are throughout such a
+    row (one rule for every op stabilised by a row max; torch.logsumexp alone returns +inf
+    there, where a log-sum-exp op gives NaN). A row of -inf is shifted by 0, never by
+    -inf (exp(-inf + inf) = NaN): every exp(x - 0) is 0, the sum 0, and softmax's 0 / 0 is
+    torch's NaN (a fully masked softmax row reads the sum through a guarded reciprocal: 0)."""
+    return tl.where(peak == float("-inf"), 0.0, peak)
 
 
 def stable_shift_torch(peak):
-    """`stable_shift` in plain torch."""
-    largest = torch.finfo(peak.dtype).max
-    return torch.where(peak == math.inf, largest, torch.where(peak == -math.inf, 0.0, peak))
+    """`stable_shift` in plain torch: +inf and NaN stay, -inf becomes 0, finite values stay."""
+    return torch.where(peak == -math.inf, 0.0, peak)
 
 
 @triton.jit

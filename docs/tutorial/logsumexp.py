@@ -2,7 +2,10 @@
 
 The row max only stabilises the exponentials (the engine proves y does not depend on it); the
 backward recomputes the softmax exp(x - row_max) / total from the saved input and the two row
-statistics.
+statistics. On a row holding +inf, y and the row's gradient are NaN, where torch.logsumexp
+returns +inf: every op stabilised by a row max shifts by that max, +inf included (a row of -inf
+by 0), as torch.softmax and torch.nn.functional.cross_entropy shift, which are NaN throughout
+such a row; exp(inf - inf) is NaN.
 """
 
 import sympy
