@@ -2441,7 +2441,7 @@ def add_layer_norm(
     bias = checks.check_param("add_layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("add_layer_norm", eps, input.dtype)
     function = checks.check_choice("add_layer_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
 

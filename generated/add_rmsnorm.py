@@ -1754,7 +1754,7 @@ def add_rms_norm(
     if not isinstance(in_place, bool):
         raise TypeError(f"add_rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
     function = checks.check_choice("add_rms_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma":
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(input, input_bias, residual), normalized_shape, weight, eps, prenorm=prenorm)
 

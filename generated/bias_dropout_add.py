@@ -732,7 +732,7 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     if not training:
         p = 0.0
     checks.check_seed("bias_dropout_add", seed)
-    if (p == 0 or training is False or seed is None) and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and (p == 0 or training is False or seed is None):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.added(torch.nn.functional.dropout(input if bias is None else input + bias, p, training), residual)
 

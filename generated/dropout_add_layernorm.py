@@ -2270,7 +2270,7 @@ def dropout_add_layer_norm(
         dropout_p = 0.0
     checks.check_seed("dropout_add_layer_norm", seed)
     function = checks.check_choice("dropout_add_layer_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias) and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
 

@@ -1693,7 +1693,7 @@ def dropout_add_rms_norm(
     if not isinstance(in_place, bool):
         raise TypeError(f"dropout_add_rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
     function = checks.check_choice("dropout_add_rms_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma":
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, eps, prenorm=prenorm)
 

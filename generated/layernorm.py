@@ -1969,7 +1969,7 @@ def layer_norm(
     bias = checks.check_param("layer_norm", "bias", bias, shape, input, torch_function="torch.nn.functional.layer_norm", checked={"weight": weight})
     eps = checks.check_eps("layer_norm", eps, input.dtype)
     function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and (len(shape) == 1 or weight is None and bias is None) and dispatch.same_dtype(input, weight, bias) and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and bias is None) and dispatch.same_dtype(input, weight, bias):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
 

@@ -1406,7 +1406,7 @@ def rms_norm(
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
     function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
-    if memory == "default" and (len(shape) == 1 or weight is None) and weight_offset == 0 and casting_mode == "gemma" and DISPATCH.to_torch(input):
+    if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None) and weight_offset == 0 and casting_mode == "gemma":
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
 

@@ -714,7 +714,7 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
     gate, up = checks.promote(gate, up)
     gate_multiplier = checks.check_option("swiglu", "gate_multiplier", gate_multiplier, None)
     down_multiplier = checks.check_option("swiglu", "down_multiplier", down_multiplier, None)
-    if gate_multiplier == 1 and down_multiplier == 1 and DISPATCH.to_torch(gate):
+    if DISPATCH.to_torch(gate) and gate_multiplier == 1 and down_multiplier == 1:
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.silu(gate) * up
 

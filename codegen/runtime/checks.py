@@ -12,6 +12,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: the tensor classes the checks' fast paths take as they are (any other, a subclass or a
+#: fake tensor, goes through every check)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 # Errors of torch's types: where torch raises RuntimeError (or IndexError) for a bad argument,
@@ -77,6 +80,11 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
     floating dtype and promotes with the input (`promote`)."""
     if param is None:
         return None
+    # the common call at once (host time on every call): a contiguous parameter of the
+    # input's dtype, device and of one dim that matches
+    if (param.__class__ in _TENSORS and param.dtype is input.dtype and len(shape) == 1
+            and param.shape == shape and param.is_contiguous() and param.device == input.device):
+        return param
     if not isinstance(param, torch.Tensor):
         raise TypeError(
             f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
@@ -144,6 +152,10 @@ def check_pairing(function, name, input, pairing):
 def check_like_input(function, name, tensor, input, reference="input"):
     if tensor is None:
         return None
+    # the common call at once (host time on every call): the input's shape, dtype and device
+    if (tensor.__class__ in _TENSORS and tensor.dtype is input.dtype
+            and tensor.shape == input.shape and tensor.device == input.device):
+        return tensor
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(
             f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
@@ -304,6 +316,8 @@ def needs_grad(*tensors):
 
 
 def check_option(function, name, value, check):
+    if value.__class__ is float and check == "probability" and 0.0 <= value < 1.0:
+        return value  # the common call at once (host time on every call)
     if value is None and check == "positive":
         return None  # the option is off (the kernels read its scalar's absent value, 0)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

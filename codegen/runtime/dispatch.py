@@ -126,8 +126,11 @@ def added(*tensors):
 def same_dtype(*tensors) -> bool:
     """Whether the tensors that are not None share one dtype (torch's CUDA layer norm refuses
     parameters of another dtype than its input, which the kernels take)."""
-    dtypes = {tensor.dtype for tensor in tensors if isinstance(tensor, torch.Tensor)}
-    return len(dtypes) <= 1
+    dtype = tensors[0].dtype
+    for tensor in tensors:  # a loop, no set: host time on every call that may dispatch
+        if tensor is not None and tensor.dtype is not dtype:
+            return False
+    return True
 
 
 def normalized(norm, total, *arguments, prenorm: bool = False):
