@@ -683,7 +683,8 @@ class KernelContext:
             # each lane's count of values: CHUNKS, less one where the last step is past N
             f"{mean}_count = tl.where((CHUNKS - 1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :] < N, "
             "CHUNKS, CHUNKS - 1).to(ACC)",
-            f"{mean} = helpers.div(tl.sum({mean}_acc * {mean}_count, axis=1)[:, None], N, True)  # {mean} = "
+            f"{mean} = helpers.div(tl.sum({mean}_acc * {mean}_count, axis=1)[:, None], N, True)"
+            f"  # {mean} = "
             f"{formula(pair.mean.scale)} * sum_j({formula(pair.mean.body)}), from the lane means",
             # the lanes' squared deviations about the row's mean: theirs plus their means' own
             f"{second} = {self._scaled(pair.second, merged)}"

@@ -14,8 +14,8 @@ value keeps its log, and each binomial becomes a softplus, which never overflows
 
 A row sum of exponentials that no row max stabilises, Σ_j exp(u_j)·w_j, is shifted by the max
 of its exponents, as torch.logsumexp is (a +inf max shifts by itself, as torch.softmax's
-does: such a row is NaN, docs/design.md rule 5): m = max_j u_j and s' = Σ_j exp(u_j - m)·w_j are named,
-the sum is exp(m)·s', and each later value that reads the sum reads exp(m)·s', where the
+does: such a row is NaN, docs/design.md rule 5): m = max_j u_j and s' = Σ_j exp(u_j - m)·w_j
+are named, the sum is exp(m)·s', and each later value that reads the sum reads exp(m)·s', where the
 exponentials meet: log Σ_j exp(x_j) = m + log s', exp(x) / Σ_j exp(x_j) = exp(x - m) / s'. The
 max cancels from every output (the engine proves it, docs/design.md rule 5). A sum that is an
 output or saved, or that a later value reads other than in a log or beside exponentials, is

@@ -6,6 +6,10 @@
 weight_offset = 0 is torch.nn.RMSNorm; weight_offset = 1 is Gemma's (1 + weight) scale. The
 offset belongs to the weight: without a weight, y = x_hat whatever the offset.
 
+A row holding +inf or -inf has mean(x**2) = inf, so rstd = 0: its finite elements give 0 and
+its infinite ones NaN (inf * 0), on every path and device, as torch's rms_norm on the CPU; torch's
+CUDA rms_norm makes such a row NaN throughout.
+
 The backward is derived symbolically; see docs/ops/rmsnorm.md for every step.
 """
 

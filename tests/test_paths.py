@@ -28,8 +28,8 @@ import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
 import generated.bias_dropout_add as bias_dropout_add
 import generated.dropout_add_layernorm as dropout_add_layernorm
-import generated.gelu as gelu
 import generated.geglu as geglu
+import generated.gelu as gelu
 import generated.layernorm as layernorm
 import generated.rmsnorm as rmsnorm
 import generated.rotary as rotary
@@ -250,9 +250,9 @@ def run(fn, tensors, upstream):
     return [out.detach(), *grads]
 
 
-def judge(label, got, base, exact, dtype, dtypes):
+def judge(label, got, base, exact, dtype, dtypes, allowance=None):
     """got (ours) and base (torch's own on the same device) against exact (fp64); each of ours
-    in its dtype of `dtypes`."""
+    in its dtype of `dtypes`; `allowance`: an error a memory mode adds by design, by name."""
     names = ("output", "dx", "dresidual", "dweight", "dbias")
     for name, mine, theirs, ref, want in zip(names, got, base, exact, dtypes, strict=True):
         if ref is None or theirs is None:
@@ -281,7 +281,7 @@ def judge(label, got, base, exact, dtype, dtypes):
                                        msg=lambda m, n=name: f"{label} {n}: {m}")
             continue
         scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
-        atol = LOW_PRECISION_ATOL[dtype] * math.sqrt(M) * scale
+        atol = LOW_PRECISION_ATOL[dtype] * math.sqrt(M) * scale + (allowance or {}).get(name, 0)
         err, torch_err = max_abs_error(mine, ref), max_abs_error(theirs, ref)
         assert err <= 2 * torch_err + atol, (
             f"{label} {name}: max abs error {err:.3g} > 2 * torch's {torch_err:.3g} + {atol:.3g}")
@@ -319,8 +319,15 @@ def test_values_on_every_path(name, op, kind, strides, dtype, param_dtype, monke
         # (torch's CUDA rms_norm is NaN throughout a row holding ±inf, its CPU one only at
         # the infinity: rms = inf, so rstd = 0, x·rstd = 0 and inf·0 = NaN)
         exact = run(theirs, [t.double().cpu() for t in tensors], upstream.cpu())
-    judge(f"{label} on {name}", got, base, [t if t is None else t.to(device) for t in exact],
-          dtype, dtypes)
+    exact = [t if t is None else t.to(device) for t in exact]
+    allowance = {}
+    if "invertible" in label and dtype != torch.float64:
+        # the mode keeps the output rounded to the input's dtype and recovers x_hat = (y - b) / w
+        # from it: the weight's gradient, sum over rows of dy · x_hat, carries that rounding
+        rounding = (got[0].double() - exact[0]).abs().nan_to_num()
+        carried = upstream.abs() * rounding / tensors[2].double().abs()
+        allowance["dweight"] = carried.sum(0).max().item()
+    judge(f"{label} on {name}", got, base, exact, dtype, dtypes, allowance)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the schedules of fp64 rows on a GPU")

@@ -404,10 +404,12 @@ def _off_dropouts():
         "BiasDropoutAdd": (bias_dropout_add.BiasDropoutAdd(0.3),
                            lambda module, x, r, w, b: module(x, r, b), torch.nn.Dropout(0.3),
                            lambda dropout, x, r, w, b: r + dropout(x + b)),
-        "DropoutAddLayerNorm": (dropout_add_layernorm.DropoutAddLayerNorm(N, elementwise_affine=False, dropout_p=0.3),
+        "DropoutAddLayerNorm": (dropout_add_layernorm.DropoutAddLayerNorm(
+                                    N, elementwise_affine=False, dropout_p=0.3),
                                 lambda module, x, r, w, b: module(x, r), torch.nn.Dropout(0.3),
                                 lambda dropout, x, r, w, b: F.layer_norm(dropout(x) + r, (N,))),
-        "DropoutAddRMSNorm": (dropout_add_rmsnorm.DropoutAddRMSNorm(N, elementwise_affine=False, dropout_p=0.3),
+        "DropoutAddRMSNorm": (dropout_add_rmsnorm.DropoutAddRMSNorm(
+                                  N, elementwise_affine=False, dropout_p=0.3),
                               lambda module, x, r, w, b: module(x, r), torch.nn.Dropout(0.3),
                               lambda dropout, x, r, w, b: F.rms_norm(dropout(x) + r, (N,))),
         "AddLayerNorm": (add_layernorm.AddLayerNorm(N, elementwise_affine=False, dropout_p=0.3),

@@ -20,9 +20,10 @@ import contextlib
 import torch
 
 #: the torch functions (by their name in `torch` or `torch.nn.functional`) whose results
-#: autocast makes float32, per device type (the other accelerators share CUDA's lists in ATen),
-#: as `listed` finds them where it cannot ask the installed torch: ATen's autocast lists (its "fp32" and
-#: "fp32_set_opt_dtype" ones for CUDA and the other accelerators, its own list for the CPU,
+#: autocast makes float32, per device type (the other accelerators share CUDA's lists in
+#: ATen), as `listed` takes them where it cannot ask the installed torch: ATen's autocast lists
+#: (its "fp32" and "fp32_set_opt_dtype" ones for CUDA and the other accelerators, its own
+#: list for the CPU,
 #: where norms and softmax keep a 16-bit dtype).
 #: cross_entropy is listed where the ops it is made of are (log_softmax, nll_loss on CUDA) or
 #: itself (the CPU): its loss is float32, computed from the logits in float32.

@@ -15,7 +15,8 @@ host time gets slower. An op whose spec names a torch expression with the same r
 Every argument is checked before the choice, on every path and device: a bad call raises the
 same error naming the same argument whichever path would have run it (tests/test_paths.py).
 Options torch's expression cannot express (a memory mode other than the default, active
-dropout, a normalized_shape of several dims with parameters, ...) always run the kernels. The environment variable `VJPFORGE_DISPATCH` decides for
+dropout, a normalized_shape of several dims with parameters, ...) always run the kernels.
+The environment variable `VJPFORGE_DISPATCH` decides for
 the whole process: `kernels` (never torch's expression), `torch` (always, on every device), or
 unset (each op's measurements). `Dispatch.override` does the same per op, for a block of code.
 """
