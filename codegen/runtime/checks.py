@@ -82,8 +82,10 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
         return None
     # the common call at once (host time on every call): a contiguous parameter of the
     # input's dtype, device and of one dim that matches
-    if (param.__class__ in _TENSORS and param.dtype is input.dtype and len(shape) == 1
-            and param.shape == shape and param.is_contiguous() and param.device == input.device):
+    dtype = param.dtype
+    if (param.__class__ in _TENSORS and dtype is input.dtype and len(shape) == 1
+            and param.shape == shape and param.is_contiguous() and param.device == input.device
+            and not any(t is not None and t.dtype is not dtype for t in (checked or {}).values())):
         return param
     if not isinstance(param, torch.Tensor):
         raise TypeError(
