@@ -20,7 +20,7 @@ Candidates, each swapped only if the generated op computes the same outputs on a
     mlp: any module of that structure -> generated.geglu_tanh.geglu_tanh
     activation: *GELU* -> generated.gelu.GELU
     activation: *GELU* -> generated.gelu_tanh.GELUTanh
-    norm: *LayerNorm -> generated.layernorm.LayerNorm
+    norm: *LayerNorm -> generated.layernorm.LayerNorm (trying weight_offset = 0.0, 1.0)
     norm: *RMSNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0; casting_mode = gemma, llama)
     norm: *LayerNorm -> generated.rmsnorm.RMSNorm (trying weight_offset = 0.0, 1.0; casting_mode = gemma, llama)
     rotary: *Attention whose forward calls apply_rotary_pos_emb -> generated.rotary.apply_rotary_pos_emb
@@ -79,7 +79,8 @@ RULES = (
     ),
     patching.Rule(
         "norm", "*LayerNorm", layernorm.LayerNorm, layernorm.layer_norm,
-        params=(("weight", None, None), ("bias", "bias", None), ),
+        params=(("weight", None, "weight_offset"), ("bias", "bias", None), ),
+        tries=(("weight_offset", (0.0, 1.0, )), ),
         eps=1e-05,
         memory=("default", "recompute_mean", "invertible", ),
     ),

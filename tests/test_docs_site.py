@@ -78,7 +78,8 @@ def test_op_page_math_is_mathml(site: Path, op: str) -> None:
 
 def test_multi_letter_names_are_one_identifier(site: Path) -> None:
     article = _main(_page(site, "ops/layernorm"))
-    for name in ("rstd", "mean", "weight", "x&#x0005F;hat", "sum&#x0005F;dy&#x0005F;weight"):
+    for name in ("rstd", "mean", "weight", "x&#x0005F;hat",
+                 "sum&#x0005F;dy&#x0005F;weight&#x0005F;weight&#x0005F;offset"):
         assert f"<mi>{name}</mi>" in article, name
 
 

@@ -183,3 +183,50 @@ def test_module_reset_parameters():
 def test_module_loads_torch_state_dict(device, config):
     shape, kwargs = MODULE_CONFIGS[config]
     assert_loads_torch_state_dict(layernorm.LayerNorm, torch.nn.LayerNorm, shape, device, **kwargs)
+
+
+@pytest.mark.parametrize("memory", list(layernorm._FUNCTIONS))
+@pytest.mark.parametrize("affine", ["weight", "affine", "plain"])
+def test_weight_offset_scales_by_one_plus_weight(device, memory, affine):
+    """weight_offset=1: the scale is 1 + weight (VideoPrism's, Moonshine's LayerNorm), in every
+    memory mode; without a weight the offset is ignored, as it belongs to the weight."""
+
+    def ours(x, w, b):
+        return layernorm.layer_norm(x, (37,), w, b, weight_offset=1.0, memory=memory)
+
+    def theirs(x, w, b):
+        return F.layer_norm(x, (37,), None if w is None else 1.0 + w, b)
+
+    assert_matches_torch(ours, theirs, inputs((3, 5, 37), device, affine=affine))
+
+
+def test_weight_offset_module_keeps_torch_s_state_dict_keys():
+    module = layernorm.LayerNorm(8, weight_offset=1.0, dtype=torch.float64)
+    assert list(module.state_dict()) == ["weight", "bias"]
+    # the effective scale 1 + weight starts at 1
+    torch.testing.assert_close(module.weight + 1.0, torch.ones(8, dtype=torch.float64))
+    assert "weight_offset=1.0" in repr(module)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.testing.assert_close(module(x), F.layer_norm(x, (8,)))
+
+
+def test_a_one_plus_weight_layer_norm_is_patched_with_its_offset():
+    """VideoPrism's LayerNorm scales by weight + 1: patch_model finds the offset by behaviour
+    and swaps in LayerNorm(weight_offset=1.0), with the same outputs."""
+    import copy
+
+    from transformers.models.videoprism.modeling_videoprism import VideoPrismLayerNorm
+
+    from generated.patch import patch_model
+
+    original = VideoPrismLayerNorm(16, eps=1e-6)
+    with torch.no_grad():
+        original.weight.copy_(torch.linspace(-0.5, 0.5, 16))
+        original.bias.copy_(torch.linspace(-1.0, 1.0, 16))
+    model = torch.nn.Sequential(copy.deepcopy(original))
+    report = patch_model(model)
+    new = model[0]
+    assert isinstance(new, layernorm.LayerNorm) and new.weight_offset == 1.0, report
+    assert report.swapped == [("0", "VideoPrismLayerNorm", "LayerNorm(weight_offset=1.0)")]
+    x = torch.randn(3, 5, 16) * 4.0 + 2.0
+    torch.testing.assert_close(new(x), original(x), rtol=1e-5, atol=1e-6)
