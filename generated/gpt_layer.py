@@ -4,8 +4,10 @@
 
 Pre-LN: LayerNorm, causal self-attention, bias + dropout + residual; LayerNorm, bias + GELU
 (tanh approximation) feed-forward, bias + dropout + residual. No final LayerNorm (the model adds
-one). Parameters mirror GPT2Block's state_dict keys with `.` -> `_`, in torch.nn.Linear layout
-(out_features, in_features): GPT-2's Conv1D weights load transposed.
+one). Parameters are GPT2Block's, under names of their own: `ln_1_*` and `ln_2_*` are its
+`ln_1.*` and `ln_2.*`, `attn_qkv_*` its `attn.c_attn.*`, `attn_proj_*` its `attn.c_proj.*`,
+`mlp_fc_*` its `mlp.c_fc.*` and `mlp_proj_*` its `mlp.c_proj.*`. The GEMM weights are in
+torch.nn.Linear layout (out_features, in_features): GPT-2's Conv1D weights load transposed.
 
 The forward calls generated ops (whose backwards are derived), torch GEMMs and attention; autograd
 does the rest. See docs/layers/gpt_layer.md for the dataflow and every option.
@@ -25,8 +27,10 @@ class GPTLayer(torch.nn.Module):
 
     Pre-LN: LayerNorm, causal self-attention, bias + dropout + residual; LayerNorm, bias + GELU
     (tanh approximation) feed-forward, bias + dropout + residual. No final LayerNorm (the model adds
-    one). Parameters mirror GPT2Block's state_dict keys with `.` -> `_`, in torch.nn.Linear layout
-    (out_features, in_features): GPT-2's Conv1D weights load transposed.
+    one). Parameters are GPT2Block's, under names of their own: `ln_1_*` and `ln_2_*` are its
+    `ln_1.*` and `ln_2.*`, `attn_qkv_*` its `attn.c_attn.*`, `attn_proj_*` its `attn.c_proj.*`,
+    `mlp_fc_*` its `mlp.c_fc.*` and `mlp_proj_*` its `mlp.c_proj.*`. The GEMM weights are in
+    torch.nn.Linear layout (out_features, in_features): GPT-2's Conv1D weights load transposed.
 
     Args:
         hidden_size (int): width of the hidden states (GPT-2's n_embd)
@@ -88,29 +92,29 @@ class GPTLayer(torch.nn.Module):
         if self.attn_dropout_checkpoint and self.attention == "sdpa":
             raise ValueError(f"GPTLayer(): attn_dropout_checkpoint needs attention='materialized' (sdpa keeps no probabilities to recompute), got attn_dropout_checkpoint={self.attn_dropout_checkpoint!r}, attention={self.attention!r}")
         factory = {"device": device, "dtype": dtype}
-        #: LayerNorm before attention
+        #: LayerNorm before attention (ln_1.weight)
         self.ln_1_weight = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
-        #: its bias
+        #: its bias (ln_1.bias)
         self.ln_1_bias = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
-        #: query, key and value projections, stacked (attn.c_attn, transposed)
+        #: query, key and value projections, stacked (attn.c_attn.weight, transposed)
         self.attn_qkv_weight = torch.nn.Parameter(torch.empty((3 * self.hidden_size, self.hidden_size), **factory))
-        #: their biases
+        #: their biases (attn.c_attn.bias)
         self.attn_qkv_bias = torch.nn.Parameter(torch.empty((3 * self.hidden_size,), **factory))
-        #: attention output projection (attn.c_proj, transposed)
+        #: attention output projection (attn.c_proj.weight, transposed)
         self.attn_proj_weight = torch.nn.Parameter(torch.empty((self.hidden_size, self.hidden_size), **factory))
-        #: its bias
+        #: its bias (attn.c_proj.bias)
         self.attn_proj_bias = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
-        #: LayerNorm before the feed-forward
+        #: LayerNorm before the feed-forward (ln_2.weight)
         self.ln_2_weight = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
-        #: its bias
+        #: its bias (ln_2.bias)
         self.ln_2_bias = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
-        #: feed-forward, first GEMM (mlp.c_fc, transposed)
+        #: feed-forward, first GEMM (mlp.c_fc.weight, transposed)
         self.mlp_fc_weight = torch.nn.Parameter(torch.empty((self.intermediate_size, self.hidden_size), **factory))
-        #: its bias (fused into the GELU)
+        #: its bias (mlp.c_fc.bias), fused into the GELU
         self.mlp_fc_bias = torch.nn.Parameter(torch.empty((self.intermediate_size,), **factory))
-        #: feed-forward, second GEMM (mlp.c_proj, transposed)
+        #: feed-forward, second GEMM (mlp.c_proj.weight, transposed)
         self.mlp_proj_weight = torch.nn.Parameter(torch.empty((self.hidden_size, self.intermediate_size), **factory))
-        #: its bias
+        #: its bias (mlp.c_proj.bias)
         self.mlp_proj_bias = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
         self.reset_parameters()
 

@@ -113,6 +113,40 @@ def test_op_pages_cite_the_design_page(site: Path) -> None:
         assert "(../design.md#reverse-mode-rules)" in source, op
 
 
+def _nav_pages(entries: object) -> list[str]:
+    """Every page path of mkdocs.yml's nav, at any depth ("title: page", a bare page, a
+    section's list)."""
+    if isinstance(entries, str):
+        return [entries]
+    if isinstance(entries, list):
+        return [page for entry in entries for page in _nav_pages(entry)]
+    if isinstance(entries, dict):
+        return [page for value in entries.values() for page in _nav_pages(value)]
+    return []
+
+
+def test_every_page_is_in_the_nav() -> None:
+    """A page under docs/ is reachable from the site's navigation: the derivation and layer
+    pages `derive` writes included. Pages are the Markdown files; docs/hooks/ is excluded from
+    the site (`exclude_docs`), and images, stylesheets and the tutorial's spec files are not
+    pages."""
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    docs = ROOT / config.get("docs_dir", "docs")
+    excluded = [line.strip().strip("/") for line in config.get("exclude_docs", "").splitlines()
+                if line.strip()]
+    pages = sorted(path.relative_to(docs).as_posix() for path in docs.rglob("*.md")
+                   if not any(path.relative_to(docs).as_posix().startswith(f"{folder}/")
+                              for folder in excluded))
+    nav = _nav_pages(config["nav"])
+    assert len(nav) == len(set(nav)), f"pages listed twice in nav: {nav}"
+    missing = [page for page in pages if page not in nav]
+    assert not missing, f"pages under docs/ that mkdocs.yml's nav leaves out: {missing}"
+    absent = [page for page in nav if not (docs / page).is_file()]
+    assert not absent, f"nav entries with no page under docs/: {absent}"
+    assert "ops/dropout_add_rmsnorm.md" in nav
+
+
 def test_hand_written_pages_are_for_users() -> None:
     pages = [*(ROOT / "docs").rglob("*.md"), ROOT / "benchmarks" / "README.md"]
     for path in pages:

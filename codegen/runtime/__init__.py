@@ -1,18 +1,36 @@
-"""The hand-written runtime that every generated module imports.
+"""The hand-written runtime of the generated modules: what they import, and what puts them in a
+user's model.
 
 A generated module holds only what is specific to its op: its kernels, their launchers, the
 autograd functions, the public API and the library registration. Everything they share lives
-here, written and tested once:
+here, written and tested once, one module each:
 
+- `amp`: torch's autocast policies, as the ops whose torch counterparts have one follow them;
+- `blocks`: what the generated layers (`derive/layers/` block specs) share: splitting and merging
+  attention heads, attention itself, the constructors' argument checks;
+- `checks`: argument checks that raise torch's kinds of errors, naming the argument;
+- `dispatch`: when a call runs torch's own expression of the op instead of the kernels (below
+  the op's measured size, under `torch.compile`, `VJPFORGE_DISPATCH`);
+- `hub`: the generated ops as layers of the `kernels` package, for transformers'
+  `kernels.kernelize` (`kernel_mapping()`);
+- `launch`: the host path shared by launchers (accumulator dtypes, row views, launch plans that
+  skip Triton's per-call binding, column sums of per-program partials);
+- `linear_loss`: a row loss of a linear layer's outputs computed chunk by chunk, so the logits
+  never exist whole (`linear_cross_entropy`);
+- `logits_route`: the training loss of masked and sequence-to-sequence LMs from the labelled
+  rows' hidden states alone, through `linear_loss` (`patch_model(model, loss=True)`);
+- `losses`: the helpers of per-row losses with a class target (torch's layout and legacy
+  arguments, target and class-weight checks, the mean over the counted rows);
+- `patch_layers`: `patch_model`'s "residual" kind: a transformer layer's residual add and the
+  norm after it fused into one add + norm call;
+- `patch_rotary`: `patch_model`'s "rotary" kind: an attention module's
+  `apply_rotary_pos_emb` computed by the generated rotary op;
+- `patching`: `patch_model()` itself: swaps a model's modules for generated ones, each swap
+  proven by behaviour on probe inputs first;
 - `schedules`: how a kernel walks its rows (persistent, looped or split rows, warps, programs),
   chosen per call shape from the op's measured table and constants; `Schedules` is the one seam
   through which tests, `benchmarks.tune` and the benchmarks change a schedule;
-- `launch`: the host path shared by launchers (accumulator dtypes, launch plans that skip
-  Triton's per-call binding, column sums of per-program partials);
-- `triton_helpers`: `@triton.jit` math helpers and their plain-torch twins;
-- `checks`: argument checks that raise torch's kinds of errors;
-- `amp`: torch's autocast policies, as the ops whose counterparts have one follow them;
-- `losses`: the helpers of per-row losses with a target.
+- `triton_helpers`: `@triton.jit` math helpers and their plain-torch twins.
 
 This package imports neither sympy nor jinja: it is what runs in a user's process.
 """

@@ -2,8 +2,10 @@
 
 Pre-LN: LayerNorm, causal self-attention, bias + dropout + residual; LayerNorm, bias + GELU
 (tanh approximation) feed-forward, bias + dropout + residual. No final LayerNorm (the model adds
-one). Parameters mirror GPT2Block's state_dict keys with `.` -> `_`, in torch.nn.Linear layout
-(out_features, in_features): GPT-2's Conv1D weights load transposed.
+one). Parameters are GPT2Block's, under names of their own: `ln_1_*` and `ln_2_*` are its
+`ln_1.*` and `ln_2.*`, `attn_qkv_*` its `attn.c_attn.*`, `attn_proj_*` its `attn.c_proj.*`,
+`mlp_fc_*` its `mlp.c_fc.*` and `mlp_proj_*` its `mlp.c_proj.*`. The GEMM weights are in
+torch.nn.Linear layout (out_features, in_features): GPT-2's Conv1D weights load transposed.
 """
 
 from __future__ import annotations
@@ -57,22 +59,24 @@ def block() -> BlockSpec:
     memory = b.derive("norm_memory", Select(invertible, "invertible", "default"),
                       "memory mode of every LayerNorm")
 
-    ln_1_w = b.param("ln_1_weight", (hidden,), ONES, "LayerNorm before attention")
-    ln_1_b = b.param("ln_1_bias", (hidden,), ZEROS, "its bias")
+    ln_1_w = b.param("ln_1_weight", (hidden,), ONES, "LayerNorm before attention (ln_1.weight)")
+    ln_1_b = b.param("ln_1_bias", (hidden,), ZEROS, "its bias (ln_1.bias)")
     qkv_w = b.param("attn_qkv_weight", (3 * hidden, hidden), normal(init_std),
-                    "query, key and value projections, stacked (attn.c_attn, transposed)")
-    qkv_b = b.param("attn_qkv_bias", (3 * hidden,), ZEROS, "their biases")
+                    "query, key and value projections, stacked (attn.c_attn.weight, "
+                    "transposed)")
+    qkv_b = b.param("attn_qkv_bias", (3 * hidden,), ZEROS, "their biases (attn.c_attn.bias)")
     proj_w = b.param("attn_proj_weight", (hidden, hidden), normal(init_std),
-                     "attention output projection (attn.c_proj, transposed)")
-    proj_b = b.param("attn_proj_bias", (hidden,), ZEROS, "its bias")
-    ln_2_w = b.param("ln_2_weight", (hidden,), ONES, "LayerNorm before the feed-forward")
-    ln_2_b = b.param("ln_2_bias", (hidden,), ZEROS, "its bias")
+                     "attention output projection (attn.c_proj.weight, transposed)")
+    proj_b = b.param("attn_proj_bias", (hidden,), ZEROS, "its bias (attn.c_proj.bias)")
+    ln_2_w = b.param("ln_2_weight", (hidden,), ONES,
+                     "LayerNorm before the feed-forward (ln_2.weight)")
+    ln_2_b = b.param("ln_2_bias", (hidden,), ZEROS, "its bias (ln_2.bias)")
     fc_w = b.param("mlp_fc_weight", (inter, hidden), normal(init_std),
-                   "feed-forward, first GEMM (mlp.c_fc, transposed)")
-    fc_b = b.param("mlp_fc_bias", (inter,), ZEROS, "its bias (fused into the GELU)")
+                   "feed-forward, first GEMM (mlp.c_fc.weight, transposed)")
+    fc_b = b.param("mlp_fc_bias", (inter,), ZEROS, "its bias (mlp.c_fc.bias), fused into the GELU")
     mlp_proj_w = b.param("mlp_proj_weight", (hidden, inter), normal(init_std),
-                         "feed-forward, second GEMM (mlp.c_proj, transposed)")
-    mlp_proj_b = b.param("mlp_proj_bias", (hidden,), ZEROS, "its bias")
+                         "feed-forward, second GEMM (mlp.c_proj.weight, transposed)")
+    mlp_proj_b = b.param("mlp_proj_bias", (hidden,), ZEROS, "its bias (mlp.c_proj.bias)")
 
     x = b.input("hidden_states", "(batch, seq, hidden_size)")
     mask = b.input("attention_mask",
