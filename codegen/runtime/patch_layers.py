@@ -576,8 +576,15 @@ def _fusion(planner, rules, family, replacement):
     chosen = [(option, value) for option, value in offsets.items()
               if option in tried and value != tried[option]
               and option not in {o for r in norm_rules for _, _, o in r.params}]
-    params = {rule.params for rule in norm_rules}
-    matching = [r for r in rules if r.params in params]
+
+    # the op's parameters as the norm's, but for an offset at 0, which the norm computes
+    # without (a LayerNorm's, tried since its rule has one, where add_layer_norm takes none)
+    def used(rule_params):
+        return tuple((name, flag, offset if offset and offsets.get(offset, 0.0) != 0.0 else None)
+                     for name, flag, offset in rule_params)
+
+    params = {used(rule.params) for rule in norm_rules}
+    matching = [r for r in rules if used(r.params) in params]
     if not matching:
         return None, (f"no add + norm op takes the parameters of its norm's "
                       f"{type(replacement).__name__}")
