@@ -124,13 +124,46 @@ def test_a_weightless_norm_of_any_width(torch_path):
 
 
 def test_an_unused_dummy_buffer_weight_is_left_out(torch_path):
-    # FalconMamba's weightless norm keeps a ones buffer it never reads (non-persistent)
+    # FalconMamba's weightless norm keeps a ones buffer it never reads (non-persistent), of the
+    # mixer's width, and normalises dt (of another width) with it: without the dummy it fixes
+    # no width, and what stands in takes any width too
     original = hf("falcon_mamba", "FalconMambaWeightlessRMSNorm", H)
     report, new = swap_one(copy.deepcopy(original))
-    assert isinstance(new, rmsnorm.RMSNorm) and new.weight is None, report
-    assert report.swapped[0].new == "RMSNorm(elementwise_affine=False)"
+    assert isinstance(new, patching.LastDimNorm), report
+    assert report.swapped == [("0", "FalconMambaWeightlessRMSNorm", "LastDimNorm(rms_norm)")]
     assert new.state_dict().keys() == original.state_dict().keys() == set()
-    assert_same_outputs(original, new)
+    for width in (4, 16, H, 100):
+        assert_same_outputs(original, new, shape=(3, 2, width))
+
+
+class OneWidthRMSNorm(torch.nn.Module):
+    """A weightless RMS norm with an unused dummy weight, whose forward takes the dummy's width
+    alone."""
+
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(width), persistent=False)
+
+    def forward(self, x):
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"width {x.shape[-1]}, not {self.weight.shape[0]}")
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def test_a_weightless_norm_is_proven_at_another_width(torch_path):
+    """A norm that fixes no width stands in at any width: it is proven at a second width,
+    where a module that takes one width alone raises, and is left in place with the reason."""
+    module = OneWidthRMSNorm(H)
+    report, new = swap_one(module)
+    assert new is module and report == {}
+    [(name, old, reason)] = report.skipped
+    assert (name, old) == ("0", "OneWidthRMSNorm")
+    # with the dummy weight, perturbed: it differs
+    assert reason.startswith("RMSNorm(weight buffer) differs by "), reason
+    assert reason.endswith("; LastDimNorm(rms_norm) cannot be proven at another width: its "
+                           "forward raised on the probe input of width 40: ValueError: width "
+                           "40, not 64"), reason
 
 
 def test_a_weightless_gemma3n_norm(torch_path):
@@ -255,6 +288,35 @@ def test_include_and_exclude(torch_path):
     with pytest.raises(ValueError, match="argument 'memory' must be None or one of 'default', "
                                          "'recompute_mean', 'invertible', got 'fast'"):
         patch_model(model(), memory="fast")
+
+
+def test_unknown_names_in_include_and_exclude_raise(torch_path):
+    """A name that is no kind and matches the class name of no module of the model (a
+    misspelt kind or class) would select nothing: it raises, naming the argument, the names
+    and the kinds, before anything is probed or swapped."""
+    def model():
+        return torch.nn.Sequential(torch.nn.LayerNorm(H), torch.nn.RMSNorm(H), ErfGELU())
+
+    kinds = "norm, activation, mlp, residual, rotary, loss"
+    with pytest.raises(ValueError, match=f"argument 'include' names 'norms', which is no kind "
+                                         rf"\({kinds}\) and matches the class name of no "
+                                         "module of the model nor the name of its loss"):
+        patch_model(model(), include="norms")
+    module = model()
+    norm = module[0]
+    with pytest.raises(ValueError, match="argument 'exclude' names 'LayerNrom', 'Llama\\*', "
+                                         "which are no kind"):
+        patch_model(module, exclude=["norm", "LayerNrom", "Llama*", "RMS*"])
+    assert module[0] is norm, "nothing is swapped"
+    # a kind, a class name or a pattern matching one of the model's modules (the model's own
+    # class too, a container's: it names no candidate, but the model has it) is known
+    assert patch_model(model(), include=["norm", "Sequential"]) == {"LayerNorm": 1,
+                                                                     "RMSNorm": 1}
+    assert patch_model(model(), exclude=["Erf*", "LayerNorm"]) == {"RMSNorm": 1}
+    assert patch_model(model(), include="loss", exclude="rotary") == {}
+    # the names of a loss: known where the model has that loss
+    with pytest.raises(ValueError, match="names 'ForCausalLMLoss'"):
+        patch_model(model(), exclude="ForCausalLMLoss")
 
 
 class WatchfulRMSNorm(torch.nn.Module):

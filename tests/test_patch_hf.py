@@ -13,7 +13,7 @@ import transformers  # a declared test dependency (the `test` extra): import, ne
 from reference import pickled, randn
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from codegen.runtime import patch_rotary, patching
+from codegen.runtime import logits_route, patch_rotary, patching
 from generated import cross_entropy
 from generated import rotary as rotary_module
 from generated.patch import patch_model
@@ -87,12 +87,13 @@ class ExactRMSNorm(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, offset: float):
         super().__init__()
-        self.weight, self.eps, self.offset = module.weight, module.variance_epsilon \
-            if hasattr(module, "variance_epsilon") else module.eps, offset
+        # a weight that is a Parameter: FalconMamba's weightless norm holds a dummy buffer
+        self.weight, self.eps, self.offset = module._parameters.get("weight"), \
+            module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * rstd * (self.offset + self.weight)
+        return x * rstd if self.weight is None else x * rstd * (self.offset + self.weight)
 
 
 def upcasts(module: torch.nn.Module) -> bool:
@@ -207,6 +208,38 @@ def test_bfloat16_family_within_twice_hfs_own_error(kind):
         error = float((got_grads[name].double() - exact_grad).abs().max())
         their = float((hf_grads[name].double() - exact_grad).abs().max())
         assert error <= 2 * their + 4 * eps * scale, (name, error, their, scale)
+
+
+def test_falcon_mamba_weightless_norms_take_every_width():
+    """FalconMamba's mixer normalises dt, B and C by weightless norms that hold a dummy ones
+    buffer of the mixer's width, dt being of another (time_step_rank): they stand in whatever
+    the width, and the patched model gives the unpatched one's hidden states and gradients."""
+    torch.manual_seed(0)
+    config = transformers.FalconMambaConfig(hidden_size=32, state_size=8, num_hidden_layers=2,
+                                            expand=2, conv_kernel=4, time_step_rank=4,
+                                            vocab_size=VOCAB)
+    original = transformers.FalconMambaModel(config).double().train()
+    # the dummy is of the mixer's width (expand * hidden_size), dt of time_step_rank
+    assert original.layers[0].mixer.dt_layernorm.weight.shape == (64,)
+    patched = copy.deepcopy(original)
+    report = patch_model(patched)
+    assert report == {"FalconMambaRMSNorm": 3, "FalconMambaWeightlessRMSNorm": 6}
+    assert report.skipped == []
+    assert {s.new for s in report.swapped if s.old == "FalconMambaWeightlessRMSNorm"} == {
+        "LastDimNorm(rms_norm)"}
+    assert list(patched.state_dict()) == list(original.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    # HF's own model agrees with the exact one to its fp32 upcast, no better
+    hf_loss, _ = hidden_loss_and_grads(original, tokens)
+    original = exact_reference(original)
+    loss, grads = hidden_loss_and_grads(original, tokens)
+    torch.testing.assert_close(hf_loss, loss, rtol=1e-5, atol=1e-5)
+    patched_loss, patched_grads = hidden_loss_and_grads(patched, tokens)
+    torch.testing.assert_close(patched_loss, loss, rtol=1e-10, atol=1e-10)
+    assert patched_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 #: what computes each attention's rotary embedding: Phi-3's function rotates only the tables'
@@ -356,7 +389,8 @@ def lm_outputs(model, tokens, labels, **kwargs):
     out = model(input_ids=tokens, labels=labels, **kwargs)
     out.loss.backward()
     logits = out.logits.detach() if out.logits is not None else None
-    return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}  # (a vision tower without images)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -397,6 +431,11 @@ def test_loss_only_when_asked_and_only_a_causal_one():
     assert "ForCausalLMLoss" not in patch_model(copy.deepcopy(model))
     assert patch_model(copy.deepcopy(model), include="loss") == {"ForCausalLMLoss": 1}
     assert patch_model(copy.deepcopy(model), loss=True, exclude="loss")["LlamaMLP"] == 2
+    # named by its function's name, before and after it is swapped (a name no module nor loss
+    # of the model has raises: test_patch.py)
+    patched = copy.deepcopy(model)
+    assert patch_model(patched, include="ForCausalLM*") == {"ForCausalLMLoss": 1}
+    assert patch_model(patched, include="loss", exclude="ForCausalLMLoss") == {}
     # a loss computed otherwise (no shift: a masked LM's) is left, with the reason
     model.loss_function = ForMaskedLMLoss
     report = patch_model(model, include="loss")
@@ -404,3 +443,153 @@ def test_loss_only_when_asked_and_only_a_causal_one():
     [(name, kind, reason)] = report.skipped
     assert (name, kind) == ("loss_function", "ForMaskedLMLoss")
     assert reason.startswith("causal_lm_loss differs by "), reason
+
+
+IMAGE_TOKEN = VOCAB - 1
+
+
+def tiny_multimodal(kind: str) -> torch.nn.Module:
+    """A LLaVA (a tiny CLIP vision tower, a tiny Llama) or a PaliGemma (SigLIP, Gemma 2, whose
+    text config caps the logits): its vocabulary is its text_config's vocab_size; an 8 x 8
+    image is 4 patches, 4 image tokens."""
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    if kind == "llava":
+        text = transformers.LlamaConfig(**sizes, num_key_value_heads=2, head_dim=16,
+                                        intermediate_size=64, vocab_size=VOCAB)
+        vision = transformers.CLIPVisionConfig(**sizes, intermediate_size=64, image_size=8,
+                                               patch_size=4)
+        config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                          image_token_id=IMAGE_TOKEN,
+                                          projector_hidden_act="gelu")
+        model = transformers.LlavaForConditionalGeneration(config)
+    else:
+        text = transformers.Gemma2Config(**sizes, num_key_value_heads=2, head_dim=16,
+                                         intermediate_size=64, vocab_size=VOCAB,
+                                         final_logit_softcapping=3.0)
+        vision = transformers.SiglipVisionConfig(**sizes, intermediate_size=64, image_size=8,
+                                                 patch_size=4)
+        config = transformers.PaliGemmaConfig(vision_config=vision, text_config=text,
+                                              image_token_id=IMAGE_TOKEN, projection_dim=32)
+        model = transformers.PaliGemmaForConditionalGeneration(config)
+    # the text config's: LLaVA's config has no vocab_size, PaliGemma's another (its default)
+    assert getattr(config, "vocab_size", None) != VOCAB
+    assert not hasattr(config, "final_logit_softcapping")
+    return model.double()
+
+
+@pytest.mark.parametrize("kind", ["llava", "paligemma"])
+def test_a_multimodal_models_loss_is_routed_from_the_hidden_states(kind):
+    """A multimodal model's vocabulary is in its text config (`get_text_config()`), and so is
+    PaliGemma's cap of the logits: its causal-LM loss is routed from the hidden states (the
+    text config's cap set aside and taken by the loss), and the probe proves it; with and
+    without an image, the loss and every gradient are the model's."""
+    original = without_dropout(tiny_multimodal(kind).train())
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="loss")
+    assert report.swapped == [("loss_function", "ForCausalLMLoss",
+                               "linear_cross_entropy(hidden states, lm_head)")]
+    assert report.skipped == []
+    route = patched.loss_function.__self__
+    assert route.cap == (3.0 if kind == "paligemma" else None)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, IMAGE_TOKEN, (2, 9), generator=generator)
+    labels = tokens.masked_fill(torch.rand(tokens.shape, generator=generator) < 0.3, -100)
+    with_image = tokens.clone()
+    with_image[:, 1:5] = IMAGE_TOKEN
+    images = {"pixel_values": randn((2, 3, 8, 8), seed=3, dtype=torch.float64)}
+    for inputs, kwargs in ((tokens, {}), (tokens, {"num_items_in_batch": torch.tensor(11)}),
+                           (with_image, images)):
+        targets = labels.masked_fill(inputs == IMAGE_TOKEN, -100)
+        loss, _, grads = lm_outputs(original, inputs, targets, **kwargs)
+        patched_loss, patched_logits, patched_grads = lm_outputs(patched, inputs, targets,
+                                                                 **kwargs)
+        assert patched_logits is None  # never computed whole
+        # the model's loss rounds its logits to float32: so far the same, no further
+        torch.testing.assert_close(patched_loss, loss, rtol=1e-6, atol=0)
+        # the vision tower's too, with an image
+        assert patched_grads.keys() == grads.keys()
+        assert any(name.startswith("model.vision_tower.") for name in grads) == bool(kwargs
+                                                                                    is images)
+        for name in grads:
+            torch.testing.assert_close(patched_grads[name], grads[name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+    if kind == "paligemma":  # set back after each forward
+        assert patched.config.text_config.final_logit_softcapping == 3.0
+
+
+def tiny_masked_lm(kind: str, **extra) -> torch.nn.Module:
+    """A ModernBERT or EuroBERT masked LM, float64: its forward takes the loss through
+    `self.loss_function`, transformers' ForMaskedLMLoss."""
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, mask_token_id=3)
+    if kind == "eurobert":
+        config = transformers.EuroBertConfig(**sizes, num_key_value_heads=2, **extra)
+        return transformers.EuroBertForMaskedLM(config).double()
+    config = transformers.ModernBertConfig(**sizes, cls_token_id=1, sep_token_id=2, **extra)
+    return transformers.ModernBertForMaskedLM(config).double()
+
+
+def exact_masked_lm_loss(logits, labels, vocab_size, num_items_in_batch=None,
+                         ignore_index=-100, **kwargs):
+    """transformers' ForMaskedLMLoss without its cast of the logits to float32."""
+    return torch.nn.functional.cross_entropy(logits.view(-1, vocab_size), labels.view(-1),
+                                             ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize(("kind", "extra"), [
+    ("modernbert", {}),
+    # the head and the loss take the labelled rows alone, which the forward picks itself
+    ("modernbert", {"sparse_prediction": True}),
+    ("eurobert", {})], ids=["modernbert", "modernbert-sparse", "eurobert"])
+def test_a_masked_lm_whose_loss_function_takes_the_loss_is_routed(kind, extra):
+    """ModernBERT's and EuroBERT's masked LMs take their loss through `self.loss_function`
+    (transformers' ForMaskedLMLoss, whose `logits.float()` stays a stand-in): routed from the
+    labelled rows' hidden states, the loss and gradients are the model's (whose float32 logits
+    round them), and those of the model computing in float64 throughout."""
+    original = tiny_masked_lm(kind, **extra).train()
+    patched = copy.deepcopy(original)
+    report = patch_model(patched, include="loss")
+    assert report.swapped == [("forward", "ForMaskedLMLoss", "linear_cross_entropy(labelled "
+                               "rows' hidden states, output embeddings)")]
+    assert report.skipped == []
+    # selected by its loss function's name too
+    assert patch_model(copy.deepcopy(original), include="loss",
+                       exclude="ForMaskedLMLoss").swapped == []
+    exact = copy.deepcopy(original)
+    exact.loss_function = exact_masked_lm_loss
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(4, VOCAB, (2, 9), generator=generator)
+    labels = tokens.masked_fill(torch.rand(tokens.shape, generator=generator) < 0.6, -100)
+    loss, _, grads = lm_outputs(original, tokens, labels)
+    want, _, want_grads = lm_outputs(exact, tokens, labels)
+    real = logits_route.LazyLogits.real
+    calls = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(logits_route.LazyLogits, "real",
+                            lambda self: calls.append(1) or real(self))
+        output = patched(input_ids=tokens, labels=labels)
+    assert calls == [] and type(output.logits) is logits_route.LazyLogits
+    patched.zero_grad()
+    output.loss.backward()
+    got = output.loss.detach()
+    got_grads = {n: p.grad.clone() for n, p in patched.named_parameters()}
+    assert got.dtype == torch.float32 == loss.dtype  # as ForMaskedLMLoss returns it
+    torch.testing.assert_close(got, loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=0)  # float32's rounding
+    assert got_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(got_grads[name], grads[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    # eval mode: the model's own forward and loss
+    for model in (original, patched):
+        model.eval()
+    with torch.no_grad():
+        want_eval = original(input_ids=tokens, labels=labels)
+        got_eval = patched(input_ids=tokens, labels=labels)
+    assert type(got_eval.logits) is torch.Tensor
+    assert torch.equal(got_eval.loss, want_eval.loss)

@@ -571,14 +571,18 @@ class CausalLMRoute:
     `fallback` from the logits.
 
     A model whose config sets `final_logit_softcapping` (Gemma 2's and 3's: the forward caps
-    the logits, cap·tanh(logits / cap), between lm_head and the loss) runs the routed forward
-    with the config's cap set aside, and the cap passes to `linear` as its `softcap`."""
+    the logits, cap·tanh(logits / cap), between lm_head and the loss; a multimodal model's text
+    config, Gemma 3n's) runs the routed forward with the config's cap set aside, and the cap
+    passes to `linear` as its `softcap`."""
 
     def __init__(self, model, linear, fallback):
         self.model, self.linear, self.fallback = model, linear, fallback
         self.forward = model.forward
         self.head = model.get_output_embeddings()
-        self.cap = _softcap(model)
+        #: the name of the loss function replaced (`patch_model`'s include and exclude take it)
+        original = getattr(model, "loss_function", None)
+        self.replaces = getattr(original, "__name__", type(original).__name__)
+        self.capped, self.cap = _softcap(model)
         names = [p.name for p in inspect.signature(self.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.labels_at = names.index("labels") if "labels" in names else None
@@ -606,9 +610,8 @@ class CausalLMRoute:
 
         self.calls.append(call)
         head.forward = capture
-        config = self.model.config
         if self.cap is not None:  # the loss caps instead (class doc)
-            config.final_logit_softcapping = None
+            self.capped.final_logit_softcapping = None
         try:
             output = self.forward(*args, **kwargs)
         finally:
@@ -617,7 +620,7 @@ class CausalLMRoute:
             else:
                 head.forward = own
             if self.cap is not None:
-                config.final_logit_softcapping = self.cap
+                self.capped.final_logit_softcapping = self.cap
             self.calls.pop()
         if call.placeholder is None:  # lm_head not called: nothing was computed in its place
             return output
@@ -653,10 +656,40 @@ class CausalLMRoute:
         return loss / num_items_in_batch
 
 
+def text_config(model):
+    """The config of `model`'s text output: transformers' `get_text_config(decoder=True)`
+    where the config has one (a multimodal model's `text_config`, LLaVA's, Qwen2-VL's; most
+    models' own config), else the model's config (None where it has none)."""
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    if callable(get):
+        try:
+            text = get(decoder=True)
+        except Exception:  # noqa: BLE001 (several text configs: none is the one)
+            text = None
+        if text is not None:
+            return text
+    return config
+
+
+def vocab_size(model):
+    """The vocabulary of `model`'s logits as its config says: its text config's
+    `vocab_size` (`text_config`), else its own config's, or None."""
+    for config in (text_config(model), getattr(model, "config", None)):
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is not None:
+            return vocab
+    return None
+
+
 def _softcap(model):
-    """The cap a model's forward puts on its logits before the loss (its config's
-    `final_logit_softcapping`), or None."""
-    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    """The config whose `final_logit_softcapping` caps a model's logits before the loss (the
+    model's own where it has that setting, Gemma 2's; else its text config, Gemma 3n's and
+    Gemma 4's multimodal models'), and that cap or None."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "final_logit_softcapping"):
+        config = text_config(model)
+    return config, getattr(config, "final_logit_softcapping", None)
 
 
 def _without(output, placeholder):
@@ -714,12 +747,12 @@ def route_problem(model, linear, fallback, dtype, device) -> str | None:
     if problem is not None:
         return problem
     head = model.get_output_embeddings()
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
+    # a multimodal model's vocabulary is its text config's (LLaVA's `text_config.vocab_size`)
+    vocab = vocab_size(model)
     if vocab != head.out_features:
         return (f"its lm_head has {head.out_features} outputs, its config's vocab_size is "
                 f"{vocab}")
-    cap = _softcap(model)
+    _, cap = _softcap(model)
     if cap is not None and "softcap" not in inspect.signature(linear).parameters:
         return (f"its forward caps the logits (final_logit_softcapping = {cap}) between lm_head "
                 "and the loss, and the loss takes no softcap")

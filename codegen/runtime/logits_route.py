@@ -14,7 +14,9 @@ embeddings returning `LazyLogits` in place of the logits: a tensor of their shap
 holds no memory (every stride 0) and records the hidden states it stands for. Reshaping it
 gives another stand-in; `torch.nn.functional.cross_entropy` of it (which
 `torch.nn.CrossEntropyLoss` calls) is computed by the linear loss from the hidden states of the
-rows whose target is not `ignore_index`; any other use computes the real logits first (one
+rows whose target is not `ignore_index`; casting it to float32 (transformers' `ForMaskedLMLoss`,
+which ModernBERT's masked LM takes its loss by, starts with `logits.float()`) gives a stand-in
+whose loss is returned in float32. Any other use computes the real logits first (one
 matrix product, as the head would have) and applies to them, so nothing is ever wrong, only
 slower. The output's `logits` is that stand-in. Any other call (no labels, eval mode, under
 torch.compile) is the model's own. The probe refuses a model whose loss does not go through the
@@ -33,6 +35,11 @@ from codegen.runtime import linear_loss
 #: reshaping methods whose result is another stand-in (the rows keep their order)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten,
              torch.Tensor.contiguous, torch.reshape, torch.flatten}
+#: dtype casts whose result is another stand-in where they cast to float32 or to the
+#: stand-in's own dtype (transformers' `ForMaskedLMLoss` takes `logits.float()`): its loss is
+#: computed from the hidden states as before (in float32, or float64 from float64 ones) and
+#: returned in that dtype
+_CASTS = {torch.Tensor.float, torch.Tensor.to}
 #: a probe's tokens and the flat positions left unlabelled
 PROBE_TOKENS = (2, 6)
 PROBE_UNLABELLED = (0, 2, 3, 7, 8, 11)
@@ -49,15 +56,15 @@ class LazyLogits(torch.Tensor):
         stand_in.linear, stand_in.route = linear, route
         return stand_in
 
-    def like(self, shape) -> LazyLogits:
-        """The same logits, reshaped."""
-        return LazyLogits(self.hidden, self.weight, self.bias, self.linear, shape, self.dtype,
-                          self.route)
+    def like(self, shape, dtype=None) -> LazyLogits:
+        """The same logits, reshaped (and cast to `dtype`)."""
+        return LazyLogits(self.hidden, self.weight, self.bias, self.linear, shape,
+                          self.dtype if dtype is None else dtype, self.route)
 
     def real(self) -> torch.Tensor:
-        """The logits themselves, in this stand-in's shape."""
+        """The logits themselves, in this stand-in's shape and dtype."""
         logits = torch.nn.functional.linear(self.hidden, self.weight, self.bias)
-        return logits.reshape(self.shape)
+        return logits.reshape(self.shape).to(self.dtype)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -74,6 +81,10 @@ class LazyLogits(torch.Tensor):
                 shape = func(torch.empty(first.shape, device="meta"), *args[1:], **kwargs).shape
             if shape and shape[-1] == first.shape[-1]:
                 return first.like(shape)
+        if func in _CASTS and isinstance(first, LazyLogits):
+            dtype = _cast(func, first, args[1:], kwargs)
+            if dtype is not None:
+                return first.like(first.shape, dtype)
         if func is torch.nn.functional.cross_entropy and isinstance(first, LazyLogits):
             loss = _routed_loss(*args, **kwargs)
             if loss is not None:
@@ -91,6 +102,26 @@ class LazyLogits(torch.Tensor):
         return func(*real(args), **{k: real(v) for k, v in kwargs.items()})
 
 
+def _cast(func, stand_in, args, kwargs):
+    """The dtype a cast of `stand_in` (`func(stand_in, *args, **kwargs)`, one of `_CASTS`)
+    gives where it is a stand-in too (to float32, or to its own dtype, on its device, nothing
+    else asked), else None."""
+    if func is torch.Tensor.float:
+        dtype = torch.float32 if not args and not kwargs else None
+    else:
+        options = dict(kwargs)
+        if args and isinstance(args[0], torch.dtype) and len(args) == 1:
+            options.setdefault("dtype", args[0])
+        elif args:
+            return None
+        dtype = options.pop("dtype", None)
+        if options or not isinstance(dtype, torch.dtype):
+            return None
+    if dtype in (torch.float32, stand_in.dtype):
+        return dtype
+    return None
+
+
 def _routed_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean", label_smoothing=0.0):
     """cross_entropy(input, target, ...) of a stand-in from its hidden states, or None where
@@ -105,6 +136,11 @@ def _routed_loss(input, target, weight=None, size_average=None, ignore_index=-10
     target = target.to(hidden.device)
     options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing,
                "class_weight": weight, "reduction": reduction}
+    if input.dtype != torch.result_type(input.hidden, input.weight):
+        # cast (`_CASTS`): the loss in that dtype, computed from the hidden states as before
+        if "out_dtype" not in inspect.signature(linear).parameters:
+            return None
+        options["out_dtype"] = input.dtype
     if reduction in ("mean", "sum"):
         # the labelled rows alone: an ignored row adds nothing to the loss nor to a gradient,
         # and a mean divides by the labelled rows (their weights) either way

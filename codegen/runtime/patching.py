@@ -243,6 +243,7 @@ def patch_model(model, rules: tuple[Rule, ...], *, include=None, exclude=None, l
         raise ValueError(f"patch_model(): argument 'memory' must be None or one of "
                          f"{', '.join(map(repr, modes))}, got {memory!r}")
     selection = _Selection(include, exclude, loss)
+    selection.check(model, rules)
     planner = _Planner(model, rules, selection, strict, memory, bitwise)
     planner.visit(model, "")
     planner.visit_losses(model)
@@ -256,6 +257,8 @@ class _Selection:
     def __init__(self, include, exclude, loss):
         self.include = _names("include", include)
         self.exclude = _names("exclude", exclude) or ()
+        #: the names the caller gave, by argument (`check`)
+        self.given = {"include": self.include or (), "exclude": self.exclude}
         if self.include is None:
             self.include = DEFAULT_KINDS
         if loss:
@@ -264,6 +267,31 @@ class _Selection:
     def allows(self, kind: str, class_name: str) -> bool:
         return _named(kind, class_name, self.include) and not _named(kind, class_name,
                                                                      self.exclude)
+
+    def check(self, model, rules) -> None:
+        """Raise ValueError for a name given in `include` or `exclude` that is no kind and
+        matches no name a candidate of `model` could have: the class name of one of its
+        modules (the model's own included), or the name of one of its losses
+        (`_loss_names`). Such a name selects nothing: a misspelt kind or class name would
+        otherwise leave the swaps it meant to select or keep silently undone."""
+        known: set[str] | None = None
+        for argument, names in self.given.items():
+            patterns = [name for name in dict.fromkeys(names) if name not in KINDS]
+            if not patterns:
+                continue
+            if known is None:  # walked once, and only where a name needs it
+                known = {type(module).__name__ for module in model.modules()}
+                known |= _loss_names(model, rules)
+            unknown = [name for name in patterns
+                       if not any(fnmatch.fnmatchcase(k, name) for k in known)]
+            if unknown:
+                raise ValueError(
+                    f"patch_model(): argument '{argument}' names "
+                    f"{', '.join(map(repr, unknown))}, which "
+                    + ("is" if len(unknown) == 1 else "are")
+                    + f" no kind ({', '.join(KINDS)}) and match"
+                    + ("es" if len(unknown) == 1 else "")
+                    + " the class name of no module of the model nor the name of its loss")
 
 
 def _names(argument: str, value) -> tuple[str, ...] | None:
@@ -458,15 +486,14 @@ class _Planner:
         rules = [r for r in self.rules if r.kind == "loss"]
         for prefix, module in model.named_modules():
             matching = [r for r in rules if fnmatch.fnmatchcase(type(module).__name__, r.pattern)]
-            if matching and not _calls_loss_function(module):
-                self.visit_logits_loss(module, prefix, matching)
+            route, old = _loss_route(module) if matching else (None, None)
+            if route == "logits":
+                self.visit_logits_loss(module, prefix, matching, old)
                 continue
-            if not matching or not isinstance(getattr(type(module), "loss_function", None),
-                                              property):
+            if route is None:
                 continue
             name = f"{prefix}.loss_function" if prefix else "loss_function"
             original = module.loss_function
-            old = getattr(original, "__name__", type(original).__name__)
             if (isinstance(original, functools.partial) and original.func is causal_lm_loss) \
                     or linear_loss.is_route(original) or not self.selection.allows("loss", old):
                 continue
@@ -474,6 +501,7 @@ class _Planner:
             problems = []
             for rule in matching:
                 candidate = functools.partial(causal_lm_loss, rule.function)
+                candidate.replaces = old  # its name in a later call's include and exclude
                 problem = _loss_difference(original, candidate, dtype, device)
                 if problem is None:
                     # the training loss from the hidden states where the forward's structure
@@ -497,13 +525,13 @@ class _Planner:
                 self.skip(module, name, "; ".join(dict.fromkeys(problems)), old)
 
 
-    def visit_logits_loss(self, module, prefix, rules):
+    def visit_logits_loss(self, module, prefix, rules, old="CrossEntropyLoss"):
         """Plan the loss swap of a model whose forward takes the cross-entropy of its logits
-        itself (a masked LM's): the training loss from the labelled rows' hidden states
-        (codegen/runtime/logits_route.py)."""
+        itself (a masked LM's), or through a `loss_function` that does (ModernBERT's
+        `ForMaskedLMLoss`; `old`, its name): the training loss from the labelled rows' hidden
+        states (codegen/runtime/logits_route.py)."""
         name = f"{prefix}.forward" if prefix else "forward"
-        if logits_route.is_route(module.forward) or not self.selection.allows(
-                "loss", "CrossEntropyLoss"):
+        if logits_route.is_route(module.forward) or not self.selection.allows("loss", old):
             return
         dtype, device = _placement(module, self.default)
         problems = []
@@ -513,12 +541,12 @@ class _Planner:
             if problem is None:
                 self.losses.append((module, functools.partial(logits_route.install,
                                                               linear=linear)))
-                self.swapped.append(Swap(name, "CrossEntropyLoss", f"{linear.__name__}("
+                self.swapped.append(Swap(name, old, f"{linear.__name__}("
                                          "labelled rows' hidden states, output embeddings)"))
                 return
             problems.append(problem)
         self.skip(module, name, "its training loss stays the logits': "
-                  + "; ".join(dict.fromkeys(problems)), "CrossEntropyLoss")
+                  + "; ".join(dict.fromkeys(problems)), old)
 
 
 def _calls_loss_function(module) -> bool:
@@ -526,6 +554,50 @@ def _calls_loss_function(module) -> bool:
     (transformers' causal LMs) rather than by itself."""
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
     return code is None or "loss_function" in code.co_names
+
+
+#: transformers' loss type (`model.loss_type`, from the class name) of a masked LM: its
+#: `loss_function` takes the cross-entropy of the logits at every labelled position, unshifted
+MASKED_LOSS_TYPE = "ForMaskedLM"
+
+
+def _loss_route(module) -> tuple[str | None, str | None]:
+    """How the loss of `module` (a candidate of a loss rule) is routed, and its name (what
+    `include` and `exclude` select it by): "logits" for a forward that takes the cross-entropy
+    of the logits itself ("CrossEntropyLoss"), or through the `loss_function` of a masked LM
+    (transformers' `ForMaskedLMLoss`, ModernBERT's: its name), the labelled rows' loss then
+    routed as the forward's own (`_Planner.visit_logits_loss`); "function" for the
+    `loss_function` of a causal LM (`ForCausalLMLoss`); (None, None) for neither."""
+    if not _calls_loss_function(module):
+        return "logits", "CrossEntropyLoss"
+    if not isinstance(getattr(type(module), "loss_function", None), property):
+        return None, None
+    name = _loss_name(module.loss_function)
+    if getattr(module, "loss_type", None) == MASKED_LOSS_TYPE:
+        return "logits", name
+    return "function", name
+
+
+def _loss_name(function) -> str:
+    """The name of a loss function: its own, or for one a loss swap set, the name of the one
+    it replaced."""
+    if linear_loss.is_route(function):
+        return getattr(function.__self__, "replaces", "ForCausalLMLoss")
+    replaced = getattr(function, "replaces", None)  # a causal_lm_loss `_set_loss` set
+    if isinstance(replaced, str):
+        return replaced
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def _loss_names(model, rules) -> set[str]:
+    """The names of the losses of `model` and its submodules that a loss rule may swap (or
+    swapped): what `include` and `exclude` may name them by."""
+    patterns = [r.pattern for r in rules if r.kind == "loss"]
+    names = set()
+    for module in model.modules():
+        if any(fnmatch.fnmatchcase(type(module).__name__, p) for p in patterns):
+            names.add(_loss_route(module)[1])
+    return names - {None}
 
 
 _META = "it is on the meta device, where its outputs cannot be compared"
@@ -566,6 +638,8 @@ class _Candidate:
 
     label: str
     build: Callable[[torch.nn.Module], torch.nn.Module]
+    #: it fixes no width (a LastDimNorm): proven at a second width too (`_prove`)
+    any_width: bool = False
 
 
 def hub_layer(module):
@@ -645,13 +719,15 @@ def _norm_candidates(rule: Rule, module, memory):
     if extra:
         return [], (f"it holds tensors no {rule.module.__name__} holds: {', '.join(extra)}"), None
     found = [n for n in names if n in own]
-    shape = getattr(module, "normalized_shape", None)
-    if isinstance(shape, int):
-        shape = (shape,)
-    elif isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(s, int) for s in shape):
-        shape = tuple(shape)
+    fixed = getattr(module, "normalized_shape", None)
+    if isinstance(fixed, int):
+        fixed = (fixed,)
+    elif isinstance(fixed, (tuple, list, torch.Size)) and all(isinstance(s, int) for s in fixed):
+        fixed = tuple(fixed)
     else:
-        shape = tuple(own[found[0]].shape) if found else None
+        fixed = None
+    # the width the probe takes: the module's normalized_shape, else its first tensor's
+    shape = fixed or (tuple(own[found[0]].shape) if found else None)
     eps_values = next(([getattr(module, n)] for n in EPS_NAMES if hasattr(module, n)), None)
     eps_searched = eps_values is None
     if eps_searched:
@@ -663,6 +739,11 @@ def _norm_candidates(rule: Rule, module, memory):
         carries.append([n for n in found if n not in dummies])
     candidates = []
     for carried in carries:
+        # without its normalized_shape, a norm fixes the width of the tensors it carries; one
+        # that carries none (a dummy left out: FalconMamba's weightless norm, whose ones
+        # buffer is of the mixer's width where its forward normalises dt, B and C of other
+        # widths) fixes none, and stands in whatever the input's width (LastDimNorm)
+        width = fixed or (tuple(own[carried[0]].shape) if carried else None)
         offsets_absent = {offset for name, _, offset in rule.params
                           if offset and name not in carried}
         # without its parameter an offset changes nothing: one value is enough
@@ -672,10 +753,10 @@ def _norm_candidates(rule: Rule, module, memory):
         for options, eps in itertools.product(itertools.product(*grid), eps_values):
             options = dict(options)
             label = _norm_label(rule, module, carried, options, eps if eps_searched else None,
-                                shape)
-            build = functools.partial(_build_norm, rule, tuple(carried), options, eps, shape,
+                                width)
+            build = functools.partial(_build_norm, rule, tuple(carried), options, eps, width,
                                       memory)
-            candidates.append(_Candidate(label, build))
+            candidates.append(_Candidate(label, build, any_width=width is None))
     return candidates, None, shape
 
 
@@ -876,12 +957,13 @@ def _prove(module, candidates, tail, scales, dtype, device, evaluate=False, bitw
     and why each failed. With `bitwise`, a later candidate that gives the module's outputs bit
     for bit wins over an earlier close one: a bfloat16 LlamaRMSNorm is within tolerance of
     RMSNorm's default casting_mode, but only casting_mode="llama" rounds as it does.
-    `evaluate`: the copies probed (and the candidates built from them) are in eval mode."""
+    `evaluate`: the copies probed (and the candidates built from them) are in eval mode.
+    A candidate that fixes no width (`_Candidate.any_width`) must match at a second width too
+    (`_other_width`), where the module must run as well: it stands in at any width."""
     with _probing(device):
-        x = _probe_input(tail, scales, dtype, device)
         perturb = any(t.is_floating_point() for t in itertools.chain(module.parameters(),
                                                                      module.buffers()))
-        twins, references = [], []
+        twins = []
         for noise, note in ((None, ""), (_Noise(), " with perturbed parameters"))[:1 + perturb]:
             try:
                 twin = _twin(module, noise, {})
@@ -889,24 +971,52 @@ def _prove(module, candidates, tail, scales, dtype, device, evaluate=False, bitw
                     twin.eval()  # the copies' own training flags: the module keeps its
             except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
                 return None, f"it cannot be copied to be probed{note}: {_error(error)}"
-            try:
-                references.append(twin(x))
-            except Exception as error:  # noqa: BLE001
-                return None, f"its forward raised on the probe input{note}: {_error(error)}"
             twins.append((twin, note))
+        probes: dict[tuple[int, ...], tuple[torch.Tensor, list] | str] = {}
+
+        def probe(shape):
+            """The probe input of `shape`'s rows and the twins' outputs, or why none."""
+            if shape not in probes:
+                x = _probe_input(shape, scales, dtype, device)
+                at = "" if shape == tuple(tail) else f" of width {shape[-1]}"
+                references = []
+                for twin, note in twins:
+                    try:
+                        references.append(twin(x))
+                    except Exception as error:  # noqa: BLE001
+                        probes[shape] = (f"its forward raised on the probe input{at}{note}: "
+                                         f"{_error(error)}")
+                        break
+                else:
+                    probes[shape] = (x, references)
+            return probes[shape]
+
+        first = probe(tuple(tail))
+        if isinstance(first, str):
+            return None, first
         reasons, close = [], None
         for candidate in candidates:
             problem, exact = None, True
-            for (twin, note), reference in zip(twins, references, strict=True):
-                try:
-                    output = candidate.build(twin)(x)
-                except Exception as error:  # noqa: BLE001
-                    problem = f"raised {_error(error)}"
-                else:
-                    problem = _difference(reference, output, x, dtype, scales is None)
-                    exact = exact and problem is None and torch.equal(output, reference)
+            shapes = [tuple(tail)] + [_other_width(tail)] * candidate.any_width
+            for shape in shapes:
+                found = probe(shape)
+                if isinstance(found, str):  # the module fixes its width after all
+                    problem = f"cannot be proven at another width: {found}"
+                    break
+                x, references = found
+                at = "" if shape == tuple(tail) else f" at width {shape[-1]}"
+                for (twin, note), reference in zip(twins, references, strict=True):
+                    try:
+                        output = candidate.build(twin)(x)
+                    except Exception as error:  # noqa: BLE001
+                        problem = f"raised {_error(error)}"
+                    else:
+                        problem = _difference(reference, output, x, dtype, scales is None)
+                        exact = exact and problem is None and torch.equal(output, reference)
+                    if problem is not None:
+                        problem += at + note
+                        break
                 if problem is not None:
-                    problem += note
                     break
             if problem is None and (exact or not bitwise):
                 return candidate, None
@@ -917,6 +1027,13 @@ def _prove(module, candidates, tail, scales, dtype, device, evaluate=False, bitw
         if close is not None:
             return close, None
         return None, "; ".join(reasons)
+
+
+def _other_width(tail) -> tuple[int, ...]:
+    """The second probe shape of a candidate that fixes no width: `tail` with another last
+    width (PROBE_WIDTH, or five eighths of it where that is the first)."""
+    width = PROBE_WIDTH if tail[-1] != PROBE_WIDTH else PROBE_WIDTH * 5 // 8
+    return (*tuple(tail)[:-1], width)
 
 
 def _activation_difference(act, function, dtype, device) -> str | None:
