@@ -39,7 +39,10 @@ def op_cases():
     cases = []
     for mode in ("default", "recompute_mean", "invertible"):
         cases.append((f"layernorm-{mode}", torch.ops.vjpforge.layernorm.default,
-                      (x, weight, bias, 1e-5, mode)))
+                      (x, weight, bias, 1e-5, 0.0, mode)))
+        # weight_offset=1: the (1 + weight) scale
+        cases.append((f"layernorm-offset-{mode}", torch.ops.vjpforge.layernorm.default,
+                      (x, weight, bias, 1e-5, 1.0, mode)))
         cases.append((f"add_layernorm-{mode}", torch.ops.vjpforge.add_layernorm.default,
                       (x, residual, input_bias, weight, bias, 1e-5, mode, True, False)))
     for mode in ("default", "invertible"):

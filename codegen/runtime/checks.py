@@ -84,9 +84,14 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
     # input's dtype, device and of one dim that matches
     dtype = param.dtype
     if (param.__class__ in _TENSORS and dtype is input.dtype and len(shape) == 1
-            and param.shape == shape and param.is_contiguous() and param.device == input.device
-            and not any(t is not None and t.dtype is not dtype for t in (checked or {}).values())):
-        return param
+            and param.shape == shape and param.is_contiguous() and param.device == input.device):
+        if checked is None:
+            return param
+        for other in checked.values():  # a loop, no generator: host time
+            if other is not None and other.dtype is not dtype:
+                break
+        else:
+            return param
     if not isinstance(param, torch.Tensor):
         raise TypeError(
             f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
@@ -291,6 +296,8 @@ def concrete(tensor) -> bool:
 
 
 def check_real(function, name, value):
+    if value.__class__ is float and -math.inf < value < math.inf:
+        return value  # the common call at once (host time on every call)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{function}(): argument '{name}' must be a real number, got {type(value).__name__}"
