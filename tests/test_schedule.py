@@ -403,12 +403,13 @@ def test_kernels_match_the_torch_path_with_and_without_masks(m, n, rows, block_n
     assert (schedule.even, schedule.strided) in {(True, True), (True, False), (False, True),
                                                  (False, False)}
     with _forced(layernorm, schedule):
-        y, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, True, True)
-        grads = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, True, True)
-    expected = layernorm._layernorm_fwd_torch(x, weight, bias, 1e-5, True, True)
+        y, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, 0.0, True, True)
+        grads = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, 0.0, True, True)
+    expected = layernorm._layernorm_fwd_torch(x, weight, bias, 1e-5, 0.0, True, True)
     for got, want in zip((y, mean, rstd), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    expected = layernorm._layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, True, True)
+    expected = layernorm._layernorm_bwd_default_torch(dy, x, weight, bias, mean, rstd, 0.0, True,
+                                                      True)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
@@ -426,8 +427,8 @@ def test_rows_compile_for_their_width_only_where_the_launch_allows_it():
     x = torch.randn(16, 128, dtype=torch.float64)[:, :64]
     weight = torch.randn(64, dtype=torch.float64)
     with _forced(layernorm, fixed._replace(block_n=64, programs=16)):
-        y, mean, rstd = layernorm._layernorm_fwd(x, weight, None, 1e-5, True, True)
-    expected = layernorm._layernorm_fwd_torch(x, weight, None, 1e-5, True, True)
+        y, mean, rstd = layernorm._layernorm_fwd(x, weight, None, 1e-5, 0.0, True, True)
+    expected = layernorm._layernorm_fwd_torch(x, weight, None, 1e-5, 0.0, True, True)
     for got, want in zip((y, mean, rstd), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
@@ -564,7 +565,7 @@ def test_a_refused_cooperative_launch_runs_unsplit():
              for _ in range(2))
     weight, bias = (torch.randn((n,), generator=gen, device=device, dtype=torch.bfloat16)
                     for _ in range(2))
-    _, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, True, True)
+    _, mean, rstd = layernorm._layernorm_fwd(x, weight, bias, 1e-5, 0.0, True, True)
     seam = layernorm.SCHEDULES
 
     def every_row_a_group(M, *args):
@@ -576,12 +577,12 @@ def test_a_refused_cooperative_launch_runs_unsplit():
     try:
         with seam.override(choose=every_row_a_group):
             assert _backward_schedule(layernorm, m, n, device).split  # the rule splits these rows
-            got = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, True, True)
+            got = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, 0.0, True, True)
             assert device.index in SPLIT_REFUSED
             assert _backward_schedule(layernorm, m, n, device).split == 0
             with seam.override(split_min_n=0):
-                want = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, True,
-                                                        True)
+                want = layernorm._layernorm_bwd_default(dy, x, weight, bias, mean, rstd, 0.0,
+                                                        True, True)
         for k, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), f"output {k} of the refused call differs from an unsplit call"
     finally:

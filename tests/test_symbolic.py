@@ -143,7 +143,9 @@ def check_mode(spec, backward, rows, elements, upstream, pairing, point, mode) -
 
 def test_layernorm_backward_has_the_textbook_shape() -> None:
     backward = derive(spec_of("layernorm")).backward
-    assert [name for name, _ in backward.reductions] == ["sum_dy_weight", "sum_dy_weight_x_hat"]
+    # the scale is weight_offset + weight (0 + weight: torch's LayerNorm)
+    assert [name for name, _ in backward.reductions] == ["sum_dy_weight_weight_offset",
+                                                         "sum_dy_x_hat_weight_weight_offset"]
     # var never reaches the backward: d rstd / d var is written as -rstd**3 / 2 in rstd's name.
     assert [(r.name, r.how) for r in backward.resolutions] == [("x_hat", "recomputed")]
     graph = backward.graph

@@ -82,8 +82,8 @@ def check_param(function, name, param, shape, input, promotes=False, torch_funct
         return None
     # the common call at once (host time on every call): a contiguous parameter of the
     # input's dtype, device and of one dim that matches
-    dtype = param.dtype
-    if (param.__class__ in _TENSORS and dtype is input.dtype and len(shape) == 1
+    dtype = param.dtype if param.__class__ in _TENSORS else None
+    if (dtype is input.dtype and len(shape) == 1
             and param.shape == shape and param.is_contiguous() and param.device == input.device):
         if checked is None:
             return param
