@@ -2,8 +2,10 @@
 
 The rule table (`generated/patch.py`, one row per `Replaces` a spec declares) says which
 generated op may stand in for what: a norm or an activation module found by class name, a gated
-MLP `down(act(gate(x)) * up(x))` found by its structure, a Hugging Face causal-LM loss, the
-residual add before a norm inside a transformer layer (codegen/runtime/patch_layers.py). A
+MLP `down(act(gate(x)) * up(x))` found by its structure (and, by theirs, the stacked experts
+of transformers' MoE layers, whose `act(gate) * up` the op computes: `experts_class`), a
+Hugging Face causal-LM loss, the residual add before a norm inside a transformer layer
+(codegen/runtime/patch_layers.py). A
 candidate is swapped only if its replacement computes the same outputs as the module on a small
 deterministic probe input, once with the module's own tensors and once with perturbed copies
 of them (so that a weight of ones or zeros cannot hide how the weight is used). The
@@ -356,6 +358,8 @@ class _Planner:
                 self.assignments.append((parent, name, child, new))
             elif not isinstance(child, self.own):
                 self.visit(child, prefix + name + ".")
+                # an MoE experts module's act(gate) * up (same object, its class swapped)
+                self.plan_experts(child, prefix + name)
                 # after its children: a layer's fused add reuses its norm's proven swap
                 patch_layers.plan(self, child, prefix + name)
                 # an attention's rotary embedding, by its forward's apply_rotary_pos_emb
@@ -450,6 +454,46 @@ class _Planner:
         # a dropout draws its mask from the RNG: the probe compares the MLPs without it
         return self.prove(module, name, candidates, (width,), MLP_SCALES, dtype, device,
                           evaluate=dropout is not None, note=hub_label(act, act_name))
+
+    def plan_experts(self, module, name) -> None:
+        """Plan the swap of the gated activation of `module` where it is an experts module of
+        transformers' structure (`_experts_structure`): the same object, its class become a
+        subclass whose `_apply_gate` is the gated op of an "mlp" rule (`experts_class`), the
+        first that both probes prove (`_gate_difference`, `_experts_difference`)."""
+        class_name = type(module).__name__
+        if "_experts_gate" in type(module).__dict__:
+            return  # swapped already
+        rules = [r for r in self.rules if r.kind == "mlp"
+                 and fnmatch.fnmatchcase(class_name, r.pattern)
+                 and self.selection.allows("mlp", class_name)]
+        shape = _experts_structure(module) if rules else None
+        if shape is None:
+            return
+        problem = _experts_unswappable(module)
+        if problem is not None:
+            self.skip(module, name, problem)
+            return
+        dtype, device = _placement(module, self.default)
+        if device.type == "meta":
+            self.skip(module, name, _META)
+            return
+        problems = []
+        for rule in rules:
+            for options in _mlp_options(module, rule.function):
+                gate = ExpertsGate(rule.function, tuple(options.items()))
+                problem = _gate_difference(module, gate, shape, dtype, device)
+                if problem is None:
+                    cls = experts_class(type(module), gate)
+                    problem = _experts_difference(module, cls, shape, dtype, device)
+                if problem is None:
+                    self.assignments.append((module, "__class__", type(module), cls))
+                    self.swapped.append(Swap(name, class_name, f"{class_name}({gate.label})"
+                                             + hub_label(module._modules.get("act_fn"),
+                                                         "act_fn")))
+                    return
+                problems.append(f"{gate.label} {problem}")
+        self.skip(module, name, "its experts' gated activation is not computed by "
+                  + "; nor by ".join(problems))
 
     def prove(self, module, name, candidates, tail, scales, dtype, device, evaluate=False,
               note=""):
@@ -893,6 +937,368 @@ def _build_mlp(function, layout, layer_names, dropout, options, module):
     return GatedMLP(function, [(n, module._modules[n]) for n in layer_names], layout.gate,
                     layout.up, layout.down, half=layout.half, dropout=dropout,
                     options=options).train(module.training)
+
+
+# MoE experts: transformers 5 keeps the experts of an MoE layer in one module
+# (`@use_experts_implementation`: Mixtral's, Qwen3-MoE's, DeepSeek-V3's and some sixty more
+# families' `*Experts`), every expert's gate and up projections stacked in one 3-D Parameter
+# `gate_up_proj` and its down projections in `down_proj`. The routing is the caller's (the
+# module takes the hidden states, each token's expert indices and routing weights), and so is
+# the matrix product: an eager loop over the experts hit, or `batched_mm`, `grouped_mm` and the
+# other forwards of transformers' experts interface, chosen at each call by the config's
+# `_experts_implementation`. Those compute `act(gate) * up` through the module's `_apply_gate`;
+# most families' eager loop computes it inline. A swap makes the module's `_apply_gate` the
+# generated gated op and, where the eager loop computes it inline, runs an eager loop that
+# calls `_apply_gate` (`_eager_experts`) where the config asks for eager: the weights, the
+# routing and every other step are the module's own.
+
+#: how many experts the probe of an experts module keeps: the first ones (each computes as the
+#: others do, and a float64 copy of every expert would cost the whole module's weights over)
+PROBE_EXPERTS = 4
+#: experts each probe token is routed to (fewer where the probe keeps fewer experts)
+PROBE_TOP_K = 2
+#: the Parameters of an experts module: gate and up of every expert as the two halves (gate
+#: first) of one (experts, 2 x intermediate, width) tensor, down as (experts, width,
+#: intermediate); both transposed where the module's `is_transposed` is set
+EXPERTS_WEIGHTS = ("gate_up_proj", "down_proj")
+#: the experts implementations that run the module's own eager forward
+EAGER = (None, "eager")
+
+
+@dataclass(frozen=True)
+class ExpertsGate:
+    """What a swapped experts module's `_apply_gate` computes: `function(gate, up, **options)`
+    of the two halves of each expert's gate_up projection, the first half the gate."""
+
+    function: Callable
+    options: tuple[tuple[str, float], ...] = ()
+
+    def __call__(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.function(gate, up, **dict(self.options))
+
+    @property
+    def label(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options)
+        return f"{self.function.__name__}(gate, up = gate_up_proj(x).chunk(2, -1){options})"
+
+
+class _ExpertsShape(NamedTuple):
+    """The number of experts of an experts module and its hidden width."""
+
+    count: int
+    width: int
+
+
+def _experts_structure(module) -> _ExpertsShape | None:
+    """The shape of `module` where it is an experts module whose experts are gated: 3-D
+    floating Parameters `gate_up_proj` (experts, 2 x intermediate, width) and `down_proj`
+    (experts, width, intermediate) (both transposed where its `is_transposed` is set), a
+    `_apply_gate` method and no `has_gate` set false (transformers' `@use_experts_implementation`
+    structure, whatever the class is called); else None. What the module computes is the
+    probes' to say."""
+    tensors = [module._parameters.get(name) for name in EXPERTS_WEIGHTS]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_floating_point()
+               for t in tensors):
+        return None
+    if getattr(module, "has_gate", True) is False \
+            or not callable(getattr(module, "_apply_gate", None)):
+        return None
+    gate_up, down = tensors
+    count = gate_up.shape[0]
+    if getattr(module, "is_transposed", False):
+        width, double = gate_up.shape[1:]
+        fits = tuple(down.shape) == (count, double // 2, width)
+    else:
+        double, width = gate_up.shape[1:]
+        fits = tuple(down.shape) == (count, width, double // 2)
+    if not fits or double % 2 or not count or not width:
+        return None
+    return _ExpertsShape(count, width)
+
+
+def _experts_unswappable(module) -> str | None:
+    """Why the class of experts module `module` cannot be swapped whatever it computes. Its own
+    hooks are none: the module stays, and so do they; a child's hooks are (the swapped gate
+    calls no activation module)."""
+    for child_name, child in module.named_children():
+        hooks = [name.strip("_") for name in HOOKS if getattr(child, name, None)]
+        if hooks:
+            return f"its {child_name} has hooks ({', '.join(hooks)}), which the swapped " \
+                   "gated activation may not run"
+    for name in ("forward", "_apply_gate"):
+        if name in module.__dict__:
+            return f"its {name} is replaced on the instance, which the swapped class would " \
+                   "not see"
+    return None
+
+
+def _experts_implementation(module):
+    """The experts implementation `module`'s config asks for (None where it has none)."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def _gates_through_apply_gate(original: type) -> bool:
+    """Whether the eager forward of experts class `original` (the one its experts interface
+    falls back to) computes the gated activation by `self._apply_gate`, rather than inline."""
+    eager = inspect.unwrap(original.forward)
+    return "_apply_gate" in getattr(getattr(eager, "__code__", None), "co_names", ())
+
+
+def _expert_linear(self, input, name, expert):
+    """`input` times expert `expert`'s weight `name` (and its bias where the module has
+    them), as transformers' eager loops compute it."""
+    weight = getattr(self, name)[expert]
+    bias = getattr(self, f"{name}_bias")[expert] if getattr(self, "has_bias", False) else None
+    if getattr(self, "is_transposed", False):
+        output = input @ weight
+        return output if bias is None else output + bias
+    return torch.nn.functional.linear(input, weight, bias)
+
+
+def _eager_experts(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' eager loop over the experts hit (`MixtralExperts.forward`'s, with the
+    transposed weights, biases and post-expert norm its experts interface knows), the gated
+    activation computed by `self._apply_gate`."""
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current = _expert_linear(self, hidden_states[token_idx], "gate_up_proj", expert_idx)
+        current = self._apply_gate(current)
+        current = _expert_linear(self, current, "down_proj", expert_idx)
+        if getattr(self, "has_post_expert_norm", False):
+            current = self.post_expert_norm(current)
+        current = current * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def _swapped_apply_gate(self, gate_up):
+    return type(self)._experts_gate(gate_up)
+
+
+def _experts_forward(original: type) -> Callable:
+    """The forward of a swapped experts class whose eager forward computes its activation
+    inline: `_eager_experts` where the config asks for eager (or the class dispatches on no
+    implementation), else the class's forward, whose implementation calls `_apply_gate`."""
+    dispatches = inspect.unwrap(original.forward) is not original.forward
+
+    def forward(self, *args, **kwargs):
+        if not dispatches or _experts_implementation(self) in EAGER:
+            return _eager_experts(self, *args, **kwargs)
+        return original.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(original.forward)
+    forward.__doc__ = original.forward.__doc__
+    forward.__qualname__ = f"{original.__qualname__}.forward"
+    return forward
+
+
+_EXPERTS_CLASSES: dict[tuple[type, ExpertsGate], type] = {}
+
+
+def experts_class(original: type, gate: ExpertsGate) -> type:
+    """The subclass of experts class `original` whose `_apply_gate` is `gate` (and whose
+    forward runs `_eager_experts` in eager mode where the original's computes the activation
+    inline), one per class and gate: same name, module and signature, so that what finds the
+    experts by class name (device maps, wrapping policies, transformers' implementation
+    switch) still does; pickled as the original class and the gate."""
+    key = (original, gate)
+    cls = _EXPERTS_CLASSES.get(key)
+    if cls is not None:
+        return cls
+    namespace = {
+        "__module__": original.__module__, "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__, "_apply_gate": _swapped_apply_gate,
+        "_experts_gate": gate, "_experts_original": original,
+        "__reduce_ex__": _experts_reduce_ex,
+    }
+    if not _gates_through_apply_gate(original):
+        namespace["forward"] = _experts_forward(original)
+    cls = type(original.__name__, (original,), namespace)
+    _EXPERTS_CLASSES[key] = cls
+    return cls
+
+
+def _experts_reduce_ex(self, protocol):
+    # pickle finds a class by its module and name, which lead to the original class: rebuild
+    # the swapped one from it and the gate instead
+    cls = type(self)
+    return _rebuild_experts, (cls._experts_original, cls._experts_gate), self.__getstate__()
+
+
+def _rebuild_experts(original, gate):
+    cls = experts_class(original, gate)
+    return cls.__new__(cls)
+
+
+class _ConfigView:
+    """A module's config as a probe's copy of the module reads it: `_experts_implementation`
+    the one the probe runs, anything else the config's (which is left as it is)."""
+
+    def __init__(self, config, implementation):
+        self._config = config
+        self._experts_implementation = implementation
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_config"], name)
+
+
+def _experts_twin(module, noise, shape, dtype, implementation):
+    """A probe copy of experts module `module` (`_twin`) holding copies of its tensors, and of
+    its children's, in `dtype` (perturbed with `noise`), every floating Parameter requiring
+    its gradient; only the first PROBE_EXPERTS experts where the module counts them in
+    `num_experts`; running `implementation` of its experts interface."""
+    twin = _twin(module, None, {})
+    keep = shape.count
+    if getattr(module, "num_experts", None) == shape.count:
+        keep = min(shape.count, PROBE_EXPERTS)
+        twin.__dict__["num_experts"] = keep
+    for owner in twin.modules():
+        for store in (owner._parameters, owner._buffers):
+            for key, tensor in list(store.items()):
+                if tensor is None:
+                    continue
+                value = tensor.detach()
+                if owner is twin and value.dim() and value.shape[0] == shape.count:
+                    value = value[:keep]
+                if value.is_floating_point():
+                    value = value.to(dtype)
+                    value = noise(value) if noise is not None else value.clone()
+                else:
+                    value = value.clone()
+                store[key] = (torch.nn.Parameter(value, requires_grad=value.is_floating_point())
+                              if isinstance(tensor, torch.nn.Parameter) else value)
+    twin.__dict__["config"] = _ConfigView(module.__dict__.get("config"), implementation)
+    return twin, keep
+
+
+def _experts_run(module, inputs, gradients: bool):
+    """The output of experts module `module` on the probe `inputs` and, with `gradients`, the
+    gradients of the hidden states, of the routing weights and of every Parameter."""
+    hidden, index, weights, grad = inputs
+    hidden = hidden.clone().requires_grad_(gradients)
+    weights = weights.clone().requires_grad_(gradients)
+    output = module(hidden, index, weights)
+    if not gradients or not isinstance(output, torch.Tensor):
+        return output, {}
+    leaves = {"the hidden states": hidden, "the routing weights": weights,
+              **{name: p for name, p in module.named_parameters() if p.requires_grad}}
+    grads = torch.autograd.grad(output, list(leaves.values()), grad, allow_unused=True)
+    return output.detach(), {name: torch.zeros_like(leaf) if g is None else g
+                             for (name, leaf), g in zip(leaves.items(), grads, strict=True)}
+
+
+def _experts_probe(shape, keep, dtype, device):
+    """An experts module's probe: hidden states of its width (`_probe_input`'s 12 rows at
+    MLP_SCALES), each token routed to PROBE_TOP_K consecutive experts of the `keep` first with
+    random softmax weights, and the gradient of the output."""
+    hidden = _probe_input((shape.width,), MLP_SCALES, dtype, device).reshape(-1, shape.width)
+    tokens, top_k = hidden.shape[0], min(PROBE_TOP_K, keep)
+    index = (torch.arange(tokens)[:, None] + torch.arange(top_k)[None, :]) % keep
+    generator = torch.Generator().manual_seed(SEED + 1)
+    weights = torch.randn((tokens, top_k), generator=generator, dtype=torch.float64).softmax(-1)
+    grad = torch.randn((tokens, shape.width), generator=generator, dtype=torch.float64)
+    return (hidden, index.to(device), weights.to(device=device, dtype=dtype),
+            grad.to(device=device, dtype=dtype))
+
+
+def _gate_difference(module, gate, shape, dtype, device) -> str | None:
+    """How `gate` differs from experts module `module`'s own `_apply_gate` on a gate_up probe
+    whose halves are the activation's grid (out to ±100, where a clamped gate or up shows),
+    or None: in float64 the output and gradient, in the module's dtype the output."""
+    with _probing(device), torch.enable_grad():
+        for probe_dtype in dict.fromkeys((torch.float64, dtype)):
+            at = f" (its gate_up in {str(probe_dtype).removeprefix('torch.')})"
+            gradients = probe_dtype == torch.float64
+            twin, _ = _experts_twin(module, None, shape, probe_dtype, None)
+            grid = _probe_input((PROBE_WIDTH,), None, probe_dtype, device).reshape(
+                -1, PROBE_WIDTH)
+            gate_up = torch.cat([grid, grid.flip(0, 1)], dim=-1).requires_grad_(gradients)
+            try:
+                reference = twin._apply_gate(gate_up)
+            except Exception as error:  # noqa: BLE001
+                return f"cannot be proven: its _apply_gate raised on the probe{at}: " \
+                       f"{_error(error)}"
+            try:
+                output = gate(gate_up)
+            except Exception as error:  # noqa: BLE001
+                return f"raised {_error(error)}{at}"
+            problem = _difference(reference, output, grid, probe_dtype, True)
+            if problem is None and gradients:
+                grad = torch.randn(output.shape, generator=torch.Generator().manual_seed(SEED),
+                                   dtype=torch.float64).to(device=device, dtype=probe_dtype)
+                try:
+                    (want,) = torch.autograd.grad(reference, gate_up, grad)
+                    (got,) = torch.autograd.grad(output, gate_up, grad)
+                except Exception as error:  # noqa: BLE001
+                    return f"cannot be proven: the gradient raised{at}: {_error(error)}"
+                problem = _difference(want, got, gate_up.detach(), probe_dtype, True)
+                problem = problem and f"gives a gradient that {problem}"
+            if problem is not None:
+                return problem + at
+    return None
+
+
+def _experts_difference(module, cls, shape, dtype, device) -> str | None:
+    """How experts module `module` swapped to `cls` differs from the module on
+    `_experts_probe`, with its own tensors and with perturbed ones, or None: in float64, the
+    output and the gradients of the hidden states, of the routing weights and of every
+    Parameter, in eager mode and in the implementation the config asks for (`batched_mm` in
+    its place where the module cannot run that in float64: grouped_mm's kernels take 16- and
+    32-bit floats alone); in the module's dtype, the output in that implementation."""
+    current = _experts_implementation(module)
+    plans = [(("eager",), torch.float64, True)]
+    if current not in EAGER:
+        plans.append(((current, "batched_mm"), torch.float64, True))
+    if dtype != torch.float64:
+        plans.append(((current if current not in EAGER else "eager",), dtype, False))
+    with _probing(device), torch.enable_grad():
+        for noise, note in ((None, ""), (_Noise, " with perturbed parameters")):
+            for implementations, probe_dtype, gradients in plans:
+                for implementation in implementations:
+                    where = f" ({implementation or 'eager'} experts, " \
+                            f"{str(probe_dtype).removeprefix('torch.')}{note})"
+                    try:
+                        twin, keep = _experts_twin(module, noise and noise(), shape,
+                                                   probe_dtype, implementation)
+                        swapped = copy.copy(twin)
+                        swapped.__class__ = cls
+                    except Exception as error:  # noqa: BLE001
+                        return f"cannot be proven: it cannot be copied to be probed{where}: " \
+                               f"{_error(error)}"
+                    inputs = _experts_probe(shape, keep, probe_dtype, device)
+                    try:
+                        reference, want = _experts_run(twin, inputs, gradients)
+                    except Exception as error:  # noqa: BLE001
+                        if implementation != implementations[-1]:
+                            continue  # the next stands in
+                        if len(implementations) > 1:
+                            break  # none runs in float64: the module's dtype's probe decides
+                        return f"cannot be proven: its forward raised on the probe{where}: " \
+                               f"{_error(error)}"
+                    try:
+                        output, got = _experts_run(swapped, inputs, gradients)
+                    except Exception as error:  # noqa: BLE001
+                        return f"raised {_error(error)}{where}"
+                    problem = _difference(reference, output, None, probe_dtype, False)
+                    for name in want if problem is None else ():
+                        problem = _difference(want[name], got.get(name), None, probe_dtype,
+                                              False)
+                        if problem is not None:
+                            problem = f"gives a gradient of {name} that {problem}"
+                            break
+                    if problem is not None:
+                        return problem + where
+                    break  # proven in this implementation
+    return None
 
 
 @contextlib.contextmanager
