@@ -71,6 +71,7 @@ def _software_info() -> dict[str, object]:
         "cuda_runtime": torch.version.cuda,
         "triton": triton.__version__,
         "liger_kernel": _package_version("liger-kernel"),
+        "helion": _package_version("helion"),
         "vjpforge_git": _git_revision(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "hostname": platform.node(),

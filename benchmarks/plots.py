@@ -38,7 +38,7 @@ STYLE = {
 }
 #: one color per provider, vjpforge the only saturated one
 COLORS = {PROJECT_PROVIDER: "#1f5fbf", "torch": "#9a9a9a", "compile": "#e08a2c",
-          "liger": "#3a9a5b"}
+          "liger": "#3a9a5b", "helion": "#8e5ea2"}
 #: the mode and dtypes each op's plot shows (the first present)
 OP_MODE = "fwd+bwd"
 OP_DTYPES = ("bf16", "fp16", "fp32")

@@ -4,6 +4,7 @@ package only makes its provider unavailable."""
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,33 @@ def load_liger(op: OpSpec) -> OpFn:
     return op_fn
 
 
+HELION_FUNCTIONS: dict[str, str] = {
+    "layernorm": "benchmarks.helion_ops.layer_norm",
+    "rmsnorm": "benchmarks.helion_ops.rms_norm",
+    "softmax": "benchmarks.helion_ops.softmax",
+}
+
+HELION_BACKWARD_REDUCTIONS: dict[str, str] = {
+    "layernorm": "4 row + 2 column (vjpforge: 2 + 2)",
+    "rmsnorm": "2 row + 1 column (vjpforge: 1 + 1)",
+    "softmax": "5 row (vjpforge: 1)",
+}
+"""Reductions in the backward Helion derives (Triton code of ``helion.experimental.backward``,
+``return_code=True``, at Helion's default config; row: over a row, column: a parameter
+gradient's partial sums over a tile's rows, finished by a torch ``.sum(0)``) and in vjpforge's
+(docs/ops/*.md, "Reduction count", mode ``default``). ``tests/test_bench_helion.py`` recounts
+Helion's."""
+
+
+def load_helion(op: OpSpec) -> OpFn:
+    """A Helion forward kernel with the backward Helion derives (benchmarks/helion_ops.py)."""
+    if op.name not in HELION_FUNCTIONS:
+        raise ProviderUnavailable(f"no Helion kernel for {op.name}")
+    if not torch.cuda.is_available():
+        raise ProviderUnavailable("Helion's Triton kernels need a CUDA GPU")
+    return op.bind(_resolve(HELION_FUNCTIONS[op.name]))
+
+
 def raise_recompile_limits() -> None:
     """Let one process compile every shape of the grid without hitting dynamo's limits."""
     config = torch._dynamo.config
@@ -116,6 +144,8 @@ class Provider:
     load: Callable[[OpSpec], OpFn]
     fresh_per_shape: bool = False
     """Load again for every shape (torch.compile specialises on the shape)."""
+    default: bool = True
+    """In a run without --providers (Helion is not: it autotunes every shape first)."""
 
 
 PROVIDERS: dict[str, Provider] = {
@@ -130,8 +160,19 @@ PROVIDERS: dict[str, Provider] = {
             True,
         ),
         Provider("liger", "Liger-Kernel Liger*Function.apply (Triton)", load_liger),
+        Provider(
+            "helion",
+            "Helion 1.5.1 forward kernels (benchmarks/helion_ops.py), backward derived by "
+            "helion.experimental.backward; autotune effort "
+            f"{os.environ.get('VJPFORGE_HELION_EFFORT', 'quick')!r} (VJPFORGE_HELION_EFFORT) "
+            "for both; backward reductions: "
+            + "; ".join(f"{op} {count}" for op, count in HELION_BACKWARD_REDUCTIONS.items()),
+            load_helion,
+            default=False,
+        ),
     )
 }
+DEFAULT_PROVIDERS: tuple[str, ...] = tuple(name for name, p in PROVIDERS.items() if p.default)
 PROJECT_PROVIDER = "vjpforge"
 BASELINE_PROVIDER = "torch"
 

@@ -81,6 +81,7 @@ def _header(record: RunRecord) -> list[str]:
     software = (
         f"torch {meta.get('torch')} (CUDA {meta.get('cuda_runtime')}), "
         f"triton {meta.get('triton')}, liger-kernel {meta.get('liger_kernel')}, "
+        f"helion {meta.get('helion', 'not recorded')}, "
         f"Python {meta.get('python')}, vjpforge {meta.get('vjpforge_git')}"
     )
     copy = (

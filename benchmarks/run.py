@@ -1,7 +1,8 @@
 """Benchmark vjpforge's generated kernels against torch eager, torch.compile and Liger.
 
     python -m benchmarks.run --out DIR [--quick] [--cpu-smoke] [--ops layernorm,rmsnorm,softmax]
-                             [--dtypes bf16,fp16,fp32] [--providers vjpforge,torch,compile,liger]
+                             [--dtypes bf16,fp16,fp32]
+                             [--providers vjpforge,torch,compile,liger[,helion]]
 
 Writes DIR/results.json, DIR/benchmarks.md and a few PNG plots. See benchmarks/README.md.
 """
@@ -42,6 +43,7 @@ from benchmarks.ops import (
 )
 from benchmarks.providers import (
     BASELINE_PROVIDER,
+    DEFAULT_PROVIDERS,
     PROVIDERS,
     Provider,
     ProviderCache,
@@ -134,7 +136,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="default: bf16,fp16,fp32 (bf16 with --quick / --cpu-smoke)",
     )
-    parser.add_argument("--providers", type=_csv(tuple(PROVIDERS)), default=tuple(PROVIDERS))
+    parser.add_argument(
+        "--providers", type=_csv(tuple(PROVIDERS)), default=DEFAULT_PROVIDERS,
+        help=f"default: {','.join(DEFAULT_PROVIDERS)}; also helion (benchmarks/README.md)",
+    )
     parser.add_argument(
         "--shapes",
         type=_csv(tuple(shape.name for preset in PRESETS.values() for shape in preset.shapes)),

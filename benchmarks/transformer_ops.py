@@ -1,5 +1,5 @@
-"""Transformer-block ops against torch eager, torch.compile and Liger-Kernel, in GB/s and as a
-share of the copy bandwidth measured in the same run.
+"""Transformer-block ops against torch eager, torch.compile, Liger-Kernel and Helion, in GB/s
+and as a share of the copy bandwidth measured in the same run (Helion: SwiGLU and GeGLU).
 
     python -m benchmarks.transformer_ops [--dtype bf16] [--rep-ms 100] [--ops swiglu,geglu]
                                          [--cpu-smoke]
@@ -17,6 +17,9 @@ Ops and shapes (bf16 by default):
 - swiglu, geglu (silu / exact gelu of gate, times up): rows x N in {4096x11008, 8192x14336};
   bytes = fwd: read gate, up + write y (3X); bwd: read dy, gate, up + write dgate, dup (5X).
   Liger's geglu computes the tanh GELU (ours the exact one): its row is a reference;
+  Helion (where it imports and a GPU is present): benchmarks/helion_ops.py's forward kernels,
+  backward derived by helion.experimental.backward, autotune effort $VJPFORGE_HELION_EFFORT
+  (default quick);
 - add_layer_norm and add_rms_norm with prenorm (a pre-LN block's residual add: returns the norm
   of x + residual and the sum), eps 1e-6: rows x hidden in {4096x4096, 16384x4096, 8192x8192};
   bytes = fwd: read x, residual + write y, sum (4X); bwd: read dy, dsum, the saved sum + write
@@ -67,6 +70,18 @@ def _liger(name: str) -> Callable | None:
     except ImportError:
         return None
     return getattr(functional, name, None)
+
+
+def _helion(name: str) -> Callable | None:
+    """benchmarks.helion_ops' `name` (a Helion forward, its backward derived by Helion), or
+    None without helion or a CUDA GPU (its kernels are Triton)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from benchmarks import helion_ops
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return getattr(helion_ops, name)
 
 
 def cases(smoke: bool):
@@ -159,6 +174,8 @@ def cases(smoke: bool):
             providers = {"vjpforge": ours, "torch": theirs, "compile": theirs}
             if (liger_fn := _liger(liger_name)) is not None:
                 providers["liger"] = liger_fn
+            if (helion_fn := _helion(op)) is not None:
+                providers["helion"] = helion_fn
             yield (op, f"{m}x{n}", make, providers, 3, 5, m * n)
 
     def torch_add_norm(rms):
