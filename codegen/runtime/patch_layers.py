@@ -393,28 +393,10 @@ def fused_class(original: type, fusion: Fusion) -> type:
     forward.__signature__ = signature
     forward.__doc__ = original.forward.__doc__
     forward.__qualname__ = f"{original.__qualname__}.forward"
-    namespace = {
-        "forward": forward, "__module__": original.__module__,
-        "__qualname__": original.__qualname__, "__doc__": original.__doc__,
-        "_residual_fusion": fusion, "_residual_original": original,
-        "_residual_arguments": arguments,
-        "__reduce_ex__": _reduce_ex,
-    }
-    cls = type(original.__name__, (original,), namespace)
-    _CLASSES[key] = cls
+    namespace = {"forward": forward, "_residual_fusion": fusion, "_residual_original": original,
+                 "_residual_arguments": arguments}
+    cls = _CLASSES[key] = patching.swapped_class(original, fused_class, fusion, namespace)
     return cls
-
-
-def _reduce_ex(self, protocol):
-    # pickle (torch.save of a whole model) finds a class by its module and name, which lead to
-    # the original class: rebuild the fused one from it and the fusion instead
-    cls = type(self)
-    return _rebuild, (cls._residual_original, cls._residual_fusion), self.__getstate__()
-
-
-def _rebuild(original, fusion):
-    cls = fused_class(original, fusion)
-    return cls.__new__(cls)
 
 
 class _StandIn(torch.nn.Module):

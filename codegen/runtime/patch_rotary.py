@@ -158,26 +158,9 @@ def rotary_class(original: type, embed: Callable) -> type | None:
     forward = rebuilt_forward(chain, embed) if chain is not None else None
     if forward is None:
         return None
-    namespace = {
-        "forward": forward, "__module__": original.__module__,
-        "__qualname__": original.__qualname__, "__doc__": original.__doc__,
-        "_rotary_embed": embed, "_rotary_original": original, "__reduce_ex__": _reduce_ex,
-    }
-    cls = type(original.__name__, (original,), namespace)
-    _CLASSES[key] = cls
+    namespace = {"forward": forward, "_rotary_embed": embed, "_rotary_original": original}
+    cls = _CLASSES[key] = patching.swapped_class(original, rotary_class, embed, namespace)
     return cls
-
-
-def _reduce_ex(self, protocol):
-    # pickle finds a class by its module and name, which lead to the original class: rebuild
-    # the swapped one from it and the embed instead
-    cls = type(self)
-    return _rebuild, (cls._rotary_original, cls._rotary_embed), self.__getstate__()
-
-
-def _rebuild(original, embed):
-    cls = rotary_class(original, embed)
-    return cls.__new__(cls)
 
 
 def plan(planner, module, name: str) -> None:

@@ -1114,28 +1114,35 @@ def experts_class(original: type, gate: ExpertsGate) -> type:
     cls = _EXPERTS_CLASSES.get(key)
     if cls is not None:
         return cls
-    namespace = {
-        "__module__": original.__module__, "__qualname__": original.__qualname__,
-        "__doc__": original.__doc__, "_apply_gate": _swapped_apply_gate,
-        "_experts_gate": gate, "_experts_original": original,
-        "__reduce_ex__": _experts_reduce_ex,
-    }
+    namespace = {"_apply_gate": _swapped_apply_gate, "_experts_gate": gate,
+                 "_experts_original": original}
     if not _gates_through_apply_gate(original):
         namespace["forward"] = _experts_forward(original)
-    cls = type(original.__name__, (original,), namespace)
-    _EXPERTS_CLASSES[key] = cls
+    cls = _EXPERTS_CLASSES[key] = swapped_class(original, experts_class, gate, namespace)
     return cls
 
 
-def _experts_reduce_ex(self, protocol):
-    # pickle finds a class by its module and name, which lead to the original class: rebuild
-    # the swapped one from it and the gate instead
+def swapped_class(original: type, factory: Callable, argument: Any, namespace: dict) -> type:
+    """A subclass of `original` with `namespace` (what a swap replaces) under the original's
+    name, module, qualified name and doc, so that what finds a module by its class name
+    (device maps, wrapping policies, transformers' implementation switches) still does. Pickle
+    would find the original class by that name: an instance pickles as
+    `factory(original, argument)`, the module-level function that made the class (each keeps
+    its own cache of them)."""
+    return type(original.__name__, (original,), {
+        "__module__": original.__module__, "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__, "_swap_factory": factory, "_swap_original": original,
+        "_swap_argument": argument, "__reduce_ex__": _swapped_reduce_ex, **namespace})
+
+
+def _swapped_reduce_ex(self, protocol):
     cls = type(self)
-    return _rebuild_experts, (cls._experts_original, cls._experts_gate), self.__getstate__()
+    return (_rebuild_swapped, (cls._swap_factory, cls._swap_original, cls._swap_argument),
+            self.__getstate__())
 
 
-def _rebuild_experts(original, gate):
-    cls = experts_class(original, gate)
+def _rebuild_swapped(factory, original, argument):
+    cls = factory(original, argument)
     return cls.__new__(cls)
 
 
