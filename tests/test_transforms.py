@@ -32,6 +32,7 @@ import generated.rmsnorm as rmsnorm
 import generated.rotary as rotary
 import generated.softmax as softmax
 import generated.swiglu as swiglu
+from codegen.runtime import amp
 
 N = 16
 ROWS = 4
@@ -319,6 +320,23 @@ def test_autocast_dtypes_as_torch(device, name, dtype):
                      if dtype == torch.bfloat16 or name == "linear_cross_entropy" else {})
         for got, want in zip(got_results, want_results, strict=True):
             torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_autocast_policy_is_the_installed_torch_s_eagerly_and_compiled(device, monkeypatch):
+    """Which ops autocast runs in float32 is asked of the installed torch (its lists change
+    between versions), with the same answer when the first call is traced by torch.compile."""
+    x = torch.ones(2, 4, device=device, dtype=torch.bfloat16)
+    with autocast(device):
+        eager = {op: amp.listed(op, x.device) for op in amp._PROBES}
+        for op, want in eager.items():
+            monkeypatch.setattr(amp, "_LISTED", {})
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda t, op=op: t * 2 if amp.listed(op, t.device) else t,
+                                     backend="eager", fullgraph=True)
+            assert torch.equal(compiled(x), x * 2 if want else x), op
+    torch._dynamo.reset()
+    # the CPU's lists keep norms and softmax in their dtype, CUDA's run softmax in float32
+    assert eager["cross_entropy"] and eager["softmax"] == (device.type == "cuda")
 
 
 def test_cross_entropy_autocast_loss_is_torchs(device):

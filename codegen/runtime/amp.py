@@ -20,13 +20,13 @@ import contextlib
 import torch
 
 #: the torch functions (by their name in `torch` or `torch.nn.functional`) whose results
-#: autocast makes float32, per device type (the other accelerators share CUDA's lists in
-#: ATen), as `listed` takes them where it cannot ask the installed torch: ATen's autocast lists
-#: (its "fp32" and "fp32_set_opt_dtype" ones for CUDA and the other accelerators, its own
-#: list for the CPU,
-#: where norms and softmax keep a 16-bit dtype).
-#: cross_entropy is listed where the ops it is made of are (log_softmax, nll_loss on CUDA) or
-#: itself (the CPU): its loss is float32, computed from the logits in float32.
+#: ATen's autocast lists make float32 on some device type (its "fp32" and "fp32_set_opt_dtype"
+#: lists for CUDA and the other accelerators, its own for the CPU, where norms and softmax keep
+#: a 16-bit dtype): `derive` finds in these the op a generated op's counterpart calls. Which
+#: of them a device runs in float32 changes between torch versions (rms_norm is on CUDA's list
+#: in some), so `listed` asks the installed torch; these sets say what ATen's lists held when
+#: written. cross_entropy is listed where the ops it is made of are (log_softmax, nll_loss on
+#: CUDA) or itself (the CPU): its loss is float32, computed from the logits in float32.
 FLOAT32 = {
     "cuda": frozenset({"layer_norm", "group_norm", "rms_norm", "softmax", "log_softmax",
                        "cross_entropy", "nll_loss", "logsumexp"}),
@@ -35,9 +35,7 @@ FLOAT32 = {
 #: the dtypes autocast casts for an op it runs in float32 (never float64)
 CAST = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
-#: a call of each op of FLOAT32 on a tiny tensor: the lists change between torch versions
-#: (rms_norm is on CUDA's in some), so the installed torch is asked once per op and device type
-#: (`listed`), FLOAT32 answering only where it cannot be asked (while torch.compile traces)
+#: a call of each op of FLOAT32 on a tiny tensor, whose result's dtype tells what autocast does
 _PROBES = {
     "layer_norm": lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]),
     "group_norm": lambda t: torch.nn.functional.group_norm(t, 1),
@@ -57,16 +55,15 @@ def _targets(t: torch.Tensor) -> torch.Tensor:
 
 
 def listed(op: str, device: torch.device) -> bool:
-    """Whether the installed torch's autocast, on now for `device`'s type, runs `op` in float32:
-    asked of torch once (a call on a tiny tensor of the autocast dtype), FLOAT32 while
-    torch.compile traces."""
+    """Whether the installed torch's autocast, on now for `device`'s type, runs `op` (a name of
+    FLOAT32) in float32: asked of torch once per op, device type and autocast dtype, by a call
+    on a tiny tensor. While torch.compile traces, the call is traced too, on fake tensors whose
+    dtype autocast decides as it does eagerly, so a compiled call answers as an eager one."""
     device_type = device.type
     key = (op, device_type, torch.get_autocast_dtype(device_type))
     seen = _LISTED.get(key)
     if seen is not None:
         return seen
-    if torch.compiler.is_compiling() or op not in _PROBES:
-        return op in FLOAT32.get(device_type, FLOAT32["cuda"])
     probe = torch.ones((2, 4), dtype=key[2], device=device)
     with torch.no_grad():
         seen = _LISTED[key] = _PROBES[op](probe).dtype == torch.float32
