@@ -219,9 +219,11 @@ def test_backward_writes_gradients_over_inputs_only_autograd_holds(device, varia
 
 
 def test_the_probe_counts_once_and_reuse_needs_the_graph_released(device):
-    """The holders of an input nothing else holds are counted once a process, by a probe
-    Function on the CPU; nothing is reused while a backward keeps the graph."""
-    assert launch._calibrated().keys() == {"saved", "upstream"}
-    assert launch._calibrated() is launch._calibrated()
+    """The holders of an input nothing else holds are counted once a process (and number of
+    references a call adds), by a probe Function on the CPU; nothing is reused while a
+    backward keeps the graph."""
+    references = launch._call_references()
+    assert launch._calibrated(references).keys() == {"saved", "upstream"}
+    assert launch._calibrated(references) is launch._calibrated(references)
     x = randn((4, 8), device=device, dtype=torch.float32).requires_grad_()
     assert not launch.reusable(x * 2, (4, 8), torch.float32)  # grad mode on: a forward

@@ -227,6 +227,28 @@ def test_in_place_backward_writes_dx_where_safe(device, memory, upstream):
     assert (got[0].data_ptr() == address) == in_place
 
 
+def test_in_place_survives_a_frame_evaluator_left_installed(device):
+    """A torch.compile(fullgraph=True) that fails leaves torch's frame evaluator installed
+    (torch 2.13): each Python call then holds its arguments twice. The counts that decide
+    in-place writes are taken again for that interpreter state, so the kernels keep writing
+    dx where dy was, and never where another holder reads dy."""
+    import sys
+
+    def untraceable(t):
+        return t * sys.getrefcount(t)
+
+    for attempt in range(2):
+        for upstream in ("own", "shared"):
+            build_loss, overwritten = UPSTREAMS[upstream]
+            got, address = in_place_grads(device, "default", build_loss, True)
+            in_place = overwritten and launch.use_triton(got[0])
+            assert (got[0].data_ptr() == address) == in_place, (attempt, upstream)
+        if attempt == 0:
+            with pytest.raises(torch._dynamo.exc.Unsupported):
+                torch.compile(untraceable, fullgraph=True, backend="eager")(torch.ones(2))
+            torch._dynamo.reset()
+
+
 def test_in_place_keeps_a_gradient_the_caller_holds(device):
     x, w = (t.detach().requires_grad_() for t in inputs((6, 37), device))
     y = rmsnorm.rms_norm(x, (37,), w, in_place=True)

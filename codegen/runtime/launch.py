@@ -180,11 +180,11 @@ def overwritable(tensor: torch.Tensor | None, shape, dtype: torch.dtype) -> bool
     and it holds exactly the result's contiguous rows of the result's dtype.
 
     "Alone" is counted as `reusable` counts: against the holders of the probe Function's
-    upstream gradient, which autograd hands over alone (`_calibrated`, once a process). The
-    engine's own references differ between torch versions (2.11's keeps the list it passes
-    a backward alive through the call; 2.13's moves it), never its references to a gradient
-    it reads afterwards, which add one. Called from a generated backward (`backward(ctx, dy,
-    ...)`, this call in its body), as the probe calls it."""
+    upstream gradient, which autograd hands over alone (`_calibrated`, once a process and
+    interpreter state). The engine's own references differ between torch versions (2.11's
+    keeps the list it passes a backward alive through the call; 2.13's moves it), never its
+    references to a gradient it reads afterwards, which add one. Called from a generated
+    backward (`backward(ctx, dy, ...)`, this call in its body), as the probe calls it."""
     if (tensor is None or not hasattr(tensor, "_use_count") or tensor.requires_grad
             or tensor._base is not None or torch.compiler.is_compiling()):
         return False
@@ -219,12 +219,13 @@ def reusable(tensor: torch.Tensor | None, rows, dtype: torch.dtype) -> bool:
     graph is not kept: no retain_graph, no create_graph), and nothing else holds it.
 
     "Nothing else" is counted, against the counts of a probe Function's saved input that
-    nothing else holds (`_calibrated`, once a process): a Python reference (the caller kept the
-    tensor, asked for its gradient), a C++ one (another node saved it, the same tensor saved
-    twice, a leaf's gradient accumulator) or another tensor on its memory (a view, a detached
-    alias) each adds one. The tensor is a non-leaf of autograd's graph, no view, and exactly
-    the backward's contiguous rows of the gradient's dtype. Each element is read before it
-    is written, by the program that writes it (elementwise backwards only)."""
+    nothing else holds (`_calibrated`, once a process and interpreter state): a Python
+    reference (the caller kept the tensor, asked for its gradient), a C++ one (another node
+    saved it, the same tensor saved twice, a leaf's gradient accumulator) or another tensor on
+    its memory (a view, a detached alias) each adds one. The tensor is a non-leaf of
+    autograd's graph, no view, and exactly the backward's contiguous rows of the gradient's
+    dtype. Each element is read before it is written, by the program that writes it
+    (elementwise backwards only)."""
     # a backward traced by torch.compile (compiled autograd) asks nothing of the running one
     if (tensor is None or _KEEP_GRAPH is None or torch.is_grad_enabled()
             or torch.compiler.is_compiling() or _KEEP_GRAPH() or tensor.grad_fn is None
@@ -241,7 +242,21 @@ def _alone(tensor: torch.Tensor, kind: str) -> bool:
     if probed is not None:
         probed.append((kind, holders))
         return False
-    return holders == _calibrated().get(kind)
+    return holders == _calibrated(_call_references()).get(kind)
+
+
+def _passed(value) -> int:
+    return sys.getrefcount(value)
+
+
+def _call_references() -> int:
+    """The Python references an object passed down one call level has there: what each frame
+    between the backward and `_holders` adds to the counts. It changes within a process:
+    CPython moves a call's arguments into the callee's frame, but holds them twice while
+    an interpreter-wide frame evaluator is installed (PEP 523, as torch.compile installs and
+    may leave), so the probe is counted again for each value."""
+    value = object()
+    return _passed(value)
 
 
 #: the probe's counts, while `_calibrated` runs it on this thread (a CPU backward runs on the
@@ -267,11 +282,12 @@ class _Probe(torch.autograd.Function):
 
 
 @functools.cache
-def _calibrated() -> dict[str, tuple[int, int, int]]:
+def _calibrated(call_references: int) -> dict[str, tuple[int, int, int]]:
     """The holders of a saved input that nothing but autograd's saved value holds ("saved"),
     and of an upstream gradient autograd hands over alone ("upstream"), counted in a probe's
-    backward on the CPU: torch's own references differ between versions. Empty where the
-    probe counted anything else: then no memory is reused."""
+    backward on the CPU: torch's own references differ between versions, and the
+    interpreter's per call (`call_references`, `_call_references()`, the key it is counted
+    under). Empty where the probe counted anything else: then no memory is reused."""
     _PROBING.counts = counts = []
     try:
         with torch.enable_grad(), torch.inference_mode(False):
