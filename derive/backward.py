@@ -157,8 +157,10 @@ def resolve(spec: OpSpec, algebra: Algebra, targets: dict[str, sympy.Expr], save
         solved = _solve_from_saved_row(spec, node, available)
         if solved is not None:
             replacement = {node.symbol: solved}
-            targets = {k: substitute(v, replacement) for k, v in targets.items()}
-            resolutions = [Resolution(r.name, r.how, substitute(r.expr, replacement))
+            targets = {k: substitute(unrounded_in(v, node.symbol), replacement)
+                       for k, v in targets.items()}
+            resolutions = [Resolution(r.name, r.how,
+                                      substitute(unrounded_in(r.expr, node.symbol), replacement))
                            for r in resolutions]
             resolutions.append(Resolution(node.name, "solved", solved))
             continue
@@ -230,6 +232,48 @@ def unrounded(expr: sympy.Expr) -> sympy.Expr:
     return expr.replace(lambda e: isinstance(e, sympy.Piecewise)
                         and len({value for value, _ in e.args}) == 1,
                         lambda e: e.args[0][0])
+
+
+def unrounded_in(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:
+    """expr with the roundings of values that depend on `symbol`, a row value the backward
+    solves for from a saved one (`unrounded`), taken as the values they round. The solution
+    is the unrounded forward's (mean_square = 1/rstd**2 - eps), taken from a saved value that
+    the forward rounded already: a rounding of what is recovered would round a value
+    reconstructed from a rounded one, where torch's autograd evaluates a rounded step's
+    derivative at its saved, rounded result (rsqrt's backward: -rstd**3 / 2)."""
+    if not expr.has(Rounded):
+        return expr
+    expr = expr.replace(lambda e: isinstance(e, Rounded) and symbol in e.args[0].free_symbols,
+                        lambda e: e.args[0])
+    return _single_branches(expr.replace(lambda e: isinstance(e, sympy.Add),
+                                         _merged_switches))
+
+
+def _single_branches(expr: sympy.Expr) -> sympy.Expr:
+    """expr with each Piecewise whose branches are one value taken as that value."""
+    return expr.replace(lambda e: isinstance(e, sympy.Piecewise)
+                        and len({value for value, _ in e.args}) == 1,
+                        lambda e: e.args[0][0])
+
+
+def _merged_switches(add: sympy.Add) -> sympy.Expr:
+    """A sum whose Piecewise terms on the same conditions are one Piecewise of their branch
+    sums: Piecewise((0, c), (t, True)) + Piecewise((t, c), (0, True)) is t once the branches
+    agree."""
+    groups: dict[tuple, list[sympy.Piecewise]] = {}
+    rest = []
+    for term in add.args:
+        if isinstance(term, sympy.Piecewise):
+            groups.setdefault(tuple(c for _, c in term.args), []).append(term)
+        else:
+            rest.append(term)
+    if all(len(terms) == 1 for terms in groups.values()):
+        return add
+    merged = [terms[0] if len(terms) == 1 else _single_branches(sympy.Piecewise(*(
+        (sympy.Add(*(t.args[i][0] for t in terms)), condition)
+        for i, condition in enumerate(conditions))))
+        for conditions, terms in groups.items()]
+    return sympy.Add(*rest, *merged)
 
 
 def solve_for(symbol: sympy.Symbol, expr: sympy.Expr, unknown: sympy.Symbol) -> list[sympy.Expr]:

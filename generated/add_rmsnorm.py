@@ -26,7 +26,8 @@ from generated import dropout_add_rmsnorm as _sibling_dropout_add_rmsnorm
 def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
         weight_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride, rstd_ptr,
         eps_high, eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
-        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        round_normalized_low, round_steps_high, round_steps_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -36,12 +37,14 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
 
     pass 1: load input_bias, residual, x
       residual_out = input_bias + residual + x
-      mean_square = 1/N * sum_j(residual_out**2)
-      rstd = 1/sqrt(eps + mean_square)
+      rounded_residual_out = Rounded(residual_out**2)
+      mean_square = 1/N * sum_j(Piecewise((residual_out**2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+      rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     epilogue: load input_bias, residual, weight, x
       residual_out = input_bias + residual + x
       x_hat = residual_out*rstd
-      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+      common_0 = weight + weight_offset
+      y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -67,6 +70,7 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -87,10 +91,12 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
         else:
             residual = tl.full([], 0.0, ACC)
         residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-        mean_square = helpers.div(tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
-        rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
+        rounded_residual_out = (residual_out * residual_out).to(ROUND).to(ACC)  # rounded_residual_out = Rounded(residual_out^2)
+        mean_square = helpers.div(tl.sum(tl.where(mask, (rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out), 0.0), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+        rstd = ((helpers.rsqrt((eps + (mean_square).to(ROUND).to(ACC)).to(ROUND).to(ACC), FIXED_N)).to(ROUND).to(ACC) if HAS_ROUND_STEPS else helpers.rsqrt(eps + mean_square, FIXED_N))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        y = (((common_0).to(ROUND).to(ACC) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * (x_hat).to(ROUND).to(ACC)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RESIDUAL_OUT:
             tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -102,7 +108,8 @@ def _add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
 def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride, input_bias_ptr,
         weight_ptr, y_ptr, y_row_stride, residual_out_ptr, residual_out_row_stride, rstd_ptr,
         eps_high, eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
-        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        round_normalized_low, round_steps_high, round_steps_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -113,12 +120,14 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
 
     pass 1: load input_bias, residual, x
       residual_out = input_bias + residual + x
-      mean_square = 1/N * sum_j(residual_out**2)
-      rstd = 1/sqrt(eps + mean_square)
+      rounded_residual_out = Rounded(residual_out**2)
+      mean_square = 1/N * sum_j(Piecewise((residual_out**2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+      rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     epilogue: load input_bias, residual, weight, x
       residual_out = input_bias + residual + x
       x_hat = residual_out*rstd
-      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+      common_0 = weight + weight_offset
+      y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -134,6 +143,7 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -153,9 +163,10 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
                 residual = tl.full([], 0.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-            mean_square_acc += tl.where(mask, residual_out * residual_out, 0.0)
-        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
-        rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
+            rounded_residual_out = (residual_out * residual_out).to(ROUND).to(ACC)  # rounded_residual_out = Rounded(residual_out^2)
+            mean_square_acc += tl.where(mask, (rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out), 0.0)
+        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+        rstd = ((helpers.rsqrt((eps + (mean_square).to(ROUND).to(ACC)).to(ROUND).to(ACC), FIXED_N)).to(ROUND).to(ACC) if HAS_ROUND_STEPS else helpers.rsqrt(eps + mean_square, FIXED_N))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -175,7 +186,8 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            y = (((common_0).to(ROUND).to(ACC) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * (x_hat).to(ROUND).to(ACC)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
             if STORE_RESIDUAL_OUT:
                 tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -187,9 +199,10 @@ def _add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row_stride,
 def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
-        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
         KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
@@ -198,13 +211,14 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
     pass 1: load dy, residual_out, weight
       x_hat = residual_out*rstd
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, residual_out, weight
       x_hat = residual_out*rstd
-      common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = weight + weight_offset
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     output dresidual is dx (same values, stored once)
-    store dx = common_0
-    store dinput_bias = common_0 (Σ over rows)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -227,6 +241,7 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -247,11 +262,12 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dresidual_out = tl.full([], 0.0, ACC)
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
+        sum_dy_x_hat_term = tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
-            dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
+            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
@@ -264,9 +280,10 @@ def _add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
-        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
         KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
@@ -276,13 +293,14 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
     pass 1: load dy, residual_out, weight
       x_hat = residual_out*rstd
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, residual_out, weight
       x_hat = residual_out*rstd
-      common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = weight + weight_offset
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     output dresidual is dx (same values, stored once)
-    store dx = common_0
-    store dinput_bias = common_0 (Σ over rows)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -295,12 +313,13 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_x_hat_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -312,8 +331,8 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+            sum_dy_x_hat_term_acc += (dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(sum_dy_x_hat_term_acc, axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -329,14 +348,15 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dinput_bias_partial += tl.sum(tl.where(mask, common_0, 0.0), axis=0)[None, :]  # dinput_bias = common_0
+                dinput_bias_partial += tl.sum(tl.where(mask, common_1, 0.0), axis=0)[None, :]  # dinput_bias = common_1
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -351,9 +371,10 @@ def _add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr,
-        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low, M, N,
-        split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        weight_offset_high, weight_offset_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, split_sums_ptr, split_count_ptr,
+        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         STORE_DINPUT_BIAS: tl.constexpr, STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
         FIXED_N: tl.constexpr):
@@ -364,13 +385,14 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
     pass 1: load dy, residual_out, weight
       x_hat = residual_out*rstd
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, residual_out, weight
       x_hat = residual_out*rstd
-      common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_0 = weight + weight_offset
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     output dresidual is dx (same values, stored once)
-    store dx = common_0
-    store dinput_bias = common_0 (Σ over rows)
+    store dx = common_1
+    store dinput_bias = common_1 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -389,6 +411,7 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -424,14 +447,15 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
-        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * x_hat * (weight + weight_offset), axis=1))
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1))
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_0).to(dx_ptr.dtype.element_ty), mask=mask)
+        sum_dy_x_hat_term = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
-            dinput_bias_acc += tl.where(mask, common_0, 0.0)  # dinput_bias = common_0
+            dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
@@ -444,8 +468,9 @@ def _add_rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
-        weight_offset_low, round_normalized_high, round_normalized_low, M, N, split_sums_ptr,
-        split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        weight_offset_low, round_normalized_high, round_normalized_low, round_steps_high,
+        round_steps_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -455,11 +480,11 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, weight, y
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-      common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
@@ -485,6 +510,7 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -505,9 +531,9 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dresidual_out = tl.full([], 0.0, ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        common_1 = dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -523,8 +549,9 @@ def _add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
-        weight_offset_low, round_normalized_high, round_normalized_low, M, N, split_sums_ptr,
-        split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        weight_offset_low, round_normalized_high, round_normalized_low, round_steps_high,
+        round_steps_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -535,11 +562,11 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, weight, y
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-      common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
@@ -555,12 +582,13 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_x_hat_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -572,8 +600,8 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+            sum_dy_x_hat_term_acc += (dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(sum_dy_x_hat_term_acc, axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -590,7 +618,7 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_0 = weight + weight_offset  # common_0 = weight + weight_offset
             x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
-            common_1 = dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+            common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
             tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -612,8 +640,9 @@ def _add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out_ptr,
 def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high,
-        weight_offset_low, round_normalized_high, round_normalized_low, M, N, split_sums_ptr,
-        split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        weight_offset_low, round_normalized_high, round_normalized_low, round_steps_high,
+        round_steps_low, M, N, split_sums_ptr, split_count_ptr, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
@@ -624,11 +653,11 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, weight, y
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-      common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     output dresidual is dx (same values, stored once)
     store dx = common_1
     store dinput_bias = common_1 (Σ over rows)
@@ -650,6 +679,7 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -685,12 +715,12 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
-        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * x_hat * (weight + weight_offset), axis=1))
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1))
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        common_1 = dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+        common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
         tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_1).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
             dinput_bias_acc += tl.where(mask, common_1, 0.0)  # dinput_bias = common_1
@@ -703,7 +733,7 @@ def _add_rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, dresidual_out_ptr,
 
 
 def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, round_normalized,
-        store_residual_out, store_rstd, residual_out_dtype=None):
+        round_steps, store_residual_out, store_rstd, residual_out_dtype=None):
     """_add_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -713,14 +743,18 @@ def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, 
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    rounded_residual_out = (residual_out * residual_out).to(dtype).to(acc)  # rounded_residual_out = Rounded(residual_out^2)
+    mean_square = ((rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    y = ((weight + weight_offset) * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    y = (((common_0).to(dtype).to(acc) * (x_hat).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * (x_hat).to(dtype).to(acc)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
@@ -728,7 +762,7 @@ def _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, 
 
 
 def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, round_normalized, store_dinput_bias, store_dweight):
+        weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight):
     """_add_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -739,20 +773,23 @@ def _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, 
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-    dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    common_1 = (dresidual_out + rstd * dy * (common_0).to(dtype).to(acc) - (rstd * sum_dy_x_hat_term) / (N) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_term) / (N) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+    dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 
 
 def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd,
-        weight_offset, round_normalized, store_dinput_bias, store_dweight):
+        weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight):
     """_add_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -763,13 +800,15 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-    common_1 = dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_1 = common_0*dy*rstd + dresidual_out - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
+    common_1 = (dresidual_out + rstd * dy * (common_0).to(dtype).to(acc) - (rstd * sum_dy_x_hat_term) / (N) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_term) / (N) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
     dx = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
     dinput_bias = torch.broadcast_to(common_1, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
@@ -777,7 +816,7 @@ def _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, 
 
 
 def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, input_bias, weight,
-        eps, weight_offset, round_normalized, store_dinput_bias, store_dweight):
+        eps, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = dy.dtype
@@ -789,22 +828,27 @@ def _add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, inp
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
-    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    rounded_residual_out = (residual_out * residual_out).to(dtype).to(acc)  # rounded_residual_out = Rounded(residual_out^2)
+    mean_square = ((rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    common_0 = dresidual_out + rstd * dy * (weight + weight_offset) - (rstd * sum_dy_x_hat_weight_weight_offset) / (N) * x_hat  # common_0 = dresidual_out + dy*rstd*(weight + weight_offset) - rstd*sum_dy_x_hat_weight_weight_offset*x_hat/N
-    dx = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_0, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    common_4 = (-(((sum_dy_x_hat_term) / (N)) / (rstd * rstd)) / ((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc) * torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc))) * x_hat if HAS_ROUND_STEPS else -(((sum_dy_x_hat_term) / (N)) / (rstd * rstd)) / ((eps + mean_square) * torch.sqrt(eps + mean_square)) * x_hat)  # common_4 = 2*sum_dy_x_hat_term*x_hat*Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (-1/(2*Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), True)), True))/(N*rstd^2)
+    common_5 = (common_4 + dresidual_out + rstd * dy * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_4 + dresidual_out + rstd * common_0 * dy)  # common_5 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) + Piecewise((0, Eq(round_steps, 0)), (common_4, True)) + Piecewise((common_4, Eq(round_steps, 0)), (0, True))
+    dx = torch.broadcast_to(common_5, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_5, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dx, dinput_bias, dweight,
 
 
 def _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot,
-        weight_dot, eps, weight_offset, round_normalized):
+        weight_dot, eps, weight_offset, round_normalized, round_steps):
     """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
     tangents (`<name>_dot`; None: zero), in plain torch on any device."""
     dtype = x.dtype
@@ -819,33 +863,37 @@ def _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight,
     input_bias_dot = input_bias_dot.to(acc) if input_bias_dot is not None else 0.0
     weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     residual_out = input_bias + residual + x  # residual_out = input_bias + residual + x
-    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    mean_square_dot = (2.0 * residual_out * (input_bias_dot + residual_dot + x_dot)).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*residual_out*(input_bias_dot + residual_dot + x_dot))
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
-    rstd_dot = -0.5 * mean_square_dot * rstd * rstd * rstd  # rstd_dot = -mean_square_dot*rstd^3/2
+    rounded_residual_out = (residual_out * residual_out).to(dtype).to(acc)  # rounded_residual_out = Rounded(residual_out^2)
+    mean_square = ((rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+    mean_square_dot = ((2.0 * residual_out * (input_bias_dot + residual_dot + x_dot) if HAS_ROUND_STEPS else 2.0 * residual_out * (input_bias_dot + residual_dot + x_dot))).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*residual_out*(input_bias_dot + residual_dot + x_dot)*Piecewise((0, Eq(round_steps, 0)), (1, True)) + (input_bias_dot + residual_dot + x_dot)*Piecewise((2*residual_out, Eq(round_steps, 0)), (0, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
+    rstd_dot = (-(0.5 * mean_square_dot) / ((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc) * torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc))) if HAS_ROUND_STEPS else -(0.5 * mean_square_dot) / ((eps + mean_square) * torch.sqrt(eps + mean_square)))  # rstd_dot = mean_square_dot*Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (-1/(2*Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), True)), True))
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
     common_0 = input_bias_dot + residual_dot + x_dot  # common_0 = input_bias_dot + residual_dot + x_dot
-    y_dot = torch.broadcast_to((weight_dot * (x_hat).to(dtype).to(acc) + (weight + weight_offset) * (rstd * common_0 + (rstd_dot) / (rstd) * x_hat) if HAS_ROUND_NORMALIZED else weight_dot * x_hat + (weight + weight_offset) * (rstd * common_0 + (rstd_dot) / (rstd) * x_hat)), (M, N)).to(dtype).contiguous()
+    common_1 = weight + weight_offset  # common_1 = weight + weight_offset
+    y_dot = torch.broadcast_to(((weight_dot * (x_hat).to(dtype).to(acc) + (rstd * common_0 + (rstd_dot) / (rstd) * x_hat) * (common_1).to(dtype).to(acc) if HAS_ROUND_STEPS else common_1 * (rstd * common_0 + (rstd_dot) / (rstd) * x_hat) + weight_dot * (x_hat).to(dtype).to(acc)) if HAS_ROUND_NORMALIZED else (weight_dot * x_hat + (rstd * common_0 + (rstd_dot) / (rstd) * x_hat) * (common_1).to(dtype).to(acc) if HAS_ROUND_STEPS else common_1 * (rstd * common_0 + (rstd_dot) / (rstd) * x_hat) + weight_dot * x_hat)), (M, N)).to(dtype).contiguous()
     residual_out_dot = torch.broadcast_to(common_0, (M, N)).to(dtype).contiguous()
     return y_dot, residual_out_dot,
 
 
 def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_normalized,
-        store_residual_out, store_rstd, residual_out_dtype=None):
+        round_steps, store_residual_out, store_rstd, residual_out_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, round_normalized, store_residual_out, store_rstd, residual_out_dtype)
+        return _add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, store_residual_out, store_rstd, residual_out_dtype)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_normalized, store_residual_out, store_rstd, residual_out_dtype)
+            return _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, store_residual_out, store_rstd, residual_out_dtype)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -867,6 +915,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_
             store_rstd,
             residual_out_dtype,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
@@ -894,6 +943,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
             *plan.tail,
         )
@@ -910,6 +960,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
         )
         constexprs = dict(
@@ -917,6 +968,7 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
             HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+            HAS_ROUND_STEPS=round_steps != 0.0,
             STORE_RESIDUAL_OUT=store_residual_out,
             STORE_RSTD=store_rstd,
             ACC=launch.TRITON_ACC[acc],
@@ -943,17 +995,17 @@ def _add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, round_
 
 
 def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, round_normalized, store_dinput_bias, store_dweight, into=None):
+        weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
+        return _add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
+            return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -980,6 +1032,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
             store_dinput_bias,
             store_dweight,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
@@ -1016,6 +1069,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -1034,6 +1088,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
@@ -1042,6 +1097,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
                 HAS_INPUT_BIAS=input_bias is not None,
                 HAS_WEIGHT=weight is not None,
                 HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+                HAS_ROUND_STEPS=round_steps != 0.0,
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
@@ -1078,7 +1134,7 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
+        return _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight, into=into)
     dinput_bias, dweight, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1087,17 +1143,17 @@ def _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight
 
 
 def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset,
-        round_normalized, store_dinput_bias, store_dweight, into=None):
+        round_normalized, round_steps, store_dinput_bias, store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
+        return _add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
+            return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -1124,6 +1180,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
             store_dinput_bias,
             store_dweight,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device, True)
@@ -1160,6 +1217,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -1178,6 +1236,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
@@ -1186,6 +1245,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
                 HAS_INPUT_BIAS=input_bias is not None,
                 HAS_WEIGHT=weight is not None,
                 HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+                HAS_ROUND_STEPS=round_steps != 0.0,
                 STORE_DINPUT_BIAS=store_dinput_bias,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
@@ -1222,7 +1282,7 @@ def _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, 
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight, into=into)
+        return _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight, into=into)
     dinput_bias, dweight, = launch.column_sums(
         (dinput_bias_partial, input_bias),
         (dweight_partial, weight),
@@ -1237,11 +1297,11 @@ class _DefaultFunction(launch.RowFunction):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps,
             store_residual_out=True,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1257,18 +1317,19 @@ class _DefaultFunction(launch.RowFunction):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.in_place = in_place
         ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        y_dot, residual_out_dot, = _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
@@ -1288,6 +1349,7 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.eps,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
             )
@@ -1296,12 +1358,13 @@ class _DefaultFunction(launch.RowFunction):
                 dy, dresidual_out, residual_out, input_bias, weight, rstd,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(launch.RowFunction):
@@ -1311,11 +1374,11 @@ class _InvertibleFunction(launch.RowFunction):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps,
             store_residual_out=want_residual_out,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1331,18 +1394,19 @@ class _InvertibleFunction(launch.RowFunction):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.in_place = in_place
         ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        y_dot, residual_out_dot, = _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
@@ -1360,12 +1424,13 @@ class _InvertibleFunction(launch.RowFunction):
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
             ctx.round_normalized,
+            ctx.round_steps,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
             into=into,
         )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1383,11 +1448,11 @@ class _Functional(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _add_rmsnorm_fwd_torch(
-            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps,
             store_residual_out=want_residual_out,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1398,7 +1463,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, want_residual_out, residual_out_dtype, = inputs
+        x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, want_residual_out, residual_out_dtype, = inputs
         y, residual_out, = output
         ctx.save_for_backward(residual_out, input_bias, weight)
         ctx.save_for_forward(x, residual, input_bias, weight)
@@ -1409,6 +1474,7 @@ class _Functional(torch.autograd.Function):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.residual_out_dtype = residual_out_dtype
 
     @staticmethod
@@ -1422,14 +1488,15 @@ class _Functional(torch.autograd.Function):
             ctx.eps,
             ctx.weight_offset,
             ctx.round_normalized,
+            ctx.round_steps,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
         )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, = ctx.saved_tensors
@@ -1437,7 +1504,7 @@ class _Functional(torch.autograd.Function):
         residual = launch.to_rows(residual, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        y_dot, residual_out_dot, = _add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
 
@@ -1464,13 +1531,14 @@ def _add_rmsnorm_op(
     eps: float,
     weight_offset: float,
     round_normalized: float,
+    round_steps: float,
     memory: str,
     want_residual_out: bool,
     residual_out_fp32: bool,
 ) -> list[torch.Tensor]:
     stores = _add_rmsnorm_stores(memory, want_residual_out)
     outputs = _add_rmsnorm_fwd(
-        x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+        x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps,
         store_residual_out=stores["residual_out"],
         store_rstd=stores["rstd"],
         residual_out_dtype=torch.float32 if residual_out_fp32 else None,
@@ -1487,6 +1555,7 @@ def _(
     eps,
     weight_offset,
     round_normalized,
+    round_steps,
     memory,
     want_residual_out,
     residual_out_fp32,
@@ -1513,10 +1582,11 @@ def _add_rmsnorm_backward_default_op(
     rstd: torch.Tensor,
     weight_offset: float,
     round_normalized: float,
+    round_steps: float,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
+    outputs = _add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dx', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dinput_bias', 'dweight']]
 
@@ -1531,6 +1601,7 @@ def _(
     rstd,
     weight_offset,
     round_normalized,
+    round_steps,
     store_dinput_bias,
     store_dweight,
 ):
@@ -1551,10 +1622,11 @@ def _add_rmsnorm_backward_invertible_op(
     rstd: torch.Tensor,
     weight_offset: float,
     round_normalized: float,
+    round_steps: float,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, store_dinput_bias, store_dweight)
+    outputs = _add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, round_normalized, round_steps, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dx', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dinput_bias', 'dweight']]
 
@@ -1569,6 +1641,7 @@ def _(
     rstd,
     weight_offset,
     round_normalized,
+    round_steps,
     store_dinput_bias,
     store_dweight,
 ):
@@ -1580,7 +1653,7 @@ def _(
 
 
 def _add_rmsnorm_setup_context(ctx, inputs, output):
-    x, residual, input_bias, weight, eps, weight_offset, round_normalized, memory, want_residual_out, residual_out_fp32, = inputs
+    x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, rstd, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
@@ -1590,6 +1663,7 @@ def _add_rmsnorm_setup_context(ctx, inputs, output):
     ctx.eps = eps
     ctx.weight_offset = weight_offset
     ctx.round_normalized = round_normalized
+    ctx.round_steps = round_steps
     if memory == "default":
         ctx.save_for_backward(residual_out, rstd, input_bias, weight)
     elif memory == "invertible":
@@ -1610,6 +1684,7 @@ def _add_rmsnorm_backward(ctx, grads):
                 ctx.eps,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 store_dinput_bias=input_bias is not None and needs[2],
                 store_dweight=weight is not None and needs[3],
             )
@@ -1618,11 +1693,12 @@ def _add_rmsnorm_backward(ctx, grads):
                 dy, dresidual_out, residual_out, input_bias, weight, rstd,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 input_bias is not None and needs[2],
                 weight is not None and needs[3],
             )
             dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -1631,11 +1707,12 @@ def _add_rmsnorm_backward(ctx, grads):
             dy, dresidual_out, y, input_bias, weight, rstd,
             ctx.weight_offset,
             ctx.round_normalized,
+            ctx.round_steps,
             input_bias is not None and needs[2],
             weight is not None and needs[3],
         )
         dresidual = dx
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, None, None, 
 
@@ -1698,9 +1775,12 @@ def add_rms_norm(
     GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
     (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
     rounded to the input's dtype before the weight (weight_offset + weight, in float32)
-    multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
-    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
-    Kernel's "none" (every step in the input's dtype) is not taken.
+    multiplies it, the product rounded again. "none" (Liger-Kernel's: no cast, every step in the
+    input's dtype, as torch's ops compute an RMS norm written out on a 16-bit tensor): each
+    square, the mean square, mean square + eps, rstd, x * rstd and weight_offset + weight
+    rounded to the input's dtype, the mean summed in float32. The gradient passes each rounding
+    unchanged, as torch's autograd passes a cast, each derivative evaluated at the rounded
+    statistics the forward saved. All three are the same for float32 and float64 input.
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/add_rmsnorm.md):
@@ -1747,7 +1827,7 @@ def add_rms_norm(
     weight = checks.check_param("add_rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("add_rms_norm", "weight_offset", weight_offset)
-    round_normalized, = checks.check_mode("add_rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+    round_normalized, round_steps, = checks.check_mode("add_rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
@@ -1781,18 +1861,18 @@ def add_rms_norm(
     layout = launch.layout(order, input.shape if order is None else launch.permuted_shape(input.shape, order), columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, residual, input_bias, weight, eps, weight_offset, round_normalized, in_place, layout, prenorm, residual_out_dtype)
+        outputs = launch.apply(function, x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, prenorm, residual_out_dtype)
         return (outputs[0], amp.restored(outputs[1], added_dtype)) if prenorm else outputs[0]
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.add_rmsnorm(
-            x, residual, input_bias, weight, eps, weight_offset, round_normalized, memory, prenorm, residual_in_fp32
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps, memory, prenorm, residual_in_fp32
         )
     else:
         outputs = _add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, round_normalized,
+            x, residual, input_bias, weight, eps, weight_offset, round_normalized, round_steps,
             store_residual_out=prenorm,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1834,7 +1914,7 @@ class AddRMSNorm(torch.nn.Module):
         self.residual_in_fp32 = residual_in_fp32
         self.weight_offset = checks.check_real("AddRMSNorm", "weight_offset", weight_offset)
         self.dropout_p = checks.check_option("AddRMSNorm", "dropout_p", dropout_p, "probability")
-        checks.check_mode("AddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+        checks.check_mode("AddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
         self.casting_mode = casting_mode
         checks.check_choice("AddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory

@@ -34,7 +34,8 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
         input_bias_ptr, weight_ptr, seed_ptr, y_ptr, y_row_stride, residual_out_ptr,
         residual_out_row_stride, rstd_ptr, eps_high, eps_low, weight_offset_high,
         weight_offset_low, dropout_p_high, dropout_p_low, round_normalized_high,
-        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        round_normalized_low, round_steps_high, round_steps_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -47,14 +48,16 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
       keep = Piecewise((1, dropout_p <= u), (0, True))
       dropped = keep*(input_bias + x)/(1 - dropout_p)
       residual_out = dropped + residual
-      mean_square = 1/N * sum_j(residual_out**2)
-      rstd = 1/sqrt(eps + mean_square)
+      rounded_residual_out = Rounded(residual_out**2)
+      mean_square = 1/N * sum_j(Piecewise((residual_out**2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+      rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     epilogue: load input_bias, residual, u, weight, x
       keep = Piecewise((1, dropout_p <= u), (0, True))
       dropped = keep*(input_bias + x)/(1 - dropout_p)
       residual_out = dropped + residual
       x_hat = residual_out*rstd
-      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+      common_0 = weight + weight_offset
+      y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -82,6 +85,7 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_INPUT_BIAS:
         input_bias = tl.load(input_bias_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -106,10 +110,12 @@ def _dropout_add_rmsnorm_fwd_per(x_ptr, x_row_stride, residual_ptr, residual_row
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
         dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
         residual_out = dropped + residual  # residual_out = dropped + residual
-        mean_square = helpers.div(tl.sum(tl.where(mask, residual_out * residual_out, 0.0), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
-        rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
+        rounded_residual_out = (residual_out * residual_out).to(ROUND).to(ACC)  # rounded_residual_out = Rounded(residual_out^2)
+        mean_square = helpers.div(tl.sum(tl.where(mask, (rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out), 0.0), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+        rstd = ((helpers.rsqrt((eps + (mean_square).to(ROUND).to(ACC)).to(ROUND).to(ACC), FIXED_N)).to(ROUND).to(ACC) if HAS_ROUND_STEPS else helpers.rsqrt(eps + mean_square, FIXED_N))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        y = (((common_0).to(ROUND).to(ACC) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * (x_hat).to(ROUND).to(ACC)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RESIDUAL_OUT:
             tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -122,7 +128,8 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
         input_bias_ptr, weight_ptr, seed_ptr, y_ptr, y_row_stride, residual_out_ptr,
         residual_out_row_stride, rstd_ptr, eps_high, eps_low, weight_offset_high,
         weight_offset_low, dropout_p_high, dropout_p_low, round_normalized_high,
-        round_normalized_low, M, N, HAS_RESIDUAL: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        round_normalized_low, round_steps_high, round_steps_low, M, N, HAS_RESIDUAL: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
         STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -136,14 +143,16 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
       keep = Piecewise((1, dropout_p <= u), (0, True))
       dropped = keep*(input_bias + x)/(1 - dropout_p)
       residual_out = dropped + residual
-      mean_square = 1/N * sum_j(residual_out**2)
-      rstd = 1/sqrt(eps + mean_square)
+      rounded_residual_out = Rounded(residual_out**2)
+      mean_square = 1/N * sum_j(Piecewise((residual_out**2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+      rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     epilogue: load input_bias, residual, u, weight, x
       keep = Piecewise((1, dropout_p <= u), (0, True))
       dropped = keep*(input_bias + x)/(1 - dropout_p)
       residual_out = dropped + residual
       x_hat = residual_out*rstd
-      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+      common_0 = weight + weight_offset
+      y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store residual_out = residual_out (if STORE_RESIDUAL_OUT)
     store rstd = rstd (if STORE_RSTD)
@@ -160,6 +169,7 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -184,9 +194,10 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
             residual_out = dropped + residual  # residual_out = dropped + residual
-            mean_square_acc += tl.where(mask, residual_out * residual_out, 0.0)
-        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(residual_out^2)
-        rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
+            rounded_residual_out = (residual_out * residual_out).to(ROUND).to(ACC)  # rounded_residual_out = Rounded(residual_out^2)
+            mean_square_acc += tl.where(mask, (rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out), 0.0)
+        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+        rstd = ((helpers.rsqrt((eps + (mean_square).to(ROUND).to(ACC)).to(ROUND).to(ACC), FIXED_N)).to(ROUND).to(ACC) if HAS_ROUND_STEPS else helpers.rsqrt(eps + mean_square, FIXED_N))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -210,7 +221,8 @@ def _dropout_add_rmsnorm_fwd_red(x_ptr, x_row_stride, residual_ptr, residual_row
             dropped = helpers.div(keep * (input_bias + x), 1.0 - dropout_p, EXACT)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
             residual_out = dropped + residual  # residual_out = dropped + residual
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            y = (((common_0).to(ROUND).to(ACC) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * (x_hat).to(ROUND).to(ACC)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
             if STORE_RESIDUAL_OUT:
                 tl.store(residual_out_ptr + offsets * residual_out_row_stride + cols, (residual_out).to(residual_out_ptr.dtype.element_ty), mask=mask)
@@ -223,8 +235,9 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -235,17 +248,16 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
     u = random
     pass 1: load dy, residual_out, weight
       x_hat = residual_out*rstd
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-      sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, residual_out, u, weight
       keep = Piecewise((1, dropout_p <= u), (0, True))
       x_hat = residual_out*rstd
-      common_0 = rstd*x_hat/N
-      common_2 = dy*rstd*(weight + weight_offset)
-      common_3 = keep*(common_0*sum_dy_x_hat_term_weight_weight_offset + common_2/(1 - dropout_p) + dresidual_out/(1 - dropout_p))
-    store dx = common_3
-    store dresidual = -common_0*sum_dy_x_hat_weight_weight_offset + common_2 + dresidual_out
-    store dinput_bias = common_3 (Σ over rows)
+      common_0 = weight + weight_offset
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+      common_2 = common_1*keep/(1 - dropout_p)
+    store dx = common_2
+    store dresidual = common_1
+    store dinput_bias = common_2 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -271,6 +283,7 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -293,16 +306,15 @@ def _dropout_add_rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, dresidual_out_pt
         residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0).to(ACC)
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        sum_dy_x_hat_term_weight_weight_offset = tl.sum(helpers.div(dy * x_hat * (weight + weight_offset), -1.0 + dropout_p, EXACT), axis=1)[:, None]  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+        sum_dy_x_hat_term = tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-        common_0 = helpers.div(rstd, N, EXACT) * x_hat  # common_0 = rstd*x_hat/N
-        common_2 = rstd * dy * (weight + weight_offset)  # common_2 = dy*rstd*(weight + weight_offset)
-        common_3 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_0 + helpers.div(common_2, 1.0 - dropout_p, EXACT) + helpers.div(dresidual_out, 1.0 - dropout_p, EXACT))  # common_3 = keep*(common_0*sum_dy_x_hat_term_weight_weight_offset + common_2/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_3).to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_2 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_0).to(dresidual_ptr.dtype.element_ty), mask=mask)
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+        common_2 = helpers.div(common_1 * keep, 1.0 - dropout_p, EXACT)  # common_2 = common_1*keep/(-dropout_p + 1)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_2).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_1).to(dresidual_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
-            dinput_bias_acc += tl.where(mask, common_3, 0.0)  # dinput_bias = common_3
+            dinput_bias_acc += tl.where(mask, common_2, 0.0)  # dinput_bias = common_2
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
@@ -316,8 +328,9 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
         dresidual_out_row_stride, residual_out_ptr, residual_out_row_stride, input_bias_ptr,
         weight_ptr, rstd_ptr, seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -329,17 +342,16 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
     u = random
     pass 1: load dy, residual_out, weight
       x_hat = residual_out*rstd
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-      sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, residual_out, u, weight
       keep = Piecewise((1, dropout_p <= u), (0, True))
       x_hat = residual_out*rstd
-      common_0 = rstd*x_hat/N
-      common_2 = dy*rstd*(weight + weight_offset)
-      common_3 = keep*(common_0*sum_dy_x_hat_term_weight_weight_offset + common_2/(1 - dropout_p) + dresidual_out/(1 - dropout_p))
-    store dx = common_3
-    store dresidual = -common_0*sum_dy_x_hat_weight_weight_offset + common_2 + dresidual_out
-    store dinput_bias = common_3 (Σ over rows)
+      common_0 = weight + weight_offset
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+      common_2 = common_1*keep/(1 - dropout_p)
+    store dx = common_2
+    store dresidual = common_1
+    store dinput_bias = common_2 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -353,14 +365,14 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        sum_dy_x_hat_term_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_x_hat_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = chunk * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -373,10 +385,8 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             residual_out = tl.load(residual_out_ptr + offsets * residual_out_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
-            sum_dy_x_hat_term_weight_weight_offset_acc += helpers.div(dy * x_hat * (weight + weight_offset), -1.0 + dropout_p, EXACT)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        sum_dy_x_hat_term_weight_weight_offset = tl.sum(sum_dy_x_hat_term_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+            sum_dy_x_hat_term_acc += (dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(sum_dy_x_hat_term_acc, axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -395,17 +405,17 @@ def _dropout_add_rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, dresidual_out_pt
             u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-            common_0 = helpers.div(rstd, N, EXACT) * x_hat  # common_0 = rstd*x_hat/N
-            common_2 = rstd * dy * (weight + weight_offset)  # common_2 = dy*rstd*(weight + weight_offset)
-            common_3 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_0 + helpers.div(common_2, 1.0 - dropout_p, EXACT) + helpers.div(dresidual_out, 1.0 - dropout_p, EXACT))  # common_3 = keep*(common_0*sum_dy_x_hat_term_weight_weight_offset + common_2/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_3).to(dx_ptr.dtype.element_ty), mask=mask)
-            tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_2 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_0).to(dresidual_ptr.dtype.element_ty), mask=mask)
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+            common_2 = helpers.div(common_1 * keep, 1.0 - dropout_p, EXACT)  # common_2 = common_1*keep/(-dropout_p + 1)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_2).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_1).to(dresidual_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dinput_bias_partial += tl.sum(tl.where(mask, common_3, 0.0), axis=0)[None, :]  # dinput_bias = common_3
+                dinput_bias_partial += tl.sum(tl.where(mask, common_2, 0.0), axis=0)[None, :]  # dinput_bias = common_2
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -421,8 +431,9 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -433,18 +444,16 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
     u = random
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-      sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, u, weight, y
       keep = Piecewise((1, dropout_p <= u), (0, True))
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-      common_1 = rstd*x_hat/N
-      common_3 = common_0*dy*rstd
-      common_4 = keep*(common_1*sum_dy_x_hat_term_weight_weight_offset + common_3/(1 - dropout_p) + dresidual_out/(1 - dropout_p))
-    store dx = common_4
-    store dresidual = -common_1*sum_dy_x_hat_weight_weight_offset + common_3 + dresidual_out
-    store dinput_bias = common_4 (Σ over rows)
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+      common_2 = common_1*keep/(1 - dropout_p)
+    store dx = common_2
+    store dresidual = common_1
+    store dinput_bias = common_2 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -470,6 +479,7 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     seed = tl.load(seed_ptr)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -492,17 +502,15 @@ def _dropout_add_rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, dresidual_out
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         u = helpers.uniform(seed, offsets, col0, N, BLOCK_N).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        sum_dy_x_hat_term_weight_weight_offset = tl.sum(helpers.div(dy * x_hat * (weight + weight_offset), -1.0 + dropout_p, EXACT), axis=1)[:, None]  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+        sum_dy_x_hat_term = tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        common_1 = helpers.div(rstd, N, EXACT) * x_hat  # common_1 = rstd*x_hat/N
-        common_3 = rstd * common_0 * dy  # common_3 = common_0*dy*rstd
-        common_4 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_1 + helpers.div(common_3, 1.0 - dropout_p, EXACT) + helpers.div(dresidual_out, 1.0 - dropout_p, EXACT))  # common_4 = keep*(common_1*sum_dy_x_hat_term_weight_weight_offset + common_3/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_4).to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_3 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_1).to(dresidual_ptr.dtype.element_ty), mask=mask)
+        common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+        common_2 = helpers.div(common_1 * keep, 1.0 - dropout_p, EXACT)  # common_2 = common_1*keep/(-dropout_p + 1)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_2).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_1).to(dresidual_ptr.dtype.element_ty), mask=mask)
         if STORE_DINPUT_BIAS:
-            dinput_bias_acc += tl.where(mask, common_4, 0.0)  # dinput_bias = common_4
+            dinput_bias_acc += tl.where(mask, common_2, 0.0)  # dinput_bias = common_2
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DINPUT_BIAS:
@@ -516,8 +524,9 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
         dresidual_out_row_stride, y_ptr, y_row_stride, input_bias_ptr, weight_ptr, rstd_ptr,
         seed_ptr, dx_ptr, dx_row_stride, dresidual_ptr, dresidual_row_stride,
         dinput_bias_partial_ptr, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low, M, N,
-        HAS_DRESIDUAL_OUT: tl.constexpr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        dropout_p_high, dropout_p_low, round_normalized_high, round_normalized_low,
+        round_steps_high, round_steps_low, M, N, HAS_DRESIDUAL_OUT: tl.constexpr,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
         HAS_INPUT_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DINPUT_BIAS: tl.constexpr,
         STORE_DWEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
@@ -529,18 +538,16 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
     u = random
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-      sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dresidual_out, dy, u, weight, y
       keep = Piecewise((1, dropout_p <= u), (0, True))
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-      common_1 = rstd*x_hat/N
-      common_3 = common_0*dy*rstd
-      common_4 = keep*(common_1*sum_dy_x_hat_term_weight_weight_offset + common_3/(1 - dropout_p) + dresidual_out/(1 - dropout_p))
-    store dx = common_4
-    store dresidual = -common_1*sum_dy_x_hat_weight_weight_offset + common_3 + dresidual_out
-    store dinput_bias = common_4 (Σ over rows)
+      common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+      common_2 = common_1*keep/(1 - dropout_p)
+    store dx = common_2
+    store dresidual = common_1
+    store dinput_bias = common_2 (Σ over rows)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -554,14 +561,14 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     dropout_p = tl.cast(dropout_p_high, ACC) + tl.cast(dropout_p_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     seed = tl.load(seed_ptr)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-        sum_dy_x_hat_term_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_x_hat_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = chunk * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -574,10 +581,8 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
-            sum_dy_x_hat_term_weight_weight_offset_acc += helpers.div(dy * x_hat * (weight + weight_offset), -1.0 + dropout_p, EXACT)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        sum_dy_x_hat_term_weight_weight_offset = tl.sum(sum_dy_x_hat_term_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+            sum_dy_x_hat_term_acc += (dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(sum_dy_x_hat_term_acc, axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -597,17 +602,16 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
             keep = tl.where((dropout_p <= u), 1.0, 0.0)  # keep = Piecewise((1, dropout_p <= u), (0, True))
             common_0 = weight + weight_offset  # common_0 = weight + weight_offset
             x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
-            common_1 = helpers.div(rstd, N, EXACT) * x_hat  # common_1 = rstd*x_hat/N
-            common_3 = rstd * common_0 * dy  # common_3 = common_0*dy*rstd
-            common_4 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_1 + helpers.div(common_3, 1.0 - dropout_p, EXACT) + helpers.div(dresidual_out, 1.0 - dropout_p, EXACT))  # common_4 = keep*(common_1*sum_dy_x_hat_term_weight_weight_offset + common_3/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_4).to(dx_ptr.dtype.element_ty), mask=mask)
-            tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_3 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_1).to(dresidual_ptr.dtype.element_ty), mask=mask)
+            common_1 = (dresidual_out + rstd * dy * (common_0).to(ROUND).to(ACC) - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - helpers.div(rstd * sum_dy_x_hat_term, N, EXACT) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+            common_2 = helpers.div(common_1 * keep, 1.0 - dropout_p, EXACT)  # common_2 = common_1*keep/(-dropout_p + 1)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (common_2).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dresidual_ptr + offsets * dresidual_row_stride + cols, (common_1).to(dresidual_ptr.dtype.element_ty), mask=mask)
             if STORE_DINPUT_BIAS:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
                 # makes the test a tensor, which the interpreter's load mask needs)
                 dinput_bias_partial = tl.load(dinput_bias_partial_ptr + pid * N + cols, mask=col_mask & (cols * 0 + row_block > pid), other=0.0)
-                dinput_bias_partial += tl.sum(tl.where(mask, common_4, 0.0), axis=0)[None, :]  # dinput_bias = common_4
+                dinput_bias_partial += tl.sum(tl.where(mask, common_2, 0.0), axis=0)[None, :]  # dinput_bias = common_2
                 tl.store(dinput_bias_partial_ptr + pid * N + cols, dinput_bias_partial, mask=col_mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
@@ -619,7 +623,8 @@ def _dropout_add_rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, dresidual_out
 
 
 def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, dropout_p,
-        round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype=None):
+        round_normalized, round_steps, seed, store_residual_out, store_rstd,
+        residual_out_dtype=None):
     """_dropout_add_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -629,18 +634,22 @@ def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
     dropped = (keep * (input_bias + x)) / (1.0 - dropout_p)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
     residual_out = dropped + residual  # residual_out = dropped + residual
-    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    rounded_residual_out = (residual_out * residual_out).to(dtype).to(acc)  # rounded_residual_out = Rounded(residual_out^2)
+    mean_square = ((rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    y = ((weight + weight_offset) * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    y = (((common_0).to(dtype).to(acc) * (x_hat).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * (x_hat).to(dtype).to(acc)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     residual_out = torch.broadcast_to(residual_out, (M, N)).to(residual_out_dtype or dtype).contiguous() if store_residual_out else None
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
@@ -648,7 +657,8 @@ def _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_
 
 
 def _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight,
-        rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight):
+        rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias,
+        store_dweight):
     """_dropout_add_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -659,27 +669,29 @@ def _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, inpu
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    sum_dy_x_hat_term_weight_weight_offset = ((dy * x_hat * (weight + weight_offset)) / (-1.0 + dropout_p)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-    common_0 = (rstd) / (N) * x_hat  # common_0 = rstd*x_hat/N
-    common_2 = rstd * dy * (weight + weight_offset)  # common_2 = dy*rstd*(weight + weight_offset)
-    common_3 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_0 + (common_2) / (1.0 - dropout_p) + (dresidual_out) / (1.0 - dropout_p))  # common_3 = keep*(common_0*sum_dy_x_hat_term_weight_weight_offset + common_2/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-    dx = torch.broadcast_to(common_3, (M, N)).to(dtype).contiguous()
-    dresidual = torch.broadcast_to(common_2 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_0, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_3, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    common_1 = (dresidual_out + rstd * dy * (common_0).to(dtype).to(acc) - (rstd * sum_dy_x_hat_term) / (N) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_term) / (N) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+    common_2 = (common_1 * keep) / (1.0 - dropout_p)  # common_2 = common_1*keep/(-dropout_p + 1)
+    dx = torch.broadcast_to(common_2, (M, N)).to(dtype).contiguous()
+    dresidual = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_2, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dresidual, dinput_bias, dweight,
 
 
 def _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd,
-        weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight):
+        weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias,
+        store_dweight):
     """_dropout_add_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -690,29 +702,29 @@ def _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, 
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    sum_dy_x_hat_term_weight_weight_offset = ((dy * x_hat * (weight + weight_offset)) / (-1.0 + dropout_p)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
     common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-    common_1 = (rstd) / (N) * x_hat  # common_1 = rstd*x_hat/N
-    common_3 = rstd * common_0 * dy  # common_3 = common_0*dy*rstd
-    common_4 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_1 + (common_3) / (1.0 - dropout_p) + (dresidual_out) / (1.0 - dropout_p))  # common_4 = keep*(common_1*sum_dy_x_hat_term_weight_weight_offset + common_3/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-    dx = torch.broadcast_to(common_4, (M, N)).to(dtype).contiguous()
-    dresidual = torch.broadcast_to(common_3 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_1, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_4, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    common_1 = (dresidual_out + rstd * dy * (common_0).to(dtype).to(acc) - (rstd * sum_dy_x_hat_term) / (N) * x_hat if HAS_ROUND_STEPS else dresidual_out + rstd * common_0 * dy - (rstd * sum_dy_x_hat_term) / (N) * x_hat)  # common_1 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - rstd*sum_dy_x_hat_term*x_hat/N
+    common_2 = (common_1 * keep) / (1.0 - dropout_p)  # common_2 = common_1*keep/(-dropout_p + 1)
+    dx = torch.broadcast_to(common_2, (M, N)).to(dtype).contiguous()
+    dresidual = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_2, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dresidual, dinput_bias, dweight,
 
 
 def _dropout_add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_out, input_bias,
-        weight, eps, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias,
-        store_dweight):
+        weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
+        store_dinput_bias, store_dweight):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = dy.dtype
@@ -724,29 +736,33 @@ def _dropout_add_rmsnorm_bwd_default_recorded_torch(dy, dresidual_out, residual_
     input_bias = input_bias.to(acc) if input_bias is not None else 0.0
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = helpers.uniform_torch(seed, M, N).to(device=dy.device, dtype=acc)
-    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    rounded_residual_out = (residual_out * residual_out).to(dtype).to(acc)  # rounded_residual_out = Rounded(residual_out^2)
+    mean_square = ((rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    sum_dy_x_hat_term_weight_weight_offset = ((dy * x_hat * (weight + weight_offset)) / (-1.0 + dropout_p)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset)/(dropout_p - 1))
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
-    common_0 = (rstd) / (N) * x_hat  # common_0 = rstd*x_hat/N
-    common_2 = rstd * dy * (weight + weight_offset)  # common_2 = dy*rstd*(weight + weight_offset)
-    common_3 = keep * (sum_dy_x_hat_term_weight_weight_offset * common_0 + (common_2) / (1.0 - dropout_p) + (dresidual_out) / (1.0 - dropout_p))  # common_3 = keep*(common_0*sum_dy_x_hat_term_weight_weight_offset + common_2/(-dropout_p + 1) + dresidual_out/(-dropout_p + 1))
-    dx = torch.broadcast_to(common_3, (M, N)).to(dtype).contiguous()
-    dresidual = torch.broadcast_to(common_2 + dresidual_out - sum_dy_x_hat_weight_weight_offset * common_0, (M, N)).to(dtype).contiguous()
-    dinput_bias = torch.broadcast_to(common_3, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    common_4 = (-(((sum_dy_x_hat_term) / (N)) / (rstd * rstd)) / ((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc) * torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc))) * x_hat if HAS_ROUND_STEPS else -(((sum_dy_x_hat_term) / (N)) / (rstd * rstd)) / ((eps + mean_square) * torch.sqrt(eps + mean_square)) * x_hat)  # common_4 = 2*sum_dy_x_hat_term*x_hat*Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (-1/(2*Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), True)), True))/(N*rstd^2)
+    common_5 = (common_4 + dresidual_out + rstd * dy * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_4 + dresidual_out + rstd * common_0 * dy)  # common_5 = dresidual_out + dy*rstd*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) + Piecewise((0, Eq(round_steps, 0)), (common_4, True)) + Piecewise((common_4, Eq(round_steps, 0)), (0, True))
+    common_6 = (common_5 * keep) / (1.0 - dropout_p)  # common_6 = common_5*keep/(-dropout_p + 1)
+    dx = torch.broadcast_to(common_6, (M, N)).to(dtype).contiguous()
+    dresidual = torch.broadcast_to(common_5, (M, N)).to(dtype).contiguous()
+    dinput_bias = torch.broadcast_to(common_6, (M, N)).sum(dim=0).to(input_bias.dtype) if store_dinput_bias else None
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dresidual, dinput_bias, dweight,
 
 
 def _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight,
-        input_bias_dot, weight_dot, eps, weight_offset, dropout_p, round_normalized, seed):
+        input_bias_dot, weight_dot, eps, weight_offset, dropout_p, round_normalized, round_steps,
+        seed):
     """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
     tangents (`<name>_dot`; None: zero), in plain torch on any device."""
     dtype = x.dtype
@@ -761,38 +777,43 @@ def _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias,
     input_bias_dot = input_bias_dot.to(acc) if input_bias_dot is not None else 0.0
     weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dropout_p = torch.tensor(dropout_p, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     u = helpers.uniform_torch(seed, M, N).to(device=x.device, dtype=acc)
     keep = torch.where((dropout_p <= u), 1.0, 0.0).to(acc)  # keep = Piecewise((1, dropout_p <= u), (0, True))
     dropped = (keep * (input_bias + x)) / (1.0 - dropout_p)  # dropped = keep*(input_bias + x)/(-dropout_p + 1)
     residual_out = dropped + residual  # residual_out = dropped + residual
-    mean_square = (residual_out * residual_out).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(residual_out^2)
-    mean_square_dot = (2.0 * residual_out * (residual_dot + (input_bias_dot * keep) / (1.0 - dropout_p) + (keep * x_dot) / (1.0 - dropout_p))).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*residual_out*(input_bias_dot*keep/(-dropout_p + 1) + keep*x_dot/(-dropout_p + 1) + residual_dot))
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
-    rstd_dot = -0.5 * mean_square_dot * rstd * rstd * rstd  # rstd_dot = -mean_square_dot*rstd^3/2
+    rounded_residual_out = (residual_out * residual_out).to(dtype).to(acc)  # rounded_residual_out = Rounded(residual_out^2)
+    mean_square = ((rounded_residual_out if HAS_ROUND_STEPS else residual_out * residual_out)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((residual_out^2, Eq(round_steps, 0)), (rounded_residual_out, True)))
+    mean_square_dot = ((2.0 * residual_out * (residual_dot + (input_bias_dot * keep) / (1.0 - dropout_p) + (keep * x_dot) / (1.0 - dropout_p)) if HAS_ROUND_STEPS else 2.0 * residual_out * (residual_dot + (input_bias_dot * keep) / (1.0 - dropout_p) + (keep * x_dot) / (1.0 - dropout_p)))).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*residual_out*(input_bias_dot*keep/(-dropout_p + 1) + keep*x_dot/(-dropout_p + 1) + residual_dot)*Piecewise((0, Eq(round_steps, 0)), (1, True)) + (input_bias_dot*keep/(-dropout_p + 1) + keep*x_dot/(-dropout_p + 1) + residual_dot)*Piecewise((2*residual_out, Eq(round_steps, 0)), (0, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
+    rstd_dot = (-(0.5 * mean_square_dot) / ((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc) * torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc))) if HAS_ROUND_STEPS else -(0.5 * mean_square_dot) / ((eps + mean_square) * torch.sqrt(eps + mean_square)))  # rstd_dot = mean_square_dot*Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (-1/(2*Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), True)), True))
     common_0 = (keep) / (1.0 - dropout_p)  # common_0 = keep/(-dropout_p + 1)
     x_hat = rstd * residual_out  # x_hat = residual_out*rstd
-    common_1 = residual_dot + common_0 * input_bias_dot + common_0 * x_dot  # common_1 = common_0*input_bias_dot + common_0*x_dot + residual_dot
-    y_dot = torch.broadcast_to((weight_dot * (x_hat).to(dtype).to(acc) + (weight + weight_offset) * (rstd * common_1 + (rstd_dot) / (rstd) * x_hat) if HAS_ROUND_NORMALIZED else weight_dot * x_hat + (weight + weight_offset) * (rstd * common_1 + (rstd_dot) / (rstd) * x_hat)), (M, N)).to(dtype).contiguous()
-    residual_out_dot = torch.broadcast_to(common_1, (M, N)).to(dtype).contiguous()
+    common_1 = weight + weight_offset  # common_1 = weight + weight_offset
+    common_2 = residual_dot + common_0 * input_bias_dot + common_0 * x_dot  # common_2 = common_0*input_bias_dot + common_0*x_dot + residual_dot
+    y_dot = torch.broadcast_to(((weight_dot * (x_hat).to(dtype).to(acc) + (rstd * common_2 + (rstd_dot) / (rstd) * x_hat) * (common_1).to(dtype).to(acc) if HAS_ROUND_STEPS else common_1 * (rstd * common_2 + (rstd_dot) / (rstd) * x_hat) + weight_dot * (x_hat).to(dtype).to(acc)) if HAS_ROUND_NORMALIZED else (weight_dot * x_hat + (rstd * common_2 + (rstd_dot) / (rstd) * x_hat) * (common_1).to(dtype).to(acc) if HAS_ROUND_STEPS else common_1 * (rstd * common_2 + (rstd_dot) / (rstd) * x_hat) + weight_dot * x_hat)), (M, N)).to(dtype).contiguous()
+    residual_out_dot = torch.broadcast_to(common_2, (M, N)).to(dtype).contiguous()
     return y_dot, residual_out_dot,
 
 
 def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p,
-        round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype=None):
+        round_normalized, round_steps, seed, store_residual_out, store_rstd,
+        residual_out_dtype=None):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype)
+        return _dropout_add_rmsnorm_fwd_torch(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, store_residual_out, store_rstd, residual_out_dtype)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, store_residual_out, store_rstd, residual_out_dtype)
+            return _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, store_residual_out, store_rstd, residual_out_dtype)
     x_stride = x.stride(0)
     residual_stride = residual.stride(0) if residual is not None else 0
     plan = key = None
@@ -816,6 +837,7 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             store_rstd,
             residual_out_dtype,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1 + (residual is not None), x.element_size(), device)
@@ -845,6 +867,7 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
             *plan.tail,
         )
@@ -863,6 +886,7 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
         )
         constexprs = dict(
@@ -870,6 +894,7 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
             HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+            HAS_ROUND_STEPS=round_steps != 0.0,
             STORE_RESIDUAL_OUT=store_residual_out,
             STORE_RSTD=store_rstd,
             ACC=launch.TRITON_ACC[acc],
@@ -896,18 +921,18 @@ def _dropout_add_rmsnorm_fwd(x, residual, input_bias, weight, eps, weight_offset
 
 
 def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd,
-        weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight,
-        into=None):
+        weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias,
+        store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
+        return _dropout_add_rmsnorm_bwd_default_torch(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight, into=into)
+            return _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     residual_out_stride = residual_out.stride(0)
@@ -936,6 +961,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             store_dinput_bias,
             store_dweight,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device)
@@ -969,6 +995,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
             *plan.tail,
         )
@@ -989,6 +1016,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
         )
         constexprs = dict(
@@ -996,6 +1024,7 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
             HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+            HAS_ROUND_STEPS=round_steps != 0.0,
             STORE_DINPUT_BIAS=store_dinput_bias,
             STORE_DWEIGHT=store_dweight,
             ACC=launch.TRITON_ACC[acc],
@@ -1026,18 +1055,18 @@ def _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias
 
 
 def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd,
-        weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight,
-        into=None):
+        weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias,
+        store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
+        return _dropout_add_rmsnorm_bwd_invertible_torch(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight, into=into)
+            return _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight, into=into)
     dy_stride = dy.stride(0)
     dresidual_out_stride = dresidual_out.stride(0) if dresidual_out is not None else 0
     y_stride = y.stride(0)
@@ -1066,6 +1095,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             store_dinput_bias,
             store_dweight,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2 + (dresidual_out is not None), dy.element_size(), device)
@@ -1099,6 +1129,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
             *plan.tail,
         )
@@ -1119,6 +1150,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(dropout_p),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
         )
         constexprs = dict(
@@ -1126,6 +1158,7 @@ def _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight
             HAS_INPUT_BIAS=input_bias is not None,
             HAS_WEIGHT=weight is not None,
             HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+            HAS_ROUND_STEPS=round_steps != 0.0,
             STORE_DINPUT_BIAS=store_dinput_bias,
             STORE_DWEIGHT=store_dweight,
             ACC=launch.TRITON_ACC[acc],
@@ -1162,11 +1195,11 @@ class _DefaultFunction(launch.RowFunction):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
             store_residual_out=True,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1183,18 +1216,19 @@ class _DefaultFunction(launch.RowFunction):
         ctx.weight_offset = weight_offset
         ctx.dropout_p = dropout_p
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.in_place = in_place
         ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, seed, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, seed)
+        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, ctx.round_steps, seed)
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
@@ -1215,6 +1249,7 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.weight_offset,
                 ctx.dropout_p,
                 ctx.round_normalized,
+                ctx.round_steps,
                 seed,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
@@ -1225,13 +1260,14 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.weight_offset,
                 ctx.dropout_p,
                 ctx.round_normalized,
+                ctx.round_steps,
                 seed,
                 store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
                 store_dweight=weight is not None and ctx.needs_input_grad[3],
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(launch.RowFunction):
@@ -1241,11 +1277,11 @@ class _InvertibleFunction(launch.RowFunction):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
             store_residual_out=want_residual_out,
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
@@ -1262,18 +1298,19 @@ class _InvertibleFunction(launch.RowFunction):
         ctx.weight_offset = weight_offset
         ctx.dropout_p = dropout_p
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.in_place = in_place
         ctx.residual_out_dtype = residual_out_dtype
         return y, residual_out
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, seed, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, seed)
+        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, ctx.round_steps, seed)
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
@@ -1292,13 +1329,14 @@ class _InvertibleFunction(launch.RowFunction):
             ctx.weight_offset,
             ctx.dropout_p,
             ctx.round_normalized,
+            ctx.round_steps,
             seed,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
             into=into,
         )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1316,11 +1354,11 @@ class _Functional(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd_torch(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
             store_residual_out=want_residual_out,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1331,7 +1369,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, layout, want_residual_out, residual_out_dtype, = inputs
+        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype, = inputs
         y, residual_out, = output
         ctx.save_for_backward(residual_out, input_bias, weight, seed)
         ctx.save_for_forward(x, residual, input_bias, weight, seed)
@@ -1343,6 +1381,7 @@ class _Functional(torch.autograd.Function):
         ctx.weight_offset = weight_offset
         ctx.dropout_p = dropout_p
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.residual_out_dtype = residual_out_dtype
 
     @staticmethod
@@ -1357,15 +1396,16 @@ class _Functional(torch.autograd.Function):
             ctx.weight_offset,
             ctx.dropout_p,
             ctx.round_normalized,
+            ctx.round_steps,
             seed,
             store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
             store_dweight=weight is not None and ctx.needs_input_grad[3],
         )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, seed, = ctx.saved_tensors
@@ -1373,7 +1413,7 @@ class _Functional(torch.autograd.Function):
         residual = launch.to_rows(residual, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, seed)
+        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, ctx.round_steps, seed)
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
 
@@ -1401,6 +1441,7 @@ def _dropout_add_rmsnorm_op(
     weight_offset: float,
     dropout_p: float,
     round_normalized: float,
+    round_steps: float,
     seed: torch.Tensor,
     memory: str,
     want_residual_out: bool,
@@ -1408,7 +1449,7 @@ def _dropout_add_rmsnorm_op(
 ) -> list[torch.Tensor]:
     stores = _dropout_add_rmsnorm_stores(memory, want_residual_out)
     outputs = _dropout_add_rmsnorm_fwd(
-        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
+        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
         store_residual_out=stores["residual_out"],
         store_rstd=stores["rstd"],
         residual_out_dtype=torch.float32 if residual_out_fp32 else None,
@@ -1426,6 +1467,7 @@ def _(
     weight_offset,
     dropout_p,
     round_normalized,
+    round_steps,
     seed,
     memory,
     want_residual_out,
@@ -1454,11 +1496,12 @@ def _dropout_add_rmsnorm_backward_default_op(
     weight_offset: float,
     dropout_p: float,
     round_normalized: float,
+    round_steps: float,
     seed: torch.Tensor,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
+    outputs = _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dresidual', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dresidual', 'dinput_bias', 'dweight']]
 
@@ -1474,6 +1517,7 @@ def _(
     weight_offset,
     dropout_p,
     round_normalized,
+    round_steps,
     seed,
     store_dinput_bias,
     store_dweight,
@@ -1497,11 +1541,12 @@ def _dropout_add_rmsnorm_backward_invertible_op(
     weight_offset: float,
     dropout_p: float,
     round_normalized: float,
+    round_steps: float,
     seed: torch.Tensor,
     store_dinput_bias: bool,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, seed, store_dinput_bias, store_dweight)
+    outputs = _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight)
     named = dict(zip(['dx', 'dresidual', 'dinput_bias', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dresidual', 'dinput_bias', 'dweight']]
 
@@ -1517,6 +1562,7 @@ def _(
     weight_offset,
     dropout_p,
     round_normalized,
+    round_steps,
     seed,
     store_dinput_bias,
     store_dweight,
@@ -1530,7 +1576,7 @@ def _(
 
 
 def _dropout_add_rmsnorm_setup_context(ctx, inputs, output):
-    x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, memory, want_residual_out, residual_out_fp32, = inputs
+    x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, rstd, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
@@ -1541,6 +1587,7 @@ def _dropout_add_rmsnorm_setup_context(ctx, inputs, output):
     ctx.weight_offset = weight_offset
     ctx.dropout_p = dropout_p
     ctx.round_normalized = round_normalized
+    ctx.round_steps = round_steps
     if memory == "default":
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
     elif memory == "invertible":
@@ -1562,6 +1609,7 @@ def _dropout_add_rmsnorm_backward(ctx, grads):
                 ctx.weight_offset,
                 ctx.dropout_p,
                 ctx.round_normalized,
+                ctx.round_steps,
                 seed,
                 store_dinput_bias=input_bias is not None and needs[2],
                 store_dweight=weight is not None and needs[3],
@@ -1572,11 +1620,12 @@ def _dropout_add_rmsnorm_backward(ctx, grads):
                 ctx.weight_offset,
                 ctx.dropout_p,
                 ctx.round_normalized,
+                ctx.round_steps,
                 seed,
                 input_bias is not None and needs[2],
                 weight is not None and needs[3],
             )
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None, None]
     elif ctx.memory == "invertible":
         y, rstd, input_bias, weight, seed, = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -1586,11 +1635,12 @@ def _dropout_add_rmsnorm_backward(ctx, grads):
             ctx.weight_offset,
             ctx.dropout_p,
             ctx.round_normalized,
+            ctx.round_steps,
             seed,
             input_bias is not None and needs[2],
             weight is not None and needs[3],
         )
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None]
+        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, None, None, 
 
@@ -1652,9 +1702,12 @@ def dropout_add_rms_norm(
     GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
     (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
     rounded to the input's dtype before the weight (weight_offset + weight, in float32)
-    multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
-    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
-    Kernel's "none" (every step in the input's dtype) is not taken.
+    multiplies it, the product rounded again. "none" (Liger-Kernel's: no cast, every step in the
+    input's dtype, as torch's ops compute an RMS norm written out on a 16-bit tensor): each
+    square, the mean square, mean square + eps, rstd, x * rstd and weight_offset + weight
+    rounded to the input's dtype, the mean summed in float32. The gradient passes each rounding
+    unchanged, as torch's autograd passes a cast, each derivative evaluated at the rounded
+    statistics the forward saved. All three are the same for float32 and float64 input.
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/dropout_add_rmsnorm.md):
@@ -1681,7 +1734,7 @@ def dropout_add_rms_norm(
     eps = checks.check_eps("dropout_add_rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("dropout_add_rms_norm", "weight_offset", weight_offset)
     dropout_p = checks.check_option("dropout_add_rms_norm", "dropout_p", dropout_p, "probability")
-    round_normalized, = checks.check_mode("dropout_add_rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+    round_normalized, round_steps, = checks.check_mode("dropout_add_rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
     if not isinstance(training, bool):
         raise TypeError(f"dropout_add_rms_norm(): argument 'training' must be a bool, got {type(training).__name__}")
     if not training:
@@ -1713,18 +1766,18 @@ def dropout_add_rms_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, in_place, layout, prenorm, residual_out_dtype)
+        outputs = launch.apply(function, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, prenorm, residual_out_dtype)
         return (outputs[0], amp.restored(outputs[1], added_dtype)) if prenorm else outputs[0]
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.dropout_add_rmsnorm(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed, memory, prenorm, residual_in_fp32
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, memory, prenorm, residual_in_fp32
         )
     else:
         outputs = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, seed,
+            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
             store_residual_out=prenorm,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1766,7 +1819,7 @@ class DropoutAddRMSNorm(torch.nn.Module):
         self.residual_in_fp32 = residual_in_fp32
         self.weight_offset = checks.check_real("DropoutAddRMSNorm", "weight_offset", weight_offset)
         self.dropout_p = checks.check_option("DropoutAddRMSNorm", "dropout_p", dropout_p, "probability")
-        checks.check_mode("DropoutAddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+        checks.check_mode("DropoutAddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
         self.casting_mode = casting_mode
         checks.check_choice("DropoutAddRMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory

@@ -28,19 +28,22 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 @triton.jit
 def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_ptr, eps_high,
         eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
-        round_normalized_low, M, N, HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
-        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        round_normalized_low, round_steps_high, round_steps_low, M, N,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
         FIXED_N: tl.constexpr):
     """_rmsnorm_fwd, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     pass 1: load x
-      mean_square = 1/N * sum_j(x**2)
-      rstd = 1/sqrt(eps + mean_square)
+      rounded_x = Rounded(x**2)
+      mean_square = 1/N * sum_j(Piecewise((x**2, Eq(round_steps, 0)), (rounded_x, True)))
+      rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     epilogue: load weight, x
       x_hat = rstd*x
-      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+      common_0 = weight + weight_offset
+      y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store rstd = rstd (if STORE_RSTD)
     """
@@ -63,6 +66,7 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -74,10 +78,12 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
         offsets = rows if FIXED_N else rows.to(tl.int64)
         mask = row_mask & col_mask
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
-        mean_square = helpers.div(tl.sum(x * x, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(x^2)
-        rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
+        rounded_x = (x * x).to(ROUND).to(ACC)  # rounded_x = Rounded(x^2)
+        mean_square = helpers.div(tl.sum((rounded_x if HAS_ROUND_STEPS else x * x), axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(Piecewise((x^2, Eq(round_steps, 0)), (rounded_x, True)))
+        rstd = ((helpers.rsqrt((eps + (mean_square).to(ROUND).to(ACC)).to(ROUND).to(ACC), FIXED_N)).to(ROUND).to(ACC) if HAS_ROUND_STEPS else helpers.rsqrt(eps + mean_square, FIXED_N))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
         x_hat = rstd * x  # x_hat = rstd*x
-        y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        y = (((common_0).to(ROUND).to(ACC) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * (x_hat).to(ROUND).to(ACC)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
         tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -86,20 +92,23 @@ def _rmsnorm_fwd_per(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
 @triton.jit
 def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_ptr, eps_high,
         eps_low, weight_offset_high, weight_offset_low, round_normalized_high,
-        round_normalized_low, M, N, HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
-        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
+        round_normalized_low, round_steps_high, round_steps_low, M, N,
+        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_ROUND_STEPS: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr,
+        EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
         FIXED_N: tl.constexpr):
     """_rmsnorm_fwd, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns.
 
     pass 1: load x
-      mean_square = 1/N * sum_j(x**2)
-      rstd = 1/sqrt(eps + mean_square)
+      rounded_x = Rounded(x**2)
+      mean_square = 1/N * sum_j(Piecewise((x**2, Eq(round_steps, 0)), (rounded_x, True)))
+      rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     epilogue: load weight, x
       x_hat = rstd*x
-      y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+      common_0 = weight + weight_offset
+      y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     store y = y
     store rstd = rstd (if STORE_RSTD)
     """
@@ -114,6 +123,7 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
     eps = tl.cast(eps_high, ACC) + tl.cast(eps_low, ACC)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -124,9 +134,10 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
             col_mask = helpers.below(cols, N, EVEN)
             mask = row_mask & col_mask
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
-            mean_square_acc += x * x
-        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(x^2)
-        rstd = helpers.rsqrt(eps + mean_square, FIXED_N)  # rstd = 1/sqrt(eps + mean_square)
+            rounded_x = (x * x).to(ROUND).to(ACC)  # rounded_x = Rounded(x^2)
+            mean_square_acc += (rounded_x if HAS_ROUND_STEPS else x * x)
+        mean_square = helpers.div(tl.sum(mean_square_acc, axis=1)[:, None], N, True)  # mean_square = 1/N * sum_j(Piecewise((x^2, Eq(round_steps, 0)), (rounded_x, True)))
+        rstd = ((helpers.rsqrt((eps + (mean_square).to(ROUND).to(ACC)).to(ROUND).to(ACC), FIXED_N)).to(ROUND).to(ACC) if HAS_ROUND_STEPS else helpers.rsqrt(eps + mean_square, FIXED_N))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -137,7 +148,8 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
                 weight = tl.full([], 1.0, ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            y = ((weight + weight_offset) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            y = (((common_0).to(ROUND).to(ACC) * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * (x_hat).to(ROUND).to(ACC)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(ROUND).to(ACC) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
             tl.store(y_ptr + offsets * y_row_stride + cols, (y).to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -146,8 +158,9 @@ def _rmsnorm_fwd_red(x_ptr, x_row_stride, weight_ptr, y_ptr, y_row_stride, rstd_
 @triton.jit
 def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        round_normalized_high, round_normalized_low, round_steps_high, round_steps_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -155,10 +168,11 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
 
     pass 1: load dy, weight, x
       x_hat = rstd*x
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dy, weight, x
       x_hat = rstd*x
-    store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+      common_0 = weight + weight_offset
+    store dx = rstd*(dy*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - sum_dy_x_hat_term*x_hat/N)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -180,6 +194,7 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -195,8 +210,9 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = rstd * x  # x_hat = rstd*x
-        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        sum_dy_x_hat_term = tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, ((rstd * (dy * (common_0).to(ROUND).to(ACC) - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
@@ -206,8 +222,9 @@ def _rmsnorm_bwd_default_per(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
 @triton.jit
 def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        round_normalized_high, round_normalized_low, round_steps_high, round_steps_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -216,10 +233,11 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
 
     pass 1: load dy, weight, x
       x_hat = rstd*x
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dy, weight, x
       x_hat = rstd*x
-    store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+      common_0 = weight + weight_offset
+    store dx = rstd*(dy*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - sum_dy_x_hat_term*x_hat/N)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -232,12 +250,13 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_x_hat_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -249,8 +268,8 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+            sum_dy_x_hat_term_acc += (dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(sum_dy_x_hat_term_acc, axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -262,7 +281,8 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             x_hat = rstd * x  # x_hat = rstd*x
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+            common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, ((rstd * (dy * (common_0).to(ROUND).to(ACC) - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat))).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -275,8 +295,9 @@ def _rmsnorm_bwd_default_red(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_
 @triton.jit
 def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        round_normalized_high, round_normalized_low, round_steps_high, round_steps_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_default, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
@@ -286,10 +307,11 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
 
     pass 1: load dy, weight, x
       x_hat = rstd*x
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dy, weight, x
       x_hat = rstd*x
-    store dx = rstd*(dy*(weight + weight_offset) - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+      common_0 = weight + weight_offset
+    store dx = rstd*(dy*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - sum_dy_x_hat_term*x_hat/N)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -308,6 +330,7 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -334,11 +357,12 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = rstd * x  # x_hat = rstd*x
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
-        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * x_hat * (weight + weight_offset), axis=1))
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1))
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (dy * (weight + weight_offset) - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        sum_dy_x_hat_term = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+        common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, ((rstd * (dy * (common_0).to(ROUND).to(ACC) - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
@@ -348,8 +372,9 @@ def _rmsnorm_bwd_default_split(dy_ptr, dy_row_stride, x_ptr, x_row_stride, weigh
 @triton.jit
 def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        round_normalized_high, round_normalized_low, round_steps_high, round_steps_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -357,11 +382,11 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
 
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dy, weight, y
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-    store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dx = rstd*(dy*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - sum_dy_x_hat_term*x_hat/N)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -383,6 +408,7 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
     col_mask = helpers.below(cols, N, EVEN)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -398,9 +424,9 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
         dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0).to(ACC)
         y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(dy * x_hat * (weight + weight_offset), axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, ((rstd * (dy * (common_0).to(ROUND).to(ACC) - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
@@ -410,8 +436,9 @@ def _rmsnorm_bwd_invertible_per(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
 @triton.jit
 def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        round_normalized_high, round_normalized_low, round_steps_high, round_steps_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
         CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr,
         REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
@@ -420,11 +447,11 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
 
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dy, weight, y
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-    store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dx = rstd*(dy*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - sum_dy_x_hat_term*x_hat/N)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -437,12 +464,13 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
     programs = tl.num_programs(0)
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
         offsets = rows.to(tl.int64)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
-        sum_dy_x_hat_weight_weight_offset_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+        sum_dy_x_hat_term_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -454,8 +482,8 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
             dy = tl.load(dy_ptr + offsets * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_last" if KEEP else "").to(ACC)
             x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-            sum_dy_x_hat_weight_weight_offset_acc += dy * x_hat * (weight + weight_offset)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(sum_dy_x_hat_weight_weight_offset_acc, axis=1)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+            sum_dy_x_hat_term_acc += (dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(sum_dy_x_hat_term_acc, axis=1)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             col_mask = helpers.below(cols, N, EVEN)
@@ -468,7 +496,7 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
             y = tl.load(y_ptr + offsets * y_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
             common_0 = weight + weight_offset  # common_0 = weight + weight_offset
             x_hat = y * helpers.guarded_reciprocal(common_0)  # x_hat = y*GuardedReciprocal(common_0)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, ((rstd * (dy * (common_0).to(ROUND).to(ACC) - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat))).to(dx_ptr.dtype.element_ty), mask=mask)
             if STORE_DWEIGHT:
                 # this program owns row pid of the partials: read-modify-write, no atomics
                 # (its first row block writes them: the buffer starts uninitialised; `cols * 0 +`
@@ -481,8 +509,9 @@ def _rmsnorm_bwd_invertible_red(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weig
 @triton.jit
 def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, weight_ptr, rstd_ptr,
         dx_ptr, dx_row_stride, dweight_partial_ptr, weight_offset_high, weight_offset_low,
-        round_normalized_high, round_normalized_low, M, N, split_sums_ptr, split_count_ptr,
-        HAS_ROUND_NORMALIZED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
+        round_normalized_high, round_normalized_low, round_steps_high, round_steps_low, M, N,
+        split_sums_ptr, split_count_ptr, HAS_ROUND_NORMALIZED: tl.constexpr,
+        HAS_ROUND_STEPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_DWEIGHT: tl.constexpr,
         ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         MEMBERS: tl.constexpr, FIXED_N: tl.constexpr):
     """_rmsnorm_bwd_invertible, split rows: a row's BLOCK_N-column slabs spread over the SPLIT programs
@@ -492,11 +521,11 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
 
     pass 1: load dy, weight, y
       x_hat = y*GuardedReciprocal(weight + weight_offset)
-      sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+      sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     epilogue: load dy, weight, y
       common_0 = weight + weight_offset
       x_hat = y*GuardedReciprocal(common_0)
-    store dx = rstd*(common_0*dy - sum_dy_x_hat_weight_weight_offset*x_hat/N)
+    store dx = rstd*(dy*Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True)) - sum_dy_x_hat_term*x_hat/N)
     store dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True)) (Σ over rows)
     """
     pid = tl.program_id(0)
@@ -515,6 +544,7 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
     col_mask = cols < N
     weight_offset = tl.cast(weight_offset_high, ACC) + tl.cast(weight_offset_low, ACC)
     round_normalized = tl.cast(round_normalized_high, ACC) + tl.cast(round_normalized_low, ACC)
+    round_steps = tl.cast(round_steps_high, ACC) + tl.cast(round_steps_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -541,19 +571,19 @@ def _rmsnorm_bwd_invertible_split(dy_ptr, dy_row_stride, y_ptr, y_row_stride, we
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x_hat = y * helpers.guarded_reciprocal(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
         split_slot = split_sums_ptr + (group * 2 + exchanges % 2) * MEMBERS * 1 * ROWS
-        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum(dy * x_hat * (weight + weight_offset), axis=1))
+        tl.store(split_slot + (member * 1 + 0) * ROWS + tl.arange(0, ROWS), tl.sum((dy * x_hat * (weight + weight_offset).to(ROUND).to(ACC) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset)), axis=1))
         exchanges += 1
         helpers.split_exchange(split_count_ptr + group, exchanges * SPLIT)
-        sum_dy_x_hat_weight_weight_offset = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+        sum_dy_x_hat_term = tl.sum(tl.load(split_slot + (members * 1 + 0) * ROWS + lanes, mask=members < SPLIT, other=0.0, cache_modifier=".cg"), axis=0)[:, None]  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
         common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_weight_weight_offset, N, EXACT) * x_hat)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, ((rstd * (dy * (common_0).to(ROUND).to(ACC) - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - helpers.div(sum_dy_x_hat_term, N, EXACT) * x_hat))).to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DWEIGHT:
             dweight_acc += (dy * (x_hat).to(ROUND).to(ACC) if HAS_ROUND_NORMALIZED else dy * x_hat)  # dweight = dy*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     if STORE_DWEIGHT:
         tl.store(dweight_partial_ptr + group * N + cols, tl.sum(dweight_acc, axis=0)[None, :], mask=col_mask)
 
 
-def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, store_rstd):
+def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, round_steps, store_rstd):
     """_rmsnorm_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -561,19 +591,23 @@ def _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, store_rs
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
-    mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    rounded_x = (x * x).to(dtype).to(acc)  # rounded_x = Rounded(x^2)
+    mean_square = ((rounded_x if HAS_ROUND_STEPS else x * x)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((x^2, Eq(round_steps, 0)), (rounded_x, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     x_hat = rstd * x  # x_hat = rstd*x
-    y = ((weight + weight_offset) * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else x_hat * (weight + weight_offset))  # y = (weight + weight_offset)*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    y = (((common_0).to(dtype).to(acc) * (x_hat).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * (x_hat).to(dtype).to(acc)) if HAS_ROUND_NORMALIZED else (x_hat * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * x_hat))  # y = Piecewise((common_0, Eq(round_steps, 0)), (Rounded(common_0), True))*Piecewise((x_hat, Eq(round_normalized, 0)), (Rounded(x_hat), True))
     y = torch.broadcast_to(y, (M, N)).to(dtype).contiguous()
     rstd = torch.broadcast_to(rstd, (M, 1)).reshape(M).contiguous() if store_rstd else None
     return y, rstd,
 
 
-def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normalized,
+def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normalized, round_steps,
         store_dweight):
     """_rmsnorm_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
@@ -583,18 +617,21 @@ def _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normali
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = rstd * x  # x_hat = rstd*x
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    dx = torch.broadcast_to((rstd * (dy * (common_0).to(dtype).to(acc) - (sum_dy_x_hat_term) / (N) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - (sum_dy_x_hat_term) / (N) * x_hat)), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
 
 def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, round_normalized,
-        store_dweight):
+        round_steps, store_dweight):
     """_rmsnorm_bwd_invertible in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = dy.dtype
     acc = launch.accumulator(dtype)
@@ -603,19 +640,21 @@ def _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, round_norm
     y = y.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     rstd = rstd.to(acc)[:, None]
     x_hat = y * helpers.guarded_reciprocal_torch(weight + weight_offset)  # x_hat = y*GuardedReciprocal(weight + weight_offset)
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
     common_0 = weight + weight_offset  # common_0 = weight + weight_offset
-    dx = torch.broadcast_to(rstd * (common_0 * dy - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to((rstd * (dy * (common_0).to(dtype).to(acc) - (sum_dy_x_hat_term) / (N) * x_hat) if HAS_ROUND_STEPS else rstd * (common_0 * dy - (sum_dy_x_hat_term) / (N) * x_hat)), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
 
 def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, round_normalized,
-        store_dweight):
+        round_steps, store_dweight):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = dy.dtype
@@ -625,19 +664,25 @@ def _rmsnorm_bwd_default_recorded_torch(dy, x, weight, eps, weight_offset, round
     x = x.to(acc)
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
-    mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    rounded_x = (x * x).to(dtype).to(acc)  # rounded_x = Rounded(x^2)
+    mean_square = ((rounded_x if HAS_ROUND_STEPS else x * x)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((x^2, Eq(round_steps, 0)), (rounded_x, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
     x_hat = rstd * x  # x_hat = rstd*x
-    sum_dy_x_hat_weight_weight_offset = (dy * x_hat * (weight + weight_offset)).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_weight_weight_offset = 1 * sum_j(dy*x_hat*(weight + weight_offset))
-    dx = torch.broadcast_to(rstd * (dy * (weight + weight_offset) - (sum_dy_x_hat_weight_weight_offset) / (N) * x_hat), (M, N)).to(dtype).contiguous()
+    sum_dy_x_hat_term = ((dy * x_hat * (weight + weight_offset).to(dtype).to(acc) if HAS_ROUND_STEPS else dy * x_hat * (weight + weight_offset))).sum(dim=-1, keepdim=True)  # sum_dy_x_hat_term = 1 * sum_j(dy*x_hat*Piecewise((weight + weight_offset, Eq(round_steps, 0)), (Rounded(weight + weight_offset), True)))
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    common_4 = (-(((sum_dy_x_hat_term) / (N)) / (rstd * rstd)) / ((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc) * torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc))) * x_hat if HAS_ROUND_STEPS else -(((sum_dy_x_hat_term) / (N)) / (rstd * rstd)) / ((eps + mean_square) * torch.sqrt(eps + mean_square)) * x_hat)  # common_4 = 2*sum_dy_x_hat_term*x_hat*Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (-1/(2*Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), True)), True))/(N*rstd^2)
+    dx = torch.broadcast_to((common_4 + rstd * dy * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_4 + rstd * common_0 * dy), (M, N)).to(dtype).contiguous()
     dweight = torch.broadcast_to((dy * (x_hat).to(dtype).to(acc) if HAS_ROUND_NORMALIZED else dy * x_hat), (M, N)).sum(dim=0).to(weight.dtype) if store_dweight else None
     return dx, dweight,
 
 
-def _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, eps, weight_offset, round_normalized):
+def _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, eps, weight_offset, round_normalized,
+        round_steps):
     """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
     tangents (`<name>_dot`; None: zero), in plain torch on any device."""
     dtype = x.dtype
@@ -648,29 +693,33 @@ def _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, eps, weight_offset, round_n
     weight = weight.to(acc) if weight is not None else 1.0
     weight_dot = weight_dot.to(acc) if weight_dot is not None else 0.0
     HAS_ROUND_NORMALIZED = round_normalized != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_ROUND_STEPS = round_steps != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     eps = torch.tensor(eps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     weight_offset = torch.tensor(weight_offset, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     round_normalized = torch.tensor(round_normalized, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
-    mean_square = (x * x).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(x^2)
-    mean_square_dot = (2.0 * x * x_dot).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*x*x_dot)
-    rstd = (1.0) / (torch.sqrt(eps + mean_square))  # rstd = 1/sqrt(eps + mean_square)
-    rstd_dot = -0.5 * mean_square_dot * rstd * rstd * rstd  # rstd_dot = -mean_square_dot*rstd^3/2
+    round_steps = torch.tensor(round_steps, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    rounded_x = (x * x).to(dtype).to(acc)  # rounded_x = Rounded(x^2)
+    mean_square = ((rounded_x if HAS_ROUND_STEPS else x * x)).sum(dim=-1, keepdim=True) / N  # mean_square = 1/N * sum_j(Piecewise((x^2, Eq(round_steps, 0)), (rounded_x, True)))
+    mean_square_dot = ((2.0 * x * x_dot if HAS_ROUND_STEPS else 2.0 * x * x_dot)).sum(dim=-1, keepdim=True) / N  # mean_square_dot = 1/N * sum_j(2*x*x_dot*Piecewise((0, Eq(round_steps, 0)), (1, True)) + x_dot*Piecewise((2*x, Eq(round_steps, 0)), (0, True)))
+    rstd = (((1.0) / (torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc)))).to(dtype).to(acc) if HAS_ROUND_STEPS else (1.0) / (torch.sqrt(eps + mean_square)))  # rstd = Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (Rounded(Piecewise((1/sqrt(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True))), Eq(round_steps, 0)), (1/sqrt(Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))), True))), True))
+    rstd_dot = (-(0.5 * mean_square_dot) / ((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc) * torch.sqrt((eps + (mean_square).to(dtype).to(acc)).to(dtype).to(acc))) if HAS_ROUND_STEPS else -(0.5 * mean_square_dot) / ((eps + mean_square) * torch.sqrt(eps + mean_square)))  # rstd_dot = mean_square_dot*Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (Piecewise((-1/(2*(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), Eq(round_steps, 0)), (-1/(2*Rounded(eps + Piecewise((mean_square, Eq(round_steps, 0)), (Rounded(mean_square), True)))^(3/2)), True)), True))
     x_hat = rstd * x  # x_hat = rstd*x
-    y_dot = torch.broadcast_to((weight_dot * (x_hat).to(dtype).to(acc) + (weight + weight_offset) * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat) if HAS_ROUND_NORMALIZED else weight_dot * x_hat + (weight + weight_offset) * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat)), (M, N)).to(dtype).contiguous()
+    common_0 = weight + weight_offset  # common_0 = weight + weight_offset
+    y_dot = torch.broadcast_to(((weight_dot * (x_hat).to(dtype).to(acc) + (rstd * x_dot + (rstd_dot) / (rstd) * x_hat) * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat) + weight_dot * (x_hat).to(dtype).to(acc)) if HAS_ROUND_NORMALIZED else (weight_dot * x_hat + (rstd * x_dot + (rstd_dot) / (rstd) * x_hat) * (common_0).to(dtype).to(acc) if HAS_ROUND_STEPS else common_0 * (rstd * x_dot + (rstd_dot) / (rstd) * x_hat) + weight_dot * x_hat)), (M, N)).to(dtype).contiguous()
     return y_dot,
 
 
-def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
+def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, round_steps, store_rstd):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, store_rstd)
+        return _rmsnorm_fwd_torch(x, weight, eps, weight_offset, round_normalized, round_steps, store_rstd)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd)
+            return _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, round_steps, store_rstd)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -684,6 +733,7 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
             x_stride,
             store_rstd,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
@@ -706,6 +756,7 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
             *plan.tail,
         )
@@ -719,11 +770,13 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
             *launch.fp32_pair(eps),
             *launch.fp32_pair(weight_offset),
             *launch.fp32_pair(round_normalized),
+            *launch.fp32_pair(round_steps),
             M, N,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
             HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+            HAS_ROUND_STEPS=round_steps != 0.0,
             STORE_RSTD=store_rstd,
             ACC=launch.TRITON_ACC[acc],
             ROWS=schedule.rows,
@@ -748,18 +801,18 @@ def _rmsnorm_fwd(x, weight, eps, weight_offset, round_normalized, store_rstd):
     return y, rstd,
 
 
-def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight,
-        into=None):
+def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, round_steps,
+        store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight)
+        return _rmsnorm_bwd_default_torch(dy, x, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
+            return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight, into=into)
     dy_stride = dy.stride(0)
     x_stride = x.stride(0)
     plan = key = None
@@ -779,6 +832,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, s
             x_stride,
             store_dweight,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
@@ -810,6 +864,7 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, s
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -825,12 +880,14 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, s
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
             constexprs = dict(
                 HAS_WEIGHT=weight is not None,
                 HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+                HAS_ROUND_STEPS=round_steps != 0.0,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
@@ -866,25 +923,25 @@ def _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, s
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
+        return _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight, into=into)
     dweight, = launch.column_sums(
         (dweight_partial, weight),
     )
     return dx, dweight,
 
 
-def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight,
-        into=None):
+def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, round_steps,
+        store_dweight, into=None):
     M, N = dy.shape
     if M == 0 or N == 0 or not launch.use_triton(dy):
-        return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight)
+        return _rmsnorm_bwd_invertible_torch(dy, y, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight)
     acc = launch.accumulator(dy.dtype)
     device = dy.device
     if dy.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
+            return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight, into=into)
     dy_stride = dy.stride(0)
     y_stride = y.stride(0)
     plan = key = None
@@ -904,6 +961,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized
             y_stride,
             store_dweight,
             round_normalized != 0.0,
+            round_steps != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, True, "bwd", 2, dy.element_size(), device, True)
@@ -935,6 +993,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized
                 dweight_partial_ptr,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums_ptr, split_count_ptr,
                 *plan.tail,
@@ -950,12 +1009,14 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized
                 dweight_partial if dweight_partial is not None else dy,
                 *launch.fp32_pair(weight_offset),
                 *launch.fp32_pair(round_normalized),
+                *launch.fp32_pair(round_steps),
                 M, N,
                 split_sums if split_sums is not None else dy, split_count if split_count is not None else dy,
             )
             constexprs = dict(
                 HAS_WEIGHT=weight is not None,
                 HAS_ROUND_NORMALIZED=round_normalized != 0.0,
+                HAS_ROUND_STEPS=round_steps != 0.0,
                 STORE_DWEIGHT=store_dweight,
                 ACC=launch.TRITON_ACC[acc],
                 ROWS=schedule.rows,
@@ -991,7 +1052,7 @@ def _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized
         # the device would not hold every program of the groups at once: this call and every
         # later one on it run unsplit
         SCHEDULES.refuse_split(device.index)
-        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight, into=into)
+        return _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight, into=into)
     dweight, = launch.column_sums(
         (dweight_partial, weight),
     )
@@ -1005,10 +1066,10 @@ class _DefaultFunction(launch.RowFunction):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place, layout):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout):
         x_given, x = x, launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd(
-            x, weight, eps, weight_offset, round_normalized,
+            x, weight, eps, weight_offset, round_normalized, round_steps,
             store_rstd=True,
         )
         y = launch.returned_dense(y, layout)
@@ -1021,16 +1082,17 @@ class _DefaultFunction(launch.RowFunction):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.in_place = in_place
         return y
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout):
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
@@ -1049,6 +1111,7 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.eps,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 store_dweight=weight is not None and ctx.needs_input_grad[1],
             )
         else:
@@ -1056,11 +1119,12 @@ class _DefaultFunction(launch.RowFunction):
                 dy, x, weight, rstd,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 store_dweight=weight is not None and ctx.needs_input_grad[1],
                 into=into,
             )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None
 
 
 class _InvertibleFunction(launch.RowFunction):
@@ -1070,10 +1134,10 @@ class _InvertibleFunction(launch.RowFunction):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, round_normalized, in_place, layout):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout):
         x = launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd(
-            x, weight, eps, weight_offset, round_normalized,
+            x, weight, eps, weight_offset, round_normalized, round_steps,
             store_rstd=True,
         )
         y = launch.returned_dense(y, layout)
@@ -1086,16 +1150,17 @@ class _InvertibleFunction(launch.RowFunction):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
         ctx.in_place = in_place
         return y
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout):
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, = ctx.saved_tensors
         x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
@@ -1112,11 +1177,12 @@ class _InvertibleFunction(launch.RowFunction):
             dy, y, weight, rstd,
             ctx.weight_offset,
             ctx.round_normalized,
+            ctx.round_steps,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
             into=into,
         )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -1134,10 +1200,10 @@ class _Functional(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, eps, weight_offset, round_normalized, in_place, layout):
+    def forward(x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout):
         x = launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd_torch(
-            x, weight, eps, weight_offset, round_normalized,
+            x, weight, eps, weight_offset, round_normalized, round_steps,
             store_rstd=False,
         )
         y = launch.returned_dense(y, layout)
@@ -1145,7 +1211,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, eps, weight_offset, round_normalized, in_place, layout, = inputs
+        x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, = inputs
         y = output
         ctx.save_for_backward(x, weight)
         ctx.save_for_forward(x, weight)
@@ -1156,6 +1222,7 @@ class _Functional(torch.autograd.Function):
         ctx.eps = eps
         ctx.weight_offset = weight_offset
         ctx.round_normalized = round_normalized
+        ctx.round_steps = round_steps
 
     @staticmethod
     def backward(ctx, dy):
@@ -1167,19 +1234,20 @@ class _Functional(torch.autograd.Function):
             ctx.eps,
             ctx.weight_offset,
             ctx.round_normalized,
+            ctx.round_steps,
             store_dweight=weight is not None and ctx.needs_input_grad[1],
         )
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _in_place, _layout):
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized)
+        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout)
 
 
@@ -1204,11 +1272,12 @@ def _rmsnorm_op(
     eps: float,
     weight_offset: float,
     round_normalized: float,
+    round_steps: float,
     memory: str,
 ) -> list[torch.Tensor]:
     stores = _rmsnorm_stores(memory)
     outputs = _rmsnorm_fwd(
-        x, weight, eps, weight_offset, round_normalized,
+        x, weight, eps, weight_offset, round_normalized, round_steps,
         store_rstd=stores["rstd"],
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
@@ -1221,6 +1290,7 @@ def _(
     eps,
     weight_offset,
     round_normalized,
+    round_steps,
     memory,
 ):
     stores = _rmsnorm_stores(memory)
@@ -1242,9 +1312,10 @@ def _rmsnorm_backward_default_op(
     rstd: torch.Tensor,
     weight_offset: float,
     round_normalized: float,
+    round_steps: float,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, store_dweight)
+    outputs = _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight)
     named = dict(zip(['dx', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
 
@@ -1257,6 +1328,7 @@ def _(
     rstd,
     weight_offset,
     round_normalized,
+    round_steps,
     store_dweight,
 ):
     return [
@@ -1273,9 +1345,10 @@ def _rmsnorm_backward_invertible_op(
     rstd: torch.Tensor,
     weight_offset: float,
     round_normalized: float,
+    round_steps: float,
     store_dweight: bool,
 ) -> list[torch.Tensor]:
-    outputs = _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, store_dweight)
+    outputs = _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight)
     named = dict(zip(['dx', 'dweight'], outputs))
     return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
 
@@ -1288,6 +1361,7 @@ def _(
     rstd,
     weight_offset,
     round_normalized,
+    round_steps,
     store_dweight,
 ):
     return [
@@ -1297,7 +1371,7 @@ def _(
 
 
 def _rmsnorm_setup_context(ctx, inputs, output):
-    x, weight, eps, weight_offset, round_normalized, memory, = inputs
+    x, weight, eps, weight_offset, round_normalized, round_steps, memory, = inputs
     y, rstd, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
@@ -1307,6 +1381,7 @@ def _rmsnorm_setup_context(ctx, inputs, output):
     ctx.eps = eps
     ctx.weight_offset = weight_offset
     ctx.round_normalized = round_normalized
+    ctx.round_steps = round_steps
     if memory == "default":
         ctx.save_for_backward(x, rstd, weight)
     elif memory == "invertible":
@@ -1326,6 +1401,7 @@ def _rmsnorm_backward(ctx, grads):
                 ctx.eps,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 store_dweight=weight is not None and needs[1],
             )
         else:
@@ -1333,9 +1409,10 @@ def _rmsnorm_backward(ctx, grads):
                 dy, x, weight, rstd,
                 ctx.weight_offset,
                 ctx.round_normalized,
+                ctx.round_steps,
                 weight is not None and needs[1],
             )
-        gradients = [dx, dweight, None, None, None]
+        gradients = [dx, dweight, None, None, None, None]
     elif ctx.memory == "invertible":
         y, rstd, weight, = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -1344,9 +1421,10 @@ def _rmsnorm_backward(ctx, grads):
             dy, y, weight, rstd,
             ctx.weight_offset,
             ctx.round_normalized,
+            ctx.round_steps,
             weight is not None and needs[1],
         )
-        gradients = [dx, dweight, None, None, None]
+        gradients = [dx, dweight, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, 
 
@@ -1380,9 +1458,12 @@ def rms_norm(
     GemmaRMSNorm): everything in float32, the output rounded once to the input's dtype. "llama"
     (as Hugging Face's LlamaRMSNorm, `weight * hidden.to(input_dtype)`): the normalized x * rstd
     rounded to the input's dtype before the weight (weight_offset + weight, in float32)
-    multiplies it, the product rounded again; its gradient passes the rounding unchanged, as
-    torch's autograd passes a cast. Both are the same for float32 and float64 input. Liger-
-    Kernel's "none" (every step in the input's dtype) is not taken.
+    multiplies it, the product rounded again. "none" (Liger-Kernel's: no cast, every step in the
+    input's dtype, as torch's ops compute an RMS norm written out on a 16-bit tensor): each
+    square, the mean square, mean square + eps, rstd, x * rstd and weight_offset + weight
+    rounded to the input's dtype, the mean summed in float32. The gradient passes each rounding
+    unchanged, as torch's autograd passes a cast, each derivative evaluated at the rounded
+    statistics the forward saved. All three are the same for float32 and float64 input.
 
     memory (keyword-only): what the forward keeps for the backward, each with its own derived
     backward kernel (see docs/ops/rmsnorm.md):
@@ -1403,7 +1484,7 @@ def rms_norm(
     weight = checks.check_param("rms_norm", "weight", weight, shape, input, torch_function="torch.nn.functional.rms_norm")
     eps = checks.check_eps("rms_norm", eps, input.dtype)
     weight_offset = checks.check_real("rms_norm", "weight_offset", weight_offset)
-    round_normalized, = checks.check_mode("rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+    round_normalized, round_steps, = checks.check_mode("rms_norm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
@@ -1424,17 +1505,17 @@ def rms_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, weight) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, weight, eps, weight_offset, round_normalized, in_place, layout)
+        outputs = launch.apply(function, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout)
         return outputs
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.rmsnorm(
-            x, weight, eps, weight_offset, round_normalized, memory
+            x, weight, eps, weight_offset, round_normalized, round_steps, memory
         )
     else:
         outputs = _rmsnorm_fwd(
-            x, weight, eps, weight_offset, round_normalized,
+            x, weight, eps, weight_offset, round_normalized, round_steps,
             store_rstd=False,
         )
     return launch.shaped(outputs[0], input.shape)
@@ -1466,7 +1547,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = checks.check_real("RMSNorm", "weight_offset", weight_offset)
-        checks.check_mode("RMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, ), 'llama': (1.0, )})
+        checks.check_mode("RMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
         self.casting_mode = casting_mode
         checks.check_choice("RMSNorm", "memory", memory, _FUNCTIONS)
         self.memory = memory

@@ -1,7 +1,8 @@
 """rms_norm's casting_mode (Liger-Kernel's LigerRMSNorm): "gemma", the default, in float32 with
-one rounding at the end (torch's rms_norm, Hugging Face's GemmaRMSNorm), and "llama", x_hat
+one rounding at the end (torch's rms_norm, Hugging Face's GemmaRMSNorm), "llama", x_hat
 rounded to the input's dtype before the weight multiplies it (Hugging Face's LlamaRMSNorm),
-derived by the engine through `Rounded`, whose derivative is 1."""
+and "none", every step rounded to the input's dtype (the norm written out in torch ops on a
+16-bit tensor), derived by the engine through `Rounded`, whose derivative is 1."""
 
 import pytest
 import torch
@@ -127,11 +128,11 @@ def test_llama_looped_two_sweeps(device, overrides):
 
 
 BAD = {
-    "int": (1, TypeError, "argument 'casting_mode' must be a str \\(one of 'gemma', 'llama'\\), "
-                          "got int"),
+    "int": (1, TypeError, "argument 'casting_mode' must be a str \\(one of 'gemma', 'llama', "
+                          "'none'\\), got int"),
     "none": (None, TypeError, "argument 'casting_mode' must be a str"),
     "unknown": ("Llama", ValueError, "argument 'casting_mode' must be one of 'gemma', 'llama', "
-                                     "got 'Llama'"),
+                                     "'none', got 'Llama'"),
 }
 
 
@@ -167,8 +168,96 @@ def test_add_rms_norm_takes_the_casting_mode(device, dropout):
     module = AddRMSNorm(H, eps=EPS, casting_mode="llama", device=device, dtype=dtype)
     assert "casting_mode='llama'" in module.extra_repr()
     with pytest.raises(ValueError, match="add_rms_norm\\(\\): argument 'casting_mode' must be "
-                                         "one of 'gemma', 'llama', got 'none'"):
-        add_rms_norm(x, r, (H,), w, casting_mode="none")
+                                         "one of 'gemma', 'llama', 'none', got 'None'"):
+        add_rms_norm(x, r, (H,), w, casting_mode="None")
+    # "none": every step of the norm of the fp32 sum rounded to bfloat16
+    out, total = add_rms_norm(x, r, (H,), w, EPS, prenorm=True, residual_in_fp32=True,
+                              casting_mode="none", **options)
+    assert_within_an_ulp(out, written_out(total, w, 0.0, EPS, dtype, interpreted(device)))
+    assert not torch.equal(out, plain)
+
+
+def written_out(x, w, offset, eps, dtype, toward_zero=False):
+    """An RMS norm written out in torch ops, each step's result rounded to `dtype` (as torch's
+    ops on a tensor of that dtype round it: Liger-Kernel's casting_mode="none", its reference
+    the norm computed without a cast); the mean accumulated in float32, as torch's mean of a
+    16-bit tensor. `toward_zero`: each rounding toward zero, as the Triton interpreter's."""
+    def rd(t):
+        return (truncated(t, dtype) if toward_zero else t.to(dtype)).float()
+
+    h = x.float()
+    mean_square = rd(rd(h * h).mean(-1, keepdim=True))
+    rstd = rd(torch.rsqrt(rd(mean_square + eps)))
+    y = rd(h * rstd) * rd(offset + w.float())
+    return truncated(y, dtype) if toward_zero else y.to(dtype)
+
+
+def assert_within_an_ulp(got, want):
+    """got is want, but where a float32 sum in another order rounds the mean square to the
+    neighbouring 16-bit value: then within the rounding that carries through (a few ulps),
+    in few elements."""
+    ulp = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=4 * ulp, atol=0)
+    assert (got != want).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_none_rounds_every_step(device, schedule, dtype, offset):
+    x = (randn((24, H), seed=1, device=device) * 3).to(dtype)
+    w = (randn((H,), seed=2, device=device) * 0.5 + 1 - offset).to(dtype)
+    got = rms_norm(x, (H,), w, EPS, weight_offset=offset, casting_mode="none")
+    if not interpreted(device):
+        assert_within_an_ulp(got, written_out(x, w, offset, EPS, dtype))
+        if offset == 0.0:
+            # with a weight of the input's dtype, the norm as torch's ops compute it (whose
+            # mean of a 16-bit tensor may round its sum before dividing: a row's mean square
+            # can be the neighbouring value)
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+            torch.testing.assert_close(got.float(), (h * w).float(),
+                                       rtol=4 * torch.finfo(dtype).eps, atol=0)
+    elif dtype == torch.bfloat16:
+        assert_within_an_ulp(got, written_out(x, w, offset, EPS, dtype, toward_zero=True))
+    for mode in ("gemma", "llama"):
+        assert not torch.equal(got, rms_norm(x, (H,), w, EPS, weight_offset=offset,
+                                             casting_mode=mode))
+    module = RMSNorm(H, eps=EPS, weight_offset=offset, casting_mode="none", device=device,
+                     dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    assert module.extra_repr().endswith("casting_mode='none'")
+    assert torch.equal(module(x), got)
+
+
+@pytest.mark.parametrize("memory", ["default", "invertible"])
+def test_none_gradients_within_torch_error(device, memory):
+    # the gradient of each rounding is 1, and the backward's arithmetic is float32's: against
+    # the float64 gradient of the written-out norm, at most twice the error of torch's
+    # autograd through the same steps in bfloat16
+    dtype = torch.bfloat16
+    x = (randn((24, H), seed=1, device=device) * 3).to(dtype).requires_grad_()
+    w = (randn((H,), seed=2, device=device) * 0.5 + 1).to(dtype).requires_grad_()
+    dy = randn((24, H), seed=4, device=device).to(dtype)
+    got = torch.autograd.grad(rms_norm(x, (H,), w, EPS, casting_mode="none", memory=memory),
+                              (x, w), dy)
+
+    def steps(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+    exact = torch.autograd.grad(steps(x.double(), w.double()), (x, w), dy.double())
+    torch_same_dtype = torch.autograd.grad(steps(x, w), (x, w), dy)
+    for g, e, t in zip(got, exact, torch_same_dtype, strict=True):
+        error = (g.double() - e).abs().max()
+        assert error <= 2 * (t.double() - e).abs().max() + 1e-2 * e.abs().max()
+
+
+@pytest.mark.parametrize("memory", ["default", "invertible"])
+def test_none_gradcheck(device, memory):
+    # at fp64 every rounding is exact and its derivative 1: the derived backward of the
+    # switched-on kernels against finite differences
+    gradcheck(lambda x, w: rms_norm(x, (7,), w, 1e-5, casting_mode="none", memory=memory),
+              [randn((3, 7), seed=1, device=device), randn((7,), seed=2, device=device)],
+              fast=False)
 
 
 def test_rounded_in_the_spec_language():

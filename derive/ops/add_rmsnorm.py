@@ -4,10 +4,9 @@ The prenorm residual stream s can be returned (kept in fp32 if asked); its gradi
 into dx inside the same backward kernel.
 """
 
-import sympy
 
 from derive.api import NormalizedShapeAPI, Option, Param, Replaces
-from derive.ops.rmsnorm import CASTING_MODE, scaled
+from derive.ops.rmsnorm import CASTING_MODE, normalized
 from derive.spec import OpSpec
 
 
@@ -20,10 +19,7 @@ def spec() -> OpSpec:
     eps = op.scalar("eps", positive=True)
     weight_offset = op.scalar("weight_offset")
     residual_out = op.element("residual_out", x + input_bias + residual)
-    mean_square = op.row_mean("mean_square", residual_out**2)
-    rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
-    x_hat = op.element("x_hat", residual_out * rstd)
-    y = op.element("y", scaled(op, x_hat) * (weight_offset + weight))
+    rstd, y = normalized(op, residual_out, eps, weight_offset, weight)
     op.output(y, residual_out)
     op.save(residual_out, rstd, doc="Keeps the sum and the row statistic.")
     op.save(y, rstd, mode="invertible",

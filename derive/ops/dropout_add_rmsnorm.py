@@ -15,7 +15,7 @@ own, without a random draw, otherwise.
 import sympy
 
 from derive.api import NormalizedShapeAPI, Option, Param
-from derive.ops.rmsnorm import CASTING_MODE, scaled
+from derive.ops.rmsnorm import CASTING_MODE, normalized
 from derive.spec import OpSpec
 
 
@@ -33,10 +33,7 @@ def spec() -> OpSpec:
     # a product, as torch's dropout: a dropped NaN stays NaN
     dropped = op.element("dropped", (x + input_bias) * keep / (1 - p))
     residual_out = op.element("residual_out", dropped + residual)
-    mean_square = op.row_mean("mean_square", residual_out**2)
-    rstd = op.row("rstd", 1 / sympy.sqrt(mean_square + eps), positive=True)
-    x_hat = op.element("x_hat", residual_out * rstd)
-    y = op.element("y", scaled(op, x_hat) * (weight_offset + weight))
+    rstd, y = normalized(op, residual_out, eps, weight_offset, weight)
     op.output(y, residual_out)
     op.save(residual_out, rstd, doc="Keeps the sum and the row statistic.")
     op.save(y, rstd, mode="invertible",
