@@ -47,12 +47,15 @@ def op_cases():
                       (x, residual, input_bias, weight, bias, 1e-5, mode, True, False)))
     for mode in ("default", "invertible"):
         cases.append((f"rmsnorm-{mode}", torch.ops.vjpforge.rmsnorm.default,
-                      (x, weight, 1e-6, 1.0, 0.0, mode)))
+                      (x, weight, 1e-6, 1.0, 0.0, 0.0, mode)))
         # casting_mode="llama": x_hat rounded to the input's dtype
         cases.append((f"rmsnorm-llama-{mode}", torch.ops.vjpforge.rmsnorm.default,
-                      (x, weight, 1e-6, 0.0, 1.0, mode)))
+                      (x, weight, 1e-6, 0.0, 1.0, 0.0, mode)))
+        # casting_mode="none": every step rounded
+        cases.append((f"rmsnorm-none-{mode}", torch.ops.vjpforge.rmsnorm.default,
+                      (x, weight, 1e-6, 0.0, 1.0, 1.0, mode)))
         cases.append((f"add_rmsnorm-{mode}", torch.ops.vjpforge.add_rmsnorm.default,
-                      (x, None, None, weight, 1e-6, 0.0, 0.0, mode, False, False)))
+                      (x, None, None, weight, 1e-6, 0.0, 0.0, 0.0, mode, False, False)))
     cases.append(("softmax", torch.ops.vjpforge.softmax.default, (x, "default")))
     cases.append(("gelu", torch.ops.vjpforge.gelu.default, (x, input_bias, "default")))
     cases.append(("gelu_tanh", torch.ops.vjpforge.gelu_tanh.default, (x, None, "default")))
