@@ -228,10 +228,7 @@ def unrounded(expr: sympy.Expr) -> sympy.Expr:
     output), or one a rounding away from it, which the backward's own rounding to that dtype
     matches (y = rd(x_hat) * w gives x_hat = y / w; x_hat = rd(x * rstd), x = x_hat / rstd).
     A switch between a value and its rounding is then that value."""
-    expr = expr.replace(lambda e: isinstance(e, Rounded), lambda e: e.args[0])
-    return expr.replace(lambda e: isinstance(e, sympy.Piecewise)
-                        and len({value for value, _ in e.args}) == 1,
-                        lambda e: e.args[0][0])
+    return _single_branches(expr.replace(lambda e: isinstance(e, Rounded), lambda e: e.args[0]))
 
 
 def unrounded_in(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:
