@@ -287,6 +287,13 @@ class RowLossAPI:
     returns_as: tuple[tuple[str, str], ...] = ()
     #: models whose loss this function computes in patch_model() (kind "loss")
     replaces: tuple[Replaces, ...] = ()
+    #: (option, argument) pairs: an option that scales a per-row term of the loss linearly (a
+    #: z-loss), whose mean over the rows a caller may define by their count where class
+    #: weights divide the rest by their weight sum. The keyword-only `argument` takes
+    #: "weight_sum" (the default: the term reduced as the rest of the loss) or "row_count"
+    #: (with class weights and reduction="mean", the option is scaled by weight sum / count,
+    #: both read on the host)
+    count_means: tuple[tuple[str, str], ...] = ()
 
     #: torch's expression of the same result, in the function's argument names as given (it
     #: runs before any check of them: torch checks them; `dispatch` is codegen.runtime.dispatch),

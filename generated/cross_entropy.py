@@ -1173,7 +1173,7 @@ torch.library.register_autograd(
 
 
 
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
     """`torch.nn.functional.cross_entropy`: one loss per row of the class dim, one kernel each way.
 
     torch's layout: the classes along dim 1 of an input of 2 or more dims ((N, C) or
@@ -1191,11 +1191,16 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     `lse_square_scale` (default 0.0): the z-loss (PaLM's, as Liger-Kernel's): each counted row
     adds lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits with softcap),
     which keeps the logits' normaliser near 1; its gradient is derived with the rest. With class
-    weights the mean divides it, as the rest of the loss, by the counted rows' weight sum
-    (Liger-Kernel: by their count). A finite number; 0 turns it off.
+    weights the mean divides it by the counted rows' weight sum, as the rest of the loss, or by
+    their count with z_loss_mean="row_count" (Liger-Kernel's definition). A finite number; 0
+    turns it off.
     `softcap` (default None): logit softcapping (Gemma 2's final logits): the logits become
     softcap * tanh(input / softcap) before anything else, the gradient taken through the tanh. A
     finite number > 0, or None (off).
+    `z_loss_mean` (default "weight_sum"): with class weights and reduction="mean", the term
+    `lse_square_scale` scales is divided by the counted rows' weight sum, as the rest of the
+    loss ("weight_sum"), or by their count ("row_count", which reads both on the host: one
+    device sync per call). The two are one without weights or with another reduction.
     `return_z_loss=True` returns (loss, z_loss): the z-loss term alone, lse_square_scale *
     logsumexp^2 per counted row (0 in ignored rows), for logging, as Liger-Kernel's. It is
     reduced as the loss is and never differentiated (a gradient reaching it is dropped).
@@ -1238,10 +1243,12 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     softcap = checks.check_option("cross_entropy", "softcap", softcap, "positive")
     if softcap is None:
         softcap = 0.0  # off: the kernels are compiled without it
+    losses.check_count_mean("cross_entropy", "z_loss_mean", z_loss_mean)
     losses.check_reduction("cross_entropy", reduction)
     input, target = losses.classes_last("cross_entropy", input, target, "target", class_dim)
     weight = losses.check_weight("cross_entropy", weight, input)
     target, counted = losses.check_target("cross_entropy", "target", target, input, ignore_index, weight)
+    lse_square_scale = losses.count_mean(lse_square_scale, z_loss_mean, reduction, counted, target, ignore_index, weight, launch.accumulator(input.dtype))
     shape = input.shape
     x = launch.rows((-1, shape[-1]), input)
     target = target.reshape(-1).contiguous()
@@ -1268,7 +1275,7 @@ class CrossEntropyLoss(torch.nn.Module):
     """`cross_entropy` as a module, like torch.nn.CrossEntropyLoss: `weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = losses.legacy_reduction(size_average, reduce)
@@ -1277,6 +1284,7 @@ class CrossEntropyLoss(torch.nn.Module):
         self.label_smoothing = checks.check_option("CrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
         self.lse_square_scale = checks.check_option("CrossEntropyLoss", "lse_square_scale", lse_square_scale, "finite")
         self.softcap = checks.check_option("CrossEntropyLoss", "softcap", softcap, "positive")
+        self.z_loss_mean = losses.check_count_mean("CrossEntropyLoss", "z_loss_mean", z_loss_mean)
         self.reduction = losses.check_reduction("CrossEntropyLoss", reduction)
         self.return_z_loss = losses.check_flag("CrossEntropyLoss", "return_z_loss", return_z_loss)
         self.return_token_accuracy = losses.check_flag("CrossEntropyLoss", "return_token_accuracy", return_token_accuracy)
@@ -1286,13 +1294,13 @@ class CrossEntropyLoss(torch.nn.Module):
     def extra_repr(self):
         # the options that differ from their defaults, values as Python writes them: a module
         # built with the defaults prints as torch's (CrossEntropyLoss())
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False, "class_dim": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "z_loss_mean": "weight_sum", "reduction": "mean", "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False, "class_dim": None}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, target):
-        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens, class_dim=self.class_dim)
+        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens, class_dim=self.class_dim)
 
 
 def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, softcap):
@@ -1311,7 +1319,7 @@ def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, sof
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
-def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, out_dtype=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", class_weight=None, chunk_size=None, out_dtype=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
     """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
     ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
     into a buffer that every chunk reuses, then this module's loss kernels (and, where a
@@ -1353,6 +1361,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     losses.check_flag("linear_cross_entropy", "return_z_loss", return_z_loss)
     losses.check_flag("linear_cross_entropy", "return_token_accuracy", return_token_accuracy)
     losses.check_flag("linear_cross_entropy", "return_predicted_tokens", return_predicted_tokens)
+    losses.check_count_mean("linear_cross_entropy", "z_loss_mean", z_loss_mean)
     losses.check_reduction("linear_cross_entropy", reduction)
     input, weight, bias, dtype = linear_loss.check_linear("linear_cross_entropy", input, weight, bias)
     dtype = linear_loss.check_out_dtype("linear_cross_entropy", out_dtype, dtype)
@@ -1361,6 +1370,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     target, counted = losses.check_target("linear_cross_entropy", "target", target, logits, ignore_index, class_weight)
     if counted is None and reduction == "mean":  # no rows: torch's ops count
         counted = losses.count_rows(target.reshape(-1), ignore_index, class_weight, launch.accumulator(input.dtype))
+    lse_square_scale = losses.count_mean(lse_square_scale, z_loss_mean, reduction, counted, target, ignore_index, class_weight, launch.accumulator(input.dtype))
     kernels = _linear_kernels(class_weight, ignore_index, label_smoothing, lse_square_scale, softcap)
     returns = ("loss" if return_z_loss else None, "fraction" if return_token_accuracy else None, "index" if return_predicted_tokens else None, )
     return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels, returns, ignore_index)
@@ -1371,13 +1381,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     a linear layer's outputs without its logits held whole; `class_weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, class_weight=None, chunk_size=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", class_weight=None, chunk_size=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = int(checks.check_option("LinearCrossEntropyLoss", "ignore_index", ignore_index, "integer"))
         self.label_smoothing = checks.check_option("LinearCrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
         self.lse_square_scale = checks.check_option("LinearCrossEntropyLoss", "lse_square_scale", lse_square_scale, "finite")
         self.softcap = checks.check_option("LinearCrossEntropyLoss", "softcap", softcap, "positive")
+        self.z_loss_mean = losses.check_count_mean("LinearCrossEntropyLoss", "z_loss_mean", z_loss_mean)
         self.reduction = losses.check_reduction("LinearCrossEntropyLoss", reduction)
         self.chunk_size = linear_loss.check_chunk_size("LinearCrossEntropyLoss", chunk_size)
         self.return_z_loss = losses.check_flag("LinearCrossEntropyLoss", "return_z_loss", return_z_loss)
@@ -1385,13 +1396,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.return_predicted_tokens = losses.check_flag("LinearCrossEntropyLoss", "return_predicted_tokens", return_predicted_tokens)
 
     def extra_repr(self):
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "reduction": "mean", "chunk_size": None, "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "z_loss_mean": "weight_sum", "reduction": "mean", "chunk_size": None, "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, weight, target, bias=None):
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -65,6 +65,67 @@ def test_matches_the_torch_reference(device, schedule, reduction, options):
     torch.testing.assert_close(z_loss, want_z, **FP64_TOL)
 
 
+def liger_reference(x, target, weight, reduction, label_smoothing, lse_square_scale):
+    """(loss, z_loss) as Liger-Kernel's tests define them (CrossEntropyWithZLoss): torch's
+    cross-entropy, reduced as torch's, plus the z-loss of the counted rows, whose mean divides
+    by their count whatever the class weights."""
+    loss = F.cross_entropy(x, target, weight, ignore_index=IGNORE, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    counted = target != IGNORE
+    z_loss = torch.where(counted, lse_square_scale * torch.logsumexp(x, -1) ** 2, 0.0)
+    if reduction == "mean":
+        z_loss = z_loss.sum() / counted.sum()
+    elif reduction == "sum":
+        z_loss = z_loss.sum()
+    return loss + z_loss, z_loss
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.25])
+def test_z_loss_mean_row_count_is_liger_definition(device, reduction, smoothing):
+    # z_loss_mean="row_count": the loss, its z-loss and the gradient as Liger-Kernel's
+    # reference formula gives them, with class weights; "weight_sum" (the default) differs
+    # there, and the two agree without weights
+    from generated.cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+
+    target = targets(6, device, ignored=(2, 4))
+    weight = randn((V,), seed=4, device=device).abs() + 0.5
+    x = (randn((6, V), seed=1, device=device) * 4).requires_grad_()
+    options = dict(reduction=reduction, label_smoothing=smoothing, lse_square_scale=0.125)
+    got = cross_entropy(x, target, weight, z_loss_mean="row_count", return_z_loss=True,
+                        **options)
+    want = liger_reference(x, target, weight, **options)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **FP64_TOL)
+    upstream = randn(want[0].shape, seed=9, device=device)
+    grad, = torch.autograd.grad(got[0], x, upstream)
+    torch.testing.assert_close(grad, torch.autograd.grad(want[0], x, upstream)[0], **FP64_TOL)
+    default = cross_entropy(x, target, weight, **options)
+    assert torch.equal(default, got[0]) != (reduction == "mean")
+    unweighted = dict(options, reduction="mean")
+    torch.testing.assert_close(cross_entropy(x, target, z_loss_mean="row_count", **unweighted),
+                               cross_entropy(x, target, **unweighted), rtol=0, atol=0)
+    # the fused linear loss and the modules take it alike
+    hidden = randn((6, 8), seed=2, device=device).requires_grad_()
+    lm_head = randn((V, 8), seed=3, device=device)
+    linear = linear_cross_entropy(hidden, lm_head, target, class_weight=weight,
+                                  z_loss_mean="row_count", return_z_loss=True, **options)
+    logits = torch.nn.functional.linear(hidden, lm_head)
+    want = liger_reference(logits, target, weight, **options)
+    for g, w in zip(linear, want, strict=True):
+        torch.testing.assert_close(g, w, **FP64_TOL)
+    torch.testing.assert_close(torch.autograd.grad(linear[0], hidden, upstream)[0],
+                               torch.autograd.grad(want[0], hidden, upstream)[0], **FP64_TOL)
+    module = CrossEntropyLoss(weight, z_loss_mean="row_count", **options)
+    assert "z_loss_mean='row_count'" in module.extra_repr()
+    torch.testing.assert_close(module(x, target), got[0], rtol=0, atol=0)
+    linear_module = LinearCrossEntropyLoss(class_weight=weight, z_loss_mean="row_count",
+                                           **options)
+    assert "z_loss_mean='row_count'" in linear_module.extra_repr()
+    torch.testing.assert_close(linear_module(hidden, lm_head, target), linear[0], rtol=0,
+                               atol=0)
+
+
 def test_torch_layout_and_module(device):
     # classes along dim 1 of (N, C, d): the options apply along the class dim, as the loss
     x = randn((2, V, 3), seed=2, device=device) * 3
@@ -186,6 +247,12 @@ BAD_OPTIONS = {
                    "argument 'lse_square_scale' must be a real number, got NoneType"),
     "return_z_loss_int": ({"return_z_loss": 1}, TypeError,
                           "argument 'return_z_loss' must be a bool, got int"),
+    "z_loss_mean_unknown": ({"z_loss_mean": "rows"}, ValueError,
+                            "argument 'z_loss_mean' must be one of 'weight_sum', 'row_count', "
+                            "got 'rows'"),
+    "z_loss_mean_none": ({"z_loss_mean": None}, TypeError,
+                         "argument 'z_loss_mean' must be a str \\(one of 'weight_sum', "
+                         "'row_count'\\), got NoneType"),
 }
 
 

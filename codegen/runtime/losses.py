@@ -381,6 +381,42 @@ def _counted(target, kept, weight, dtype):
     return torch.where(inside, picked, 0.0).sum()
 
 
+#: the means `RowLossAPI.count_means` offers for a term an option scales
+COUNT_MEANS = ("weight_sum", "row_count")
+
+
+def check_count_mean(function, name, value):
+    """A `RowLossAPI.count_means` argument: one of COUNT_MEANS."""
+    choices = ", ".join(map(repr, COUNT_MEANS))
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a str (one of {choices}), got "
+            f"{type(value).__name__}"
+        )
+    if value not in COUNT_MEANS:
+        raise ValueError(f"{function}(): argument '{name}' must be one of {choices}, got {value!r}")
+    return value
+
+
+def count_mean(value, how, reduction, counted, target, ignore_index, weight, dtype):
+    """`value`, an option that scales a per-row term of the loss linearly, for the mean `how`
+    asks of that term: "weight_sum", as the rest of the loss (the value as given), or
+    "row_count", the term's sum divided by the count of the counted rows where class weights
+    divide the rest by their weight sum (Liger-Kernel's z-loss): the value times weight sum /
+    count. Only then are both read on the host (one device sync): with no weights, another
+    reduction, or the option off, the two means are one. `counted` is `check_target`'s weight
+    sum, or None where it counts here."""
+    if how == "weight_sum" or weight is None or reduction != "mean" or value == 0:
+        return value
+    target = target.reshape(-1)
+    count = int((target != int(ignore_index)).sum())
+    if count == 0:
+        return value  # no counted row: the term is 0 in every row
+    if counted is None:
+        counted = count_rows(target, ignore_index, weight, dtype)
+    return value * float(counted) / count
+
+
 def count_rows(target, ignore_index, weight, dtype):
     """`check_target`'s count in torch ops (under torch.compile, or for no rows)."""
     return _counted(target, target != int(ignore_index), weight, dtype)

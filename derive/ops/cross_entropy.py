@@ -85,13 +85,15 @@ def spec() -> OpSpec:
                      "the z-loss (PaLM's, as Liger-Kernel's): each counted row adds "
                      "lse_square_scale * logsumexp(logits)^2 to its loss (of the capped logits "
                      "with softcap), which keeps the logits' normaliser near 1; its gradient is "
-                     "derived with the rest. With class weights the mean divides it, as the "
-                     "rest of the loss, by the counted rows' weight sum (Liger-Kernel: by their "
-                     "count). A finite number; 0 turns it off.")),
+                     "derived with the rest. With class weights the mean divides it by the "
+                     "counted rows' weight sum, as the rest of the loss, or by their count with "
+                     "z_loss_mean=\"row_count\" (Liger-Kernel's definition). A finite number; 0 "
+                     "turns it off.")),
                  Option("softcap", None, check="positive", keyword_only=True, doc=(
                      "logit softcapping (Gemma 2's final logits): the logits become "
                      "softcap * tanh(input / softcap) before anything else, the gradient taken "
                      "through the tanh. A finite number > 0, or None (off)."))),
+        count_means=(("lse_square_scale", "z_loss_mean"),),
         returns=("z_loss", "token_accuracy", "predicted_tokens"),
         returns_doc=(("z_loss", "the z-loss term alone, lse_square_scale * "
                                 "logsumexp^2 per counted row (0 in ignored rows), for "
