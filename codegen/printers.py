@@ -15,7 +15,7 @@ import sympy
 from sympy.codegen.cfunctions import log1p
 
 from derive.algebra import GuardedReciprocal
-from derive.spec import Rounded, is_language_power
+from derive.spec import Detached, Rounded, is_language_power
 
 
 class PrintError(ValueError):
@@ -47,6 +47,8 @@ class Dialect:
     divide: str = ""
     #: a value rounded to the input's dtype and back (`Rounded`), `{}` the value
     rounded: str = ""
+    #: a value autograd must not differentiate (`Detached`), `{}` the value
+    detached: str = "{}"
     #: both conditions, and either, `{}` each (empty: `&` and `|`)
     conjunction: str = ""
     disjunction: str = ""
@@ -92,6 +94,8 @@ TORCH = Dialect(
     # a rounded reciprocal): both paths compute the same values
     divide="({}) / ({})",
     rounded="({}).to(dtype).to(acc)",
+    # a backward that autograd records (create_graph=True) differentiates the torch path
+    detached="({}).detach()",
 )
 
 # Binding strength, for parentheses: atoms bind tightest.
@@ -199,6 +203,11 @@ class KernelPrinter:
             return f"({self._wrap(expr.args[0], _MUL)} % {int(expr.args[1])})", _ATOM
         if isinstance(expr, Rounded):
             return self.dialect.rounded.format(self._print(expr.args[0])[0]), _ATOM
+        if isinstance(expr, Detached):
+            printed, precedence = self._print(expr.args[0])
+            if self.dialect.detached == "{}":
+                return printed, precedence
+            return self.dialect.detached.format(printed), _ATOM
         if isinstance(expr, sympy.Function) and type(expr) in self.dialect.functions:
             args = ", ".join(self._print(a)[0] for a in expr.args)
             if type(expr) is sympy.exp and self.dialect.exp:

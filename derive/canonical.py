@@ -44,6 +44,7 @@ from derive.stable import (
 SUPPORTED_FUNCTIONS = (
     "exp", "log", "sqrt (and x**r for rational r)", "tanh", "erf", "sin", "cos",
     "sinh", "cosh", "Abs", "Max", "Min", "Heaviside", "sign", "Piecewise", "Rounded",
+    "Detached",
     "Mod (of the column index by an integer)",
 )
 

@@ -99,11 +99,36 @@ class Rounded(sympy.Function):
         return text if exp is None else f"{text}^{{{exp}}}"
 
 
+class Detached(sympy.Function):
+    """Its argument's value, never differentiated: torch's `.detach()` inside an expression
+    (a weight computed from the inputs that the gradient must not flow through, as a token's
+    predicted probability scaling its loss). Its derivative is 0, in the backward, the
+    tangent of forward-mode AD and every higher derivative."""
+
+    nargs = 1
+    is_real = True
+
+    @classmethod
+    def eval(cls, arg: sympy.Expr) -> sympy.Expr | None:
+        # a number has no derivative to drop
+        return arg if arg.is_number else None
+
+    def fdiff(self, argindex: int = 1) -> sympy.Expr:
+        return sympy.Integer(0)
+
+    def _eval_is_positive(self) -> bool | None:
+        return self.args[0].is_positive
+
+    def _latex(self, printer: Any, exp: str | None = None) -> str:
+        text = r"\operatorname{sg}\left(" + printer._print(self.args[0]) + r"\right)"
+        return text if exp is None else f"{text}^{{{exp}}}"
+
+
 #: The functions of the spec language (docs/spec_language.md, "Supported functions"); a
 #: function of numbers alone is a number and may be any SymPy evaluates (sqrt(2), log(2)).
 FUNCTIONS = (sympy.exp, sympy.log, sympy.tanh, sympy.erf, sympy.sin, sympy.cos,
              sympy.sinh, sympy.cosh, sympy.Abs, sympy.Max, sympy.Min, sympy.Heaviside,
-             sympy.sign, sympy.Piecewise, sympy.Mod, Rounded)
+             sympy.sign, sympy.Piecewise, sympy.Mod, Rounded, Detached)
 
 #: What else an expression of the language is built of: arithmetic, and the conditions of a
 #: Piecewise (comparisons joined by And, Or, Not)

@@ -14,12 +14,15 @@ loss does not depend on it); the softmax is never stored: the backward recompute
 exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
 gradient (torch gives them none either).
 
-Two options of large-vocabulary training, both off by default (the kernels are then compiled
+Three options of large-vocabulary training, all off by default (the kernels are then compiled
 without them): `softcap` caps the logits first, z = softcap * tanh(x / softcap) (Gemma 2's
 final logit softcapping), every term above then taken over z (the target's, from its one
 gathered logit). `lse_square_scale` adds the z-loss, lse_square_scale *
 logsumexp(z)^2, to each counted row's loss (PaLM's auxiliary loss, as Liger-Kernel's), its
-logsumexp the one the loss already has: no further pass over the logits.
+logsumexp the one the loss already has: no further pass over the logits. `token_scaling`
+multiplies a row's loss by its target's predicted probability to that power,
+exp(token_scaling * (z[target] - logsumexp(z))), under `Detached`: the gradient does not flow
+through the factor (Liger-Kernel's use_token_scaling at 1).
 
 The backward is derived symbolically; see docs/ops/cross_entropy.md for every step.
 """
@@ -38,13 +41,15 @@ from codegen.runtime.schedules import Constants, Schedules, fixed_n, maxnreg
 
 @triton.jit
 def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, z_loss_ptr,
-        token_accuracy_ptr, predicted_tokens_ptr, row_max_ptr, denominator_ptr, target_weight_ptr,
-        weight_mean_ptr, ignore_index_high, ignore_index_low, label_smoothing_high,
-        label_smoothing_low, lse_square_scale_high, lse_square_scale_low, softcap_high,
-        softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr, STORE_TOKEN_ACCURACY: tl.constexpr,
-        STORE_PREDICTED_TOKENS: tl.constexpr, STORE_ROW_MAX: tl.constexpr,
-        STORE_DENOMINATOR: tl.constexpr, STORE_TARGET_WEIGHT: tl.constexpr,
+        token_accuracy_ptr, predicted_tokens_ptr, row_max_ptr, denominator_ptr, target_logit_ptr,
+        target_weight_ptr, weight_mean_ptr, ignore_index_high, ignore_index_low,
+        label_smoothing_high, label_smoothing_low, lse_square_scale_high, lse_square_scale_low,
+        softcap_high, softcap_low, token_scaling_high, token_scaling_low, M, N,
+        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_TOKEN_SCALING: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
+        STORE_TOKEN_ACCURACY: tl.constexpr, STORE_PREDICTED_TOKENS: tl.constexpr,
+        STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr,
+        STORE_TARGET_LOGIT: tl.constexpr, STORE_TARGET_WEIGHT: tl.constexpr,
         STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr,
         KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
@@ -66,10 +71,11 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       target_gap = 1/N * sum_j(weight*(target_logit - z))
       first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-      z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
+      token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+      z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))**2, True))
       predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
       token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-      loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
     epilogue: load -
     store loss = loss
     store z_loss = z_loss (if STORE_Z_LOSS)
@@ -77,6 +83,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     store predicted_tokens = predicted_tokens (if STORE_PREDICTED_TOKENS)
     store row_max = row_max (if STORE_ROW_MAX)
     store denominator = denominator (if STORE_DENOMINATOR)
+    store target_logit = target_logit (if STORE_TARGET_LOGIT)
     store target_weight = target_weight (if STORE_TARGET_WEIGHT)
     store weight_mean = weight_mean (if STORE_WEIGHT_MEAN)
     """
@@ -97,6 +104,7 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
     softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
+    token_scaling = tl.cast(token_scaling_high, ACC) + tl.cast(token_scaling_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -130,12 +138,13 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
             first_max = tl.min(tl.where(mask, tl.where((row_max <= z), key, N), float("inf")), axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
         smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-        z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+        token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+        z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
         if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
             predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
         if STORE_TOKEN_ACCURACY:
             token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-        loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
+        loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + tl.log(denominator))))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
@@ -147,6 +156,8 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
         if STORE_DENOMINATOR:
             tl.store(denominator_ptr + rows, denominator, mask=row_mask)
+        if STORE_TARGET_LOGIT:
+            tl.store(target_logit_ptr + rows, target_logit, mask=row_mask)
         if STORE_TARGET_WEIGHT:
             tl.store(target_weight_ptr + rows, target_weight, mask=row_mask)
         if STORE_WEIGHT_MEAN:
@@ -155,13 +166,15 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 
 @triton.jit
 def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr, z_loss_ptr,
-        token_accuracy_ptr, predicted_tokens_ptr, row_max_ptr, denominator_ptr, target_weight_ptr,
-        weight_mean_ptr, ignore_index_high, ignore_index_low, label_smoothing_high,
-        label_smoothing_low, lse_square_scale_high, lse_square_scale_low, softcap_high,
-        softcap_low, M, N, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr, STORE_TOKEN_ACCURACY: tl.constexpr,
-        STORE_PREDICTED_TOKENS: tl.constexpr, STORE_ROW_MAX: tl.constexpr,
-        STORE_DENOMINATOR: tl.constexpr, STORE_TARGET_WEIGHT: tl.constexpr,
+        token_accuracy_ptr, predicted_tokens_ptr, row_max_ptr, denominator_ptr, target_logit_ptr,
+        target_weight_ptr, weight_mean_ptr, ignore_index_high, ignore_index_low,
+        label_smoothing_high, label_smoothing_low, lse_square_scale_high, lse_square_scale_low,
+        softcap_high, softcap_low, token_scaling_high, token_scaling_low, M, N,
+        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_TOKEN_SCALING: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
+        STORE_TOKEN_ACCURACY: tl.constexpr, STORE_PREDICTED_TOKENS: tl.constexpr,
+        STORE_ROW_MAX: tl.constexpr, STORE_DENOMINATOR: tl.constexpr,
+        STORE_TARGET_LOGIT: tl.constexpr, STORE_TARGET_WEIGHT: tl.constexpr,
         STORE_WEIGHT_MEAN: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr, ONE_SWEEP: tl.constexpr,
         KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
@@ -184,10 +197,11 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       target_gap = 1/N * sum_j(weight*(target_logit - z))
       first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
       smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-      z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))**2, True))
+      token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+      z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))**2, True))
       predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
       token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-      loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
     epilogue: load -
     store loss = loss
     store z_loss = z_loss (if STORE_Z_LOSS)
@@ -195,6 +209,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     store predicted_tokens = predicted_tokens (if STORE_PREDICTED_TOKENS)
     store row_max = row_max (if STORE_ROW_MAX)
     store denominator = denominator (if STORE_DENOMINATOR)
+    store target_logit = target_logit (if STORE_TARGET_LOGIT)
     store target_weight = target_weight (if STORE_TARGET_WEIGHT)
     store weight_mean = weight_mean (if STORE_WEIGHT_MEAN)
     """
@@ -208,6 +223,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
     softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
+    token_scaling = tl.cast(token_scaling_high, ACC) + tl.cast(token_scaling_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -258,12 +274,13 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-            z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+            token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+            z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
             if STORE_TOKEN_ACCURACY:
                 token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-            loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
+            loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + tl.log(denominator))))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             weight_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -309,12 +326,13 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-            z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+            token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+            z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
             if STORE_TOKEN_ACCURACY:
                 token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-            loss = tl.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
+            loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + tl.log(denominator))))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
@@ -326,6 +344,8 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             tl.store(row_max_ptr + rows, row_max, mask=row_mask)
         if STORE_DENOMINATOR:
             tl.store(denominator_ptr + rows, denominator, mask=row_mask)
+        if STORE_TARGET_LOGIT:
+            tl.store(target_logit_ptr + rows, target_logit, mask=row_mask)
         if STORE_TARGET_WEIGHT:
             tl.store(target_weight_ptr + rows, target_weight, mask=row_mask)
         if STORE_WEIGHT_MEAN:
@@ -334,23 +354,25 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
 
 @triton.jit
 def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, target_ptr,
-        row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr, dx_row_stride,
-        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low,
-        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N, col_start,
-        row_length, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
-        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
-        FIXED_N: tl.constexpr):
+        row_max_ptr, denominator_ptr, target_logit_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr,
+        dx_row_stride, ignore_index_high, ignore_index_low, label_smoothing_high,
+        label_smoothing_low, lse_square_scale_high, lse_square_scale_low, softcap_high,
+        softcap_low, token_scaling_high, token_scaling_low, M, N, col_start, row_length,
+        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_TOKEN_SCALING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, persistent rows: ROWS whole rows of BLOCK_N >= N columns per step.
 
     key = column index
+    token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     epilogue: load key, weight, x
       common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
       z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
       e = exp(-row_max + z)
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*(row_max + log(denominator))/denominator, True)) + factor/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True)) + factor*token_scale/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*token_scale*weight/N, True)) + Piecewise((-factor*token_scale + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*token_scale*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -370,6 +392,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
     softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
+    token_scaling = tl.cast(token_scaling_high, ACC) + tl.cast(token_scaling_low, ACC)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + col_start + cols, mask=col_mask, other=0.0).to(ACC)
     else:
@@ -384,37 +407,41 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         row_max = tl.load(row_max_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        target_logit = tl.load(target_logit_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         target_weight = tl.load(target_weight_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         weight_mean = tl.load(weight_mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         key = cols + col_start
+        token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
         z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, target_ptr,
-        row_max_ptr, denominator_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr, dx_row_stride,
-        ignore_index_high, ignore_index_low, label_smoothing_high, label_smoothing_low,
-        lse_square_scale_high, lse_square_scale_low, softcap_high, softcap_low, M, N, col_start,
-        row_length, HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        STAGES: tl.constexpr, CHUNKS: tl.constexpr, KEEP: tl.constexpr, EVEN: tl.constexpr,
-        STRIDED: tl.constexpr, REVERSE: tl.constexpr, LAST_FIRST: tl.constexpr,
-        FIXED_N: tl.constexpr):
+        row_max_ptr, denominator_ptr, target_logit_ptr, target_weight_ptr, weight_mean_ptr, dx_ptr,
+        dx_row_stride, ignore_index_high, ignore_index_low, label_smoothing_high,
+        label_smoothing_low, lse_square_scale_high, lse_square_scale_low, softcap_high,
+        softcap_low, token_scaling_high, token_scaling_low, M, N, col_start, row_length,
+        HAS_LSE_SQUARE_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_TOKEN_SCALING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr,
+        KEEP: tl.constexpr, EVEN: tl.constexpr, STRIDED: tl.constexpr, REVERSE: tl.constexpr,
+        LAST_FIRST: tl.constexpr, FIXED_N: tl.constexpr):
     """_cross_entropy_bwd_default, looped rows: one sweep over each row per reduction pass, CHUNKS steps of
     BLOCK_N columns.
 
     key = column index
+    token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     epilogue: load key, weight, x
       common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
       z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
       e = exp(-row_max + z)
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*(row_max + log(denominator))/denominator, True)) + factor/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*weight/N, True)) + Piecewise((-factor + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True)) + factor*token_scale/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*token_scale*weight/N, True)) + Piecewise((-factor*token_scale + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*token_scale*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -426,6 +453,7 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
     label_smoothing = tl.cast(label_smoothing_high, ACC) + tl.cast(label_smoothing_low, ACC)
     lse_square_scale = tl.cast(lse_square_scale_high, ACC) + tl.cast(lse_square_scale_low, ACC)
     softcap = tl.cast(softcap_high, ACC) + tl.cast(softcap_low, ACC)
+    token_scaling = tl.cast(token_scaling_high, ACC) + tl.cast(token_scaling_low, ACC)
     for row_block in range(pid, tl.cdiv(M, ROWS) if STRIDED else pid + 1, programs if STRIDED else 1):
         rows = (tl.cdiv(M, ROWS) - 1 - row_block if LAST_FIRST else row_block) * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = helpers.below(rows, M, EVEN)
@@ -434,8 +462,10 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         target = tl.load(target_ptr + rows, mask=row_mask, other=0)
         row_max = tl.load(row_max_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         denominator = tl.load(denominator_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        target_logit = tl.load(target_logit_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         target_weight = tl.load(target_weight_ptr + rows, mask=row_mask, other=0.0).to(ACC)
         weight_mean = tl.load(weight_mean_ptr + rows, mask=row_mask, other=0.0).to(ACC)
+        token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -450,12 +480,13 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
             common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
             z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
             e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0) + (helpers.div(factor, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean) - factor, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale,
-        softcap, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max,
-        store_denominator, store_target_weight, store_weight_mean):
+        softcap, token_scaling, store_z_loss, store_token_accuracy, store_predicted_tokens,
+        store_row_max, store_denominator, store_target_logit, store_target_weight,
+        store_weight_mean):
     """_cross_entropy_fwd in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -464,10 +495,12 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_TOKEN_SCALING = token_scaling != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    token_scaling = torch.tensor(token_scaling, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
     target_logit_mask = (target >= 0) & (target < N)
@@ -496,24 +529,26 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
     if store_predicted_tokens or store_token_accuracy:
         first_max = torch.broadcast_to(torch.where((row_max <= z), key, N).to(acc), (M, N)).amin(dim=-1, keepdim=True).to(acc) if N else torch.full((M, 1), float("inf"), dtype=acc, device=x.device)  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
     smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
-    z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*(row_max + log(denominator))^2, True))
+    token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+    z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
     predicted_tokens = torch.where((ignore_index == target), -1.0, torch.where((N == first_max), 0.0, first_max).to(acc)).to(acc) if store_predicted_tokens or store_token_accuracy else None  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
     token_accuracy = torch.where((ignore_index == target), 0.0, torch.where((predicted_tokens == target), 1.0, 0.0).to(acc)).to(acc) if store_token_accuracy else None  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-    loss = torch.where((ignore_index == target), 0.0, smoothed + z_loss + factor * (row_max - target_logit + torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (factor*(row_max - target_logit + log(denominator)) + smoothed + z_loss, True))
+    loss = torch.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + torch.log(denominator)))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
     z_loss = torch.broadcast_to(z_loss, (M, 1)).reshape(M).contiguous() if store_z_loss else None
     token_accuracy = torch.broadcast_to(token_accuracy, (M, 1)).reshape(M).contiguous() if store_token_accuracy else None
     predicted_tokens = torch.broadcast_to(predicted_tokens, (M, 1)).reshape(M).contiguous() if store_predicted_tokens else None
     row_max = torch.broadcast_to(row_max, (M, 1)).reshape(M).contiguous() if store_row_max else None
     denominator = torch.broadcast_to(denominator, (M, 1)).reshape(M).contiguous() if store_denominator else None
+    target_logit = torch.broadcast_to(target_logit, (M, 1)).reshape(M).contiguous() if store_target_logit else None
     target_weight = torch.broadcast_to(target_weight, (M, 1)).reshape(M).contiguous() if store_target_weight else None
     weight_mean = torch.broadcast_to(weight_mean, (M, 1)).reshape(M).contiguous() if store_weight_mean else None
-    return loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean,
+    return loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean,
 
 
-def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=0,
-        row_length=None):
+def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_logit,
+        target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap,
+        token_scaling, col_start=0, row_length=None):
     """_cross_entropy_bwd_default in plain torch, emitted from the same IR as the Triton kernels."""
     dtype = x.dtype
     acc = launch.accumulator(dtype)
@@ -524,27 +559,31 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     weight = weight[col_start:col_start + N].to(acc) if weight is not None else 1.0
     HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_TOKEN_SCALING = token_scaling != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    token_scaling = torch.tensor(token_scaling, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dloss = dloss.to(acc)[:, None]
     target = target[:, None]
     row_max = row_max.to(acc)[:, None]
     denominator = denominator.to(acc)[:, None]
+    target_logit = target_logit.to(acc)[:, None]
     target_weight = target_weight.to(acc)[:, None]
     weight_mean = weight_mean.to(acc)[:, None]
     key = torch.arange(col_start, col_start + N, device=x.device)[None, :]
+    token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     common_1 = (torch.tanh((x) / (softcap)) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
     z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
-    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
 def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_index,
-        label_smoothing, lse_square_scale, softcap):
+        label_smoothing, lse_square_scale, softcap, token_scaling):
     """The backward autograd records (create_graph=True), derived from saved values that carry
     its graph; plain torch only (the fused kernels are not differentiable)."""
     dtype = x.dtype
@@ -554,13 +593,22 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_TOKEN_SCALING = token_scaling != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    token_scaling = torch.tensor(token_scaling, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     dloss = dloss.to(acc)[:, None]
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
+    target_logit_mask = (target >= 0) & (target < N)
+    if N:
+        target_logit_at = target.clamp(0, N - 1)
+        target_logit_x = torch.gather(x, 1, target_logit_at)
+        target_logit = torch.where(target_logit_mask, (softcap * torch.tanh((target_logit_x) / (softcap)) if HAS_SOFTCAP else target_logit_x), 0.0).to(acc)  # target_logit = 1 * (Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True)) at column target): a one-hot sum over the row, read as one element
+    else:
+        target_logit = torch.zeros((M, 1), dtype=acc, device=x.device)
     target_weight_mask = (target >= 0) & (target < N)
     if N:
         target_weight_at = target.clamp(0, N - 1)
@@ -575,13 +623,14 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
+    token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     common_1 = (torch.tanh((x) / (softcap)) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
-    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc) + ((factor) / (denominator) + (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * weight_mean).to(acc) - factor, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
 def _cross_entropy_jvp_torch(x, x_dot, weight, target, ignore_index, label_smoothing,
-        lse_square_scale, softcap):
+        lse_square_scale, softcap, token_scaling):
     """The forward-mode derivative (JVP) derived from the spec, at the inputs and along their
     tangents (`<name>_dot`; None: zero), in plain torch on any device."""
     dtype = x.dtype
@@ -592,12 +641,21 @@ def _cross_entropy_jvp_torch(x, x_dot, weight, target, ignore_index, label_smoot
     weight = weight.to(acc) if weight is not None else 1.0
     HAS_LSE_SQUARE_SCALE = lse_square_scale != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     HAS_SOFTCAP = softcap != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
+    HAS_TOKEN_SCALING = token_scaling != 0.0  # as the kernels' constexpr: the branches it picks are chosen here
     ignore_index = torch.tensor(ignore_index, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     label_smoothing = torch.tensor(label_smoothing, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     lse_square_scale = torch.tensor(lse_square_scale, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     softcap = torch.tensor(softcap, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
+    token_scaling = torch.tensor(token_scaling, dtype=acc)  # as the kernels: a scalar at the accumulator's precision
     target = target[:, None]
     key = torch.arange(N, device=x.device)[None, :]
+    target_logit_mask = (target >= 0) & (target < N)
+    if N:
+        target_logit_at = target.clamp(0, N - 1)
+        target_logit_x = torch.gather(x, 1, target_logit_at)
+        target_logit = torch.where(target_logit_mask, (softcap * torch.tanh((target_logit_x) / (softcap)) if HAS_SOFTCAP else target_logit_x), 0.0).to(acc)  # target_logit = 1 * (Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True)) at column target): a one-hot sum over the row, read as one element
+    else:
+        target_logit = torch.zeros((M, 1), dtype=acc, device=x.device)
     target_weight_mask = (target >= 0) & (target < N)
     if N:
         target_weight_at = target.clamp(0, N - 1)
@@ -617,25 +675,26 @@ def _cross_entropy_jvp_torch(x, x_dot, weight, target, ignore_index, label_smoot
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     denominator_dot = ((e * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else e * x_dot)).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
-    z_loss_dot = (denominator_dot * torch.where((ignore_index == target), 0.0, (2.0 * lse_square_scale * (row_max + torch.log(denominator))) / (denominator)).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (2*lse_square_scale*(row_max + log(denominator))/denominator, True))
-    loss_dot = denominator_dot * torch.where((ignore_index == target), 0.0, (factor) / (denominator)).to(acc) + smoothed_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc) + target_logit_dot * torch.where((ignore_index == target), 0.0, -factor).to(acc) + z_loss_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc)  # loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target)), (factor/denominator, True)) + smoothed_dot*Piecewise((0, Eq(ignore_index, target)), (1, True)) + target_logit_dot*Piecewise((0, Eq(ignore_index, target)), (-factor, True)) + z_loss_dot*Piecewise((0, Eq(ignore_index, target)), (1, True))
+    token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
+    z_loss_dot = (denominator_dot * torch.where((ignore_index == target), 0.0, (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True))
+    loss_dot = denominator_dot * torch.where((ignore_index == target), 0.0, (factor * token_scale) / (denominator)).to(acc) + smoothed_dot * torch.where((ignore_index == target), 0.0, token_scale).to(acc) + target_logit_dot * torch.where((ignore_index == target), 0.0, -factor * token_scale).to(acc) + z_loss_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc)  # loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target)), (factor*token_scale/denominator, True)) + smoothed_dot*Piecewise((0, Eq(ignore_index, target)), (token_scale, True)) + target_logit_dot*Piecewise((0, Eq(ignore_index, target)), (-factor*token_scale, True)) + z_loss_dot*Piecewise((0, Eq(ignore_index, target)), (1, True))
     loss_dot = torch.broadcast_to(loss_dot, (M, 1)).reshape(M).contiguous()
     return loss_dot,
 
 
 def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
-        store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max,
-        store_denominator, store_target_weight, store_weight_mean):
+        token_scaling, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max,
+        store_denominator, store_target_logit, store_target_weight, store_weight_mean):
     M, N = x.shape
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max, store_denominator, store_target_weight, store_weight_mean)
+        return _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max, store_denominator, store_target_logit, store_target_weight, store_weight_mean)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max, store_denominator, store_target_weight, store_weight_mean)
+            return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, store_z_loss, store_token_accuracy, store_predicted_tokens, store_row_max, store_denominator, store_target_logit, store_target_weight, store_weight_mean)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -654,10 +713,12 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             store_predicted_tokens,
             store_row_max,
             store_denominator,
+            store_target_logit,
             store_target_weight,
             store_weight_mean,
             lse_square_scale != 0.0,
             softcap != 0.0,
+            token_scaling != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "fwd", 1, x.element_size(), device)
@@ -667,6 +728,7 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
     predicted_tokens = torch.empty((M,), dtype=acc, device=device) if store_predicted_tokens else None
     row_max = torch.empty((M,), dtype=acc, device=device) if store_row_max else None
     denominator = torch.empty((M,), dtype=acc, device=device) if store_denominator else None
+    target_logit = torch.empty((M,), dtype=acc, device=device) if store_target_logit else None
     target_weight = torch.empty((M,), dtype=acc, device=device) if store_target_weight else None
     weight_mean = torch.empty((M,), dtype=acc, device=device) if store_weight_mean else None
     if plan:
@@ -676,10 +738,11 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
         predicted_tokens_ptr = predicted_tokens.data_ptr() if store_predicted_tokens else 0
         row_max_ptr = row_max.data_ptr() if store_row_max else 0
         denominator_ptr = denominator.data_ptr() if store_denominator else 0
+        target_logit_ptr = target_logit.data_ptr() if store_target_logit else 0
         target_weight_ptr = target_weight.data_ptr() if store_target_weight else 0
         weight_mean_ptr = weight_mean.data_ptr() if store_weight_mean else 0
         # the caching allocator aligns its buffers; the plan's kernel was compiled for aligned ones
-        if (loss_ptr | z_loss_ptr | token_accuracy_ptr | predicted_tokens_ptr | row_max_ptr | denominator_ptr | target_weight_ptr | weight_mean_ptr) & 15:
+        if (loss_ptr | z_loss_ptr | token_accuracy_ptr | predicted_tokens_ptr | row_max_ptr | denominator_ptr | target_logit_ptr | target_weight_ptr | weight_mean_ptr) & 15:
             plan = key = None
     if plan:
         plan.launch(
@@ -693,12 +756,14 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             predicted_tokens_ptr,
             row_max_ptr,
             denominator_ptr,
+            target_logit_ptr,
             target_weight_ptr,
             weight_mean_ptr,
             *launch.fp32_pair(ignore_index),
             *launch.fp32_pair(label_smoothing),
             *launch.fp32_pair(lse_square_scale),
             *launch.fp32_pair(softcap),
+            *launch.fp32_pair(token_scaling),
             M, N,
             *plan.tail,
         )
@@ -714,23 +779,27 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
             predicted_tokens if predicted_tokens is not None else x,
             row_max if row_max is not None else x,
             denominator if denominator is not None else x,
+            target_logit if target_logit is not None else x,
             target_weight if target_weight is not None else x,
             weight_mean if weight_mean is not None else x,
             *launch.fp32_pair(ignore_index),
             *launch.fp32_pair(label_smoothing),
             *launch.fp32_pair(lse_square_scale),
             *launch.fp32_pair(softcap),
+            *launch.fp32_pair(token_scaling),
             M, N,
         )
         constexprs = dict(
             HAS_WEIGHT=weight is not None,
             HAS_LSE_SQUARE_SCALE=lse_square_scale != 0.0,
             HAS_SOFTCAP=softcap != 0.0,
+            HAS_TOKEN_SCALING=token_scaling != 0.0,
             STORE_Z_LOSS=store_z_loss,
             STORE_TOKEN_ACCURACY=store_token_accuracy,
             STORE_PREDICTED_TOKENS=store_predicted_tokens,
             STORE_ROW_MAX=store_row_max,
             STORE_DENOMINATOR=store_denominator,
+            STORE_TARGET_LOGIT=store_target_logit,
             STORE_TARGET_WEIGHT=store_target_weight,
             STORE_WEIGHT_MEAN=store_weight_mean,
             ACC=launch.TRITON_ACC[acc],
@@ -754,24 +823,24 @@ def _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_squ
         with launch.ieee(device):
             compiled = kernel[grid](*arguments, **constexprs, num_warps=schedule.warps, maxnreg=registers, **options)
         SCHEDULES.keep(key, launch.make_plan(schedule, kernel, compiled, grid, len(arguments), constexprs))
-    return loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean,
+    return loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean,
 
 
-def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight,
-        weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=0,
-        row_length=None, into=None):
+def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_logit,
+        target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap,
+        token_scaling, col_start=0, row_length=None, into=None):
     M, N = x.shape
     # columns col_start .. col_start + N of rows of row_length columns (KernelContext.windowed)
     row_length = N if row_length is None else row_length
     if M == 0 or N == 0 or not launch.use_triton(x):
-        return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start, row_length)
+        return _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, col_start, row_length)
     acc = launch.accumulator(x.dtype)
     device = x.device
     if x.is_cuda and device.index != torch._C._cuda_getDevice():
         # Triton compiles for and launches on the current device: make it the tensors' device,
         # as torch's own ops do
         with torch.cuda.device(device):
-            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, into=into, col_start=col_start, row_length=row_length)
+            return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, into=into, col_start=col_start, row_length=row_length)
     x_stride = x.stride(0)
     plan = key = None
     if x.is_cuda and launch.direct():
@@ -781,6 +850,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
         target_ptr = target.data_ptr()
         row_max_ptr = row_max.data_ptr()
         denominator_ptr = denominator.data_ptr()
+        target_logit_ptr = target_logit.data_ptr()
         target_weight_ptr = target_weight.data_ptr()
         weight_mean_ptr = weight_mean.data_ptr()
         # what the schedule, the buffers and Triton's compile depend on (`launch.specializations`)
@@ -792,11 +862,13 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             target.dtype, target_ptr & 15,
             row_max.dtype, row_max_ptr & 15,
             denominator.dtype, denominator_ptr & 15,
+            target_logit.dtype, target_logit_ptr & 15,
             target_weight.dtype, target_weight_ptr & 15,
             weight_mean.dtype, weight_mean_ptr & 15,
             x_stride,
             lse_square_scale != 0.0,
             softcap != 0.0,
+            token_scaling != 0.0,
         )
         plan = SCHEDULES.plans.get(key)
     schedule = plan.schedule if plan else SCHEDULES.choose(M, N, False, "bwd", 1, x.element_size(), device)
@@ -815,6 +887,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             target_ptr,
             row_max_ptr,
             denominator_ptr,
+            target_logit_ptr,
             target_weight_ptr,
             weight_mean_ptr,
             dx_ptr, N,
@@ -822,6 +895,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             *launch.fp32_pair(label_smoothing),
             *launch.fp32_pair(lse_square_scale),
             *launch.fp32_pair(softcap),
+            *launch.fp32_pair(token_scaling),
             M, N,
             col_start, row_length,
             *plan.tail,
@@ -835,6 +909,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             target,
             row_max,
             denominator,
+            target_logit,
             target_weight,
             weight_mean,
             dx, N,
@@ -842,6 +917,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             *launch.fp32_pair(label_smoothing),
             *launch.fp32_pair(lse_square_scale),
             *launch.fp32_pair(softcap),
+            *launch.fp32_pair(token_scaling),
             M, N,
             col_start, row_length,
         )
@@ -849,6 +925,7 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
             HAS_WEIGHT=weight is not None,
             HAS_LSE_SQUARE_SCALE=lse_square_scale != 0.0,
             HAS_SOFTCAP=softcap != 0.0,
+            HAS_TOKEN_SCALING=token_scaling != 0.0,
             ACC=launch.TRITON_ACC[acc],
             ROWS=schedule.rows,
             BLOCK_N=schedule.block_n,
@@ -873,20 +950,21 @@ def _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, t
 
 
 class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves x, target, row_max, denominator, target_weight, weight_mean. 
+    """Memory mode 'default': saves x, target, row_max, denominator, target_weight, weight_mean, target_logit. 
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss, want_token_accuracy, want_predicted_tokens):
-        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd(
-            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+    def forward(ctx, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = _cross_entropy_fwd(
+            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
             store_z_loss=want_z_loss,
             store_token_accuracy=want_token_accuracy,
             store_predicted_tokens=want_predicted_tokens,
             store_row_max=True,
             store_denominator=True,
+            store_target_logit=True,
             store_target_weight=True,
             store_weight_mean=True,
         )
@@ -896,7 +974,7 @@ class _DefaultFunction(launch.RowFunction):
             ctx.mark_non_differentiable(token_accuracy)  # never differentiated (`output(grad=False)`)
         if predicted_tokens is not None:
             ctx.mark_non_differentiable(predicted_tokens)  # never differentiated (`output(grad=False)`)
-        ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, weight)
+        ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, weight, target)
         ctx.set_materialize_grads(False)
@@ -905,20 +983,21 @@ class _DefaultFunction(launch.RowFunction):
         ctx.label_smoothing = label_smoothing
         ctx.lse_square_scale = lse_square_scale
         ctx.softcap = softcap
+        ctx.token_scaling = token_scaling
         return loss, z_loss, token_accuracy, predicted_tokens
 
     @staticmethod
-    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
+    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, target, = ctx.saved_tensors
         x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
-        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap)
+        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap, ctx.token_scaling)
         return loss_dot, None, None, None
 
     @staticmethod
     def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
-        x, target, row_max, denominator, target_weight, weight_mean, weight, = ctx.saved_tensors
+        x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
             # autograd records this backward (create_graph=True): the derived backward as
@@ -929,17 +1008,19 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.label_smoothing,
                 ctx.lse_square_scale,
                 ctx.softcap,
+                ctx.token_scaling,
             )
         else:
             dx, = _cross_entropy_bwd_default(
-                x, weight, dloss, target, row_max, denominator, target_weight, weight_mean,
+                x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean,
                 ctx.ignore_index,
                 ctx.label_smoothing,
                 ctx.lse_square_scale,
                 ctx.softcap,
+                ctx.token_scaling,
             )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None
+        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None, None
 
 
 _FUNCTIONS = {
@@ -956,14 +1037,15 @@ class _Functional(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss, want_token_accuracy, want_predicted_tokens):
-        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = _cross_entropy_fwd_torch(
-            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+    def forward(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = _cross_entropy_fwd_torch(
+            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
             store_z_loss=want_z_loss,
             store_token_accuracy=want_token_accuracy,
             store_predicted_tokens=want_predicted_tokens,
             store_row_max=False,
             store_denominator=False,
+            store_target_logit=False,
             store_target_weight=False,
             store_weight_mean=False,
         )
@@ -971,7 +1053,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
+        x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
         loss, z_loss, token_accuracy, predicted_tokens, = output
         if z_loss is not None:
             ctx.mark_non_differentiable(z_loss)  # never differentiated (`output(grad=False)`)
@@ -988,6 +1070,7 @@ class _Functional(torch.autograd.Function):
         ctx.label_smoothing = label_smoothing
         ctx.lse_square_scale = lse_square_scale
         ctx.softcap = softcap
+        ctx.token_scaling = token_scaling
 
     @staticmethod
     def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
@@ -999,17 +1082,18 @@ class _Functional(torch.autograd.Function):
             ctx.label_smoothing,
             ctx.lse_square_scale,
             ctx.softcap,
+            ctx.token_scaling,
         )
         needs = ctx.needs_input_grad
-        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None
+        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
+    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, target, = ctx.saved_tensors
         x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
-        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap)
+        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap, ctx.token_scaling)
         return loss_dot, None, None, None
 
 
@@ -1020,7 +1104,7 @@ _DefaultFunction.functional = _Functional
 def _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens):
     """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
     if memory == "default":
-        return {"z_loss": want_z_loss, "token_accuracy": want_token_accuracy, "predicted_tokens": want_predicted_tokens, "row_max": True, "denominator": True, "target_weight": True, "weight_mean": True, }
+        return {"z_loss": want_z_loss, "token_accuracy": want_token_accuracy, "predicted_tokens": want_predicted_tokens, "row_max": True, "denominator": True, "target_logit": True, "target_weight": True, "weight_mean": True, }
     raise ValueError(f"vjpforge::cross_entropy: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
 
 
@@ -1033,6 +1117,7 @@ def _cross_entropy_op(
     label_smoothing: float,
     lse_square_scale: float,
     softcap: float,
+    token_scaling: float,
     memory: str,
     want_z_loss: bool,
     want_token_accuracy: bool,
@@ -1040,12 +1125,13 @@ def _cross_entropy_op(
 ) -> list[torch.Tensor]:
     stores = _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens)
     outputs = _cross_entropy_fwd(
-        x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+        x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
         store_z_loss=stores["z_loss"],
         store_token_accuracy=stores["token_accuracy"],
         store_predicted_tokens=stores["predicted_tokens"],
         store_row_max=stores["row_max"],
         store_denominator=stores["denominator"],
+        store_target_logit=stores["target_logit"],
         store_target_weight=stores["target_weight"],
         store_weight_mean=stores["weight_mean"],
     )
@@ -1061,6 +1147,7 @@ def _(
     label_smoothing,
     lse_square_scale,
     softcap,
+    token_scaling,
     memory,
     want_z_loss,
     want_token_accuracy,
@@ -1078,6 +1165,7 @@ def _(
         x.new_empty((M,), dtype=acc) if stores["predicted_tokens"] else empty(0),
         x.new_empty((M,), dtype=acc) if stores["row_max"] else empty(0),
         x.new_empty((M,), dtype=acc) if stores["denominator"] else empty(0),
+        x.new_empty((M,), dtype=acc) if stores["target_logit"] else empty(0),
         x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty(0),
         x.new_empty((M,), dtype=acc) if stores["weight_mean"] else empty(0),
     ]
@@ -1091,14 +1179,16 @@ def _cross_entropy_backward_default_op(
     target: torch.Tensor,
     row_max: torch.Tensor,
     denominator: torch.Tensor,
+    target_logit: torch.Tensor,
     target_weight: torch.Tensor,
     weight_mean: torch.Tensor,
     ignore_index: float,
     label_smoothing: float,
     lse_square_scale: float,
     softcap: float,
+    token_scaling: float,
 ) -> list[torch.Tensor]:
-    outputs = _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap)
+    outputs = _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling)
     named = dict(zip(['dx'], outputs))
     return [named[name] if named[name] is not None else x.new_empty(0) for name in ['dx']]
 
@@ -1111,12 +1201,14 @@ def _(
     target,
     row_max,
     denominator,
+    target_logit,
     target_weight,
     weight_mean,
     ignore_index,
     label_smoothing,
     lse_square_scale,
     softcap,
+    token_scaling,
 ):
     return [
         x.new_empty(x.shape),
@@ -1124,8 +1216,8 @@ def _(
 
 
 def _cross_entropy_setup_context(ctx, inputs, output):
-    x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, memory, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
-    loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = output
+    x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, memory, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
+    loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = output
     ctx.memory = memory
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -1135,8 +1227,9 @@ def _cross_entropy_setup_context(ctx, inputs, output):
     ctx.label_smoothing = label_smoothing
     ctx.lse_square_scale = lse_square_scale
     ctx.softcap = softcap
+    ctx.token_scaling = token_scaling
     if memory == "default":
-        ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, weight)
+        ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight)
 
 
 def _cross_entropy_backward(ctx, grads):
@@ -1144,7 +1237,7 @@ def _cross_entropy_backward(ctx, grads):
     dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
     needs = ctx.needs_input_grad
     if ctx.memory == "default":
-        x, target, row_max, denominator, target_weight, weight_mean, weight, = ctx.saved_tensors
+        x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, = ctx.saved_tensors
         if torch.is_grad_enabled():
             # the backward autograd can record, as the autograd Function's
             dx, = _cross_entropy_bwd_default_recorded_torch(
@@ -1153,16 +1246,18 @@ def _cross_entropy_backward(ctx, grads):
                 ctx.label_smoothing,
                 ctx.lse_square_scale,
                 ctx.softcap,
+                ctx.token_scaling,
             )
         else:
             dx, = torch.ops.vjpforge.cross_entropy_backward_default(
-                x, weight, dloss, target, row_max, denominator, target_weight, weight_mean,
+                x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean,
                 ctx.ignore_index,
                 ctx.label_smoothing,
                 ctx.lse_square_scale,
                 ctx.softcap,
+                ctx.token_scaling,
             )
-        gradients = [dx, None, None, None, None, None, None]
+        gradients = [dx, None, None, None, None, None, None, None]
     gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
     return *gradients, None, None, None, None, 
 
@@ -1173,7 +1268,7 @@ torch.library.register_autograd(
 
 
 
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, token_scaling=None, softcap=None, z_loss_mean="weight_sum", return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
     """`torch.nn.functional.cross_entropy`: one loss per row of the class dim, one kernel each way.
 
     torch's layout: the classes along dim 1 of an input of 2 or more dims ((N, C) or
@@ -1194,6 +1289,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     weights the mean divides it by the counted rows' weight sum, as the rest of the loss, or by
     their count with z_loss_mean="row_count" (Liger-Kernel's definition). A finite number; 0
     turns it off.
+    `token_scaling` (default None): token scaling: each row's loss (its z-loss too) is
+    multiplied by its target's predicted probability (of the capped logits with softcap) raised
+    to token_scaling, a factor the gradient does not flow through: 1.0 is Liger-Kernel's
+    use_token_scaling=True. A finite number > 0, or None (off).
     `softcap` (default None): logit softcapping (Gemma 2's final logits): the logits become
     softcap * tanh(input / softcap) before anything else, the gradient taken through the tanh. A
     finite number > 0, or None (off).
@@ -1240,7 +1339,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     ignore_index = checks.check_option("cross_entropy", "ignore_index", ignore_index, "integer")
     label_smoothing = checks.check_option("cross_entropy", "label_smoothing", label_smoothing, "unit")
     lse_square_scale = checks.check_option("cross_entropy", "lse_square_scale", lse_square_scale, "finite")
+    token_scaling = checks.check_option("cross_entropy", "token_scaling", token_scaling, "positive")
     softcap = checks.check_option("cross_entropy", "softcap", softcap, "positive")
+    if token_scaling is None:
+        token_scaling = 0.0  # off: the kernels are compiled without it
     if softcap is None:
         softcap = 0.0  # off: the kernels are compiled without it
     losses.check_count_mean("cross_entropy", "z_loss_mean", z_loss_mean)
@@ -1255,11 +1357,11 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
-        outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, "default", return_z_loss, return_token_accuracy, return_predicted_tokens)
+        outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, "default", return_z_loss, return_token_accuracy, return_predicted_tokens)
     elif checks.needs_grad(x):
-        outputs = launch.apply(function, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, return_z_loss, return_token_accuracy, return_predicted_tokens)
+        outputs = launch.apply(function, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
     else:
-        outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=return_z_loss, store_token_accuracy=return_token_accuracy, store_predicted_tokens=return_predicted_tokens, store_row_max=False, store_denominator=False, store_target_weight=False, store_weight_mean=False)
+        outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, store_z_loss=return_z_loss, store_token_accuracy=return_token_accuracy, store_predicted_tokens=return_predicted_tokens, store_row_max=False, store_denominator=False, store_target_logit=False, store_target_weight=False, store_weight_mean=False)
     results = [losses.reduce_rows(outputs[0], reduction, shape, counted, target, ignore_index, weight, dtype)]
     if return_z_loss:
         # reduced as the loss, never differentiated
@@ -1275,7 +1377,7 @@ class CrossEntropyLoss(torch.nn.Module):
     """`cross_entropy` as a module, like torch.nn.CrossEntropyLoss: `weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, token_scaling=None, softcap=None, z_loss_mean="weight_sum", return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False, class_dim=None):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = losses.legacy_reduction(size_average, reduce)
@@ -1283,6 +1385,7 @@ class CrossEntropyLoss(torch.nn.Module):
         self.ignore_index = int(checks.check_option("CrossEntropyLoss", "ignore_index", ignore_index, "integer"))
         self.label_smoothing = checks.check_option("CrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
         self.lse_square_scale = checks.check_option("CrossEntropyLoss", "lse_square_scale", lse_square_scale, "finite")
+        self.token_scaling = checks.check_option("CrossEntropyLoss", "token_scaling", token_scaling, "positive")
         self.softcap = checks.check_option("CrossEntropyLoss", "softcap", softcap, "positive")
         self.z_loss_mean = losses.check_count_mean("CrossEntropyLoss", "z_loss_mean", z_loss_mean)
         self.reduction = losses.check_reduction("CrossEntropyLoss", reduction)
@@ -1294,32 +1397,32 @@ class CrossEntropyLoss(torch.nn.Module):
     def extra_repr(self):
         # the options that differ from their defaults, values as Python writes them: a module
         # built with the defaults prints as torch's (CrossEntropyLoss())
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "z_loss_mean": "weight_sum", "reduction": "mean", "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False, "class_dim": None}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "token_scaling": None, "softcap": None, "z_loss_mean": "weight_sum", "reduction": "mean", "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False, "class_dim": None}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, target):
-        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens, class_dim=self.class_dim)
+        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, token_scaling=self.token_scaling, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens, class_dim=self.class_dim)
 
 
-def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, softcap):
+def _linear_kernels(weight, ignore_index, label_smoothing, lse_square_scale, token_scaling, softcap):
     """This module's kernels, one call's options bound, as `linear_cross_entropy` runs them on each
     chunk of logits (codegen/runtime/linear_loss.py's `Kernels`)."""
 
     def forward(x, target, saving, wanted=(False,) * 3):
-        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, store_z_loss=bool(wanted[0]), store_token_accuracy=bool(wanted[1]), store_predicted_tokens=bool(wanted[2]), store_row_max=saving, store_denominator=saving, store_target_weight=saving, store_weight_mean=saving)
+        return _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, store_z_loss=bool(wanted[0]), store_token_accuracy=bool(wanted[1]), store_predicted_tokens=bool(wanted[2]), store_row_max=saving, store_denominator=saving, store_target_logit=saving, store_target_weight=saving, store_weight_mean=saving)
 
     def backward(x, target, outputs, dloss, col_start=0, row_length=None):
-        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_weight, weight_mean, = outputs
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = outputs
         # d loss / d logits into the logits' own memory: the chunk's buffer is not read again
-        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, col_start=col_start, row_length=row_length, into=(x,))[0]
+        return _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, col_start=col_start, row_length=row_length, into=(x,))[0]
 
     return linear_loss.Kernels(forward, backward, windowed=True)
 
 
 @torch.compiler.disable  # the chunks run eagerly: under torch.compile, a graph break
-def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", class_weight=None, chunk_size=None, out_dtype=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, token_scaling=None, softcap=None, z_loss_mean="weight_sum", class_weight=None, chunk_size=None, out_dtype=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
     """`cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)` without the logits
     ever held whole: computed chunk by chunk over the rows, each chunk's logits one matmul
     into a buffer that every chunk reuses, then this module's loss kernels (and, where a
@@ -1355,7 +1458,10 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     ignore_index = checks.check_option("linear_cross_entropy", "ignore_index", ignore_index, "integer")
     label_smoothing = checks.check_option("linear_cross_entropy", "label_smoothing", label_smoothing, "unit")
     lse_square_scale = checks.check_option("linear_cross_entropy", "lse_square_scale", lse_square_scale, "finite")
+    token_scaling = checks.check_option("linear_cross_entropy", "token_scaling", token_scaling, "positive")
     softcap = checks.check_option("linear_cross_entropy", "softcap", softcap, "positive")
+    if token_scaling is None:
+        token_scaling = 0.0  # off: the kernels are compiled without it
     if softcap is None:
         softcap = 0.0  # off: the kernels are compiled without it
     losses.check_flag("linear_cross_entropy", "return_z_loss", return_z_loss)
@@ -1371,7 +1477,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     if counted is None and reduction == "mean":  # no rows: torch's ops count
         counted = losses.count_rows(target.reshape(-1), ignore_index, class_weight, launch.accumulator(input.dtype))
     lse_square_scale = losses.count_mean(lse_square_scale, z_loss_mean, reduction, counted, target, ignore_index, class_weight, launch.accumulator(input.dtype))
-    kernels = _linear_kernels(class_weight, ignore_index, label_smoothing, lse_square_scale, softcap)
+    kernels = _linear_kernels(class_weight, ignore_index, label_smoothing, lse_square_scale, token_scaling, softcap)
     returns = ("loss" if return_z_loss else None, "fraction" if return_token_accuracy else None, "index" if return_predicted_tokens else None, )
     return linear_loss.linear_loss("linear_cross_entropy", input, weight, bias, target, counted, reduction, chunk_size, dtype, kernels, returns, ignore_index)
 
@@ -1381,12 +1487,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     a linear layer's outputs without its logits held whole; `class_weight` is a buffer (in the
     state dict, moved with the module), None where not given."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, softcap=None, z_loss_mean="weight_sum", class_weight=None, chunk_size=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, lse_square_scale=0.0, token_scaling=None, softcap=None, z_loss_mean="weight_sum", class_weight=None, chunk_size=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = int(checks.check_option("LinearCrossEntropyLoss", "ignore_index", ignore_index, "integer"))
         self.label_smoothing = checks.check_option("LinearCrossEntropyLoss", "label_smoothing", label_smoothing, "unit")
         self.lse_square_scale = checks.check_option("LinearCrossEntropyLoss", "lse_square_scale", lse_square_scale, "finite")
+        self.token_scaling = checks.check_option("LinearCrossEntropyLoss", "token_scaling", token_scaling, "positive")
         self.softcap = checks.check_option("LinearCrossEntropyLoss", "softcap", softcap, "positive")
         self.z_loss_mean = losses.check_count_mean("LinearCrossEntropyLoss", "z_loss_mean", z_loss_mean)
         self.reduction = losses.check_reduction("LinearCrossEntropyLoss", reduction)
@@ -1396,13 +1503,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.return_predicted_tokens = losses.check_flag("LinearCrossEntropyLoss", "return_predicted_tokens", return_predicted_tokens)
 
     def extra_repr(self):
-        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "softcap": None, "z_loss_mean": "weight_sum", "reduction": "mean", "chunk_size": None, "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False}
+        defaults = {"ignore_index": -100, "label_smoothing": 0.0, "lse_square_scale": 0.0, "token_scaling": None, "softcap": None, "z_loss_mean": "weight_sum", "reduction": "mean", "chunk_size": None, "return_z_loss": False, "return_token_accuracy": False, "return_predicted_tokens": False}
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name, default in defaults.items() if getattr(self, name) != default
         )
 
     def forward(self, input, weight, target, bias=None):
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, token_scaling=self.token_scaling, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
 
 
 #: how this op's kernels walk their rows (codegen/runtime/schedules.py): the rules' constants

@@ -126,6 +126,96 @@ def test_z_loss_mean_row_count_is_liger_definition(device, reduction, smoothing)
                                atol=0)
 
 
+def token_scaled_reference(x, target, weight, reduction, softcap, lse_square_scale, power):
+    """(loss, z_loss) of Liger-Kernel's token scaling (use_token_scaling=True at power 1):
+    each row's loss and z-loss times its target's predicted probability (softmax of the
+    capped logits) raised to `power`, detached; reduced as the loss."""
+    z = x if softcap is None else softcap * torch.tanh(x / softcap)
+    counted = target != IGNORE
+    probability = torch.softmax(z, -1).gather(-1, target.clamp(min=0)[:, None])[:, 0]
+    scale = probability.detach() ** power
+    loss = F.cross_entropy(z, target, weight, ignore_index=IGNORE, reduction="none")
+    z_loss = torch.where(counted, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    rows, z_rows = (loss + z_loss) * scale, z_loss * scale
+    if reduction == "none":
+        return rows, z_rows
+    if reduction == "sum":
+        return rows.sum(), z_rows.sum()
+    kept = counted.sum() if weight is None else weight[target.clamp(min=0)][counted].sum()
+    return rows.sum() / kept, z_rows.sum() / kept
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", [(1.0, None, 0.0, False), (1.0, 4.0, 0.125, True),
+                                     (0.5, None, 0.0625, False)],
+                         ids=["liger", "capped_z_weighted", "half_power"])
+def test_token_scaling_detaches_the_probability(device, reduction, options):
+    # token_scaling=1.0 is Liger-Kernel's use_token_scaling: the loss, the z-loss and the
+    # gradient as its formula gives them, the probability's own derivative dropped (the
+    # engine's `Detached`), in reverse and forward mode alike
+    from generated.cross_entropy import linear_cross_entropy
+
+    power, softcap, scale, weighted = options
+    target = targets(6, device, ignored=(2,))
+    weight = randn((V,), seed=4, device=device).abs() + 0.5 if weighted else None
+    x = (randn((6, V), seed=1, device=device) * 2).requires_grad_()
+    kwargs = dict(reduction=reduction, softcap=softcap, lse_square_scale=scale)
+    got = cross_entropy(x, target, weight, token_scaling=power, return_z_loss=True, **kwargs)
+    want = token_scaled_reference(x, target, weight, power=power, **kwargs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **FP64_TOL)
+    upstream = randn(want[0].shape, seed=9, device=device)
+    grad, = torch.autograd.grad(got[0], x, upstream)
+    torch.testing.assert_close(grad, torch.autograd.grad(want[0], x, upstream)[0], **FP64_TOL)
+    tangent = randn(x.shape, seed=11, device=device)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x.detach(), tangent)
+        ours = cross_entropy(dual, target, weight, token_scaling=power, **kwargs)
+        ref = token_scaled_reference(dual, target, weight, power=power, **kwargs)[0]
+        torch.testing.assert_close(torch.autograd.forward_ad.unpack_dual(ours).tangent,
+                                   torch.autograd.forward_ad.unpack_dual(ref).tangent,
+                                   **FP64_TOL)
+    # the fused linear loss takes it alike
+    hidden = randn((6, 8), seed=2, device=device).requires_grad_()
+    lm_head = randn((V, 8), seed=3, device=device)
+    linear = linear_cross_entropy(hidden, lm_head, target, class_weight=weight,
+                                  token_scaling=power, **kwargs)
+    want = token_scaled_reference(torch.nn.functional.linear(hidden, lm_head), target, weight,
+                                  power=power, **kwargs)[0]
+    torch.testing.assert_close(linear, want, **FP64_TOL)
+    torch.testing.assert_close(torch.autograd.grad(linear, hidden, upstream)[0],
+                               torch.autograd.grad(want, hidden, upstream)[0], **FP64_TOL)
+
+
+def test_token_scaling_double_backward(device):
+    # the recorded backward (create_graph=True) keeps the probability constant too: a
+    # Hessian-vector product as torch's of the detached reference
+    target = targets(6, device)
+    x = (randn((6, V), seed=1, device=device) * 2).requires_grad_()
+    v = randn((6, V), seed=3, device=device)
+    kwargs = dict(reduction="mean", softcap=4.0, lse_square_scale=0.125)
+    products = []
+    for loss in (cross_entropy(x, target, token_scaling=1.0, **kwargs),
+                 token_scaled_reference(x, target, None, power=1.0, **kwargs)[0]):
+        grad, = torch.autograd.grad(loss, x, create_graph=True)
+        products.append(torch.autograd.grad((grad * v).sum(), x)[0])
+    torch.testing.assert_close(*products, **FP64_TOL)
+
+
+def test_detached_in_the_spec_language():
+    # Detached(e) is e's value with derivative 0; the torch printer detaches it (a backward
+    # autograd records differentiates the torch path), Triton's prints the value
+    from codegen.printers import TRITON, KernelPrinter
+    from derive.spec import Detached
+
+    x = sympy.Symbol("x", real=True)
+    assert sympy.diff(Detached(x**2) * x, x) == Detached(x**2)
+    assert Detached(sympy.Integer(3)) == 3
+    varies = {"x"}.__contains__
+    assert KernelPrinter(TORCH, varies)(Detached(2 * x)) == "(2.0 * x).detach()"
+    assert KernelPrinter(TRITON, varies)(Detached(2 * x) + 1) == "1.0 + 2.0 * x"
+
+
 def test_torch_layout_and_module(device):
     # classes along dim 1 of (N, C, d): the options apply along the class dim, as the loss
     x = randn((2, V, 3), seed=2, device=device) * 3

@@ -272,7 +272,7 @@ def test_logit_gradients_overwrite_the_chunk_buffer(device):
     buffer is not read again): no second (chunk, classes) buffer on the kernels' path."""
     x, weight, b, target, _ = case(torch.float32, device)
     target = target.reshape(-1)
-    kernels = cross_entropy_module._linear_kernels(None, -100, 0.0, 0.0, 0.0)
+    kernels = cross_entropy_module._linear_kernels(None, -100, 0.0, 0.0, 0.0, 0.0)
     logits = F.linear(x.reshape(-1, H), weight, b).contiguous()
     leaf = logits.clone().requires_grad_()
     expected, = torch.autograd.grad(F.cross_entropy(leaf, target, reduction="sum"), leaf)

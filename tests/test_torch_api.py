@@ -302,7 +302,8 @@ def test_cross_entropy_signatures_are_torch_s():
         return [(p.name, p.default, p.kind) for p in inspect.signature(function).parameters.values()
                 if p.name not in skip]
 
-    extras = {"lse_square_scale": 0.0, "softcap": None, "return_z_loss": False,
+    extras = {"lse_square_scale": 0.0, "token_scaling": None, "softcap": None,
+              "z_loss_mean": "weight_sum", "return_z_loss": False,
               "return_token_accuracy": False, "return_predicted_tokens": False,
               "class_dim": None}
     assert parameters(cross_entropy, extras) == parameters(F.cross_entropy)

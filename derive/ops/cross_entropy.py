@@ -11,18 +11,21 @@ loss does not depend on it); the softmax is never stored: the backward recompute
 exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
 gradient (torch gives them none either).
 
-Two options of large-vocabulary training, both off by default (the kernels are then compiled
+Three options of large-vocabulary training, all off by default (the kernels are then compiled
 without them): `softcap` caps the logits first, z = softcap * tanh(x / softcap) (Gemma 2's
 final logit softcapping), every term above then taken over z (the target's, from its one
 gathered logit). `lse_square_scale` adds the z-loss, lse_square_scale *
 logsumexp(z)^2, to each counted row's loss (PaLM's auxiliary loss, as Liger-Kernel's), its
-logsumexp the one the loss already has: no further pass over the logits.
+logsumexp the one the loss already has: no further pass over the logits. `token_scaling`
+multiplies a row's loss by its target's predicted probability to that power,
+exp(token_scaling * (z[target] - logsumexp(z))), under `Detached`: the gradient does not flow
+through the factor (Liger-Kernel's use_token_scaling at 1).
 """
 
 import sympy
 
 from derive.api import Option, Replaces, RowLossAPI
-from derive.spec import N, OpSpec
+from derive.spec import Detached, N, OpSpec
 
 
 def spec() -> OpSpec:
@@ -34,6 +37,7 @@ def spec() -> OpSpec:
     smoothing = op.scalar("label_smoothing")
     z_scale = op.scalar("lse_square_scale", absent=0)
     softcap = op.scalar("softcap", absent=0)
+    token_scaling = op.scalar("token_scaling", absent=0)
     key = op.column_index("key")
     # the capped logits; tanh saturates to ±1 (helpers.tanh), so they stay within ±softcap
     z = op.element("z", sympy.Piecewise((x, sympy.Eq(softcap, 0)),
@@ -53,9 +57,16 @@ def spec() -> OpSpec:
                                                   (smoothing * target_gap, True)))
     lse = sympy.log(denominator) + row_max
     nll = lse - target_logit
+    # token scaling (Liger-Kernel's use_token_scaling at 1): the row's loss times its target's
+    # predicted probability raised to token_scaling, exp(token_scaling * log p), the factor
+    # never differentiated
+    token_scale = op.row("token_scale", sympy.Piecewise(
+        (1, sympy.Eq(token_scaling, 0)),
+        (Detached(sympy.exp(token_scaling * (target_logit - lse))), True)))
     # the z-loss term alone, 0 in an ignored row (returned on request, for logging)
     z_loss = op.row("z_loss", sympy.Piecewise(
-        (0, sympy.Eq(z_scale, 0) | sympy.Eq(target, ignore_index)), (z_scale * lse**2, True)))
+        (0, sympy.Eq(z_scale, 0) | sympy.Eq(target, ignore_index)),
+        (z_scale * lse**2 * token_scale, True)))
     # the predicted class, torch.argmax's: the first column where the (capped) logits reach
     # their max, an index reduction never differentiated. N where none does (a row of -inf,
     # whose stabilised max 0 is no logit): class 0 then, as torch.argmax of -inf's
@@ -70,11 +81,11 @@ def spec() -> OpSpec:
     factor = op.row("factor", target_weight + smoothing * (weight_mean - target_weight))
     loss = op.row("loss", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)),
-        (nll * factor + smoothed + z_loss, True)))
+        ((nll * factor + smoothed) * token_scale + z_loss, True)))
     op.output(loss)
     # returned on request (return_z_loss=True, ...), for logging
     op.output(z_loss, token_accuracy, predicted_tokens, grad=False)
-    op.save(x, target, row_max, denominator, target_weight, weight_mean)
+    op.save(x, target, row_max, denominator, target_weight, weight_mean, target_logit)
     op.api = RowLossAPI(
         function="cross_entropy", module="CrossEntropyLoss",
         torch_function="torch.nn.functional.cross_entropy",
@@ -89,6 +100,12 @@ def spec() -> OpSpec:
                      "counted rows' weight sum, as the rest of the loss, or by their count with "
                      "z_loss_mean=\"row_count\" (Liger-Kernel's definition). A finite number; 0 "
                      "turns it off.")),
+                 Option("token_scaling", None, check="positive", keyword_only=True, doc=(
+                     "token scaling: each row's loss (its z-loss too) is multiplied by its "
+                     "target's predicted probability (of the capped logits with softcap) raised "
+                     "to token_scaling, a factor the gradient does not flow through: 1.0 is "
+                     "Liger-Kernel's use_token_scaling=True. A finite number > 0, or None "
+                     "(off).")),
                  Option("softcap", None, check="positive", keyword_only=True, doc=(
                      "logit softcapping (Gemma 2's final logits): the logits become "
                      "softcap * tanh(input / softcap) before anything else, the gradient taken "
