@@ -70,17 +70,22 @@ def op_cases():
                   (x, mask, 0.5, 0.0, 0.2, seed, [1, 1, 4], "default")))
     target = torch.tensor([3, -100, 0, N - 1])
     cases.append(("cross_entropy", torch.ops.vjpforge.cross_entropy.default,
-                  (x, None, target, -100.0, 0.1, 0.0, 0.0, "default", False, False, False)))
+                  (x, None, target, -100.0, 0.1, 0.0, 0.0, 0.0, "default", False, False, False)))
     class_weight = (randn((N,), seed=7) + 2).detach()  # class weights: never differentiated
     cases.append(("cross_entropy-weight", torch.ops.vjpforge.cross_entropy.default,
-                  (x, class_weight, target, -100.0, 0.1, 0.0, 0.0, "default", False, False, False)))
+                  (x, class_weight, target, -100.0, 0.1, 0.0, 0.0, 0.0, "default", False, False,
+                   False)))
     # z-loss and softcap on, the z-loss returned too
     cases.append(("cross_entropy-z_loss-softcap", torch.ops.vjpforge.cross_entropy.default,
-                  (x, class_weight, target, -100.0, 0.1, 0.125, 3.0, "default", True, False,
+                  (x, class_weight, target, -100.0, 0.1, 0.125, 3.0, 0.0, "default", True, False,
                    False)))
+    # token scaling on: a factor the gradient does not flow through
+    cases.append(("cross_entropy-token_scaling", torch.ops.vjpforge.cross_entropy.default,
+                  (x, class_weight, target, -100.0, 0.1, 0.125, 0.0, 1.0, "default", True,
+                   False, False)))
     # the token accuracy and predicted tokens returned too (the argmax computed)
     cases.append(("cross_entropy-accuracy", torch.ops.vjpforge.cross_entropy.default,
-                  (x, None, target, -100.0, 0.0, 0.0, 0.0, "default", False, True, True)))
+                  (x, None, target, -100.0, 0.0, 0.0, 0.0, 0.0, "default", False, True, True)))
     return cases
 
 

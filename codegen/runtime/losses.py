@@ -19,6 +19,7 @@ from codegen.runtime.checks import (
     DtypeError,
     OptionError,
     ShapeError,
+    check_mode,
     concrete,
 )
 
@@ -387,15 +388,7 @@ COUNT_MEANS = ("weight_sum", "row_count")
 
 def check_count_mean(function, name, value):
     """A `RowLossAPI.count_means` argument: one of COUNT_MEANS."""
-    choices = ", ".join(map(repr, COUNT_MEANS))
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{function}(): argument '{name}' must be a str (one of {choices}), got "
-            f"{type(value).__name__}"
-        )
-    if value not in COUNT_MEANS:
-        raise ValueError(f"{function}(): argument '{name}' must be one of {choices}, got {value!r}")
-    return value
+    return check_mode(function, name, value, {mean: mean for mean in COUNT_MEANS})
 
 
 def count_mean(value, how, reduction, counted, target, ignore_index, weight, dtype):
