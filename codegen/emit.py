@@ -6,6 +6,7 @@ Templates hold structure only; every math string comes from a printer.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
 from codegen.runtime import amp
+from codegen.runtime.launcher import Signature
 from codegen.schedule import ScheduleTable, default_table
 from derive.api import replaces_kind
 from derive.reverse import upstream_symbol
@@ -40,6 +42,7 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
     )
     env.filters["signature"] = signature
+    env.filters["launcher"] = launcher
     return env
 
 
@@ -53,6 +56,63 @@ def signature(name: str, args: Collection[str], width: int = 100) -> str:
             line = " " * 8
         line += piece + " "
     return "\n".join([*lines, line.rstrip()]) if args else f"def {name}():"
+
+
+def launcher_signature(k: KernelContext, kind: str) -> Signature:
+    """What the runtime builds kernel `k`'s launcher from (codegen/runtime/launcher.py)."""
+    return Signature(
+        name=k.name,
+        kind=kind,
+        params=tuple(k.params),
+        elements=tuple((e, k.element_flags.get(e)) for e in k.element_inputs),
+        pointers=tuple([(c["name"], c["flag"]) for c in k.column_inputs]
+                       + [(name, None) for name in k.scalar_inputs + k.row_inputs]
+                       + [("seed", None)] * k.seeded),
+        broadcast=tuple(k.broadcast_inputs),
+        scalars=tuple(k.scalars),
+        switches=tuple((s["name"], s["absent"], s["flag"]) for s in k.switches),
+        element_stores=tuple((s["name"], s["flag"]) for s in k.element_stores),
+        row_stores=tuple((s["name"], s["flag"]) for s in k.row_stores),
+        column_stores=tuple((s["name"], s["like"], s["flag"]) for s in k.column_stores),
+        scalar_stores=tuple((s["name"], s["like"], s["flag"]) for s in k.scalar_stores),
+        required_loads=k.required_loads,
+        foldable=k.foldable,
+        windowed=k.windowed,
+        row_shape=k.row_shape,
+        one_sweep=k.one_sweep,
+        split_span=k.split_span if k.splittable else None,
+        into=tuple(k.into_stores) if kind == "bwd" else (),
+        returns=tuple(k.returns),
+    )
+
+
+def _literal(value: Any) -> str:
+    """A Python literal of strings, numbers, None and tuples, strings in double quotes."""
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        items = [_literal(v) for v in value]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    return repr(value)
+
+
+def launcher(k: KernelContext, kind: str) -> str:
+    """`<name> = launcher.build(...)`: kernel `k`'s launcher, built by the runtime from its
+    signature (the fields that differ from their defaults) at the module's import."""
+    sig = launcher_signature(k, kind)
+    fields = [f"        {f.name}={_literal(getattr(sig, f.name))},"
+              for f in dataclasses.fields(sig) if getattr(sig, f.name) != f.default]
+    kernels = [f"per={k.name}_per", f"red={k.name}_red"]
+    kernels += [f"split={k.name}_split"] * (sig.split_span is not None)
+    return "\n".join([
+        f"{k.name} = launcher.build(",
+        "    launcher.Signature(",
+        *fields,
+        "    ),",
+        f"    module=__name__, {', '.join(kernels)}, torch_path={k.name}_torch,",
+        "    schedules=SCHEDULES,",
+        ")",
+    ])
 
 
 @dataclass(frozen=True)
@@ -1013,7 +1073,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # the op of its torch counterpart that torch's autocast runs in float32, if any
         "autocast": autocast_policy(module.api.torch_function),
     }
-    return _without_unused_imports(env.get_template("module.py.j2").render(**context))
+    source = env.get_template("module.py.j2").render(**context)
+    return _without_unused_imports(source).rstrip("\n") + "\n"
 
 
 #: a torch function called in a counterpart expression: its name in torch or torch.nn.functional

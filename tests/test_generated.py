@@ -53,7 +53,8 @@ def test_generated_modules_import_only_torch_triton_and_the_runtime() -> None:
             assert top in allowed | {"generated"} or runtime, f"{path.name}: {line}"
     # ... and the runtime imports only the standard library, torch, triton and itself
     standard = allowed | {"__future__", "contextlib", "copy", "dataclasses", "importlib",
-                          "inspect", "itertools", "sys", "threading", "types", "weakref"}
+                          "inspect", "itertools", "linecache", "sys", "threading", "types",
+                          "weakref"}
     for path in sorted((ROOT / "codegen" / "runtime").glob("*.py")):
         for module, line in _imports(path):
             top = module.split(".")[0]

@@ -255,3 +255,80 @@ def test_tensors_on_another_device_than_the_current(name):
             continue
         assert got.device == torch.device("cuda", 1), got.device
         assert torch.equal(got, want), f"{name}: other values with cuda:0 current"
+
+
+def _launchers():
+    """(module, name, launcher) of every launcher the generated modules build."""
+    import importlib
+    import pkgutil
+
+    import generated
+    from codegen.runtime.launcher import Signature
+
+    found = []
+    for info in pkgutil.iter_modules(generated.__path__):
+        module = importlib.import_module(f"generated.{info.name}")
+        found += [(module, name, f) for name, f in vars(module).items()
+                  if isinstance(getattr(f, "signature", None), Signature)]
+    return found
+
+
+def test_every_kernel_has_a_launcher_built_from_its_signature():
+    """Each generated module states its kernels' signatures and nothing of their host path: the
+    runtime builds one launcher per kernel (forward and each memory mode's backward), under
+    the kernel's name, in the module, whose source a traceback can show."""
+    import inspect
+
+    launchers = _launchers()
+    names = {(m.__name__, name) for m, name, _ in launchers}
+    kernels = {(m.__name__, name[:-4]) for m in {m for m, _, _ in launchers}
+               for name in vars(m) if name.endswith("_per")}
+    assert names == kernels and len(names) >= 40
+    for module, name, f in launchers:
+        assert f.__module__ == module.__name__ and f.__qualname__ == name
+        assert f.signature.kind in ("fwd", "bwd")
+        source = inspect.getsource(f)
+        assert source.lstrip().startswith(f"def {name}(") and "plan.launch(" in source
+        # the module's text holds the signature, not the host path
+        text = inspect.getsource(module)
+        assert "plan.launch(" not in text and "SCHEDULES.choose(" not in text
+
+
+def test_launcher_source_follows_its_signature():
+    """The launcher's source takes what the signature says, and only that: a windowed kernel's
+    window, a backward's `into`, a split kernel's fallback, a foldable one's fold."""
+    from codegen.runtime.launcher import source
+
+    for _, name, f in _launchers():
+        sig = f.signature
+        text = source(sig)
+        head = text.splitlines()[1]
+        assert ("col_start=0, row_length=None" in head) == sig.windowed, name
+        assert ("into=None" in head) == (sig.kind == "bwd" and bool(sig.into)), name
+        assert ("SCHEDULES.refuse_split" in text) == (sig.split_span is not None), name
+        assert ("launch_cooperative_grid" in text) == bool(sig.split_span), name
+        assert ("fold_block_n" in text) == sig.foldable, name
+        for store, flag in sig.element_stores + sig.row_stores:
+            assert (f"{flag}=store_{store}" in text) == (flag is not None), (name, store)
+        compile(text, name, "exec")
+
+
+def test_a_failing_launch_shows_the_launchers_line(monkeypatch):
+    """A launcher's frames carry its source: an error inside shows the failing line."""
+    import traceback
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("from the torch path")
+
+    from codegen.runtime import launcher
+
+    f = layernorm._layernorm_fwd
+    rebuilt = launcher.build(f.signature, module=layernorm.__name__,
+                             per=layernorm._layernorm_fwd_per, red=layernorm._layernorm_fwd_red,
+                             torch_path=failing, schedules=layernorm.SCHEDULES)
+    x = torch.zeros((0, 8))  # no rows: the torch path
+    with pytest.raises(RuntimeError, match="from the torch path") as caught:
+        rebuilt(x, None, None, 1e-5, 0.0, False, False)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert any(frame.name == "_layernorm_fwd" and frame.line.startswith("return torch_path(")
+               for frame in frames), frames

@@ -1,9 +1,9 @@
 """The hand-written runtime of the generated modules: what they import, and what puts them in a
 user's model.
 
-A generated module holds only what is specific to its op: its kernels, their launchers, the
-autograd functions, the public API and the library registration. Everything they share lives
-here, written and tested once, one module each:
+A generated module holds only what is specific to its op: its kernels, their launchers'
+signatures, the autograd functions, the public API and the library registration. Everything they
+share lives here, written and tested once, one module each:
 
 - `amp`: torch's autocast policies, as the ops whose torch counterparts have one follow them;
 - `blocks`: what the generated layers (`derive/layers/` block specs) share: splitting and merging
@@ -15,6 +15,8 @@ here, written and tested once, one module each:
   `kernels.kernelize` (`kernel_mapping()`);
 - `launch`: the host path shared by launchers (accumulator dtypes, row views, launch plans that
   skip Triton's per-call binding, column sums of per-program partials);
+- `launcher`: each kernel's launcher, written and compiled at import from the declarative
+  signature its module states (argument roles, stores, flags, fold, window and split);
 - `linear_loss`: a row loss of a linear layer's outputs computed chunk by chunk, so the logits
   never exist whole (`linear_cross_entropy`);
 - `logits_route`: the training loss of masked and sequence-to-sequence LMs from the labelled
