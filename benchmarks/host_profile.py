@@ -33,16 +33,16 @@ def launcher_breakdown(module, x: torch.Tensor, calls: int) -> None:
     n = x.shape[-1]
     weight = torch.ones(n, device=x.device, dtype=x.dtype)
     bias = torch.zeros_like(weight)
-    _, mean, rstd = module._layernorm_fwd(x, weight, bias, 1e-5, store_mean=True,
+    _, mean, rstd = module._layernorm_fwd(x, weight, bias, 1e-5, 0.0, store_mean=True,
                                           store_rstd=True)
     dy = torch.randn_like(x)
     pieces = {
         "backward launcher (1 kernel + partials)": lambda: module._layernorm_bwd_default(
-            dy, x, weight, bias, mean, rstd, store_dweight=True, store_dbias=True),
+            dy, x, weight, bias, mean, rstd, 0.0, store_dweight=True, store_dbias=True),
         "backward launcher, no param grads": lambda: module._layernorm_bwd_default(
-            dy, x, weight, bias, mean, rstd, store_dweight=False, store_dbias=False),
+            dy, x, weight, bias, mean, rstd, 0.0, store_dweight=False, store_dbias=False),
         "forward launcher": lambda: module._layernorm_fwd(
-            x, weight, bias, 1e-5, store_mean=True, store_rstd=True),
+            x, weight, bias, 1e-5, 0.0, store_mean=True, store_rstd=True),
         "torch.empty((132, N)) + sum(0) + to": lambda: torch.empty(
             (132, n), device=x.device).sum(0).to(x.dtype),
     }
@@ -72,7 +72,8 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
     mean = torch.empty(M, device=x.device)
     rstd = torch.empty(M, device=x.device)
     kernel = module._layernorm_fwd_red if schedule.looped else module._layernorm_fwd_per
-    args = (x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, 1e-5, 0.0, M, N)
+    args = (x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd,
+            *launch.fp32_pair(1e-5), *launch.fp32_pair(0.0), M, N)
     constexprs = dict(HAS_WEIGHT=True, HAS_BIAS=True, STORE_MEAN=True, STORE_RSTD=True,
                       ACC=tl.float32, ROWS=schedule.rows, BLOCK_N=schedule.block_n,
                       STAGES=schedule.stages, CHUNKS=schedule.chunks,
@@ -102,7 +103,7 @@ def forward_breakdown(module, x: torch.Tensor, calls: int) -> None:
             leaf, (N,), weight, bias),
         "torch layer_norm, no grad": lambda: torch.nn.functional.layer_norm(x, (N,), weight, bias),
         "_layernorm_fwd (launcher)": lambda: module._layernorm_fwd(
-            x, weight, bias, 1e-5, store_mean=False, store_rstd=False),
+            x, weight, bias, 1e-5, 0.0, store_mean=False, store_rstd=False),
         "argument checks": argument_checks,
         "SCHEDULES.choose (cached)": lambda: module.SCHEDULES.choose(
             M, N, False, "fwd", 1, x.element_size(), x.device),
@@ -126,7 +127,7 @@ def launch_bound(module, calls: int) -> None:
     for label, fn in (
         ("vjpforge", lambda: module.layer_norm(x, (1024,), weight, bias)),
         ("vjpforge launcher (no checks)", lambda: module._layernorm_fwd(
-            x, weight, bias, 1e-5, store_mean=False, store_rstd=False)),
+            x, weight, bias, 1e-5, 0.0, store_mean=False, store_rstd=False)),
         ("torch", lambda: torch.nn.functional.layer_norm(x, (1024,), weight, bias)),
     ):
         wall = host_micros(fn, calls)
@@ -188,7 +189,8 @@ def main() -> None:
         # The same call through the torch.library op (what torch.compile sees) instead of the
         # autograd.Function that eager calls use: the registration's own host cost.
         op = getattr(torch.ops.vjpforge, args.op)
-        scalars = (1e-5,) if args.op == "layernorm" else (1e-6, 0.0)
+        # eps and weight_offset; rms_norm's casting mode "llama" as its two rounding switches
+        scalars = (1e-5, 0.0) if args.op == "layernorm" else (1e-6, 0.0, 1.0, 0.0)
         params = (None, None) if args.op == "layernorm" else (None,)
 
         def library_step() -> None:
