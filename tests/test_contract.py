@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from reference import randn
 from torch_spelling import spelled
 
-from derive.__main__ import main as derive_main
+from codegen.driver.command import main as derive_main
 from derive.engine import load_spec
 from derive.spec import Kind
 

@@ -29,8 +29,8 @@ import generated.rmsnorm as rmsnorm
 import generated.rotary as rotary
 import generated.softmax as softmax
 import generated.swiglu as swiglu
+from codegen.driver.command import main as derive_main
 from codegen.runtime import triton_helpers
-from derive.__main__ import main as derive_main
 from generated.bert_layer import BertLayer
 from generated.gpt_layer import GPTLayer
 

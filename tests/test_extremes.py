@@ -46,7 +46,7 @@ import generated.masked_softmax as masked_softmax
 import generated.rmsnorm as rmsnorm
 import generated.softmax as softmax
 import generated.swiglu as swiglu
-from derive.__main__ import main as derive_main
+from codegen.driver.command import main as derive_main
 
 # overflow is what these tests are about: the interpreter's numpy warns of every one
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

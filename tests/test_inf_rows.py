@@ -31,7 +31,7 @@ from reference import FP64_TOL, force_looped, force_split, randn, select_path, s
 import generated.cross_entropy as cross_entropy
 import generated.masked_softmax as masked_softmax
 import generated.softmax as softmax
-from derive.__main__ import main as derive_main
+from codegen.driver.command import main as derive_main
 
 # exp(inf - inf) and the like are the point here: the interpreter's numpy warns of each
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -15,7 +15,7 @@ import torch
 import codegen.schedule
 import generated
 import vjpforge
-from derive import __main__ as command
+from codegen.driver import command
 
 try:
     import tomllib

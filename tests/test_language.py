@@ -15,7 +15,7 @@ import pytest
 import torch
 from reference import randn
 
-from derive.__main__ import main
+from codegen.driver.command import main
 
 ROOT = Path(__file__).resolve().parent.parent
 functional = torch.nn.functional

@@ -259,7 +259,7 @@ def spec():
 def column_partner(tmp_path_factory):
     import importlib.util
 
-    from derive.__main__ import main
+    from codegen.driver.command import main
 
     out = tmp_path_factory.mktemp("column_partner")
     (out / "spec.py").write_text(COLUMN_PARTNER_SPEC)

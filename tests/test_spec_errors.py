@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from derive.__main__ import main
+from codegen.driver.command import main
 
 HEADER = ("import math\nimport sympy\n\nfrom derive.api import DimAPI\n"
           "from derive.spec import OpSpec\n\n\ndef spec():\n    op = OpSpec('bad')\n")

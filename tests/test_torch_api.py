@@ -21,8 +21,8 @@ import generated.masked_softmax as masked_softmax
 import generated.rmsnorm as rmsnorm
 import generated.softmax as softmax
 import generated.swiglu as swiglu
+from codegen.driver.command import main
 from codegen.runtime import checks
-from derive.__main__ import main
 from generated.cross_entropy import CrossEntropyLoss, cross_entropy
 
 N = 7

@@ -15,9 +15,9 @@ import pytest
 import torch
 from reference import randn
 
-from derive.__main__ import main
+from codegen.driver.build import layer_files, op_files
+from codegen.driver.command import main
 from derive.api import KINDS
-from derive.build import layer_files, op_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = ROOT / "docs" / "tutorial"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import sympy
 
+from codegen.driver.pages import render_page
 from codegen.emit import (
     ModuleSpec,
     positive_tensors,
@@ -25,13 +26,12 @@ from derive.algebra import sorted_symbols
 from derive.api import dropout_mismatches, variant_mismatches
 from derive.backward import differentiable_nodes, gradient_name
 from derive.blocks import check_ops, load_block
-from derive.docs import render_page
 from derive.engine import Derivation, derive, load_spec
 from derive.higher import RecordedBackward
 from derive.reverse import upstream_symbol
 from derive.spec import Kind, Level, OpSpec, SpecError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPS = ROOT / "derive" / "ops"
 LAYERS = ROOT / "derive" / "layers"
 

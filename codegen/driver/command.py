@@ -17,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from codegen.schedule import MissingTable
-from derive.build import (
+from codegen.driver.build import (
     LAYERS,
     OPS,
     ROOT,
@@ -29,6 +28,7 @@ from derive.build import (
     layer_files,
     op_files,
 )
+from codegen.schedule import MissingTable
 from derive.engine import load_spec
 from derive.reverse import DerivationError
 from derive.spec import SpecError
