@@ -76,6 +76,54 @@ def test_imports_point_down_the_layers() -> None:
                     f"{LAYERS[_layer(own)]}")
 
 
+def _runtime_import_graph() -> dict[str, set[str]]:
+    """Each module of codegen/runtime and the runtime modules it imports, function-level
+    imports included (`from codegen.runtime import a, b` imports a and b; a relative import
+    counts from the package)."""
+    runtime = ROOT / "codegen" / "runtime"
+    modules = {path.stem for path in runtime.glob("*.py") if path.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for module in sorted(modules):
+        found = set()
+        for node in ast.walk(ast.parse((runtime / f"{module}.py").read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = "codegen.runtime" if node.level else ""
+                package = ".".join(filter(None, [base, node.module or ""]))
+                names = [package] + [f"{package}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                head, _, rest = name.partition("codegen.runtime.")
+                target = rest.split(".")[0] if not head and rest else None
+                if target in modules and target != module:
+                    found.add(target)
+        graph[module] = found
+    return graph
+
+
+def test_runtime_imports_form_no_cycle() -> None:
+    """No runtime module imports, even inside a function, one that imports it back, directly
+    or through others: each layer (the probe below the plugins, the plugins below the planner)
+    can be read, tested and changed without the ones above it."""
+    graph = _runtime_import_graph()
+    assert graph.get("patching"), "no import of patching's was found: the walk reads nothing"
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            assert state.get(target) != 1, " -> ".join([*path, module, target])
+            if target not in state:
+                walk(target, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [])
+
+
 def test_generated_modules_import_only_torch_triton_and_the_runtime() -> None:
     # the standard library, torch and triton (patch.py imports the sibling modules), and the
     # hand-written runtime `codegen.runtime`, never the rest of codegen (sympy, jinja)

@@ -12,7 +12,7 @@ import transformers  # a declared test dependency (the `test` extra): import, ne
 from reference import pickled, randn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from codegen.runtime import patch_layers, patching
+from codegen.runtime import patch_residual, patching
 from derive.api import NormalizedShapeAPI, Param, Replaces, replaces_mismatches
 from generated import add_layernorm, add_rmsnorm
 from generated.patch import PatchError, patch_model
@@ -456,7 +456,7 @@ def test_residual_rules_name_their_op():
 def patch_layers_rules():
     from generated.patch import RULES
 
-    return [rule for rule in RULES if rule.kind == patch_layers.KIND]
+    return [rule for rule in RULES if rule.kind == patch_residual.KIND]
 
 
 def test_a_16_bit_llama_layer_fuses_with_its_norms_casting_mode():

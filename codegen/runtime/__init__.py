@@ -20,18 +20,29 @@ share lives here, written and tested once, one module each:
 - `linear_loss`: a row loss of a linear layer's outputs computed chunk by chunk, so the logits
   never exist whole (`linear_cross_entropy`);
 - `logits_route`: the training loss of masked and sequence-to-sequence LMs from the labelled
-  rows' hidden states alone, through `linear_loss` (`patch_model(model, loss=True)`);
+  rows' hidden states alone, through a linear loss (`patch_model(model, loss=True)`);
 - `losses`: the helpers of per-row losses with a class target (torch's layout and legacy
   arguments, target and class-weight checks, the mean over the counted rows);
-- `patch_layers`: `patch_model`'s "residual" kind: a transformer layer's residual add and the
+- `patch_loss`: `patch_model`'s "loss" kind: a Hugging Face LM's loss computed by a generated
+  row loss, a causal LM's from the hidden states (`CausalLMRoute`), a masked LM's through
+  `logits_route`;
+- `patch_mlp`: `patch_model`'s "mlp" kind: a gated MLP, and the stacked experts of MoE layers,
+  whose `act(gate) * up` a generated op computes;
+- `patch_norm`: `patch_model`'s "norm" and "activation" kinds: modules found by class name,
+  swapped for generated modules;
+- `patch_residual`: `patch_model`'s "residual" kind: a transformer layer's residual add and the
   norm after it fused into one add + norm call;
 - `patch_rotary`: `patch_model`'s "rotary" kind: an attention module's
   `apply_rotary_pos_emb` computed by the generated rotary op;
-- `patching`: `patch_model()` itself: swaps a model's modules for generated ones, each swap
-  proven by behaviour on probe inputs first;
+- `patching`: `patch_model()` itself: walks a model, asks each kind's plugin module above what
+  its candidates become, and makes every swap (or none);
+- `probe`: what proves a swap by behaviour: probe inputs, probe copies of a module, the
+  comparison of outputs within a dtype's tolerance;
 - `schedules`: how a kernel walks its rows (persistent, looped or split rows, warps, programs),
   chosen per call shape from the op's measured table and constants; `Schedules` is the one seam
   through which tests, `benchmarks.tune` and the benchmarks change a schedule;
+- `swaps`: the vocabulary of a swap below the planner (`Rule`, `Swap`, `Skip`, swapped classes)
+  and `PlanContext`, all a plugin module sees of a plan;
 - `triton_helpers`: `@triton.jit` math helpers and their plain-torch twins.
 
 This package imports neither sympy nor jinja: it is what runs in a user's process.

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from codegen.runtime import linear_loss
+from codegen.runtime import probe
 
 #: reshaping methods whose result is another stand-in (the rows keep their order)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten,
@@ -245,19 +245,44 @@ def is_route(forward) -> bool:
     return isinstance(getattr(forward, "__self__", None), LogitsRoute)
 
 
+def structure_problem(model, device) -> str | None:
+    """Why `model`'s training loss cannot be routed from the hidden states whatever its
+    forward computes, or None: its output embeddings must be a plain torch.nn.Linear without
+    hooks or a forward of their own (named in the message by where the model holds them:
+    lm_head, cls.predictions.decoder, ...), its forward must take input_ids and labels, and it
+    must be where a probe can run. The causal-LM route (codegen/runtime/patch_loss.py) asks
+    this too: both stand in for the output embeddings' logits."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
+    hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
+             if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
+    if hooks:
+        where = next(name for name, module in model.named_modules() if module is head)
+        return (f"its {where} has {' and '.join(hooks)} of its own, which would see the "
+                "stand-in for the logits")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "its forward's signature cannot be read"
+    if "labels" not in parameters or "input_ids" not in parameters:
+        return "its forward takes no input_ids and labels"
+    if device.type == "meta":
+        return "it is on the meta device, where its outputs cannot be compared"
+    return None
+
+
 def route_problem(model, linear, dtype, device) -> str | None:
     """Why `model`'s training loss cannot be routed, or None: its structure, then a probe (a
     training forward of a few tokens, some unlabelled, on a float64 copy whose Parameters are
     perturbed, whose loss and gradients must be the model's own, dropout's draws the same)."""
-    from codegen.runtime import patching  # patching imports this module
-
     if linear is None:
         return "no linear variant of the loss function exists"
-    problem = linear_loss.structure_problem(model, device)
+    problem = structure_problem(model, device)
     if problem is not None:
         return problem
     vocab = model.get_output_embeddings().out_features
-    generator = torch.Generator().manual_seed(patching.SEED)
+    generator = torch.Generator().manual_seed(probe.SEED)
     tokens = torch.randint(0, vocab, PROBE_TOKENS, generator=generator)
     labels = tokens.clone()
     labels.view(-1)[list(PROBE_UNLABELLED)] = -100
@@ -268,19 +293,19 @@ def route_problem(model, linear, dtype, device) -> str | None:
     # (in float32 a BERT-large gradient differed by 1.4e-7 at -1.0e-4 from its order of summing
     # alone, above a tolerance of 1.3e-8 at the scale of all the gradients)
     dtype = torch.float64
-    with patching._probing(device), torch.enable_grad():
+    with probe.probing(device), torch.enable_grad():
         # a copy with perturbed Parameters of its own, and a twin of it sharing them
-        plain = patching._twin(model, patching._Noise(), {}).to(dtype).train()
-        routed = patching._twin(plain, None, {}).train()
+        plain = probe.twin(model, probe.Noise(), {}).to(dtype).train()
+        routed = probe.twin(plain, None, {}).train()
         route = LogitsRoute(routed, linear)
         routed.forward = route.model_forward
         results = []
         for twin in (plain, routed):
-            torch.manual_seed(patching.SEED)  # the same dropout draws in both
+            torch.manual_seed(probe.SEED)  # the same dropout draws in both
             try:
                 loss = twin(input_ids=tokens, labels=labels).loss
             except Exception as error:  # noqa: BLE001 (any failure means: not proven)
-                return f"its forward raised on the probe: {patching._error(error)}"
+                return f"its forward raised on the probe: {probe.error(error)}"
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return "its forward returned no loss that has a gradient"
             parameters = [p for p in twin.parameters() if p.requires_grad]
@@ -295,12 +320,12 @@ def route_problem(model, linear, dtype, device) -> str | None:
             return ("its forward uses the logits otherwise than in the loss (adds to them, "
                     "scales them) before the cross-entropy, which then takes real logits")
         (want, want_reached, want_grads), (got, got_reached, got_grads) = results
-        problem = patching._difference(want.detach(), got.detach(), None, dtype, False)
+        problem = probe.difference(want.detach(), got.detach(), None, dtype, False)
         if problem is not None:
             return f"the loss from the hidden states {problem}"
         if want_reached != got_reached:
             return "the loss from the hidden states reaches other parameters"
-        problem = patching._difference(want_grads, got_grads, None, dtype, False)
+        problem = probe.difference(want_grads, got_grads, None, dtype, False)
         if problem is not None:
             return f"the parameters' gradients {problem}"
     return None

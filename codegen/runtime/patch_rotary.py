@@ -30,8 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-# patching imports this module: its names are looked up at call time
-from codegen.runtime import patching
+from codegen.runtime import probe, swaps
 
 #: the kind `patch_model(include=..., exclude=...)` names
 KIND = "rotary"
@@ -159,37 +158,37 @@ def rotary_class(original: type, embed: Callable) -> type | None:
     if forward is None:
         return None
     namespace = {"forward": forward, "_rotary_embed": embed, "_rotary_original": original}
-    cls = _CLASSES[key] = patching.swapped_class(original, rotary_class, embed, namespace)
+    cls = _CLASSES[key] = swaps.swapped_class(original, rotary_class, embed, namespace)
     return cls
 
 
-def plan(planner, module, name: str) -> None:
+def plan(context, module, name: str) -> None:
     """Plan the swap of `module`'s rotary embedding, recording the swap or the skip in
-    `planner` (a `patching._Planner`)."""
+    `context` (a `swaps.PlanContext`)."""
     class_name = type(module).__name__
-    if "_rotary_embed" in type(module).__dict__ or not planner.selection.allows(KIND, class_name):
+    if "_rotary_embed" in type(module).__dict__ or not context.allows(KIND, class_name):
         return
-    rules = [r for r in planner.rules if r.kind == KIND
+    rules = [r for r in context.rules if r.kind == KIND
              and fnmatch.fnmatchcase(class_name, r.pattern)]
     chain = forward_chain(getattr(type(module), "forward", None)) if rules else None
     if chain is None:
         return  # no candidate: its forward applies no apply_rotary_pos_emb
     if "forward" in module.__dict__:
-        planner.skip(module, name, "its forward is replaced on the instance, which the rebuilt "
+        context.skip(module, name, "its forward is replaced on the instance, which the rebuilt "
                                    "forward would not do")
         return
     original = chain[-1].__globals__.get(GLOBAL)
     if not callable(original):
-        planner.skip(module, name, f"its modeling module's {GLOBAL} is not a function")
+        context.skip(module, name, f"its modeling module's {GLOBAL} is not a function")
         return
     # what the instance computes: its private copy where it has one (kernels routes the global
     # to it while the forward runs), a Hub layer's forward where kernelize set one
     private = private_function(module, original)
     original = private if private is not None else original
-    repo = patching.hub_layer(original)
-    dtype, device = patching._placement(module, planner.default)
+    repo = probe.hub_layer(original)
+    dtype, device = probe.placement(module, context.default)
     if device.type == "meta":
-        planner.skip(module, name, patching._META)
+        context.skip(module, name, probe.META)
         return
     head_dim = getattr(module, "head_dim", None)
     head_dim = head_dim if isinstance(head_dim, int) and head_dim > 0 else PROBE_HEAD_DIM
@@ -200,18 +199,16 @@ def plan(planner, module, name: str) -> None:
             if problem is None:
                 cls = rotary_class(type(module), embed)
                 if cls is None:
-                    planner.skip(module, name, "a decorator of its forward holds the function "
+                    context.skip(module, name, "a decorator of its forward holds the function "
                                                "it wraps otherwise than in a closure, so the "
                                                "forward cannot be rebuilt")
                     return
-                planner.assignments.append((module, "__class__", type(module), cls))
-                planner.swapped.append(patching.Swap(
-                    name, class_name,
-                    f"{class_name}({GLOBAL}: {label(embed)})" + patching.hub_label(original)))
+                context.swap(name, class_name, f"{class_name}({GLOBAL}: {label(embed)})"
+                             + probe.hub_label(original), (module, "__class__", type(module), cls))
                 return
             problems.append(f"{label(embed)} {problem}")
     hub = f" (Hub layer {repo})" if repo is not None else ""
-    planner.skip(module, name, f"its {GLOBAL}{hub} is not computed by "
+    context.skip(module, name, f"its {GLOBAL}{hub} is not computed by "
                  + "; nor by ".join(problems))
 
 
@@ -236,17 +233,17 @@ def difference(original: Callable, embed: Callable, head_dim: int, dtype, device
     """How `embed` differs from `original` on the probes (whole-width tables, then tables of
     half the head where the head is wide enough to pair them), or None."""
     widths = [head_dim] + [head_dim // 2] * (head_dim % 4 == 0)
-    with patching._probing(device):
+    with probe.probing(device):
         for index, width in enumerate(widths):
-            generator = torch.Generator().manual_seed(patching.SEED + index)
+            generator = torch.Generator().manual_seed(probe.SEED + index)
 
-            def probe(*shape, generator=generator):
+            def draw(*shape, generator=generator):
                 return torch.randn(shape, generator=generator, dtype=torch.float64).to(
                     device=device, dtype=dtype)
 
-            q = probe(PROBE_BATCH, PROBE_HEADS, PROBE_SEQ, head_dim)
-            k = probe(PROBE_BATCH, PROBE_KEY_HEADS, PROBE_SEQ, head_dim)
-            cos, sin = probe(PROBE_BATCH, PROBE_SEQ, width), probe(PROBE_BATCH, PROBE_SEQ, width)
+            q = draw(PROBE_BATCH, PROBE_HEADS, PROBE_SEQ, head_dim)
+            k = draw(PROBE_BATCH, PROBE_KEY_HEADS, PROBE_SEQ, head_dim)
+            cos, sin = draw(PROBE_BATCH, PROBE_SEQ, width), draw(PROBE_BATCH, PROBE_SEQ, width)
             results = []
             for function in (original, embed):
                 try:
@@ -259,15 +256,15 @@ def difference(original: Callable, embed: Callable, head_dim: int, dtype, device
                 if isinstance(reference, Exception) and isinstance(output, Exception):
                     continue  # refused alike
                 if isinstance(output, Exception):
-                    return f"raised {patching._error(output)} with {tables}"
+                    return f"raised {probe.error(output)} with {tables}"
                 return f"gave a result with {tables}, where the original raised " \
-                       f"{patching._error(reference)}"
+                       f"{probe.error(reference)}"
             if not (isinstance(reference, tuple) and isinstance(output, tuple)
                     and len(reference) == len(output) == 2):
                 return f"returned {type(output).__name__}, the original " \
                        f"{type(reference).__name__}, with {tables}"
             for which, want, got in zip("qk", reference, output, strict=True):
-                problem = patching._difference(want, got, None, dtype, False)
+                problem = probe.difference(want, got, None, dtype, False)
                 if problem is not None:
                     return f"{problem} in {which}_embed with {tables}"
     return None

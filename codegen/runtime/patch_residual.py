@@ -49,8 +49,7 @@ from typing import Any
 
 import torch
 
-# patching imports this module: its names are looked up at call time
-from codegen.runtime import patching
+from codegen.runtime import patch_norm, probe, swaps
 
 #: the kind `patch_model(include=..., exclude=...)` names
 KIND = "residual"
@@ -148,7 +147,7 @@ class Fusion:
 
     def label(self, layer_class: str) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.options
-                          if k not in ("eps", patching.IN_PLACE) and v)
+                          if k not in ("eps", swaps.IN_PLACE) and v)
         fused = f", with {self.family.dropout[0]}" if self.dropout else ""
         if self.unfused is not None:
             fused = f"; {self.family.dropout[0]} not fused: {self.unfused}"
@@ -395,7 +394,7 @@ def fused_class(original: type, fusion: Fusion) -> type:
     forward.__qualname__ = f"{original.__qualname__}.forward"
     namespace = {"forward": forward, "_residual_fusion": fusion, "_residual_original": original,
                  "_residual_arguments": arguments}
-    cls = _CLASSES[key] = patching.swapped_class(original, fused_class, fusion, namespace)
+    cls = _CLASSES[key] = swaps.swapped_class(original, fused_class, fusion, namespace)
     return cls
 
 
@@ -448,36 +447,36 @@ def _token(value) -> str:
         else f"{type(value).__name__} at {id(value):#x}"
 
 
-def plan(planner, layer, name: str) -> None:
+def plan(context, layer, name: str) -> None:
     """Plan the fusion of `layer`'s residual add (its children already planned), recording the
-    swap or the skip in `planner` (a `patching._Planner`)."""
+    swap or the skip in `context` (a `swaps.PlanContext`)."""
     family = family_of(layer)
     class_name = type(layer).__name__
     if (family is None or "_residual_fusion" in type(layer).__dict__
-            or not planner.selection.allows(KIND, class_name)):
+            or not context.allows(KIND, class_name)):
         return
-    rules = [r for r in planner.rules if r.kind == KIND
+    rules = [r for r in context.rules if r.kind == KIND
              and fnmatch.fnmatchcase(class_name, r.pattern)]
     if not rules:
         return
     problem = _unfusable(layer, family)
     norm = layer._modules[family.norm]
-    if problem is None and patching._unswappable(norm) is not None:
+    if problem is None and probe.unswappable(norm) is not None:
         # the fused forward computes the norm without calling it
-        problem = f"its norm {family.norm}: {patching._unswappable(norm)}"
+        problem = f"its norm {family.norm}: {probe.unswappable(norm)}"
     replacement = None
     if problem is None:
-        replacement, problem = _norm_replacement(planner, norm, f"{name}.{family.norm}")
+        replacement, problem = _norm_replacement(context, norm, f"{name}.{family.norm}")
     fusion = None
     if problem is None:
-        fusion, problem = _fusion(planner, rules, family, replacement)
+        fusion, problem = _fusion(context, rules, family, replacement)
     if problem is None and fusion.dropout and fusion.fused_dropout(layer, True) is None:
         # no dropout child, or one of another class or with hooks: called as it is
         fusion = dataclasses.replace(fusion, dropout=False)
     if problem is None:
-        dtype, device = patching._placement(norm, planner.default)
+        dtype, device = probe.placement(norm, context.default)
         if device.type == "meta":
-            problem = patching._META
+            problem = probe.META
         else:
             problem, fusion = _difference(layer, family, fusion, dtype, device)
     if problem is None and fusion.dropout:
@@ -487,14 +486,13 @@ def plan(planner, layer, name: str) -> None:
         if unfused is not None:
             fusion = dataclasses.replace(fusion, dropout=False, unfused=unfused)
     if problem is not None:
-        planner.skip(layer, name, problem)
+        context.skip(layer, name, problem)
         return
-    new = fused_class(type(layer), fusion)
-    planner.assignments.append((layer, "__class__", type(layer), new))
+    assignments = [(layer, "__class__", type(layer), fused_class(type(layer), fusion))]
     if fusion.dropout and "." in family.dropout[0]:
         dropout = _descendant(layer, family.dropout[0])
-        planner.assignments.append((dropout, "__class__", type(dropout), HandoffDropout))
-    planner.swapped.append(patching.Swap(name, class_name, fusion.label(class_name)))
+        assignments.append((dropout, "__class__", type(dropout), HandoffDropout))
+    context.swap(name, class_name, fusion.label(class_name), *assignments)
 
 
 def _unfusable(layer, family) -> str | None:
@@ -516,36 +514,33 @@ def _unfusable(layer, family) -> str | None:
     return None
 
 
-def _norm_replacement(planner, norm, name):
+def _norm_replacement(context, norm, name):
     """The generated norm the norm probe proves for `norm` (whatever include and exclude say of
     norms), or None and why."""
-    if isinstance(norm, planner.own):
+    if isinstance(norm, context.own):
         return norm, None
-    swapped = planner.done.get(id(norm))
+    swapped = context.done(norm)
     if swapped is not None:
         return swapped, None
-    probe = copy.copy(planner)
-    probe.selection = patching._Selection(("norm",), None, False)
-    probe.swapped, probe.skipped, probe.strict, probe.assignments = [], [], False, []
-    new = probe.replacement(norm, name)
+    new, reasons = context.norm_replacement(norm, name)
     if new is not None:
         return new, None
-    reasons = "; ".join(skip.reason for skip in probe.skipped)
+    reasons = "; ".join(reasons)
     return None, (f"its norm {name.rsplit('.', 1)[-1]} ({type(norm).__name__}) "
                   + (f"has no generated twin: {reasons}" if reasons
                      else "is no candidate of any norm rule"))
 
 
-def _fusion(planner, rules, family, replacement):
+def _fusion(context, rules, family, replacement):
     """The fusion that computes `norm(x + residual)` with `replacement`'s configuration: by the
     residual rule whose parameters are those of the rule that built the replacement."""
-    if isinstance(replacement, patching.LastDimNorm):
-        norm_rules = [r for r in planner.rules if r.kind == "norm"
-                      and r.function is replacement._function]
+    if isinstance(replacement, patch_norm.LastDimNorm):
+        norm_rules = [r for r in context.rules if r.kind == "norm"
+                      and r.function is replacement.function]
         shape, eps = None, replacement.eps
         offsets = dict(replacement.options)
     else:
-        norm_rules = [r for r in planner.rules if r.kind == "norm"
+        norm_rules = [r for r in context.rules if r.kind == "norm"
                       and r.module is type(replacement)]
         shape, eps = tuple(replacement.normalized_shape), replacement.eps
         offsets = {offset: getattr(replacement, offset) for rule in norm_rules
@@ -571,21 +566,21 @@ def _fusion(planner, rules, family, replacement):
         return None, (f"no add + norm op takes the parameters of its norm's "
                       f"{type(replacement).__name__}")
     rule = matching[0]
-    missing = [option for option, _ in chosen if option not in patching.keywords(rule.function)]
+    missing = [option for option, _ in chosen if option not in probe.keywords(rule.function)]
     if missing:
         return None, (f"{rule.function.__name__} takes no {', '.join(missing)}, which its "
                       f"norm's {type(replacement).__name__} sets")
     tensors = tuple((param, getattr(replacement, param, None) is not None)
                     for param, _, _ in rule.params)
     options = [("eps", eps)]
-    dropout = family.dropout is not None and DROPOUT in patching.keywords(rule.function)
+    dropout = family.dropout is not None and DROPOUT in probe.keywords(rule.function)
     options += [(offset, float(offsets.get(offset, 0.0))) for _, _, offset in rule.params
                 if offset]
     options += chosen
-    if planner.memory is not None and planner.memory in rule.memory:
-        options.append(("memory", planner.memory))
-    if patching.IN_PLACE in patching.keywords(rule.function):
-        options.append((patching.IN_PLACE, True))
+    if context.memory is not None and context.memory in rule.memory:
+        options.append(("memory", context.memory))
+    if swaps.IN_PLACE in probe.keywords(rule.function):
+        options.append((swaps.IN_PLACE, True))
     return Fusion(family, rule.function, family.norm, tensors, tuple(options), shape,
                   dropout), None
 
@@ -593,14 +588,14 @@ def _fusion(planner, rules, family, replacement):
 def _difference(layer, family, fusion, dtype, device) -> tuple[str | None, Fusion]:
     """How the rewritten forward differs from `layer`'s on the probe, or None; and the fusion,
     returning a 1-tuple where the original forward does."""
-    tail = fusion.shape or (patching.PROBE_WIDTH,)
+    tail = fusion.shape or (probe.PROBE_WIDTH,)
     width = tail[-1]
-    with patching._probing(device):
-        noise, done = patching._Noise(), {}
+    with probe.probing(device):
+        noise, done = probe.Noise(), {}
         stand_ins = {}
         for index, (child_name, child) in enumerate(layer._modules.items()):
             if child is not None and child_name not in family.norms:
-                stand_in = _StandIn(patching.SEED + index, width, child_name in family.pairs,
+                stand_in = _StandIn(probe.SEED + index, width, child_name in family.pairs,
                                     dtype, device)
                 # the plain settings of the child the layer may read (Gemma 3's
                 # `self_attn.is_sliding` in transformers 4), the same in both forwards
@@ -610,11 +605,11 @@ def _difference(layer, family, fusion, dtype, device) -> tuple[str | None, Fusio
                         setattr(stand_in, key, value)
                 stand_ins[child_name] = done[id(child)] = stand_in
         try:
-            original = patching._twin(layer, noise, done)
+            original = probe.twin(layer, noise, done)
         except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
-            return f"it cannot be copied to be probed: {patching._error(error)}", fusion
+            return f"it cannot be copied to be probed: {probe.error(error)}", fusion
         rewritten = copy.copy(original)
-        generator = torch.Generator().manual_seed(patching.SEED)
+        generator = torch.Generator().manual_seed(probe.SEED)
         inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
                               dtype=torch.float64).to(device=device, dtype=dtype)
                   for _ in range(family.inputs)]
@@ -629,7 +624,7 @@ def _difference(layer, family, fusion, dtype, device) -> tuple[str | None, Fusio
                     output = twin(*inputs, **kwargs)
                 except Exception as error:  # noqa: BLE001
                     which = "its forward" if twin is original else "the rewritten forward"
-                    return (f"{which} raised on the probe input: {patching._error(error)}",
+                    return (f"{which} raised on the probe input: {probe.error(error)}",
                             fusion)
                 runs.append((output, {n: list(s.calls) for n, s in stand_ins.items()}))
                 if twin is original and not training:
@@ -663,18 +658,18 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
     forward's 16-bit rounding was proven without dropout by `_difference`. In 16 bits the
     gradient through a stand-in sums terms far larger than itself, so one rounding of the fused
     op's (more exact) dropout gradient shows there as a difference of an ulp of those terms."""
-    tail = fusion.shape or (patching.PROBE_WIDTH,)
+    tail = fusion.shape or (probe.PROBE_WIDTH,)
     width = tail[-1]
     dropout_path, source = family.dropout
     fused = fused_class(type(layer), fusion)
     own = dtype
     if dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
-    with patching._probing(device):
-        noise, done, stand_ins = patching._Noise(), {}, {}
+    with probe.probing(device):
+        noise, done, stand_ins = probe.Noise(), {}, {}
         for index, (child_name, child) in enumerate(layer._modules.items()):
             if child is not None and child_name not in family.norms + (dropout_path,):
-                stand_ins[child_name] = _StandIn(patching.SEED + index, width,
+                stand_ins[child_name] = _StandIn(probe.SEED + index, width,
                                                  child_name in family.pairs, dtype, device)
                 done[id(child)] = stand_ins[child_name]
         if "." in dropout_path:
@@ -684,9 +679,9 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
             stand_ins[source].add_module(dropout_path.rpartition(".")[2], handed)
         try:
             # the twin's tensors are its own copies: casting them leaves the layer as it is
-            original = patching._twin(layer, noise, done).to(dtype)
+            original = probe.twin(layer, noise, done).to(dtype)
         except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
-            return f"it cannot be copied to be probed: {patching._error(error)}"
+            return f"it cannot be copied to be probed: {probe.error(error)}"
         if "." in dropout_path:
             problem = _handover_difference(layer, dropout_path, source, tail, own, device)
             if problem is not None:
@@ -695,7 +690,7 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
         rewritten.__class__ = fused
         dropout = _descendant(original, dropout_path)  # the twins share it
         p = dropout.p or PROBE_DROPOUT
-        generator = torch.Generator().manual_seed(patching.SEED)
+        generator = torch.Generator().manual_seed(probe.SEED)
         inputs = [torch.randn((*PROBE_ROWS, *tail), generator=generator,
                               dtype=torch.float64).to(device=device, dtype=dtype)
                   for _ in range(family.inputs)]
@@ -713,7 +708,7 @@ def _dropout_difference(layer, family, fusion, dtype, device) -> str | None:
             return _mask_difference(original, rewritten, dropout_path, stand_ins[source],
                                     fusion, inputs, kwargs, p, dtype)
         except Exception as error:  # noqa: BLE001
-            return f"the rewritten forward raised on the probe input: {patching._error(error)}"
+            return f"the rewritten forward raised on the probe input: {probe.error(error)}"
 
 
 def _handover_difference(layer, dropout_path, source, tail, dtype, device) -> str | None:
@@ -721,17 +716,17 @@ def _handover_difference(layer, dropout_path, source, tail, dtype, device) -> st
     None: a copy of the child (its own tensors, the dropout handed over) is called in training
     on a probe hidden state alone, and must return that dropout's input as it is. The layer's
     stand-in probes take this on trust: they apply the dropout last, as this child does."""
-    twin = patching._twin(layer._modules[source], None, {})
+    twin = probe.twin(layer._modules[source], None, {})
     handed = _descendant(twin, dropout_path.partition(".")[2])
     handed.__class__ = HandoffDropout
     handed.p = handed.p or PROBE_DROPOUT
     hidden = torch.randn((*PROBE_ROWS, *tail), generator=torch.Generator().manual_seed(
-        patching.SEED), dtype=torch.float64).to(device=device, dtype=dtype)
+        probe.SEED), dtype=torch.float64).to(device=device, dtype=dtype)
     try:
         with torch.no_grad():
             _, problem = _hand_over(handed, twin.train(True), (hidden,), {})
     except Exception as error:  # noqa: BLE001 (any failure means: cannot be proven)
-        return f"{source} raised on the probe input: {patching._error(error)}"
+        return f"{source} raised on the probe input: {probe.error(error)}"
     return None if problem is None else f"{source} {problem}"
 
 
@@ -756,13 +751,13 @@ def _outputs_difference(reference, output, dtype) -> str | None:
     """How a layer's outputs differ, or None: one tensor, or a tuple of the same length whose
     tensors are compared one by one and whose other members (None, a cache) are the same."""
     if not isinstance(reference, tuple):
-        return patching._difference(reference, output, None, dtype, False)
+        return probe.difference(reference, output, None, dtype, False)
     if not isinstance(output, tuple) or len(output) != len(reference):
         what = f"{len(output)} outputs" if isinstance(output, tuple) else type(output).__name__
         return f"returned {what}, the module {len(reference)} outputs"
     for index, (want, got) in enumerate(zip(reference, output, strict=True)):
         if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
-            problem = patching._difference(want, got, None, dtype, False)
+            problem = probe.difference(want, got, None, dtype, False)
             if problem is not None:
                 return f"{problem} in output {index}"
         elif want is not got:
@@ -791,7 +786,7 @@ def _mask_difference(original, rewritten, dropout_path, source, fusion, inputs, 
                 leaves = [x.clone().requires_grad_() for x in inputs]
                 output = _hidden(twin.train(True)(*leaves, **kwargs))
                 upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(
-                    patching.SEED), dtype=torch.float64).to(output)
+                    probe.SEED), dtype=torch.float64).to(output)
                 grads = torch.autograd.grad(output, [captured[-1], *leaves], upstream)
                 results.append((output, grads))
                 if twin is rewritten:
@@ -808,7 +803,7 @@ def _mask_difference(original, rewritten, dropout_path, source, fusion, inputs, 
     names = ["output", "the dropout input's gradient"] + [f"input {i}'s gradient"
                                                           for i in range(len(inputs))]
     for what, got, want in zip(names, (output, *grads), (reference, *wanted), strict=True):
-        problem = patching._difference(want.detach(), got.detach(), None, dtype, False)
+        problem = probe.difference(want.detach(), got.detach(), None, dtype, False)
         if problem is not None:
             return (f"{fusion.label(type(original).__name__)}: {what} {problem} against the "
                     "original forward whose dropout applies the fused one's mask (in training "
