@@ -537,3 +537,33 @@ def test_replaces_mismatches_name_the_rule():
 def test_patch_rejects_non_modules():
     with pytest.raises(TypeError, match="argument 'model' must be a torch.nn.Module"):
         patch_model("bert")
+
+
+class _Scaled(torch.nn.Module):
+    """A parametrization: the weight as twice what is stored."""
+
+    def forward(self, weight):
+        return 2 * weight
+
+
+def test_parametrized_modules_are_probed_not_refused():
+    """A module with a parametrization (torch.nn.utils.parametrize: weight norm, spectral
+    norm, orthogonal) refuses to be pickled and so to be copied; the probes copy it all the
+    same, and patch_model swaps around it (or proves what holds it) instead of raising."""
+    from torch.nn.utils import parametrize
+
+    from codegen.runtime import probe
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    parametrize.register_parametrization(block[0], "weight", _Scaled())
+    with pytest.raises(RuntimeError):
+        copy.copy(block[0])
+    twin = probe.twin(block, probe.Noise(), {})
+    assert twin[0] is not block[0] and twin[0].weight.shape == (8, 8)
+    assert not torch.equal(twin[0].weight, block[0].weight)  # its own perturbed weight
+    x = randn((3, 8), seed=1, dtype=torch.float32)
+    expected = block(x)
+    report = patch_model(block)
+    assert report.counts == {"LayerNorm": 1}, report
+    torch.testing.assert_close(block(x), expected)

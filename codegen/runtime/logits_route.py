@@ -295,9 +295,12 @@ def route_problem(model, linear, dtype, device) -> str | None:
     dtype = torch.float64
     with probe.probing(device), torch.enable_grad():
         # a copy with perturbed Parameters of its own, and a twin of it sharing them
-        plain = probe.twin(model, probe.Noise(), {}).to(dtype).train()
-        routed = probe.twin(plain, None, {}).train()
-        route = LogitsRoute(routed, linear)
+        try:
+            plain = probe.twin(model, probe.Noise(), {}).to(dtype).train()
+            routed = probe.twin(plain, None, {}).train()
+            route = LogitsRoute(routed, linear)
+        except Exception as error:  # noqa: BLE001 (any failure means: not proven)
+            return f"it cannot be copied to be probed: {probe.error(error)}"
         routed.forward = route.model_forward
         results = []
         for twin in (plain, routed):

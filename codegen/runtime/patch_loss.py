@@ -436,9 +436,12 @@ def route_problem(model, linear, fallback, dtype, device) -> str | None:
     labels.view(-1)[list(PROBE_IGNORED)] = -100
     tokens, labels = tokens.to(device), labels.to(device)
     with probe.probing(device):
-        plain = probe.twin(model, None, {}).train()
-        routed = probe.twin(model, None, {}).train()
-        install(routed, linear, fallback)
+        try:
+            plain = probe.twin(model, None, {}).train()
+            routed = probe.twin(model, None, {}).train()
+            install(routed, linear, fallback)
+        except Exception as error:  # noqa: BLE001 (any failure means: not proven)
+            return f"it cannot be copied to be probed: {probe.error(error)}"
         for kwargs in ({}, {"num_items_in_batch": torch.tensor(7, device=device)}):
             losses_ = []
             for twin in (plain, routed):

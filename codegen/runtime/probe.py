@@ -249,7 +249,13 @@ def twin(module, noise, done):
     copies with `noise`), buffers copied, no hooks; the module is left as it is."""
     if id(module) in done:
         return done[id(module)]
-    copied = copy.copy(module)
+    try:
+        copied = copy.copy(module)
+    except RuntimeError:
+        # a parametrized module (torch.nn.utils.parametrize) refuses to be pickled and so to
+        # be copied: its attributes are copied as copy.copy copies a plain object's
+        copied = type(module).__new__(type(module))
+        copied.__dict__.update(module.__dict__)
     done[id(module)] = copied
     state = copied.__dict__
     for name in HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
