@@ -206,7 +206,6 @@ def _error(error: BaseException) -> str:
 
 def check(head: str, model_type: str, name: str, timeout_s: int) -> dict:
     """One class's record (see the module's docstring)."""
-    os.environ.pop("TRITON_INTERPRET", None)
     import torch
     import transformers
     from transformers import CONFIG_MAPPING
@@ -274,6 +273,12 @@ def check(head: str, model_type: str, name: str, timeout_s: int) -> dict:
         record["seconds"] = round(time.perf_counter() - start, 2)
 
 
+def _worker() -> None:
+    """A worker process's setup: the generated ops on their torch path, not Triton's
+    interpreter (whole models on the interpreter take minutes a step)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -290,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = classes(heads, args.only)
     records = []
     # a fresh process per class: patches, class swaps and default dtypes stay in it
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool:
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, max_tasks_per_child=1,
+                                                initializer=_worker) as pool:
         futures = [pool.submit(check, *item, args.timeout_s) for item in todo]
         for future, item in zip(futures, todo, strict=True):
             try:

@@ -8,7 +8,8 @@ import torch
 from benchmarks import families
 
 
-def test_a_patched_llama_is_exact_in_float64():
+def test_a_patched_llama_is_exact_in_float64(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch path, as the workers'
     record = families.check("causal", "llama", "LlamaForCausalLM", timeout_s=300)
     assert record["result"] == "exact", record
     # norms, MLPs, residual fusions, rotary and the loss were all swapped
@@ -44,10 +45,14 @@ def test_a_wrong_gradient_is_a_difference():
     assert families._compare(want, missing)[1] == "gradient of key_bias in one model only"
 
 
-def test_a_check_leaves_the_process_as_it_was():
+def test_a_check_leaves_the_process_as_it_was(monkeypatch):
+    import os
     import signal
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    environment = dict(os.environ)
     handler = signal.getsignal(signal.SIGALRM)
     families.check("causal", "gpt2", "GPT2LMHeadModel", timeout_s=300)
     assert torch.get_default_dtype() == torch.float32
     assert signal.getsignal(signal.SIGALRM) is handler
+    assert dict(os.environ) == environment
