@@ -16,6 +16,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from codegen.runtime import dispatch
+
 HAS_CUDA = torch.cuda.is_available()
 PATHS = ("triton", "torch")
 FP64_TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -45,6 +47,9 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     """
     if path == "torch":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        # the generated torch path, not torch's expression that CPU calls run otherwise
+        # (codegen/runtime/dispatch.py)
+        monkeypatch.setattr(dispatch, "FORCED", "kernels")
     elif not HAS_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     return torch.device("cuda" if HAS_CUDA and path == "triton" else "cpu")

@@ -9,6 +9,9 @@ host time gets slower. An op whose spec names a torch expression with the same r
 - eagerly, for CUDA tensors whose elements times their last dim's size (rows x width^2: the
   multiply work of the transformer block around the op, whose GPU time hides the host time of
   a call) is below the op's measured `eager_below` (`python -m benchmarks.crossover --write`);
+- eagerly, for CPU tensors outside Triton's interpreter (`TRITON_INTERPRET=1`): there the
+  alternative is the generated torch path (the derived formulas as plain torch ops, what meta
+  and fake tensors and the interpreter's absence run), never faster than torch's own CPU op;
 - under `torch.compile`, when the op measured faster traced as torch ops, which Inductor fuses
   with their neighbours, than as one opaque custom op (`compiled="torch"`).
 
@@ -18,7 +21,8 @@ Options torch's expression cannot express (a memory mode other than the default,
 dropout, a normalized_shape of several dims with parameters, ...) always run the kernels.
 The environment variable `VJPFORGE_DISPATCH` decides for
 the whole process: `kernels` (never torch's expression), `torch` (always, on every device), or
-unset (each op's measurements). `Dispatch.override` does the same per op, for a block of code.
+unset (each op's measurements and the rules above). `Dispatch.override` does the same per op,
+for a block of code.
 """
 
 from __future__ import annotations
@@ -71,8 +75,14 @@ class Dispatch:
             return forced == "torch"
         if torch.compiler.is_compiling():
             return self.compiled == "torch"
-        return (isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.dim() > 0
-                and tensor.numel() * tensor.shape[-1] < self.eager_below)
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        if tensor.is_cuda:
+            return tensor.dim() > 0 and tensor.numel() * tensor.shape[-1] < self.eager_below
+        # off the GPU the generated kernels run only under Triton's interpreter; elsewhere a
+        # CPU call would run the generated torch path, the derived formulas as many torch ops,
+        # where torch's expression is its own fused CPU op
+        return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 
     @contextlib.contextmanager
     def override(self, mode: str | None = None, *, eager_below: int | None = None,
