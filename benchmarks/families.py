@@ -10,8 +10,9 @@ of their class names. Each class runs in a worker process:
 
 1. its config class's defaults, shrunk (`TINY`: two layers, width 64, a vocabulary of 96, ...,
    in every sub-config), every dropout probability of the config and every Dropout module set
-   to 0, the model built from it in float64, in training mode (the loss routes replace the
-   training loss);
+   to 0, MoE experts computed by their eager loop (grouped products take no float64), the
+   model built from it in float64, in training mode (the loss routes replace the training
+   loss);
 2. a copy patched with `patch_model(model, loss=True)`;
 3. both run `model(input_ids, labels=...)` (a masked LM's labels on a third of the positions,
    a causal LM's on all but two, a seq2seq model's as its targets) and `loss.backward()`: the
@@ -108,6 +109,10 @@ def shrink(config, seen=None) -> None:
         # draw different masks where a patch changes the order of random draws
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, 0.0)
+    if hasattr(config, "_experts_implementation_internal"):
+        # MoE experts through torch's grouped matrix product take no float64: the eager loop
+        # over the experts does (and is what an experts swap replaces)
+        config._experts_implementation = "eager"
     for name in ("layer_types", "block_types", "layers_block_type"):
         kinds = getattr(config, name, None)
         if isinstance(kinds, list) and kinds:
@@ -210,6 +215,7 @@ def check(head: str, model_type: str, name: str, timeout_s: int) -> dict:
     import transformers
     from transformers import CONFIG_MAPPING
 
+    from codegen.runtime import dispatch
     from generated.patch import patch_model
 
     def alarm(*_):
@@ -222,7 +228,9 @@ def check(head: str, model_type: str, name: str, timeout_s: int) -> dict:
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        with lifted():
+        # the generated path at every size, not torch's expression nor the model's own code
+        # that CPU calls run otherwise: what is compared is the derivation's
+        with lifted(), dispatch.forcing("kernels"):
             try:
                 config = CONFIG_MAPPING[model_type]()
                 shrink(config)
