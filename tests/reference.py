@@ -38,6 +38,15 @@ Results = list[torch.Tensor | None]
 # Paths and schedules
 
 
+def generated_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU calls take the generated torch path: no interpreter, and the dispatch forced to the
+    kernels, which off the interpreter means that path (otherwise a CPU call runs torch's
+    expression of the op, and a swap without one the model's own code:
+    codegen/runtime/dispatch.py)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(dispatch, "FORCED", "kernels")
+
+
 def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     """Route calls to `path` ("triton" or "torch"); return the device for its tensors.
 
@@ -46,10 +55,7 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> torch.device:
     the path from TRITON_INTERPRET at call time.
     """
     if path == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        # the generated torch path, not torch's expression that CPU calls run otherwise
-        # (codegen/runtime/dispatch.py)
-        monkeypatch.setattr(dispatch, "FORCED", "kernels")
+        generated_torch_path(monkeypatch)
     elif not HAS_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     return torch.device("cuda" if HAS_CUDA and path == "triton" else "cpu")

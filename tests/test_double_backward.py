@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from layer_reference import ReferenceLayer
-from reference import FP64_TOL, randn
+from reference import FP64_TOL, generated_torch_path, randn
 
 import generated.add_layernorm as add_layernorm
 import generated.add_rmsnorm as add_rmsnorm
@@ -136,7 +136,7 @@ def leaves(case: Case) -> list[torch.Tensor]:
 @pytest.fixture
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU calls take the generated torch path (no interpreter): fast in fp64."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 @pytest.fixture(params=["function", "library"])

@@ -23,6 +23,7 @@ from reference import (
     assert_low_precision_ok,
     assert_matches_torch,
     assert_unseeded_calls_replay,
+    generated_torch_path,
     gradcheck,
     randn,
     select_path,
@@ -283,7 +284,7 @@ def logits_and_grads(model, training, seed=5):
 @pytest.fixture
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 def patched_bert(dtype=torch.float64, **config):

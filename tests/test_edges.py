@@ -23,6 +23,7 @@ from reference import (
     LOW_PRECISION_ATOL,
     bf16_toward_zero,
     force_looped,
+    generated_torch_path,
     max_abs_error,
     randn,
 )
@@ -500,7 +501,7 @@ def test_layer_norm_takes_the_parameter_dtypes_torch_takes(monkeypatch):
 
 def select_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls on CPU tensors take the torch path (argument checks are the same on both)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 # Module reprs

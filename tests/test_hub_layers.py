@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers  # a declared test dependency (the `test` extra): import, never skip
 from kernels import Mode
-from reference import HAS_CUDA, randn
+from reference import HAS_CUDA, generated_torch_path, randn
 from transformers import activations
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
@@ -53,7 +53,7 @@ FUNCTIONS = (modeling_llama.apply_rotary_pos_emb, modeling_gpt_oss.apply_rotary_
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers  # a declared test dependency (the `test` extra): import, never skip
 from layer_reference import ReferenceLayer
-from reference import BAD_INPUT, FP64_TOL, HAS_CUDA, randn, select_path
+from reference import BAD_INPUT, FP64_TOL, HAS_CUDA, generated_torch_path, randn, select_path
 
 from derive.blocks import HELPERS
 from generated import bert_layer, gpt_layer
@@ -274,7 +274,7 @@ def assert_gradcheck(kind: str, options: dict, dropout: float, device: torch.dev
 @pytest.mark.parametrize("case", GRADCHECK, ids=map(case_id, GRADCHECK))
 def test_gradcheck(monkeypatch, case, dropout):
     """On the generated torch path: the interpreter is too slow for many evaluations."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
     kind, options = case
     assert_gradcheck(kind, options, dropout, "cpu", fast=False)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers  # a declared test dependency (the `test` extra): import, never skip
-from reference import FP64_TOL, randn
+from reference import FP64_TOL, generated_torch_path, randn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from codegen.runtime import launch, linear_loss
@@ -363,7 +363,7 @@ def lm_step(model, tokens, labels, **kwargs):
 @pytest.fixture
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

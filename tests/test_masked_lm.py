@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers  # a declared test dependency (the `test` extra): import, never skip
-from reference import randn
+from reference import generated_torch_path, randn
 
 from codegen.runtime.logits_route import LazyLogits
 from generated.cross_entropy import linear_cross_entropy
@@ -31,7 +31,7 @@ MODELS = {
 @pytest.fixture
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 def tiny(kind, dtype=torch.float64):

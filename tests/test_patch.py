@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from reference import randn
+from reference import generated_torch_path, randn
 
 from codegen.runtime import patching
 from derive.api import ElementwiseAPI, NormalizedShapeAPI, Param, Replaces, replaces_mismatches
@@ -35,7 +35,7 @@ class TanhGELU(torch.nn.Module):
 @pytest.fixture
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 def hf(model: str, name: str, *args, **kwargs) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 import transformers  # a declared test dependency (the `test` extra): import, never skip
-from reference import pickled, randn
+from reference import generated_torch_path, pickled, randn
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
 from codegen.runtime import logits_route, patch_rotary, patching
@@ -32,7 +32,7 @@ DECODERS = {"llama": (transformers.LlamaConfig, transformers.LlamaModel),
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
     """The generated torch path on the CPU (the Triton interpreter is slow for whole models)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    generated_torch_path(monkeypatch)
 
 
 def tiny(kind: str, causal_lm: bool = False) -> torch.nn.Module:

@@ -79,10 +79,9 @@ class Dispatch:
             return False
         if tensor.is_cuda:
             return tensor.dim() > 0 and tensor.numel() * tensor.shape[-1] < self.eager_below
-        # off the GPU the generated kernels run only under Triton's interpreter; elsewhere a
-        # CPU call would run the generated torch path, the derived formulas as many torch ops,
-        # where torch's expression is its own fused CPU op
-        return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+        # a CPU call would run the generated torch path, the derived formulas as many torch
+        # ops, where torch's expression is its own fused CPU op
+        return without_kernels(tensor)
 
     @contextlib.contextmanager
     def override(self, mode: str | None = None, *, eager_below: int | None = None,
@@ -108,6 +107,19 @@ class Dispatch:
     def __repr__(self) -> str:
         return (f"Dispatch({self.op!r}, eager_below={self.eager_below}, "
                 f"compiled={self.compiled!r})")
+
+
+def without_kernels(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a CPU tensor outside Triton's interpreter (`TRITON_INTERPRET=1`),
+    where no generated kernel runs: a call takes the generated torch path instead."""
+    return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def keeps_own(tensor: torch.Tensor) -> bool:
+    """Whether a swap of `patch_model` whose route has no torch expression (a fused dropout's
+    draws, a loss from the hidden states) runs the model's own code for a call on `tensor`:
+    where no kernel would run it (`without_kernels`) and the dispatch is not forced to them."""
+    return FORCED != "kernels" and without_kernels(tensor)
 
 
 @contextlib.contextmanager

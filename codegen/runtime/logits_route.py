@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from codegen.runtime import probe
+from codegen.runtime import dispatch, probe
 
 #: reshaping methods whose result is another stand-in (the rows keep their order)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten,
@@ -213,7 +213,10 @@ class LogitsRoute:
         labels = kwargs.get("labels")
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
-        if labels is None or not self.model.training or torch.compiler.is_compiling():
+        if labels is None or not self.model.training or torch.compiler.is_compiling() \
+                or dispatch.keeps_own(self.head.weight):
+            # a CPU model outside Triton's interpreter: the chunked loss would run its
+            # generated torch path, slower than the model's own loss (dispatch.keeps_own)
             return self.forward(*args, **kwargs)
         head = self.head
         own = head.__dict__.get("forward")

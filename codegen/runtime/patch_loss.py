@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from codegen.runtime import logits_route, probe
+from codegen.runtime import dispatch, logits_route, probe
 
 #: vocabulary and rows of a loss's probe
 LOSS_CLASSES = 13
@@ -256,6 +256,9 @@ class CausalLMRoute:
         #: the name of the loss function replaced (`patch_model`'s include and exclude take it)
         original = getattr(model, "loss_function", None)
         self.replaces = getattr(original, "__name__", type(original).__name__)
+        #: the model's own loss function, which a CPU call outside Triton's interpreter keeps
+        #: (`dispatch.keeps_own`)
+        self.own = original
         self.capped, self.cap = _softcap(model)
         names = [p.name for p in inspect.signature(self.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -266,10 +269,13 @@ class CausalLMRoute:
         labels = kwargs.get("labels")
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
-        if labels is None or not self.model.training or torch.compiler.is_compiling():
+        if labels is None or not self.model.training or torch.compiler.is_compiling() \
+                or dispatch.keeps_own(self.head.weight):
             # a compiled graph takes the logits and their loss in whole (the compiler's own
             # fusion; a module attribute swapped and restored inside it, as below, is replayed
-            # wrongly by some torch versions' graph capture)
+            # wrongly by some torch versions' graph capture); a CPU model outside Triton's
+            # interpreter, where the chunked loss would run its generated torch path, slower
+            # than the model's own (dispatch.keeps_own)
             return self.forward(*args, **kwargs)
         call = _Call()
         head = self.head
@@ -310,8 +316,10 @@ class CausalLMRoute:
              shift_labels=None, **kwargs):
         call = self.calls[-1] if self.calls else None
         if call is None or logits is not call.placeholder:
-            return self.fallback(logits, labels, vocab_size, num_items_in_batch, ignore_index,
-                                 shift_labels, **kwargs)
+            loss = self.own if self.own is not None and dispatch.keeps_own(logits) \
+                else self.fallback
+            return loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                        ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         call.used = True
         hidden = call.hidden
         if shift_labels is None:

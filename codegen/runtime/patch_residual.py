@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from codegen.runtime import patch_norm, probe, swaps
+from codegen.runtime import dispatch, patch_norm, probe, swaps
 
 #: the kind `patch_model(include=..., exclude=...)` names
 KIND = "residual"
@@ -369,6 +369,21 @@ def family_of(layer) -> Family | None:
 _CLASSES: dict[tuple[type, Fusion], type] = {}
 
 
+def _draws_without_kernels(layer, fusion: Fusion, values: dict) -> bool:
+    """Whether this call's fused dropout would draw its mask without a kernel (a CPU tensor
+    outside Triton's interpreter): the add + norm op's torch path then computes the kernels'
+    counter-based random numbers with dozens of torch ops a call, where the layer's own dropout
+    draws once (measured on the CPU: a patched GPT-2 step at three times the unpatched one's
+    time). The layer's own forward runs there; `VJPFORGE_DISPATCH=kernels` keeps the fusion."""
+    if not (fusion.dropout and layer.training) or torch.compiler.is_compiling():
+        return False
+    dropout = fusion.fused_dropout(layer)
+    if dropout is None or not dropout.training or dropout.p == 0:
+        return False
+    hidden = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
+    return hidden is not None and dispatch.keeps_own(hidden)
+
+
 def fused_class(original: type, fusion: Fusion) -> type:
     """The subclass of `original` whose forward is `fusion.family.forward` (one per class and
     fusion): same name and signature, so that what looks a layer up by its class name (device
@@ -384,7 +399,8 @@ def fused_class(original: type, fusion: Fusion) -> type:
     def forward(self, *args, **kwargs):
         values, extra = arguments.bind(args, kwargs)
         if values.get(ORIGINAL_IF_TRUE) or any(values.get(name) is not None
-                                               for name in family.original_if):
+                                               for name in family.original_if) \
+                or _draws_without_kernels(self, fusion, values):
             return original.forward(self, *args, **kwargs)
         hidden = family.forward(self, fusion, values, extra)
         return (hidden,) if fusion.returns_tuple else hidden
