@@ -116,7 +116,10 @@ def shrink(config, seen=None) -> None:
     for name in ("layer_types", "block_types", "layers_block_type"):
         kinds = getattr(config, name, None)
         if isinstance(kinds, list) and kinds:
-            setattr(config, name, kinds[:2] if len(kinds) >= 2 else kinds)
+            # two layers, of two kinds where there are several (a hybrid's linear attention
+            # and the full attention its masks are made for)
+            distinct = list(dict.fromkeys(kinds))
+            setattr(config, name, (distinct + kinds)[:2])
     for value in list(vars(config).values()):
         if isinstance(value, PretrainedConfig):
             shrink(value, seen)
