@@ -45,6 +45,15 @@ def _imports(path: Path) -> list[tuple[str, str]]:
 LAYERS = ("codegen.runtime", "derive", "codegen", "codegen.driver")
 
 
+def test_python_m_derive_runs_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "derive", "--show"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "layernorm" in result.stdout, result.stderr[-2000:]
+    assert not any(line.startswith(("from", "import")) and "derive.__main__" in line
+                   for path in [*ROOT.glob("derive/**/*.py"), *ROOT.glob("codegen/**/*.py")]
+                   for line in path.read_text().splitlines())
+
+
 def _layer(module: str) -> int | None:
     """The index in LAYERS of the deepest layer that holds `module`; None outside them."""
     found = [i for i, top in enumerate(LAYERS) if module == top or module.startswith(top + ".")]
@@ -56,6 +65,10 @@ def test_imports_point_down_the_layers() -> None:
     or one below: the driver imports the compiler and the math, the compiler the math, the math
     neither, the runtime only itself."""
     for path in sorted([*(ROOT / "derive").rglob("*.py"), *(ROOT / "codegen").rglob("*.py")]):
+        if path.name == "__main__.py":
+            # `python -m derive`: an entry point that nothing imports, above every layer
+            assert path == ROOT / "derive" / "__main__.py", path
+            continue
         parts = path.relative_to(ROOT).with_suffix("").parts
         own = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         for node in ast.walk(ast.parse(path.read_text())):

@@ -373,8 +373,8 @@ def _draws_without_kernels(layer, fusion: Fusion, values: dict) -> bool:
     """Whether this call's fused dropout would draw its mask without a kernel (a CPU tensor
     outside Triton's interpreter): the add + norm op's torch path then computes the kernels'
     counter-based random numbers with dozens of torch ops a call, where the layer's own dropout
-    draws once (measured on the CPU: a patched GPT-2 step at three times the unpatched one's
-    time). The layer's own forward runs there; `VJPFORGE_DISPATCH=kernels` keeps the fusion."""
+    draws once. The layer's own forward runs there; `VJPFORGE_DISPATCH=kernels` keeps the
+    fusion."""
     if not (fusion.dropout and layer.training) or torch.compiler.is_compiling():
         return False
     dropout = fusion.fused_dropout(layer)
