@@ -231,7 +231,6 @@ class KernelContext:
         self.element_inputs = [t.name for t in kernel.tensors("element")]
         # element tensors read: the required ones, and each optional one where given
         self.required_loads = sum(not t.optional for t in kernel.tensors("element"))
-        self.optional_loads = [t.name for t in kernel.tensors("element") if t.optional]
         self.optional_elements = {t.name: self.printer(t.absent)
                                   for t in kernel.tensors("element") if t.optional}
         self.first = next(t.name for t in kernel.tensors("element") if not t.optional)
@@ -293,12 +292,6 @@ class KernelContext:
         self.split_span = (max((len(p["reductions"]) for p in self.passes), default=0)
                            if self.splittable else 0)
         self.args = self._args()
-        # tensors the kernel takes by address, in argument order: (name, whether it may be None,
-        # the first element input then standing in for it)
-        self.pointer_inputs = ([(e, e in self.optional_elements) for e in self.element_inputs]
-                               + [(c["name"], True) for c in self.column_inputs]
-                               + [(name, False) for name in self.scalar_inputs + self.row_inputs]
-                               + [("seed", False)] * self.seeded)
         self.extra_inputs = ["seed"] * self.seeded + ["row_shape"] * self.row_shape
         self.inputs = (self.element_inputs + self.kernel_columns + self.scalar_inputs
                        + self.row_inputs + self.scalars + self.extra_inputs)
