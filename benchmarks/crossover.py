@@ -7,6 +7,9 @@ decides by.
     python -m benchmarks.crossover --compile --rows 8192 --cols 2048 --write
                                                 # both under torch.compile instead
     python -m benchmarks.crossover --from A.json B.json --write   # choose from saved rows
+    python -m benchmarks.crossover --routes [--vocab 32000,128256] --write
+                                                # patch_model's loss route against the
+                                                # model's own loss (`own_below`)
     python -m benchmarks.crossover --cpu-smoke  # tiny sizes on the CPU: tests the harness
 
 Each op is timed where a transformer block calls it: after the matrix multiplications a block
@@ -18,6 +21,16 @@ hides host time, as the rest of a model's step does; an op alone back to back wo
 by host time up to tens of millions of elements. Since the multiplication's time grows as rows x
 cols^2, that is what `eager_below` of an op counts: where its kernels measured faster from
 (`choose`). `compiled` is the faster of the two compiled, at the largest size measured.
+
+`--routes` measures the routes of `patch_model` that replace a stretch of a model's own code
+with generated ops that have no torch expression: the loss from the hidden states
+(`linear_cross_entropy` of the hidden states and the output layer's weight, against that
+layer's logits in whole, upcast to float32, then torch's cross-entropy: transformers'
+causal-LM loss). Both include the output layer's multiply, whose work (rows x hidden x
+vocabulary) is what the route's `own_below` counts, and the peak memory of each is measured:
+the route is chosen from the smallest size on which it is faster, as above, and no larger.
+(The fused residual add + norm of a layer follows its op's `eager_below`: below it the op
+runs torch's expression, the layer's own computation.)
 """
 
 from __future__ import annotations
@@ -119,15 +132,68 @@ def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled
     return run
 
 
+def routes() -> dict:
+    """route op -> (generated module, ours(h, w, labels), own(h, w, labels)): the loss."""
+    import torch.nn.functional as F
+
+    from generated import cross_entropy
+
+    def ours(h, w, labels):
+        return cross_entropy.linear_cross_entropy(h, w, labels, out_dtype=torch.float32)
+
+    def own(h, w, labels):
+        return F.cross_entropy(F.linear(h, w).float(), labels)
+
+    return {"cross_entropy": (cross_entropy, ours, own)}
+
+
+def route_step(call, M: int, H: int, V: int, device: str, dtype: torch.dtype):
+    """One forward+backward of a loss over M rows of width H and V classes."""
+    h = (torch.randn(M, H, device=device, dtype=dtype)).requires_grad_()
+    w = (torch.randn(V, H, device=device, dtype=dtype) * H ** -0.5).requires_grad_()
+    labels = torch.randint(0, V, (M,), device=device)
+
+    def once():
+        call(h, w, labels).backward()
+    return once
+
+
+def peak_bytes(fn, device: str) -> int:
+    """The peak memory one call of `fn` allocates beyond what was allocated before it (0 on
+    the CPU, which does not count)."""
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def work(row: dict) -> tuple[int, int]:
     """What the dispatch compares with `eager_below`: rows x cols^2 (the block's multiply work,
-    whose GPU time hides a call's host time), then the elements."""
+    whose GPU time hides a call's host time), then the elements; for a route's row, what it
+    compares with `own_below`: rows x cols x vocabulary (the output layer's multiply)."""
+    if "vocab" in row:
+        return row["rows"] * row["cols"] * row["vocab"], row["rows"] * row["cols"]
     return row["rows"] * row["cols"] ** 2, row["rows"] * row["cols"]
 
 
+def _winning_from(measured: list[dict], ratios: list[float], fits: list[bool]) -> int:
+    """The smallest `work` of the rows (sorted by it) from which ours is faster by `MARGIN` in
+    geometric mean over every larger one, faster there and no larger in memory from there on;
+    past the largest where there is none."""
+    for index, row in enumerate(measured):
+        if ratios[index] < 1 and statistics.geometric_mean(ratios[index:]) < MARGIN \
+                and all(fits[index:]):
+            return work(row)[0]
+    return work(measured[-1])[0] + 1
+
+
 def choose(rows: list[dict]) -> dict[str, dict]:
-    """The table's "dispatch" entries from measured rows: per op, `eager_below` (elements) and,
-    where measured, `compiled`.
+    """The table's "dispatch" entries from measured rows: per op, `eager_below` (elements),
+    where measured `compiled`, and for a route's rows `own_below`.
 
     `eager_below` is the smallest measured `work` at which the kernels were faster and from
     which on they were faster by `MARGIN` in geometric mean over every larger one (one noisy
@@ -135,16 +201,16 @@ def choose(rows: list[dict]) -> dict[str, dict]:
     there is none (torch's expression always)."""
     table = {}
     for op in sorted({row["op"] for row in rows}):
-        own = sorted((r for r in rows if r["op"] == op and "ours_us" in r), key=work)
-        ratios = [r["ours_us"] / r["torch_us"] for r in own]
+        own = sorted((r for r in rows if r["op"] == op and "torch_us" in r), key=work)
         entry = {}
         if own:
-            entry["eager_below"] = work(own[-1])[0] + 1
-            for index, row in enumerate(own):
-                rest = ratios[index:]
-                if ratios[index] < 1 and statistics.geometric_mean(rest) < MARGIN:
-                    entry["eager_below"] = work(row)[0]
-                    break
+            entry["eager_below"] = _winning_from(
+                own, [r["ours_us"] / r["torch_us"] for r in own], [True] * len(own))
+        route = sorted((r for r in rows if r["op"] == op and "own_us" in r), key=work)
+        if route:
+            entry["own_below"] = _winning_from(
+                route, [r["ours_us"] / r["own_us"] for r in route],
+                [r["ours_peak"] <= r["own_peak"] for r in route])
         compiled = [r for r in rows if r["op"] == op and "compiled_ours_us" in r]
         if compiled:
             largest = max(compiled, key=lambda r: r["rows"] * r["cols"])
@@ -178,6 +244,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--write", action="store_true",
                         help="store the choices in codegen/schedule_table.json")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--routes", action="store_true",
+                        help="measure patch_model's loss route instead (rows x --cols hidden "
+                             "x --vocab classes)")
+    parser.add_argument("--vocab", default="32000,128256")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--from", dest="saved", nargs="+", metavar="FILE",
                         help="choose from rows saved by --out instead of measuring")
@@ -191,12 +261,16 @@ def main(argv=None) -> list[dict]:
         return results
     if args.cpu_smoke:
         device, dtype, sync = "cpu", torch.float32, lambda: None
-        cols, rows, calls, repeats = (64,), (4, 16), 2, 1
+        cols, rows, calls, repeats, vocabs = (64,), (4, 16), 2, 1, (256,)
     else:
         device, dtype, sync = "cuda", torch.bfloat16, torch.cuda.synchronize
         cols = tuple(int(c) for c in args.cols.split(","))
         rows = tuple(int(r) for r in args.rows.split(","))
         calls, repeats = args.calls, args.repeats
+        vocabs = tuple(int(v) for v in args.vocab.split(","))
+    if args.routes:
+        results = measure_routes(rows, cols, vocabs, device, dtype, calls, repeats, sync)
+        return finish(results, args)
     chosen = ops()
     if args.ops:
         chosen = {name: chosen[name] for name in args.ops.split(",")}
@@ -229,6 +303,34 @@ def main(argv=None) -> list[dict]:
                                 "compiled_torch_us": theirs})
                 print(f"| {name} | {M}x{N} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} |",
                       flush=True)
+    return finish(results, args)
+
+
+def measure_routes(rows, cols, vocabs, device, dtype, calls, repeats, sync) -> list[dict]:
+    """Each route against the model's own code at every rows x hidden x vocabulary."""
+    results = []
+    print("| route | rows x hidden x vocab | ours µs | own µs | ours / own | ours MiB | own MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for V in vocabs:
+        for H in cols:
+            for M in rows:
+                for name, (_, ours, own) in routes().items():
+                    mine, theirs = (route_step(f, M, H, V, device, dtype) for f in (ours, own))
+                    row = {"op": name, "rows": M, "cols": H, "vocab": V,
+                           "ours_us": wall_micros(mine, calls, repeats, sync),
+                           "own_us": wall_micros(theirs, calls, repeats, sync),
+                           "ours_peak": peak_bytes(mine, device),
+                           "own_peak": peak_bytes(theirs, device)}
+                    results.append(row)
+                    print(f"| {name} | {M}x{H}x{V} | {row['ours_us']:.1f} | "
+                          f"{row['own_us']:.1f} | {row['ours_us'] / row['own_us']:.2f} | "
+                          f"{row['ours_peak'] / 2**20:.0f} | {row['own_peak'] / 2**20:.0f} |",
+                          flush=True)
+    return results
+
+
+def finish(results: list[dict], args) -> list[dict]:
+    """Print the choices, store them with --write, save the rows with --out."""
     choices = choose(results)
     print("\n" + json.dumps(choices, indent=1))
     if args.write:

@@ -85,13 +85,14 @@ class ScheduleTable:
 
     def dispatch(self, op: str) -> dict[str, object]:
         """When one op runs torch's expression instead of its kernels
-        (`codegen.runtime.dispatch.Dispatch` arguments: `eager_below`, `compiled`), as measured
-        by `python -m benchmarks.crossover --write`; empty where nothing was measured."""
+        (`codegen.runtime.dispatch.Dispatch` arguments: `eager_below`, `compiled`,
+        `own_below`), as measured by `python -m benchmarks.crossover --write` (`--routes` for
+        `own_below`); empty where nothing was measured."""
         own = self.measured_table.get("dispatch", {}).get(op, {})
-        unknown = sorted(set(own) - {"eager_below", "compiled"})
+        unknown = sorted(set(own) - {"eager_below", "compiled", "own_below"})
         if unknown:
             raise ValueError(f"{MEASURED_TABLE.name}: dispatch of {op!r}: unknown {unknown}; "
-                             "expected eager_below, compiled")
+                             "expected eager_below, compiled, own_below")
         return dict(sorted(own.items()))
 
 

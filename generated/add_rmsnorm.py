@@ -1698,6 +1698,7 @@ class AddRMSNorm(torch.nn.Module):
 
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("add_rmsnorm", compiled="torch", eager_below=17179869184)

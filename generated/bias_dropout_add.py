@@ -639,6 +639,7 @@ class BiasDropoutAdd(torch.nn.Module):
         return bias_dropout_add(input, residual, bias=bias, p=self.p, training=self.training, seed=seed)
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("bias_dropout_add", compiled="torch", eager_below=17179869184)

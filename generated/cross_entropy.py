@@ -1319,3 +1319,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale, token_scaling=self.token_scaling, softcap=self.softcap, z_loss_mean=self.z_loss_mean, reduction=self.reduction, class_weight=self.class_weight, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens)
+
+
+#: when a patch_model route through this op runs the model's own code
+#: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
+DISPATCH = dispatch.Dispatch("cross_entropy")

@@ -1942,6 +1942,7 @@ class DropoutAddLayerNorm(torch.nn.Module):
 
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("dropout_add_layernorm", eager_below=19327352832)

@@ -553,6 +553,7 @@ class GeGLU(torch.nn.Module):
         return geglu(gate, up, approximate=self.approximate)
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("geglu", compiled="torch", eager_below=17179869184)

@@ -528,6 +528,7 @@ class GeGLUTanh(torch.nn.Module):
         return geglu_tanh(gate, up)
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
 DISPATCH = dispatch.Dispatch("geglu_tanh")

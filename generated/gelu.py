@@ -627,6 +627,7 @@ class GELU(torch.nn.Module):
         return gelu(input, approximate=self.approximate, bias=bias)
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("gelu", compiled="torch", eager_below=17179869184)

@@ -600,6 +600,7 @@ class GELUTanh(torch.nn.Module):
         return gelu_tanh(input, bias=bias)
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("gelu_tanh", compiled="torch", eager_below=274877906945)

@@ -563,6 +563,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return launch.each(lambda: rotary(q, cos, sin), lambda: rotary(k, cos, sin))
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch": nothing for this op)
 DISPATCH = dispatch.Dispatch("rotary")

@@ -616,6 +616,7 @@ class SwiGLU(torch.nn.Module):
         return swiglu(gate, up, gate_multiplier=self.gate_multiplier, down_multiplier=self.down_multiplier)
 
 
-#: when a call runs torch's expression of this op instead of the kernels
+#: when a call runs torch's expression of this op instead of the kernels, and a patch_model
+#: route through it the model's own code
 #: (codegen/runtime/dispatch.py; measured: codegen/schedule_table.json "dispatch")
 DISPATCH = dispatch.Dispatch("swiglu", compiled="torch", eager_below=17179869184)

@@ -14,13 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import HAS_CUDA, PATHS, force_looped, force_split, select_path, splits
 
-if not HAS_CUDA:
+if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 # the tests are of the generated kernels: on a GPU, small CUDA tensors would otherwise run
-# torch's expression of each op (codegen/runtime/dispatch.py); tests/test_dispatch.py tests that
+# torch's expression of each op (codegen/runtime/dispatch.py); tests/test_dispatch.py tests that.
+# Set before anything imports the runtime's dispatch, which reads it once.
 os.environ["VJPFORGE_DISPATCH"] = "kernels"
+
+from reference import (  # noqa: E402 - after the environment above
+    PATHS,
+    force_looped,
+    force_split,
+    select_path,
+    splits,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:

@@ -19,6 +19,10 @@ Every argument is checked before the choice, on every path and device: a bad cal
 same error naming the same argument whichever path would have run it (tests/test_paths.py).
 Options torch's expression cannot express (a memory mode other than the default, active
 dropout, a normalized_shape of several dims with parameters, ...) always run the kernels.
+A route of `patch_model` (the fused residual add + norm of a layer, a loss from the hidden
+states) keeps the model's own code where its fused ops would not win: below the crossover of the
+op it calls (`own_below`, measured per route by `python -m benchmarks.crossover --routes`), on
+CPU tensors outside the interpreter, and under `VJPFORGE_DISPATCH=torch` (`keeps_own`).
 The environment variable `VJPFORGE_DISPATCH` decides for
 the whole process: `kernels` (never torch's expression), `torch` (always, on every device), or
 unset (each op's measurements and the rules above). `Dispatch.override` does the same per op,
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 
@@ -53,9 +58,10 @@ FORCED = _mode()
 class Dispatch:
     """One op's choice between its generated kernels and torch's expression of it."""
 
-    __slots__ = ("op", "eager_below", "compiled", "forced")
+    __slots__ = ("op", "eager_below", "compiled", "forced", "own_below")
 
-    def __init__(self, op: str, eager_below: int = 0, compiled: str = "kernels"):
+    def __init__(self, op: str, eager_below: int = 0, compiled: str = "kernels",
+                 own_below: int = 0):
         if compiled not in COMPILED:
             raise ValueError(f"Dispatch({op!r}): compiled must be one of {COMPILED}, "
                              f"got {compiled!r}")
@@ -66,6 +72,9 @@ class Dispatch:
         self.compiled = compiled
         #: "kernels" or "torch" set by `override` (None: the measurements above)
         self.forced = None
+        #: a patch_model route through this op keeps the model's own code for CUDA calls
+        #: whose work (the route's measure: `keeps_own`) is below this (0: never)
+        self.own_below = int(own_below)
 
     def to_torch(self, tensor: torch.Tensor) -> bool:
         """Whether a call on `tensor` (the op's first input, as given) runs torch's
@@ -106,7 +115,7 @@ class Dispatch:
 
     def __repr__(self) -> str:
         return (f"Dispatch({self.op!r}, eager_below={self.eager_below}, "
-                f"compiled={self.compiled!r})")
+                f"compiled={self.compiled!r}, own_below={self.own_below})")
 
 
 def without_kernels(tensor: torch.Tensor) -> bool:
@@ -115,11 +124,29 @@ def without_kernels(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def keeps_own(tensor: torch.Tensor) -> bool:
-    """Whether a swap of `patch_model` whose route has no torch expression (a fused dropout's
-    draws, a loss from the hidden states) runs the model's own code for a call on `tensor`:
-    where no kernel would run it (`without_kernels`) and the dispatch is not forced to them."""
-    return FORCED != "kernels" and without_kernels(tensor)
+def keeps_own(tensor: torch.Tensor, work: int = 0, route: Dispatch | None = None) -> bool:
+    """Whether a swap of `patch_model` whose fused ops replace a stretch of the model's own
+    code (a fused dropout + add + norm, a loss from the hidden states) runs that code instead
+    for a call on `tensor`: where the dispatch is forced to torch (`VJPFORGE_DISPATCH=torch`),
+    where no kernel would run the fused ops (`without_kernels`), and for a CUDA call whose
+    `work` (the route's measure of the work around it that hides host time) is below the
+    `own_below` that `route` (the called op's `Dispatch`) measured. Never under
+    `torch.compile` (the callers decide there) or forced to the kernels."""
+    forced = (route.forced if route is not None else None) or FORCED
+    if forced is not None:
+        return forced == "torch"
+    if torch.compiler.is_compiling():
+        return False
+    if tensor.is_cuda:
+        return route is not None and work < route.own_below
+    return without_kernels(tensor)
+
+
+def of(function) -> Dispatch | None:
+    """The `Dispatch` of the generated module that defines `function`, or None."""
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    found = getattr(module, "DISPATCH", None)
+    return found if isinstance(found, Dispatch) else None
 
 
 @contextlib.contextmanager

@@ -188,6 +188,8 @@ class LogitsRoute:
         self.model, self.linear = model, linear
         self.forward = model.forward
         self.head = model.get_output_embeddings()
+        #: the measurements of `linear`'s op that say where the route loses
+        self.route = dispatch.of(linear)
         names = [p.name for p in inspect.signature(self.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.labels_at = names.index("labels") if "labels" in names else None
@@ -214,9 +216,11 @@ class LogitsRoute:
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
         if labels is None or not self.model.training or torch.compiler.is_compiling() \
-                or dispatch.keeps_own(self.head.weight):
-            # a CPU model outside Triton's interpreter: the chunked loss would run its
-            # generated torch path, slower than the model's own loss (dispatch.keeps_own)
+                or dispatch.keeps_own(self.head.weight, labels.numel() * self.head.weight.numel(),
+                                      self.route):
+            # where the chunked loss would be slower than the model's own: the work is the
+            # output layer's multiply of every position (rows x hidden x vocabulary; the
+            # labelled rows are not counted here, which would wait for the GPU)
             return self.forward(*args, **kwargs)
         head = self.head
         own = head.__dict__.get("forward")

@@ -256,9 +256,11 @@ class CausalLMRoute:
         #: the name of the loss function replaced (`patch_model`'s include and exclude take it)
         original = getattr(model, "loss_function", None)
         self.replaces = getattr(original, "__name__", type(original).__name__)
-        #: the model's own loss function, which a CPU call outside Triton's interpreter keeps
-        #: (`dispatch.keeps_own`)
+        #: the model's own loss function, which a call where the route loses keeps
+        #: (`route_loses`)
         self.own = original
+        #: the measurements of `linear`'s op that say where the route loses
+        self.route = dispatch.of(linear)
         self.capped, self.cap = _softcap(model)
         names = [p.name for p in inspect.signature(self.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -270,12 +272,11 @@ class CausalLMRoute:
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
         if labels is None or not self.model.training or torch.compiler.is_compiling() \
-                or dispatch.keeps_own(self.head.weight):
+                or self.route_loses(self.head.weight, labels.numel()):
             # a compiled graph takes the logits and their loss in whole (the compiler's own
             # fusion; a module attribute swapped and restored inside it, as below, is replayed
-            # wrongly by some torch versions' graph capture); a CPU model outside Triton's
-            # interpreter, where the chunked loss would run its generated torch path, slower
-            # than the model's own (dispatch.keeps_own)
+            # wrongly by some torch versions' graph capture); a call where the chunked loss
+            # would be slower than the model's own (`route_loses`)
             return self.forward(*args, **kwargs)
         call = _Call()
         head = self.head
@@ -312,11 +313,18 @@ class CausalLMRoute:
             )
         return _without(output, call.placeholder)
 
+    def route_loses(self, tensor, rows: int) -> bool:
+        """Whether a call of `rows` tokens on `tensor`'s device keeps the model's own loss:
+        `dispatch.keeps_own`, the work being the output layer's multiply (rows x hidden x
+        vocabulary), whose GPU time hides the host time of the chunked loss."""
+        return dispatch.keeps_own(tensor, rows * self.head.weight.numel(), self.route)
+
     def loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
              shift_labels=None, **kwargs):
         call = self.calls[-1] if self.calls else None
         if call is None or logits is not call.placeholder:
-            loss = self.own if self.own is not None and dispatch.keeps_own(logits) \
+            rows = logits.numel() // max(logits.shape[-1], 1) if logits.dim() else 1
+            loss = self.own if self.own is not None and self.route_loses(logits, rows) \
                 else self.fallback
             return loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)

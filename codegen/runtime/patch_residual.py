@@ -369,19 +369,32 @@ def family_of(layer) -> Family | None:
 _CLASSES: dict[tuple[type, Fusion], type] = {}
 
 
-def _draws_without_kernels(layer, fusion: Fusion, values: dict) -> bool:
-    """Whether this call's fused dropout would draw its mask without a kernel (a CPU tensor
-    outside Triton's interpreter): the add + norm op's torch path then computes the kernels'
-    counter-based random numbers with dozens of torch ops a call, where the layer's own dropout
-    draws once. The layer's own forward runs there; `VJPFORGE_DISPATCH=kernels` keeps the
-    fusion."""
+def _keeps_layer(layer, fusion: Fusion, route, args, kwargs) -> bool:
+    """Whether this call runs the layer's own forward instead of the rewritten one:
+
+    - where the add + norm op would run torch's expression of itself anyway (`route`, its
+      `Dispatch`, None where the fusion's memory mode is not the default, says so for this
+      size, device and compilation): that is the layer's own computation, and the rewritten
+      forward would only add its host time;
+    - where its fused dropout would draw without a kernel (`dispatch.keeps_own`: a CPU tensor
+      outside Triton's interpreter): the op's torch path then computes the kernels'
+      counter-based random numbers with dozens of torch ops a call, where the layer's own
+      dropout draws once.
+
+    `VJPFORGE_DISPATCH=kernels` keeps the fusion."""
+    hidden = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(hidden, torch.Tensor):
+        hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if hidden is None:
+            return False
+    if route is not None and route.to_torch(hidden):
+        return True
     if not (fusion.dropout and layer.training) or torch.compiler.is_compiling():
         return False
     dropout = fusion.fused_dropout(layer)
     if dropout is None or not dropout.training or dropout.p == 0:
         return False
-    hidden = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
-    return hidden is not None and dispatch.keeps_own(hidden)
+    return dispatch.keeps_own(hidden)
 
 
 def fused_class(original: type, fusion: Fusion) -> type:
@@ -396,11 +409,15 @@ def fused_class(original: type, fusion: Fusion) -> type:
     family = fusion.family
     arguments = _Arguments(signature, f"{original.__qualname__}.forward")
 
+    default_memory = dict(fusion.options).get("memory", "default") == "default"
+    route = dispatch.of(fusion.function) if default_memory else None
+
     def forward(self, *args, **kwargs):
+        if _keeps_layer(self, fusion, route, args, kwargs):
+            return original.forward(self, *args, **kwargs)
         values, extra = arguments.bind(args, kwargs)
         if values.get(ORIGINAL_IF_TRUE) or any(values.get(name) is not None
-                                               for name in family.original_if) \
-                or _draws_without_kernels(self, fusion, values):
+                                               for name in family.original_if):
             return original.forward(self, *args, **kwargs)
         hidden = family.forward(self, fusion, values, extra)
         return (hidden,) if fusion.returns_tuple else hidden
