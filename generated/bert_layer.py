@@ -41,10 +41,11 @@ class BertLayer(torch.nn.Module):
             1)
         pre_layer_norm (bool): pre-LN (normalize before attention and feed-forward) instead of post-
             LN
-        attention (str): "materialized": scores, then the generated masked softmax (scale, mask,
-            causal mask and dropout fused; it keeps only its output), then probs @ value, as
-            DeepSpeed computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash /
-            memory-efficient kernels on the GPU; nothing of size seq x seq is kept)
+        attention (str): "materialized": scores, then the generated masked softmax (scale, mask, a
+            causal layer's causal mask and dropout fused; it keeps only its output), then probs @
+            value, as DeepSpeed computes it; "sdpa":
+            torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels on
+            the GPU; nothing of size seq x seq is kept)
         gelu_checkpoint (bool): recompute bias + GELU and the second GEMM in the backward: the GELU
             output (batch x seq x intermediate_size) is not kept
         attn_dropout_checkpoint (bool): recompute the masked softmax (with its dropout) and probs @

@@ -42,10 +42,11 @@ class GPTLayer(torch.nn.Module):
         layer_norm_eps (float): LayerNorm epsilon
         initializer_range (float): standard deviation of the GEMM weights at init (biases 0, norms
             1)
-        attention (str): "materialized": scores, then the generated masked softmax (scale, mask,
-            causal mask and dropout fused; it keeps only its output), then probs @ value, as
-            DeepSpeed computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash /
-            memory-efficient kernels on the GPU; nothing of size seq x seq is kept)
+        attention (str): "materialized": scores, then the generated masked softmax (scale, mask, a
+            causal layer's causal mask and dropout fused; it keeps only its output), then probs @
+            value, as DeepSpeed computes it; "sdpa":
+            torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels on
+            the GPU; nothing of size seq x seq is kept)
         gelu_checkpoint (bool): recompute bias + GELU and the second GEMM in the backward: the GELU
             output (batch x seq x intermediate_size) is not kept
         attn_dropout_checkpoint (bool): recompute the masked softmax (with its dropout) and probs @

@@ -221,6 +221,8 @@ def test_loads_hf_bert_layer(attention):
 def test_loads_hf_gpt2_block(attention):
     layer = build("gpt", attention=attention).eval()
     hf = hf_gpt2(layer).eval()
+    # the names map one to one, in both modules' state_dict order (docs/layers.md's table)
+    assert list(hf.state_dict()) == [theirs for theirs, _ in GPT2_NAMES.values()]
     x = randn((BATCH, SEQ, HIDDEN), seed=100)
     grad = randn((BATCH, SEQ, HIDDEN), seed=101)
     padding = additive_mask()
