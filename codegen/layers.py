@@ -12,7 +12,8 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
-from codegen.emit import environment
+from codegen.emit import environment, signature
+from derive.api import Option
 from derive.blocks import (
     Attr,
     Binary,
@@ -175,7 +176,7 @@ class Region:
 
     def method(self) -> dict[str, Any]:
         body = [line for call in self.region.steps for line in call_source(call, INDENT * 2)]
-        return {"name": self.region.method, "args": ["self", *self.inputs],
+        return {"def": method_def(self.region.method, ["self", *self.inputs]),
                 "doc": self.region.doc, "body": body, "returns": ", ".join(self.outputs)}
 
 
@@ -247,12 +248,7 @@ def described(name: str, doc: str, indent: int) -> list[str]:
                          subsequent_indent=" " * (indent + len(INDENT)))
 
 
-#: the Python type of each option kind, for the docstrings
-OPTION_TYPES = {"size": "int", "probability": "float", "positive": "float", "flag": "bool",
-                "choice": "str"}
-
-
-def signature(block: BlockSpec) -> list[str]:
+def arguments(block: BlockSpec) -> list[str]:
     """The constructor's arguments after self."""
     arguments, keyword_only = [], False
     for option in block.options:
@@ -266,17 +262,38 @@ def signature(block: BlockSpec) -> list[str]:
     return [*arguments, "device=None", "dtype=None"]
 
 
-def forward_signature(block: BlockSpec) -> list[str]:
-    return [i.name + ("=None" if i.optional else "") for i in block.inputs]
+def method_def(name: str, args: list[str]) -> str:
+    """`def name(args):` as a method of the layer has it, its lines unindented."""
+    return signature(name, args, LINE_LENGTH - len(INDENT))
+
+
+def forward_def(block: BlockSpec) -> str:
+    return method_def("forward", ["self", *(i.name + ("=None" if i.optional else "")
+                                            for i in block.inputs)])
+
+
+def option_check(block: BlockSpec, option: Option) -> str:
+    """The constructor's check of an option, codegen/runtime/checks.py's as for an op's
+    options: it returns the value."""
+    head = f'"{block.class_name}", "{option.name}", {option.name}'
+    if option.choices:
+        return f"checks.check_variant({head}, {PRINT(Pack(tuple(map(Const, option.choices))))})"
+    if option.check in ("size", "flag"):
+        return f"checks.check_{option.check}({head})"
+    # an op's positive option may be off (None); a layer's has no off value
+    off = ", off=False" if option.check == "positive" else ""
+    return f'checks.check_option({head}, "{option.check}"{off})'
 
 
 def _options(block: BlockSpec) -> list[dict[str, Any]]:
-    return [{"name": o.name, "kind": o.kind, "doc": o.doc, "required": o.required,
-             "doc_lines": described(f"{o.name} ({OPTION_TYPES[o.kind]})", o.doc, 8),
-             "default": None if o.required else PRINT(Const(o.default)),
-             "choices": PRINT(Const(None)) if not o.choices else
-             "(" + ", ".join(PRINT(Const(c)) for c in o.choices) + ")"}
-            for o in block.options]
+    result = []
+    for o in block.options:
+        kind = "str" if o.choices else {"size": "int", "flag": "bool"}.get(o.check, "float")
+        result.append({"name": o.name, "doc": o.doc, "required": o.required,
+                       "doc_lines": described(f"{o.name} ({kind})", o.doc, 8),
+                       "default": None if o.required else PRINT(Const(o.default)),
+                       "check": option_check(block, o)})
+    return result
 
 
 def _requirements(block: BlockSpec) -> list[dict[str, str]]:
@@ -294,22 +311,24 @@ def _requirements(block: BlockSpec) -> list[dict[str, str]]:
 
 
 def _params(block: BlockSpec) -> list[dict[str, str]]:
-    return [{"name": p.name, "doc": p.doc, "shape": PRINT(Pack(p.shape)),
-             "shape_doc": PRINT_BARE(Pack(p.shape)),
-             "init": f"torch.nn.init.{p.init.function}",
-             "init_args": "".join(f", {k}={PRINT(v)}" for k, v in p.init.kwargs),
-             "init_doc": f"{p.init.function}("
-                         + ", ".join(f"{k}={PRINT_BARE(v)}" for k, v in p.init.kwargs) + ")"}
-            for p in block.params]
+    result = []
+    for p in block.params:
+        init = [("mean", Const(0.0)), ("std", p.std)] if p.init == "normal" else []
+        result.append({
+            "name": p.name, "doc": p.doc, "shape": PRINT(Pack(p.shape)),
+            "shape_doc": PRINT_BARE(Pack(p.shape)), "init": f"torch.nn.init.{p.init}_",
+            "init_args": "".join(f", {k}={PRINT(v)}" for k, v in init),
+            "init_doc": f"{p.init}_(" + ", ".join(f"{k}={PRINT_BARE(v)}" for k, v in init) + ")"})
+    return result
 
 
 def _listing(block: BlockSpec, layer: LayerContext) -> list[str]:
     """forward() and the region methods as the module has them, without the docstrings."""
-    lines = [f"def forward(self, {', '.join(forward_signature(block))}):"]
+    lines = forward_def(block).splitlines()
     lines += [line[len(INDENT):] for line in layer.forward]
     lines.append(f"{INDENT}return {', '.join(o.value.name for o in block.outputs)}")
     for method in layer.methods:
-        lines += ["", f"def {method['name']}({', '.join(method['args'])}):"]
+        lines += ["", *method["def"].splitlines()]
         lines += [line[len(INDENT):] for line in method["body"]]
         lines.append(f"{INDENT}return {method['returns']}")
     return lines
@@ -320,8 +339,9 @@ def _context(block: BlockSpec) -> dict[str, Any]:
     return {
         "block": block,
         "layer": layer,
-        "signature": signature(block),
-        "forward_signature": forward_signature(block),
+        "arguments": arguments(block),
+        "init_def": method_def("__init__", ["self", *arguments(block)]),
+        "forward_def": forward_def(block),
         "options": _options(block),
         "derived": [{"name": d.name, "doc": d.doc[:1].upper() + d.doc[1:], "src": PRINT(d.expr),
                      "bare": PRINT_BARE(d.expr)} for d in block.derived],

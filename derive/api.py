@@ -12,33 +12,60 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Param:
-    """A per-column parameter of the module. `init` is 'ones' or 'zeros'; `flag` is the
-    constructor switch (besides elementwise_affine) that can turn it off, if any."""
+    """A parameter of an op's module, per column: `init` is 'ones' or 'zeros'; `flag` is the
+    constructor switch (besides elementwise_affine) that can turn it off, if any. Or of a layer
+    (derive/blocks.py): of `shape`, `init` 'ones', 'zeros' or 'normal' (mean 0, `std`)."""
 
     name: str
     init: str  # "ones" | "zeros", or for a scalar parameter the option holding its init value
     flag: str | None = None
     offset: str | None = None  # a scalar option added to the parameter; init keeps the sum
     scalar: bool = False  # a 0-d learnable scalar (a required argument of the function)
+    #: a layer's parameter: its shape and its normal init's standard deviation, expressions of
+    #: the layer's options (derive/blocks.py)
+    shape: tuple[object, ...] = ()
+    std: object = None
+    #: what the parameter is, for a layer's docs
+    doc: str = ""
+
+
+class Required:
+    """The default of an option that has none (`REQUIRED`)."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+#: Option.default of a required argument: a layer's positional constructor argument
+REQUIRED = Required()
 
 
 @dataclass(frozen=True)
 class Option:
-    """A keyword-only scalar option of the function and the module (beyond torch's API)."""
+    """A scalar option: a keyword-only argument of an op's function and module (beyond torch's
+    API), or a constructor argument of a layer (derive/blocks.py)."""
 
     name: str
     #: None: the option is off unless given; its scalar must be declared absent=0 (the value
-    #: the kernels then read) and its check "positive", so that no value given means off
-    default: float | None
+    #: the kernels then read) and its check "positive", so that no value given means off. A
+    #: layer's option may also be REQUIRED, or default to a bool (a flag) or a str (a choice)
+    default: float | bool | str | None | Required
     module_only: bool = False  # a constructor argument only (an init value)
     #: a range the value must lie in: "probability" is [0, 1), "unit" [0, 1], "positive"
-    #: (0, inf), "finite" any finite number, "integer" an integer
+    #: (0, inf), "finite" any finite number, "integer" an integer (codegen/runtime/checks.py
+    #: check_option); a layer's option may also be a "size" (an int > 0) or a "flag" (a bool)
     check: str | None = None
     #: what the option does, for the function's docstring (elementwise and row-loss APIs)
     doc: str = ""
     #: an option beyond the torch function's arguments: keyword-only in a row-loss API's
     #: function and module, after torch's (whose signature is then kept as it is)
     keyword_only: bool = False
+    #: a layer's str option: the values it takes
+    choices: tuple[str, ...] = ()
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
 
 
 @dataclass(frozen=True)
@@ -357,7 +384,7 @@ _GLOBALS = {"math", "numbers", "Optional", "torch", "triton", "tl", "checks", "l
 #: the ways RowLossAPI.returns_as reduces a returned output
 RETURNS_AS = ("loss", "fraction", "index")
 
-#: the values of Option.check (codegen/runtime/checks.py check_option)
+#: the values of an op's Option.check (codegen/runtime/checks.py check_option)
 CHECKS = (None, "probability", "unit", "integer", "positive", "finite")
 
 
@@ -462,8 +489,11 @@ def api_mismatches(spec) -> list[str]:
             problems.append(f"option '{o.name}' needs a finite number as its default, got "
                             f"{o.default!r}")
         if o.check not in CHECKS:
-            problems.append(f"option '{o.name}' has check={o.check!r}; checks are "
+            problems.append(f"option '{o.name}' has check={o.check!r}; an op's checks are "
                             + ", ".join(map(repr, CHECKS)))
+        if o.choices:
+            problems.append(f"option '{o.name}' has choices, which only a layer's option "
+                            "takes (an op's str option is a Choice)")
         if o.keyword_only and not isinstance(api, RowLossAPI):
             problems.append(f"option '{o.name}' is keyword_only, which only a RowLossAPI "
                             "reads (the other kinds' options are keyword-only already)")
@@ -493,6 +523,9 @@ def api_mismatches(spec) -> list[str]:
             if not p.scalar and p.init not in ("ones", "zeros"):
                 problems.append(f"Param('{p.name}') has init {p.init!r}; a column parameter "
                                 "starts at 'ones' or 'zeros'")
+            if p.shape or p.std is not None:
+                problems.append(f"Param('{p.name}') has a shape or a std, which only a layer's "
+                                "parameter takes (an op's is per column)")
             if p.offset is not None and p.offset not in options:
                 problems.append(f"Param('{p.name}') has offset '{p.offset}', which is not an "
                                 "option of the API")

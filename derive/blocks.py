@@ -1,13 +1,14 @@
 """Block specs: a whole layer as a dataflow of generated ops, torch GEMMs and attention.
 
 An op spec (derive/spec.py) says what ONE row op computes, and the engine derives its backward.
-A block spec composes ops: it names the layer's constructor options, its parameters (shapes from
-the options), its forward inputs, and the steps of its forward, each one call:
+A block spec composes ops: it names the layer's constructor options and its parameters (shapes
+from the options), declared as an op's API declares them (derive/api.py Option and Param, checked
+by the same runtime checks), its forward inputs, and the steps of its forward, each one call:
 
     block = BlockSpec("bert_layer", "BertLayer", doc=__doc__)
     hidden = block.size("hidden_size", "width of the hidden states")
     eps = block.positive("layer_norm_eps", 1e-12, "LayerNorm epsilon")
-    weight = block.param("norm_w", (hidden,), ONES, "LayerNorm weight")
+    weight = block.param("norm_w", (hidden,), "ones", "LayerNorm weight")
     x = block.input("hidden_states", "(batch, seq, hidden_size)")
     y = block.call(op("layernorm", "layer_norm"), x, (hidden,), weight, None, eps, out="y")
     block.output(y, "the normalized hidden states")
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from derive.api import REQUIRED, Option, Param
 from derive.spec import SpecError, build_from_file
 
 # Expressions: what a step passes. Printed by codegen/layers.py, never evaluated here.
@@ -172,8 +174,9 @@ def references(expr: Expr) -> Iterator[Value | Attr]:
 @dataclass(frozen=True)
 class Function:
     """A callable: `name` inside `module`, which the emitted file imports as `alias`. A
-    function without a module is a helper that codegen/templates/layer.py.j2 defines; an op's
-    function (`op` set) must be the API function of the spec derive/ops/<op>.py."""
+    function without a module is a helper of the runtime modules the layer template imports
+    (`blocks.<name>`, `checks.<name>`); an op's function (`op` set) must be the API function of
+    the spec derive/ops/<op>.py."""
 
     name: str
     module: str | None = None
@@ -197,32 +200,15 @@ MERGE_HEADS = Function("blocks.merge_heads")
 #: layer given a mask too gets both in attn_mask (torch takes is_causal only without one)
 ATTENTION = Function("blocks.attention")
 #: (label, name, tensor, hidden_size): a (batch, seq, hidden_size) floating tensor
-CHECK_HIDDEN = Function("blocks.check_hidden_states")
+CHECK_HIDDEN = Function("checks.check_hidden_states")
 #: (label, name, mask, hidden_states, num_heads): None, or bool or of hidden_states' dtype,
 #: broadcastable to (batch, num_heads, seq, seq)
-CHECK_MASK = Function("blocks.check_attention_mask")
-#: every helper the layer template defines
+CHECK_MASK = Function("checks.check_attention_mask")
+#: every runtime helper a step may call
 HELPERS = (SPLIT_HEADS, MERGE_HEADS, ATTENTION, CHECK_HIDDEN, CHECK_MASK)
 
 
-# Declarations.
-
-#: a required constructor argument (positional, no default)
-REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class Option:
-    name: str
-    kind: str
-    default: Any
-    doc: str
-    choices: tuple[str, ...] = ()
-    keyword_only: bool = False
-
-    @property
-    def required(self) -> bool:
-        return self.default is REQUIRED
+# Declarations beyond an op's Option and Param (derive/api.py).
 
 
 @dataclass(frozen=True)
@@ -231,30 +217,6 @@ class Derived:
 
     name: str
     expr: Expr
-    doc: str
-
-
-@dataclass(frozen=True)
-class Init:
-    """A torch.nn.init function applied in reset_parameters(), with keyword arguments."""
-
-    function: str
-    kwargs: tuple[tuple[str, Expr], ...] = ()
-
-
-ONES = Init("ones_")
-ZEROS = Init("zeros_")
-
-
-def normal(std: Expr) -> Init:
-    return Init("normal_", (("mean", Const(0.0)), ("std", std)))
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    shape: tuple[Expr, ...]
-    init: Init
     doc: str
 
 
@@ -343,30 +305,31 @@ class BlockSpec:
     _value_names: set[str] = field(default_factory=set, repr=False)
     _in_checkpoint: bool = field(default=False, repr=False)
 
-    # Constructor options.
+    # Constructor options: each an Option of derive/api.py, checked by the constructor as an
+    # op's are (codegen/runtime/checks.py).
 
     def size(self, name: str, doc: str) -> Attr:
         """A required positive int (a width, a head count)."""
-        return self._option(Option(name, "size", REQUIRED, doc))
+        return self._option(Option(name, REQUIRED, check="size", doc=doc))
 
     def probability(self, name: str, default: float, doc: str) -> Attr:
         """A float in [0, 1): a dropout probability."""
-        return self._option(Option(name, "probability", default, doc))
+        return self._option(Option(name, default, check="probability", doc=doc))
 
     def positive(self, name: str, default: float, doc: str) -> Attr:
         """A finite float > 0 (an epsilon, an init scale)."""
-        return self._option(Option(name, "positive", default, doc))
+        return self._option(Option(name, default, check="positive", doc=doc))
 
     def flag(self, name: str, default: bool, doc: str) -> Attr:
         """A keyword-only bool."""
-        return self._option(Option(name, "flag", default, doc, keyword_only=True))
+        return self._option(Option(name, default, check="flag", doc=doc, keyword_only=True))
 
     def choice(self, name: str, default: str, choices: tuple[str, ...], doc: str) -> Attr:
         """A keyword-only string, one of `choices`."""
         if default not in choices:
             raise SpecError(f"{caller_location()}: option '{name}': default {default!r} is not "
                             f"one of {choices}")
-        return self._option(Option(name, "choice", default, doc, choices, keyword_only=True))
+        return self._option(Option(name, default, doc=doc, keyword_only=True, choices=choices))
 
     def derive(self, name: str, expr: Expr, doc: str) -> Attr:
         """A constant of the options, computed in the constructor (self.<name>)."""
@@ -380,14 +343,19 @@ class BlockSpec:
         self._check_reads(violated, attrs_only=True)
         self.requirements.append(Requirement(violated, message))
 
-    def param(self, name: str, shape: tuple[Any, ...], init: Init, doc: str) -> Attr:
+    def param(self, name: str, shape: tuple[Any, ...], init: str, doc: str,
+              std: Any = None) -> Attr:
+        """A Parameter of `shape` (expressions of the options), initialized by `init`: "ones",
+        "zeros" or "normal" (mean 0, standard deviation `std`)."""
+        if (init == "normal") != (std is not None) or init not in ("ones", "zeros", "normal"):
+            raise SpecError(f"{caller_location()}: parameter '{name}': init is 'ones', 'zeros' "
+                            f"or 'normal' with a std; got {init!r} with std={std!r}")
         self._declare(name)
         dims = tuple(lift(d) for d in shape)
-        for dim in dims:
-            self._check_reads(dim, attrs_only=True)
-        for _, value in init.kwargs:
-            self._check_reads(value, attrs_only=True)
-        self.params.append(Param(name, dims, init, doc))
+        std = std if std is None else lift(std)
+        for expr in dims + ((std,) if std is not None else ()):
+            self._check_reads(expr, attrs_only=True)
+        self.params.append(Param(name, init, shape=dims, std=std, doc=doc))
         return Attr(name)
 
     # The forward.
@@ -447,7 +415,7 @@ class BlockSpec:
         where = caller_location()
         self._declare(method)
         option = next((o for o in self.options if o.name == flag.name), None)
-        if option is None or option.kind != "flag":
+        if option is None or option.check != "flag":
             raise SpecError(f"{where}: checkpoint '{method}': {flag.name!r} is not a flag option")
         self._read(flag)
         if self._in_checkpoint:
@@ -506,7 +474,7 @@ class BlockSpec:
         if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("__"):
             raise SpecError(f"{where}: '{name}' is not a usable Python identifier")
         reserved = {TRAINING.name, "self", "forward", "reset_parameters", "extra_repr"}
-        # the emitted module reaches the layer helpers through the runtime module `blocks`
+        # the emitted module reaches the helpers through the runtime modules `blocks`, `checks`
         if name in reserved or name in {f.name.split(".")[0] for f in HELPERS}:
             raise SpecError(f"{where}: '{name}' is reserved in the emitted module")
         taken = self.attrs() | {i.name for i in self.inputs} | self._where.keys()
@@ -519,8 +487,8 @@ class BlockSpec:
 
     def _append(self, call: Call) -> None:
         if call.function.module is None and call.function not in HELPERS:
-            raise SpecError(f"{call.where}: '{call.function.name}' is neither a layer-template "
-                            "helper nor a function of an imported module")
+            raise SpecError(f"{call.where}: '{call.function.name}' is neither a runtime helper "
+                            "(HELPERS) nor a function of an imported module")
         for expr in (*call.args, *(v for _, v in call.kwargs)):
             self._check_reads(expr)
         for name in call.outputs:

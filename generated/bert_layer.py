@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from codegen.runtime import blocks
+from codegen.runtime import blocks, checks
 
 from generated import add_layernorm, bias_dropout_add, gelu, layernorm, masked_softmax
 
@@ -41,10 +41,11 @@ class BertLayer(torch.nn.Module):
             1)
         pre_layer_norm (bool): pre-LN (normalize before attention and feed-forward) instead of post-
             LN
-        attention (str): "materialized": scores, then the generated masked softmax (scale, mask,
-            causal mask and dropout fused; it keeps only its output), then probs @ value, as
-            DeepSpeed computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash /
-            memory-efficient kernels on the GPU; nothing of size seq x seq is kept)
+        attention (str): "materialized": scores, then the generated masked softmax (scale, mask, a
+            causal layer's causal mask and dropout fused; it keeps only its output), then probs @
+            value, as DeepSpeed computes it; "sdpa":
+            torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels on
+            the GPU; nothing of size seq x seq is kept)
         gelu_checkpoint (bool): recompute bias + GELU and the second GEMM in the backward: the GELU
             output (batch x seq x intermediate_size) is not kept
         attn_dropout_checkpoint (bool): recompute the masked softmax (with its dropout) and probs @
@@ -57,41 +58,27 @@ class BertLayer(torch.nn.Module):
         dtype (torch.dtype | None): of the parameters.
     """
 
-    def __init__(
-        self,
-        hidden_size,
-        num_heads,
-        intermediate_size,
-        attn_dropout_ratio=0.1,
-        hidden_dropout_ratio=0.1,
-        layer_norm_eps=1e-12,
-        initializer_range=0.02,
-        *,
-        pre_layer_norm=False,
-        attention="materialized",
-        gelu_checkpoint=False,
-        attn_dropout_checkpoint=False,
-        normalize_invertible=False,
-        device=None,
-        dtype=None,
-    ):
+    def __init__(self, hidden_size, num_heads, intermediate_size, attn_dropout_ratio=0.1,
+            hidden_dropout_ratio=0.1, layer_norm_eps=1e-12, initializer_range=0.02, *,
+            pre_layer_norm=False, attention="materialized", gelu_checkpoint=False,
+            attn_dropout_checkpoint=False, normalize_invertible=False, device=None, dtype=None):
         super().__init__()
-        self.hidden_size = blocks.check_size("BertLayer", "hidden_size", hidden_size)
-        self.num_heads = blocks.check_size("BertLayer", "num_heads", num_heads)
-        self.intermediate_size = blocks.check_size("BertLayer", "intermediate_size", intermediate_size)
-        self.attn_dropout_ratio = blocks.check_probability("BertLayer", "attn_dropout_ratio", attn_dropout_ratio)
-        self.hidden_dropout_ratio = blocks.check_probability("BertLayer", "hidden_dropout_ratio", hidden_dropout_ratio)
-        self.layer_norm_eps = blocks.check_positive("BertLayer", "layer_norm_eps", layer_norm_eps)
-        self.initializer_range = blocks.check_positive("BertLayer", "initializer_range", initializer_range)
-        self.pre_layer_norm = blocks.check_flag("BertLayer", "pre_layer_norm", pre_layer_norm)
-        self.attention = blocks.check_choice("BertLayer", "attention", attention, ("materialized", "sdpa"))
-        self.gelu_checkpoint = blocks.check_flag("BertLayer", "gelu_checkpoint", gelu_checkpoint)
-        self.attn_dropout_checkpoint = blocks.check_flag("BertLayer", "attn_dropout_checkpoint", attn_dropout_checkpoint)
-        self.normalize_invertible = blocks.check_flag("BertLayer", "normalize_invertible", normalize_invertible)
+        self.hidden_size = checks.check_size("BertLayer", "hidden_size", hidden_size)
+        self.num_heads = checks.check_size("BertLayer", "num_heads", num_heads)
+        self.intermediate_size = checks.check_size("BertLayer", "intermediate_size", intermediate_size)
+        self.attn_dropout_ratio = checks.check_option("BertLayer", "attn_dropout_ratio", attn_dropout_ratio, "probability")
+        self.hidden_dropout_ratio = checks.check_option("BertLayer", "hidden_dropout_ratio", hidden_dropout_ratio, "probability")
+        self.layer_norm_eps = checks.check_option("BertLayer", "layer_norm_eps", layer_norm_eps, "positive", off=False)
+        self.initializer_range = checks.check_option("BertLayer", "initializer_range", initializer_range, "positive", off=False)
+        self.pre_layer_norm = checks.check_flag("BertLayer", "pre_layer_norm", pre_layer_norm)
+        self.attention = checks.check_variant("BertLayer", "attention", attention, ("materialized", "sdpa"))
+        self.gelu_checkpoint = checks.check_flag("BertLayer", "gelu_checkpoint", gelu_checkpoint)
+        self.attn_dropout_checkpoint = checks.check_flag("BertLayer", "attn_dropout_checkpoint", attn_dropout_checkpoint)
+        self.normalize_invertible = checks.check_flag("BertLayer", "normalize_invertible", normalize_invertible)
         if self.hidden_size % self.num_heads > 0:
-            raise ValueError(f"BertLayer(): num_heads must divide hidden_size, got hidden_size={self.hidden_size!r}, num_heads={self.num_heads!r}")
+            raise checks.OptionError(f"BertLayer(): num_heads must divide hidden_size, got hidden_size={self.hidden_size!r}, num_heads={self.num_heads!r}")
         if self.attn_dropout_checkpoint and self.attention == "sdpa":
-            raise ValueError(f"BertLayer(): attn_dropout_checkpoint needs attention='materialized' (sdpa keeps no probabilities to recompute), got attn_dropout_checkpoint={self.attn_dropout_checkpoint!r}, attention={self.attention!r}")
+            raise checks.OptionError(f"BertLayer(): attn_dropout_checkpoint needs attention='materialized' (sdpa keeps no probabilities to recompute), got attn_dropout_checkpoint={self.attn_dropout_checkpoint!r}, attention={self.attention!r}")
         factory = {"device": device, "dtype": dtype}
         #: query, key and value projections, stacked
         self.attn_qkvw = torch.nn.Parameter(torch.empty((3 * self.hidden_size, self.hidden_size), **factory))
@@ -160,10 +147,10 @@ class BertLayer(torch.nn.Module):
         Returns:
             output (torch.Tensor): (batch, seq, hidden_size)
         """
-        blocks.check_hidden_states(
+        checks.check_hidden_states(
             "BertLayer.forward", "hidden_states", hidden_states, self.hidden_size,
         )
-        blocks.check_attention_mask(
+        checks.check_attention_mask(
             "BertLayer.forward", "attention_mask", attention_mask, hidden_states, self.num_heads,
         )
         if self.pre_layer_norm:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from codegen.runtime import blocks
+from codegen.runtime import blocks, checks
 
 from generated import add_layernorm, bias_dropout_add, gelu_tanh, layernorm, masked_softmax
 
@@ -42,10 +42,11 @@ class GPTLayer(torch.nn.Module):
         layer_norm_eps (float): LayerNorm epsilon
         initializer_range (float): standard deviation of the GEMM weights at init (biases 0, norms
             1)
-        attention (str): "materialized": scores, then the generated masked softmax (scale, mask,
-            causal mask and dropout fused; it keeps only its output), then probs @ value, as
-            DeepSpeed computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash /
-            memory-efficient kernels on the GPU; nothing of size seq x seq is kept)
+        attention (str): "materialized": scores, then the generated masked softmax (scale, mask, a
+            causal layer's causal mask and dropout fused; it keeps only its output), then probs @
+            value, as DeepSpeed computes it; "sdpa":
+            torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels on
+            the GPU; nothing of size seq x seq is kept)
         gelu_checkpoint (bool): recompute bias + GELU and the second GEMM in the backward: the GELU
             output (batch x seq x intermediate_size) is not kept
         attn_dropout_checkpoint (bool): recompute the masked softmax (with its dropout) and probs @
@@ -58,39 +59,26 @@ class GPTLayer(torch.nn.Module):
         dtype (torch.dtype | None): of the parameters.
     """
 
-    def __init__(
-        self,
-        hidden_size,
-        num_heads,
-        intermediate_size,
-        attn_dropout_ratio=0.1,
-        hidden_dropout_ratio=0.1,
-        layer_norm_eps=1e-05,
-        initializer_range=0.02,
-        *,
-        attention="sdpa",
-        gelu_checkpoint=False,
-        attn_dropout_checkpoint=False,
-        normalize_invertible=False,
-        device=None,
-        dtype=None,
-    ):
+    def __init__(self, hidden_size, num_heads, intermediate_size, attn_dropout_ratio=0.1,
+            hidden_dropout_ratio=0.1, layer_norm_eps=1e-05, initializer_range=0.02, *,
+            attention="sdpa", gelu_checkpoint=False, attn_dropout_checkpoint=False,
+            normalize_invertible=False, device=None, dtype=None):
         super().__init__()
-        self.hidden_size = blocks.check_size("GPTLayer", "hidden_size", hidden_size)
-        self.num_heads = blocks.check_size("GPTLayer", "num_heads", num_heads)
-        self.intermediate_size = blocks.check_size("GPTLayer", "intermediate_size", intermediate_size)
-        self.attn_dropout_ratio = blocks.check_probability("GPTLayer", "attn_dropout_ratio", attn_dropout_ratio)
-        self.hidden_dropout_ratio = blocks.check_probability("GPTLayer", "hidden_dropout_ratio", hidden_dropout_ratio)
-        self.layer_norm_eps = blocks.check_positive("GPTLayer", "layer_norm_eps", layer_norm_eps)
-        self.initializer_range = blocks.check_positive("GPTLayer", "initializer_range", initializer_range)
-        self.attention = blocks.check_choice("GPTLayer", "attention", attention, ("materialized", "sdpa"))
-        self.gelu_checkpoint = blocks.check_flag("GPTLayer", "gelu_checkpoint", gelu_checkpoint)
-        self.attn_dropout_checkpoint = blocks.check_flag("GPTLayer", "attn_dropout_checkpoint", attn_dropout_checkpoint)
-        self.normalize_invertible = blocks.check_flag("GPTLayer", "normalize_invertible", normalize_invertible)
+        self.hidden_size = checks.check_size("GPTLayer", "hidden_size", hidden_size)
+        self.num_heads = checks.check_size("GPTLayer", "num_heads", num_heads)
+        self.intermediate_size = checks.check_size("GPTLayer", "intermediate_size", intermediate_size)
+        self.attn_dropout_ratio = checks.check_option("GPTLayer", "attn_dropout_ratio", attn_dropout_ratio, "probability")
+        self.hidden_dropout_ratio = checks.check_option("GPTLayer", "hidden_dropout_ratio", hidden_dropout_ratio, "probability")
+        self.layer_norm_eps = checks.check_option("GPTLayer", "layer_norm_eps", layer_norm_eps, "positive", off=False)
+        self.initializer_range = checks.check_option("GPTLayer", "initializer_range", initializer_range, "positive", off=False)
+        self.attention = checks.check_variant("GPTLayer", "attention", attention, ("materialized", "sdpa"))
+        self.gelu_checkpoint = checks.check_flag("GPTLayer", "gelu_checkpoint", gelu_checkpoint)
+        self.attn_dropout_checkpoint = checks.check_flag("GPTLayer", "attn_dropout_checkpoint", attn_dropout_checkpoint)
+        self.normalize_invertible = checks.check_flag("GPTLayer", "normalize_invertible", normalize_invertible)
         if self.hidden_size % self.num_heads > 0:
-            raise ValueError(f"GPTLayer(): num_heads must divide hidden_size, got hidden_size={self.hidden_size!r}, num_heads={self.num_heads!r}")
+            raise checks.OptionError(f"GPTLayer(): num_heads must divide hidden_size, got hidden_size={self.hidden_size!r}, num_heads={self.num_heads!r}")
         if self.attn_dropout_checkpoint and self.attention == "sdpa":
-            raise ValueError(f"GPTLayer(): attn_dropout_checkpoint needs attention='materialized' (sdpa keeps no probabilities to recompute), got attn_dropout_checkpoint={self.attn_dropout_checkpoint!r}, attention={self.attention!r}")
+            raise checks.OptionError(f"GPTLayer(): attn_dropout_checkpoint needs attention='materialized' (sdpa keeps no probabilities to recompute), got attn_dropout_checkpoint={self.attn_dropout_checkpoint!r}, attention={self.attention!r}")
         factory = {"device": device, "dtype": dtype}
         #: LayerNorm before attention (ln_1.weight)
         self.ln_1_weight = torch.nn.Parameter(torch.empty((self.hidden_size,), **factory))
@@ -158,10 +146,10 @@ class GPTLayer(torch.nn.Module):
         Returns:
             output (torch.Tensor): (batch, seq, hidden_size)
         """
-        blocks.check_hidden_states(
+        checks.check_hidden_states(
             "GPTLayer.forward", "hidden_states", hidden_states, self.hidden_size,
         )
-        blocks.check_attention_mask(
+        checks.check_attention_mask(
             "GPTLayer.forward", "attention_mask", attention_mask, hidden_states, self.num_heads,
         )
         attn_input = layernorm.layer_norm(

@@ -11,7 +11,6 @@ from reference import randn
 from codegen.layers import PRINT, LayerContext, call_lines, render_layer
 from derive.blocks import (
     LINEAR,
-    ONES,
     TRAINING,
     Attr,
     BlockSpec,
@@ -20,7 +19,6 @@ from derive.blocks import (
     Select,
     Value,
     check_ops,
-    normal,
     op,
 )
 from derive.spec import SpecError
@@ -63,9 +61,9 @@ def small_block(checkpointed: bool = True) -> BlockSpec:
     width = b.size("width", "features")
     recompute = b.flag("recompute", False, "checkpoint the second GEMM")
     init = b.positive("std", 0.5, "init std")
-    w1 = b.param("w1", (2 * width, width), normal(init), "first")
-    w2 = b.param("w2", (width, 2 * width), normal(init), "second")
-    scale = b.param("scale", (width,), ONES, "output scale")
+    w1 = b.param("w1", (2 * width, width), "normal", "first", std=init)
+    w2 = b.param("w2", (width, 2 * width), "normal", "second", std=init)
+    scale = b.param("scale", (width,), "ones", "output scale")
     x = b.input("x", "(..., width)")
     h = b.call(LINEAR, x, w1, out="h")
     if checkpointed:
@@ -153,12 +151,16 @@ def test_spec_errors_point_at_the_spec_line():
     def reserved(b):
         b.input("training", "")
 
+    def normal_without_std(b):
+        b.param("w", (2,), "normal", "")
+
     assert "value 'nowhere' is used before it is defined" in spec_error(undefined)
     assert "value 'y' is assigned twice" in spec_error(twice)
     assert "checkpoint regions do not nest" in spec_error(nested)
     assert "'n' is not a flag option" in spec_error(not_a_flag)
     assert "required option 'n' follows one with a default" in spec_error(required_after_default)
     assert "'training' is reserved" in spec_error(reserved)
+    assert "init is 'ones', 'zeros' or 'normal' with a std" in spec_error(normal_without_std)
 
 
 def test_branch_cases_may_each_define_a_value_and_dead_values_are_errors():

@@ -221,6 +221,8 @@ def test_loads_hf_bert_layer(attention):
 def test_loads_hf_gpt2_block(attention):
     layer = build("gpt", attention=attention).eval()
     hf = hf_gpt2(layer).eval()
+    # the names map one to one, in both modules' state_dict order (docs/layers.md's table)
+    assert list(hf.state_dict()) == [theirs for theirs, _ in GPT2_NAMES.values()]
     x = randn((BATCH, SEQ, HIDDEN), seed=100)
     grad = randn((BATCH, SEQ, HIDDEN), seed=101)
     padding = additive_mask()
@@ -388,7 +390,7 @@ def test_bad_options_are_rejected(index):
 FORWARD_ERRORS = [
     (lambda x: x[..., :8], None, ("'hidden_states'", "hidden_size=16", "[2, 5, 8]")),
     (lambda x: x[0], None, ("'hidden_states'", "(batch, seq, hidden_size=16)", "[5, 16]")),
-    (lambda x: x.long(), None, ("'hidden_states'", "floating", "torch.int64")),
+    (lambda x: x.long(), None, ("'hidden_states'", "float64", "torch.int64")),
     (lambda x: x, torch.zeros(BATCH, SEQ, dtype=torch.float64),
      ("'attention_mask'", "[2, 2, 5, 5]", "[2, 5]")),
     (lambda x: x, torch.zeros(3, 1, 1, SEQ, dtype=torch.float64),

@@ -421,6 +421,20 @@ def test_checks_of_shapes_and_numbers():
         checks.check_option("f", "p", 1.0, "probability")
     with pytest.raises(TypeError, match="argument 'k' must be an int, got 1.5"):
         checks.check_option("f", "k", 1.5, "integer")
+    # None is an op's positive option off; a layer's has no off value
+    assert checks.check_option("f", "cap", None, "positive") is None
+    with pytest.raises(TypeError, match="argument 'eps' must be a real number, got NoneType"):
+        checks.check_option("f", "eps", None, "positive", off=False)
+    with pytest.raises(checks.OptionError, match=r"'eps' must be a finite number > 0, got 0.0$"):
+        checks.check_option("f", "eps", 0, "positive", off=False)
+    assert checks.check_size("f", "n", 3) == 3 and checks.check_flag("f", "on", True) is True
+    with pytest.raises(checks.OptionError, match="argument 'n' must be > 0, got 0"):
+        checks.check_size("f", "n", 0)
+    for value, kind in ((4.0, "float"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"argument 'n' must be an int, got {kind}"):
+            checks.check_size("f", "n", value)
+    with pytest.raises(TypeError, match="argument 'on' must be a bool, got int"):
+        checks.check_flag("f", "on", 1)
 
 
 def test_seeds_and_rows():

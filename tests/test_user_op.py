@@ -377,7 +377,16 @@ API_MISMATCHES = {
         "ElementwiseAPI(function='bad', module='Bad', torch_function='-', "
         "options=Option('beta', 1.0))",
         "ElementwiseAPI.options must be a tuple of Option, got Option(name='beta', "
-        "default=1.0, module_only=False, check=None, doc='', keyword_only=False)"),
+        "default=1.0, module_only=False, check=None, doc='', keyword_only=False, "
+        "choices=())"),
+    "a layer's option": (
+        "x = op.input('x')\n    beta = op.scalar('beta')\n"
+        "    op.output(op.element('y', x * beta))\n    op.save(x)",
+        "ElementwiseAPI(function='bad', module='Bad', torch_function='-', "
+        "options=(Option('beta', 1.0, check='size', choices=('a',)),))",
+        "option 'beta' has check='size'; an op's checks are None, 'probability', 'unit', "
+        "'integer', 'positive', 'finite'; option 'beta' has choices, which only a layer's "
+        "option takes (an op's str option is a Choice)"),
     "eps given as a str": (
         "x = op.input('x')\n    eps = op.scalar('eps', positive=True)\n"
         "    op.output(op.element('y', x / sympy.sqrt(op.row_mean('m', x**2) + eps)))\n"

@@ -6,9 +6,10 @@ signatures, the autograd functions, the public API and the library registration.
 share lives here, written and tested once, one module each:
 
 - `amp`: torch's autocast policies, as the ops whose torch counterparts have one follow them;
-- `blocks`: what the generated layers (`derive/layers/` block specs) share: splitting and merging
-  attention heads, attention itself, the constructors' argument checks;
-- `checks`: argument checks that raise torch's kinds of errors, naming the argument;
+- `blocks`: what the generated layers (`derive/layers/` block specs) share beyond the ops:
+  splitting and merging attention heads, attention itself;
+- `checks`: argument checks that raise torch's kinds of errors, naming the argument (the
+  generated layers' too);
 - `dispatch`: when a call runs torch's own expression of the op instead of the kernels (below
   the op's measured size, under `torch.compile`, `VJPFORGE_DISPATCH`);
 - `hub`: the generated ops as layers of the `kernels` package, for transformers'

@@ -324,10 +324,13 @@ def needs_grad(*tensors):
     return torch._C._are_functorch_transforms_active()
 
 
-def check_option(function, name, value, check):
+def check_option(function, name, value, check, off=True):
+    """A real number in the range `check` names (derive/api.py Option.check), as a float. With
+    `off`, None passes a "positive" check: an op's option that is off unless given; a layer's
+    option, which has no off value, passes off=False."""
     if value.__class__ is float and check == "probability" and 0.0 <= value < 1.0:
         return value  # the common call at once (host time on every call)
-    if value is None and check == "positive":
+    if value is None and check == "positive" and off:
         return None  # the option is off (the kernels read its scalar's absent value, 0)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
@@ -342,7 +345,8 @@ def check_option(function, name, value, check):
         raise OptionError(f"{function}(): argument '{name}' must be in [0, 1], got {value}")
     if check == "positive" and not 0.0 < value < float("inf"):
         raise OptionError(
-            f"{function}(): argument '{name}' must be a finite number > 0 or None, got {value}"
+            f"{function}(): argument '{name}' must be a finite number > 0{' or None' * off}, "
+            f"got {value}"
         )
     # comparisons, not math.isfinite: torch.compile(dynamic=True) passes a float it takes from
     # a function's defaults or a module's attributes as a symbolic float, which they trace
@@ -351,6 +355,65 @@ def check_option(function, name, value, check):
     if check == "integer" and not value.is_integer():
         raise TypeError(f"{function}(): argument '{name}' must be an int, got {value}")
     return value
+
+
+def check_size(function, name, value):
+    """A count or a width: an int > 0 (a bool or a float raises TypeError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be an int, got {type(value).__name__}"
+        )
+    if value <= 0:
+        raise OptionError(f"{function}(): argument '{name}' must be > 0, got {value}")
+    return int(value)
+
+
+def check_flag(function, name, value):
+    """A switch: a bool; any other type, an int included, raises TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a bool, got {type(value).__name__}"
+        )
+    return value
+
+
+def check_hidden_states(function, name, tensor, hidden_size):
+    """A layer's input: a floating (batch, seq, hidden_size) tensor."""
+    check_input(function, tensor, name)
+    if tensor.dim() != 3 or tensor.shape[-1] != hidden_size:
+        raise ShapeError(
+            f"{function}(): argument '{name}' must have shape (batch, seq, "
+            f"hidden_size={hidden_size}), got {list(tensor.shape)}"
+        )
+
+
+def check_attention_mask(function, name, mask, hidden_states, num_heads):
+    """A layer's attention mask: None, or a tensor broadcastable to the scores (batch,
+    num_heads, seq, seq), bool (True = attend) or of the dtype of `hidden_states` (added to the
+    scores)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"{function}(): argument '{name}' must be a torch.Tensor or None, got "
+            f"{type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and mask.dtype != hidden_states.dtype:
+        raise DtypeError(
+            f"{function}(): argument '{name}' must be bool (True = attend) or have the dtype of "
+            f"'hidden_states' ({hidden_states.dtype}; added to the scores), got {mask.dtype}"
+        )
+    batch, seq = hidden_states.shape[:2]
+    scores = torch.Size((batch, num_heads, seq, seq))
+    try:
+        fits = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, scores) == scores
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ShapeError(
+            f"{function}(): argument '{name}' must broadcast to the attention scores (batch, "
+            f"num_heads, seq, seq) = {list(scores)}, got shape {list(mask.shape)}"
+        )
 
 
 def check_seed(function, seed):
@@ -545,8 +608,9 @@ def check_mode(function, name, value, choices):
 
 
 def check_variant(function, name, value, values):
-    """A str argument that is one of `values` (torch's gelu `approximate`): any other str raises
-    OptionError (a RuntimeError, as torch's), a value of another type TypeError."""
+    """A str argument that is one of `values` (torch's gelu `approximate`, a layer's attention
+    kind): any other str raises OptionError (a RuntimeError, as torch's), a value of another
+    type TypeError."""
     if not isinstance(value, str):
         raise TypeError(
             f"{function}(): argument '{name}' must be str, not {type(value).__name__}"

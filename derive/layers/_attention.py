@@ -22,10 +22,10 @@ MASKED_SOFTMAX = op("masked_softmax", "masked_softmax")
 
 ATTENTION_KINDS = ("materialized", "sdpa")
 ATTENTION_DOC = (
-    '"materialized": scores, then the generated masked softmax (scale, mask, causal mask and '
-    'dropout fused; it keeps only its output), then probs @ value, as DeepSpeed computes it; '
-    '"sdpa": torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels '
-    'on the GPU; nothing of size seq x seq is kept)')
+    '"materialized": scores, then the generated masked softmax (scale, mask, a causal layer\'s '
+    'causal mask and dropout fused; it keeps only its output), then probs @ value, as DeepSpeed '
+    'computes it; "sdpa": torch.nn.functional.scaled_dot_product_attention (flash / '
+    'memory-efficient kernels on the GPU; nothing of size seq x seq is kept)')
 CHECKPOINT_DOC = (
     "recompute the masked softmax (with its dropout) and probs @ value in the backward, so "
     "neither the probabilities nor the dropped probabilities are kept, only the scores "

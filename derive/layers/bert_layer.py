@@ -13,12 +13,9 @@ from derive.blocks import (
     CHECK_HIDDEN,
     CHECK_MASK,
     LINEAR,
-    ONES,
     TRAINING,
-    ZEROS,
     BlockSpec,
     Select,
-    normal,
     op,
 )
 from derive.layers._attention import ATTENTION_DOC, ATTENTION_KINDS, CHECKPOINT_DOC, self_attention
@@ -60,21 +57,24 @@ def block() -> BlockSpec:
     memory = b.derive("norm_memory", Select(invertible, "invertible", "default"),
                       "memory mode of every LayerNorm")
 
-    qkv_w = b.param("attn_qkvw", (3 * hidden, hidden), normal(init_std),
-                    "query, key and value projections, stacked")
-    qkv_b = b.param("attn_qkvb", (3 * hidden,), ZEROS, "their biases")
-    out_w = b.param("attn_ow", (hidden, hidden), normal(init_std), "attention output projection")
-    out_b = b.param("attn_ob", (hidden,), ZEROS, "its bias")
-    attn_norm_w = b.param("attn_nw", (hidden,), ONES,
+    qkv_w = b.param("attn_qkvw", (3 * hidden, hidden), "normal",
+                    "query, key and value projections, stacked", std=init_std)
+    qkv_b = b.param("attn_qkvb", (3 * hidden,), "zeros", "their biases")
+    out_w = b.param("attn_ow", (hidden, hidden), "normal", "attention output projection",
+                    std=init_std)
+    out_b = b.param("attn_ob", (hidden,), "zeros", "its bias")
+    attn_norm_w = b.param("attn_nw", (hidden,), "ones",
                           "LayerNorm after attention (post-LN) / before the feed-forward (pre-LN)")
-    attn_norm_b = b.param("attn_nb", (hidden,), ZEROS, "its bias")
-    inter_w = b.param("inter_w", (inter, hidden), normal(init_std), "feed-forward, first GEMM")
-    inter_b = b.param("inter_b", (inter,), ZEROS, "its bias (fused into the GELU)")
-    output_w = b.param("output_w", (hidden, inter), normal(init_std), "feed-forward, second GEMM")
-    output_b = b.param("output_b", (hidden,), ZEROS, "its bias")
-    norm_w = b.param("norm_w", (hidden,), ONES,
+    attn_norm_b = b.param("attn_nb", (hidden,), "zeros", "its bias")
+    inter_w = b.param("inter_w", (inter, hidden), "normal", "feed-forward, first GEMM",
+                      std=init_std)
+    inter_b = b.param("inter_b", (inter,), "zeros", "its bias (fused into the GELU)")
+    output_w = b.param("output_w", (hidden, inter), "normal", "feed-forward, second GEMM",
+                       std=init_std)
+    output_b = b.param("output_b", (hidden,), "zeros", "its bias")
+    norm_w = b.param("norm_w", (hidden,), "ones",
                      "final LayerNorm (post-LN) / LayerNorm before attention (pre-LN)")
-    norm_b = b.param("norm_b", (hidden,), ZEROS, "its bias")
+    norm_b = b.param("norm_b", (hidden,), "zeros", "its bias")
 
     x = b.input("hidden_states", "(batch, seq, hidden_size)")
     mask = b.input("attention_mask",

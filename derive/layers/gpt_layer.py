@@ -14,12 +14,9 @@ from derive.blocks import (
     CHECK_HIDDEN,
     CHECK_MASK,
     LINEAR,
-    ONES,
     TRAINING,
-    ZEROS,
     BlockSpec,
     Select,
-    normal,
     op,
 )
 from derive.layers._attention import ATTENTION_DOC, ATTENTION_KINDS, CHECKPOINT_DOC, self_attention
@@ -59,24 +56,25 @@ def block() -> BlockSpec:
     memory = b.derive("norm_memory", Select(invertible, "invertible", "default"),
                       "memory mode of every LayerNorm")
 
-    ln_1_w = b.param("ln_1_weight", (hidden,), ONES, "LayerNorm before attention (ln_1.weight)")
-    ln_1_b = b.param("ln_1_bias", (hidden,), ZEROS, "its bias (ln_1.bias)")
-    qkv_w = b.param("attn_qkv_weight", (3 * hidden, hidden), normal(init_std),
-                    "query, key and value projections, stacked (attn.c_attn.weight, "
-                    "transposed)")
-    qkv_b = b.param("attn_qkv_bias", (3 * hidden,), ZEROS, "their biases (attn.c_attn.bias)")
-    proj_w = b.param("attn_proj_weight", (hidden, hidden), normal(init_std),
-                     "attention output projection (attn.c_proj.weight, transposed)")
-    proj_b = b.param("attn_proj_bias", (hidden,), ZEROS, "its bias (attn.c_proj.bias)")
-    ln_2_w = b.param("ln_2_weight", (hidden,), ONES,
+    ln_1_w = b.param("ln_1_weight", (hidden,), "ones", "LayerNorm before attention (ln_1.weight)")
+    ln_1_b = b.param("ln_1_bias", (hidden,), "zeros", "its bias (ln_1.bias)")
+    qkv_w = b.param("attn_qkv_weight", (3 * hidden, hidden), "normal",
+                    "query, key and value projections, stacked (attn.c_attn.weight, transposed)",
+                    std=init_std)
+    qkv_b = b.param("attn_qkv_bias", (3 * hidden,), "zeros", "their biases (attn.c_attn.bias)")
+    proj_w = b.param("attn_proj_weight", (hidden, hidden), "normal",
+                     "attention output projection (attn.c_proj.weight, transposed)", std=init_std)
+    proj_b = b.param("attn_proj_bias", (hidden,), "zeros", "its bias (attn.c_proj.bias)")
+    ln_2_w = b.param("ln_2_weight", (hidden,), "ones",
                      "LayerNorm before the feed-forward (ln_2.weight)")
-    ln_2_b = b.param("ln_2_bias", (hidden,), ZEROS, "its bias (ln_2.bias)")
-    fc_w = b.param("mlp_fc_weight", (inter, hidden), normal(init_std),
-                   "feed-forward, first GEMM (mlp.c_fc.weight, transposed)")
-    fc_b = b.param("mlp_fc_bias", (inter,), ZEROS, "its bias (mlp.c_fc.bias), fused into the GELU")
-    mlp_proj_w = b.param("mlp_proj_weight", (hidden, inter), normal(init_std),
-                         "feed-forward, second GEMM (mlp.c_proj.weight, transposed)")
-    mlp_proj_b = b.param("mlp_proj_bias", (hidden,), ZEROS, "its bias (mlp.c_proj.bias)")
+    ln_2_b = b.param("ln_2_bias", (hidden,), "zeros", "its bias (ln_2.bias)")
+    fc_w = b.param("mlp_fc_weight", (inter, hidden), "normal",
+                   "feed-forward, first GEMM (mlp.c_fc.weight, transposed)", std=init_std)
+    fc_b = b.param("mlp_fc_bias", (inter,), "zeros",
+                   "its bias (mlp.c_fc.bias), fused into the GELU")
+    mlp_proj_w = b.param("mlp_proj_weight", (hidden, inter), "normal",
+                         "feed-forward, second GEMM (mlp.c_proj.weight, transposed)", std=init_std)
+    mlp_proj_b = b.param("mlp_proj_bias", (hidden,), "zeros", "its bias (mlp.c_proj.bias)")
 
     x = b.input("hidden_states", "(batch, seq, hidden_size)")
     mask = b.input("attention_mask",
