@@ -1,33 +1,56 @@
 """Whole Hugging Face models: a training step of the model as it is, patched with
 `generated.patch.patch_model`, patched by Liger-Kernel, and under torch.compile.
 
-    python -m benchmarks.models [--models gpt2,bert,llama,qwen2,gemma] [--sizes small,large]
+    python -m benchmarks.models [--models gpt2,bert,llama,...] [--sizes small,large]
                                 [--variants eager,patched,liger] [--steps 10]
                                 [--rounds 1] [--budget-s 220] [--timeout-s 300]
                                 [--out FILE.json]
                                 [--cpu-smoke [--jobs N]]
 
 Models, randomly initialised from a config (seed 0; no download), bf16, attn_implementation
-"sdpa", training mode with the config's dropout:
+"sdpa" (Gemma 2: "eager", which transformers requires for its soft-capped scores), training
+mode with the config's dropout:
 
-| model | size | hidden | layers | heads | batch x seq |
-|---|---|---|---|---|---|
-| gpt2 | small | 768 | 4 | 12 | 1 x 128 |
-| gpt2 | large | 1024 | 8 | 16 | 8 x 1024 |
-| bert | small | 768 | 4 | 12 | 1 x 128 |
-| bert | large | 1024 | 8 | 16 | 16 x 512 |
-| llama | small | 1024 | 4 | 16 | 1 x 256 |
-| llama | large | 2048 | 8 | 32 | 2 x 2048 |
-| qwen2 | small | 1024 | 4 | 16 | 1 x 256 |
-| qwen2 | large | 1536 | 8 | 12 | 2 x 2048 |
-| gemma | small | 1024 | 4 | 8 | 1 x 256 |
-| gemma | large | 2048 | 8 | 8 | 2 x 2048 |
+| model | size | hidden | layers | heads | batch x seq | vocabulary |
+|---|---|---|---|---|---|---|
+| gpt2 | small | 768 | 4 | 12 | 1 x 128 | 50257 |
+| gpt2 | large | 1024 | 8 | 16 | 8 x 1024 | 50257 |
+| bert | small | 768 | 4 | 12 | 1 x 128 | 30522 |
+| bert | large | 1024 | 8 | 16 | 16 x 512 | 30522 |
+| llama | small | 1024 | 4 | 16 | 1 x 256 | 32000 |
+| llama | large | 2048 | 8 | 32 | 2 x 2048 | 32000 |
+| llama3 | small | 1024 | 4 | 16 | 1 x 256 | 128256 |
+| llama3 | large | 2048 | 8 | 32 | 4 x 2048 | 128256 |
+| mistral | small | 1024 | 4 | 16 | 1 x 256 | 32768 |
+| mistral | large | 2048 | 8 | 16 | 2 x 2048 | 32768 |
+| qwen2 | small | 1024 | 4 | 16 | 1 x 256 | 151936 |
+| qwen2 | large | 1536 | 8 | 12 | 2 x 2048 | 151936 |
+| qwen3 | small | 1024 | 4 | 16 | 1 x 256 | 151936 |
+| qwen3 | large | 2048 | 8 | 16 | 2 x 2048 | 151936 |
+| gemma | small | 1024 | 4 | 8 | 1 x 256 | 256000 |
+| gemma | large | 2048 | 8 | 8 | 2 x 2048 | 256000 |
+| gemma2 | small | 1024 | 4 | 8 | 1 x 256 | 256000 |
+| gemma2 | large | 2304 | 8 | 8 | 2 x 2048 | 256000 |
+| gemma3 | small | 1152 | 4 | 4 | 1 x 256 | 262144 |
+| gemma3 | large | 1152 | 8 | 4 | 2 x 2048 | 262144 |
+| phi3 | small | 1024 | 4 | 16 | 1 x 256 | 32064 |
+| phi3 | large | 3072 | 8 | 32 | 2 x 2048 | 32064 |
+| mixtral | small | 1024 | 4 | 16 | 1 x 256 | 32000 |
+| mixtral | large | 2048 | 8 | 16 | 2 x 2048 | 32000 |
 
-gpt2: GPT2LMHeadModel, vocabulary 50257. bert: BertForMaskedLM, vocabulary 30522, 15% of the
-positions labelled. llama: LlamaForCausalLM, vocabulary 32000, 4 key-value heads, intermediate
-2.75 x hidden. qwen2: Qwen2ForCausalLM, vocabulary 151936, 2 key-value heads, intermediate
-5.5 x hidden. gemma: GemmaForCausalLM, vocabulary 256000, 1 key-value head, head dim 256,
-intermediate 8 x hidden, tanh-GELU MLP.
+gpt2: GPT2LMHeadModel. bert: BertForMaskedLM, 15% of the positions labelled. llama:
+LlamaForCausalLM, 4 key-value heads, intermediate 2.75 x hidden; llama3 the same with Llama 3's
+vocabulary and 8 key-value heads (Llama-3.2-1B's shape at 8 layers). mistral:
+MistralForCausalLM, 8 key-value heads (4 small), intermediate 3.5 x hidden. qwen2:
+Qwen2ForCausalLM, 2 key-value heads, intermediate 5.5 x hidden. qwen3: Qwen3ForCausalLM (a
+norm of each head's query and key), 8 key-value heads (4 small), head dim 128, intermediate 3 x
+hidden. gemma: GemmaForCausalLM, 1 key-value head, head dim 256, intermediate 8 x hidden,
+tanh-GELU MLP. gemma2: Gemma2ForCausalLM, 4 key-value heads, head dim 256, intermediate 4 x
+hidden, its logit soft-capping. gemma3: Gemma3ForCausalLM (text), 1 key-value head, head dim
+256, intermediate 6 x hidden, every sixth layer global, the others a sliding window of 512.
+phi3: Phi3ForCausalLM (fused query/key/value and gate/up projections), intermediate 8/3 x
+hidden. mixtral: MixtralForCausalLM, 8 experts (4 small) of intermediate 2 x hidden, 2 per
+token, 8 key-value heads (4 small).
 
 A step is `model(input_ids=..., labels=...).loss.backward()` from gradients set to None (no
 optimizer). Variants:
@@ -38,11 +61,13 @@ optimizer). Variants:
   cross-entropy; BERT's masked-LM loss from its labelled rows' hidden states), each op
   choosing between its kernels and torch's expression of it by its measured size
   (codegen/runtime/dispatch.py);
+- patched-no-loss: after `patch_model(model)` (the loss is the model's own);
 - patched-kernels, patched-kernels-compiled: the same with the kernels at every size
   (`VJPFORGE_DISPATCH=kernels`), eager and under `torch.compile(model)`;
 - liger: after Liger-Kernel's `apply_liger_kernel_to_<model type>(model=model)` with its
-  defaults (Llama: RoPE, RMSNorm, SwiGLU MLP and the fused linear cross-entropy); "n/a" where
-  Liger has no such function (GPT-2, BERT), "unavailable" where Liger does not import;
+  defaults (Llama: RoPE, RMSNorm, SwiGLU MLP and the fused linear cross-entropy;
+  `apply_liger_kernel_to_gemma3_text` for gemma3, `_llama` for llama3); "n/a" where Liger has
+  no such function (GPT-2, BERT), "unavailable" where Liger does not import;
 - compiled, patched-compiled: `torch.compile(model)` (default mode) of the original and of the
   patched model;
 - reduce-overhead, patched-reduce-overhead: `torch.compile(model, mode="reduce-overhead")`
@@ -55,9 +80,10 @@ other and assembles the tables. Per variant: step ms (CUDA events around each st
 peak of `torch.cuda.max_memory_allocated` over the timed steps (parameters, gradients and
 activations), and the loss in eval mode (no dropout) of the same batch, which every
 uncompiled variant of a model must reproduce (same weights, same computation).
-`--rounds R` runs every variant of a model R times, interleaved (eager, patched, liger, eager,
-...), each time in a new process: a shared machine's speed drifts between processes by more
-than the differences measured, and interleaving exposes each variant to the same drift. The
+`--rounds R` runs every variant of a model R times, interleaved, every other round in the
+opposite order (eager, patched, liger, liger, patched, eager, ...), each time in a new process:
+a shared machine's speed drifts between processes by more than the differences measured, and
+interleaving exposes each variant to the same drift. The
 table gives the median of the rounds' step times and, with R > 1, their range; the peak is the
 largest of the rounds'.
 
@@ -84,10 +110,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("gpt2", "bert", "llama", "qwen2", "gemma")
+MODELS = ("gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+          "gemma3", "phi3", "mixtral")
 SIZE_NAMES = ("small", "large")
-VARIANTS = ("eager", "patched", "liger", "compiled", "patched-compiled", "reduce-overhead",
-            "patched-reduce-overhead", "patched-kernels", "patched-kernels-compiled")
+VARIANTS = ("eager", "patched", "patched-no-loss", "liger", "compiled", "patched-compiled",
+            "reduce-overhead", "patched-reduce-overhead", "patched-kernels",
+            "patched-kernels-compiled")
 DEFAULT_VARIANTS = ("eager", "patched", "liger")
 COMPILED = {"compiled": "default", "patched-compiled": "default",
             "patched-kernels-compiled": "default",
@@ -117,13 +145,33 @@ SIZES = {
     ("bert", "large"): Size(1024, 8, 16, 512, 16, 30522),
     ("llama", "small"): Size(1024, 4, 1, 256, 16, 32000),
     ("llama", "large"): Size(2048, 8, 2, 2048, 32, 32000),
+    ("llama3", "small"): Size(1024, 4, 1, 256, 16, 128256),
+    ("llama3", "large"): Size(2048, 8, 4, 2048, 32, 128256),
+    ("mistral", "small"): Size(1024, 4, 1, 256, 16, 32768),
+    ("mistral", "large"): Size(2048, 8, 2, 2048, 16, 32768),
     ("qwen2", "small"): Size(1024, 4, 1, 256, 16, 151936),
     ("qwen2", "large"): Size(1536, 8, 2, 2048, 12, 151936),
+    ("qwen3", "small"): Size(1024, 4, 1, 256, 16, 151936),
+    ("qwen3", "large"): Size(2048, 8, 2, 2048, 16, 151936),
     ("gemma", "small"): Size(1024, 4, 1, 256, 8, 256000),
     ("gemma", "large"): Size(2048, 8, 2, 2048, 8, 256000),
+    ("gemma2", "small"): Size(1024, 4, 1, 256, 8, 256000),
+    ("gemma2", "large"): Size(2304, 8, 2, 2048, 8, 256000),
+    ("gemma3", "small"): Size(1152, 4, 1, 256, 4, 262144),
+    ("gemma3", "large"): Size(1152, 8, 2, 2048, 4, 262144),
+    ("phi3", "small"): Size(1024, 4, 1, 256, 16, 32064),
+    ("phi3", "large"): Size(3072, 8, 2, 2048, 32, 32064),
+    ("mixtral", "small"): Size(1024, 4, 1, 256, 16, 32000),
+    ("mixtral", "large"): Size(2048, 8, 2, 2048, 16, 32000),
 }
 SMOKE_SIZE = Size(64, 2, 2, 16, 2, 256)
 LIGER_FUNCTION = "apply_liger_kernel_to_{}"
+#: models whose Liger function is not named after them
+LIGER_NAMES = {"llama3": "llama", "gemma3": "gemma3_text"}
+
+
+def liger_function(model: str) -> str:
+    return LIGER_FUNCTION.format(LIGER_NAMES.get(model, model))
 
 
 # ---- one variant, in its own process -----------------------------------------------------
@@ -135,6 +183,13 @@ def build_model(model: str, size: Size, device):
     import transformers
 
     common = {"attn_implementation": "sdpa"}
+    decoder = {"vocab_size": size.vocab, "hidden_size": size.hidden,
+               "num_hidden_layers": size.layers, "num_attention_heads": size.heads,
+               "max_position_embeddings": max(2048, size.seq), **common}
+    smoke = size.hidden < 256
+    # fewer key-value heads (and experts) at the small size, never more than the heads
+    kv = min(4 if size.layers <= 4 else 8, size.heads)
+    wide_head = size.hidden // size.heads if smoke else 256
     if model == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=size.vocab, n_positions=max(1024, size.seq), n_embd=size.hidden,
@@ -146,29 +201,51 @@ def build_model(model: str, size: Size, device):
             num_attention_heads=size.heads, intermediate_size=4 * size.hidden,
             max_position_embeddings=max(512, size.seq), **common)
         cls = transformers.BertForMaskedLM
-    elif model == "llama":
+    elif model in ("llama", "llama3"):
         config = transformers.LlamaConfig(
-            vocab_size=size.vocab, hidden_size=size.hidden,
-            intermediate_size=int(2.75 * size.hidden), num_hidden_layers=size.layers,
-            num_attention_heads=size.heads, num_key_value_heads=min(4, size.heads),
-            max_position_embeddings=max(2048, size.seq), **common)
+            intermediate_size=int(2.75 * size.hidden),
+            num_key_value_heads=min(4, size.heads) if model == "llama" else kv, **decoder)
         cls = transformers.LlamaForCausalLM
+    elif model == "mistral":
+        config = transformers.MistralConfig(
+            intermediate_size=int(3.5 * size.hidden), num_key_value_heads=kv, **decoder)
+        cls = transformers.MistralForCausalLM
     elif model == "qwen2":
         config = transformers.Qwen2Config(
-            vocab_size=size.vocab, hidden_size=size.hidden,
-            intermediate_size=int(5.5 * size.hidden), num_hidden_layers=size.layers,
-            num_attention_heads=size.heads, num_key_value_heads=2,
-            max_position_embeddings=max(2048, size.seq), **common)
+            intermediate_size=int(5.5 * size.hidden), num_key_value_heads=2, **decoder)
         cls = transformers.Qwen2ForCausalLM
+    elif model == "qwen3":
+        config = transformers.Qwen3Config(
+            intermediate_size=3 * size.hidden, num_key_value_heads=kv,
+            head_dim=size.hidden // size.heads if smoke else 128, **decoder)
+        cls = transformers.Qwen3ForCausalLM
     elif model == "gemma":
         config = transformers.GemmaConfig(
-            vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=8 * size.hidden,
-            num_hidden_layers=size.layers, num_attention_heads=size.heads,
-            num_key_value_heads=1,
-            head_dim=256 if size.hidden >= 1024 else size.hidden // size.heads,
-            hidden_activation="gelu_pytorch_tanh", max_position_embeddings=max(2048, size.seq),
-            **common)
+            intermediate_size=8 * size.hidden, num_key_value_heads=1,
+            head_dim=wide_head if size.hidden >= 1024 or smoke else size.hidden // size.heads,
+            hidden_activation="gelu_pytorch_tanh", **decoder)
         cls = transformers.GemmaForCausalLM
+    elif model == "gemma2":
+        # its soft-capped attention scores: transformers refuses sdpa for Gemma 2
+        config = transformers.Gemma2Config(
+            intermediate_size=4 * size.hidden, num_key_value_heads=min(4, size.heads),
+            head_dim=wide_head, **{**decoder, "attn_implementation": "eager"})
+        cls = transformers.Gemma2ForCausalLM
+    elif model == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            intermediate_size=6 * size.hidden, num_key_value_heads=1, head_dim=wide_head,
+            sliding_window=512, **decoder)
+        cls = transformers.Gemma3ForCausalLM
+    elif model == "phi3":
+        config = transformers.Phi3Config(
+            intermediate_size=8 * size.hidden // 3, num_key_value_heads=size.heads,
+            pad_token_id=0, **decoder)
+        cls = transformers.Phi3ForCausalLM
+    elif model == "mixtral":
+        config = transformers.MixtralConfig(
+            intermediate_size=2 * size.hidden, num_key_value_heads=kv,
+            num_local_experts=4 if size.layers <= 4 else 8, num_experts_per_tok=2, **decoder)
+        cls = transformers.MixtralForCausalLM
     else:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     torch.manual_seed(0)
@@ -215,14 +292,14 @@ def prepare(variant: str, model_name: str, model) -> dict:
     if variant.startswith("patched"):
         from generated.patch import patch_model
 
-        report = patch_model(model, loss=True)
+        report = patch_model(model, loss=variant != "patched-no-loss")
         done["swapped"] = _swap_counts(report)
         if skipped := _skipped(report):
             done["not_swapped"] = skipped
     elif variant == "liger":
         import liger_kernel.transformers as liger
 
-        name = LIGER_FUNCTION.format(model_name)
+        name = liger_function(model_name)
         getattr(liger, name)(model=model)
         done["liger"] = name
     return done
@@ -335,18 +412,19 @@ def liger_functions() -> tuple[set[str] | None, str]:
         return None, f"liger-kernel is not installed ({error})"
     except Exception as error:  # noqa: BLE001 - any import failure makes Liger unavailable
         return None, f"liger_kernel does not import: {_first_line(error)}"
-    return {model for model in MODELS if hasattr(liger, LIGER_FUNCTION.format(model))}, ""
+    return {model for model in MODELS if hasattr(liger, liger_function(model))}, ""
 
 
 def plan(models: list[str], sizes: list[str], variants: list[str], smoke: bool,
          steps: int, rounds: int = 1) -> list[dict]:
-    """One spec per process to run: each model and size, `rounds` times its variants in turn."""
+    """One spec per process to run: each model and size, `rounds` times its variants in turn,
+    every other round in the opposite order."""
     # a compiled variant's first step compiles; on the CPU nothing else needs warming up
     return [{"model": model, "size": size, "variant": variant, "cpu_smoke": smoke,
              "steps": steps, "warmup": 1 if smoke else WARMUP, "round": index,
              "size_config": asdict(SMOKE_SIZE if smoke else SIZES[model, size])}
             for model in models for size in sizes for index in range(rounds)
-            for variant in variants]
+            for variant in (variants if index % 2 == 0 else variants[::-1])]
 
 
 def merge_rounds(records: list[dict]) -> list[dict]:
@@ -421,7 +499,7 @@ def run_all(specs: list[dict], budget_s: float, timeout_s: float, jobs: int,
                 records[index] = {**_base(spec), "status": "unavailable", "error": why}
             elif spec["model"] not in functions:
                 records[index] = {**_base(spec), "status": "n/a", "error": "Liger-Kernel has no "
-                                  + LIGER_FUNCTION.format(spec["model"])}
+                                  + liger_function(spec["model"])}
         if records[index] is None:
             pending.append(index)
 

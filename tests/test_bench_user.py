@@ -140,15 +140,26 @@ def test_models_liger_without_function_is_not_run(monkeypatch):
     assert records[0]["error"] == "Liger-Kernel has no apply_liger_kernel_to_gpt2"
 
 
+def test_models_build_every_family_and_name_ligers_function():
+    """Every model builds at the smoke size, and the Liger function asked for is the one
+    Liger names for it."""
+    for model in models.MODELS:
+        built = models.build_model(model, models.SMOKE_SIZE, "cpu")
+        assert sum(p.numel() for p in built.parameters()) > 0, model
+    assert models.liger_function("gemma3") == "apply_liger_kernel_to_gemma3_text"
+    assert models.liger_function("llama3") == "apply_liger_kernel_to_llama"
+    assert models.liger_function("mixtral") == "apply_liger_kernel_to_mixtral"
+
+
 def test_models_rounds_interleave_and_merge(monkeypatch):
-    """--rounds runs a model's variants in turn, round after round, and the table's record of
-    a variant is the median of its rounds (their range shown), the largest peak, or the
-    first failure of any round."""
+    """--rounds runs a model's variants in turn, round after round, every other round in the
+    opposite order, and the table's record of a variant is the median of its rounds (their
+    range shown), the largest peak, or the first failure of any round."""
     specs = models.plan(["llama"], ["small"], ["eager", "patched"], smoke=True, steps=1,
                         rounds=3)
     assert [(s["variant"], s["round"]) for s in specs] == [
-        ("eager", 0), ("patched", 0), ("eager", 1), ("patched", 1), ("eager", 2), ("patched", 2)]
-    times = iter([5.0, 9.0, 1.0, 8.0, 3.0, 7.0])
+        ("eager", 0), ("patched", 0), ("patched", 1), ("eager", 1), ("eager", 2), ("patched", 2)]
+    times = iter([5.0, 9.0, 8.0, 1.0, 3.0, 7.0])
     peaks = iter([10, 20, 30, 40, 50, 60])
 
     def child(spec, timeout):
