@@ -43,6 +43,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["signature"] = signature
     env.filters["launcher"] = launcher
+    env.filters["python_tuple"] = lambda items: _literal(tuple(items))
     return env
 
 
@@ -936,15 +937,13 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     schedule = schedule or default_table()
     env = environment()
     params = list(module.params)
-    extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
-    # a flag of the call the backward reads (ctx.in_place)
-    extras += ["in_place"] * bool(getattr(module.api, "in_place", False))
+    in_place = bool(getattr(module.api, "in_place", False))
+    several = len(module.modes) > 1
     fwd = KernelContext(forward, TRITON, backward=False)
     # APIs whose Function takes its dense tensors as the caller gave them and the layout of
     # their rows (codegen/runtime/launch.py `layout`), and returns its results in the caller's
     # shape: views taken outside the Function would each be a node of autograd's graph
     shaped = module.api.kind in SHAPED_KINDS
-    extras += ["layout"] * shaped
     layout_inputs = [name for name in module.inputs
                      if name in fwd.element_inputs and name not in fwd.broadcast_inputs] * shaped
     element_stores = {s["name"] for s in fwd.element_stores}
@@ -952,7 +951,16 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     # a norm's output is contiguous whatever its rows' order, as torch's norms return it (the
     # residual sum beside it keeps the inputs' layout, as torch's `x + r`)
     dense_outputs = module.outputs[:1] * (module.api.kind == "normalized_shape")
-    function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
+    # the Function's arguments: the custom op's inputs in its order (so that an input's
+    # gradient sits at one index for both, `_Function.backward` serving the op's autograd
+    # too), then a flag of the call the backward reads (ctx.in_place), the rows' layout and the
+    # memory mode
+    function_args = [*fwd.inputs, *["in_place"] * in_place, *["layout"] * shaped,
+                     *["memory"] * several]
+    given = [*module.inputs, *module.row_inputs, *params, *module.scalars]
+    given += ["seed"] * module.seeded + ["row_shape"] * module.row_shape
+    if sorted(given) != sorted(fwd.inputs):
+        raise ValueError(f"{module.op}: the forward kernel takes {fwd.inputs}, the op {given}")
     gradient_of = dict(module.gradients)
     # optional outputs (those after the first) are stored when asked for (want_<name>); element
     # ones may take another dtype (<name>_dtype; the custom op's <name>_fp32)
@@ -963,11 +971,8 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     emitted: set[str] = set()  # recorded kernels already in the module
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
-        unpack = [o.name for o in backward.outputs]
-        gradients = [gradient for _, gradient in module.gradients]
         modes.append({
             "name": mode,
-            "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
             "doc": doc,
             "saved": list(saved),
             "saved_for_backward": [*saved, *params] + ["seed"] * module.seeded,
@@ -979,25 +984,10 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "bwd": KernelContext(backward, TRITON, windowed=module.api.kind == "row_loss"),
             "bwd_torch": KernelContext(backward, TORCH,
                                        windowed=module.api.kind == "row_loss"),
-            "gradients": gradients,
-            # the gradient of each custom-op input, in the op's argument order
-            "op_gradients": [gradient_of.get(name, "None") for name in fwd.inputs],
-            "op_needs_index": {gradient_of[a]: i for i, a in enumerate(fwd.inputs)
-                               if a in gradient_of},
-            "unpack": unpack,
-            "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
-                            if a in gradient_of},
-            "returns": ", ".join(
-                [(f"launch.from_rows({gradient_of[a]}, ctx.layout)" if a in layout_inputs
-                  else gradient_of[a]) + f" if needs[{i}] else None"
-                 if a in gradient_of else "None"
-                 for i, a in enumerate(function_args)]
-                + ["None"] * len(extra_args)),
-            # what the Function saves: its dense inputs as given (their rows are views the
-            # backward takes again, recorded where it is differentiated), its results as
-            # returned
-            "saved_given": [f"{name}_given" if name in layout_inputs else name
-                            for name in [*saved, *params] + ["seed"] * module.seeded],
+            "unpack": [o.name for o in backward.outputs],
+            # saved values the backward takes as rows again (the Function saves dense inputs
+            # as given and results as returned: their rows are views the backward takes,
+            # recorded where it is differentiated)
             "saved_shaped": [name for name in saved
                              if name in layout_inputs or name in layout_outputs],
         })
@@ -1010,32 +1000,51 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             (stores.index(gradient_of[a]), a) for a in layout_inputs
             if bwd.foldable and a in saved and gradient_of.get(a) in stores
             and not bwd.element_stores[stores.index(gradient_of[a])]["flag"]))
-        reused = modes[-1]["reused"]
-        modes[-1]["into_given"] = [
-            f"launch.to_rows({reused[i]}_given.detach(), ctx.layout)"
-            f" if reused[{list(reused).index(i)}] else None" if i in reused else "None"
-            for i in range(len(stores))]
         # element stores the launcher takes memory for (`into`): the input gradient's, written
         # into an upstream gradient (in_place) or a chunk's logits (a row loss); the reused
         # inputs' gradients
-        first = ([0] if (getattr(module.api, "in_place", False)
-                         or module.api.kind == "row_loss")
+        first = ([0] if (in_place or module.api.kind == "row_loss")
                  and stores and not bwd.element_stores[0]["flag"] else [])
         bwd.into_stores = sorted({*first, *modes[-1]["reused"]})
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
-    hidden = next((m["recorded"]["hidden"] for m in modes
-                   if m["recorded"] and m["recorded"]["hidden"]), [])
+    with_hidden = next((m["recorded"] for m in modes
+                        if m["recorded"] and m["recorded"]["hidden"]), None)
+    hidden = with_hidden["hidden"] if with_hidden else []
     tangents = _tangents(module, jvp, fwd, function_args + extra_args, layout_inputs,
                          layout_outputs, dense_outputs, hidden)
     for m in modes:
         m["unrecorded"] = None if m["recorded"] else _unrecorded(module, m, supported)
+    # the tensors `_save` takes: the first input (its dtype and device), then every mode's
+    # saved values
+    save_tensors = list(dict.fromkeys(
+        [fwd.first, *(name for m in modes for name in m["saved_for_backward"])]))
+    # whether a call stores each optional forward output, per mode: always, where the caller
+    # asks for it (`want_<name>`), or never
+    stored = {name: {"always": [m["name"] for m in modes if m["store_flags"][name] is True],
+                     "asked": [m["name"] for m in modes
+                               if isinstance(m["store_flags"][name], str)]}
+              for name in modes[0]["store_flags"]}
+    for flags in stored.values():
+        flags["others"] = [m["name"] for m in modes if m["name"] not in flags["always"]]
     context = {
         "module": module,
         "fwd": fwd,
         "modes": modes,
+        "several": several,
+        "in_place": in_place,
         "upstream": module.upstream,
         "function_args": function_args,
+        "gradient_of": gradient_of,
+        # each differentiated argument's index among the Function's (and the op's) arguments
+        "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
+                        if a in gradient_of},
+        "save_tensors": save_tensors,
+        "stored": stored,
+        # values the Function returns besides the op's outputs (saved values a recorded
+        # backward differentiates through), with their upstream gradients
+        "hidden": hidden,
+        "hidden_upstream": with_hidden["hidden_upstream"] if with_hidden else [],
         "optional_outputs": list(module.outputs[1:]),
         "dtyped_outputs": dtyped,
         # Function.backward's arguments: a gradient per output (those of undifferentiated

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import types
 
 import torch
 import triton
@@ -397,3 +398,34 @@ def build(sig: Signature, *, module: str, per, red, split=None, torch_path, sche
     function.__module__, function.__qualname__ = module, sig.name
     function.signature = sig
     return function
+
+
+class Backwards(types.SimpleNamespace):
+    """Each memory mode's backward, by the mode's name: its launcher (what a generated
+    Function's backward runs), or the launcher's call through its torch.library op (`through`:
+    what it runs for the op's autograd)."""
+
+
+def through(op, launcher, made: tuple[str, ...]):
+    """`launcher`'s call made through `op`, its torch.library op, which returns the results
+    named `made` (those that are no other result or input): the launcher's arguments and
+    results, a result not stored None (the op returns an empty tensor for it) and a result that
+    is another one or an input that one. `into` is not passed on: an op's results are its own
+    memory (`mutates_args=()`)."""
+    sig = launcher.signature
+    params = sig.call_params
+    # the results stored on request, by their flag's parameter
+    flags = {name: f"store_{name}" for name, flag in (*sig.element_stores, *sig.row_stores)
+             if flag}
+    flags.update((name, f"store_{name}") for name, _, _ in (*sig.column_stores,
+                                                            *sig.scalar_stores))
+
+    def call(*args, into=None, **named):
+        # the arguments by name: the leading ones given positionally, the flags by keyword
+        values = dict(zip(params, args, strict=False), **named)
+        values.update(zip(made, op(*(values[name] for name in params)), strict=True))
+        return tuple(values[name] if values.get(flags.get(name), True) else None
+                     for name in sig.returns)
+
+    call.__name__ = call.__qualname__ = f"{sig.name}_through_op"
+    return call
