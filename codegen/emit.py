@@ -41,22 +41,8 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters["signature"] = signature
-    env.filters["launcher"] = launcher
-    env.filters["python_tuple"] = lambda items: _literal(tuple(items))
+    env.filters["declared"] = declared
     return env
-
-
-def signature(name: str, args: Collection[str], width: int = 100) -> str:
-    """`def name(args):` with the arguments filled into lines of at most `width` columns."""
-    lines, line = [], f"def {name}("
-    for index, arg in enumerate(args):
-        piece = arg + ("," if index < len(args) - 1 else "):")
-        if len(line) + len(piece) + 1 > width and not line.endswith("("):
-            lines.append(line.rstrip())
-            line = " " * 8
-        line += piece + " "
-    return "\n".join([*lines, line.rstrip()]) if args else f"def {name}():"
 
 
 def launcher_signature(k: KernelContext, kind: str) -> Signature:
@@ -64,7 +50,7 @@ def launcher_signature(k: KernelContext, kind: str) -> Signature:
     return Signature(
         name=k.name,
         kind=kind,
-        params=tuple(k.params),
+        inputs=tuple(k.inputs),
         elements=tuple((e, k.element_flags.get(e)) for e in k.element_inputs),
         pointers=tuple([(c["name"], c["flag"]) for c in k.column_inputs]
                        + [(name, None) for name in k.scalar_inputs + k.row_inputs]
@@ -87,33 +73,12 @@ def launcher_signature(k: KernelContext, kind: str) -> Signature:
     )
 
 
-def _literal(value: Any) -> str:
-    """A Python literal of strings, numbers, None and tuples, strings in double quotes."""
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, tuple):
-        items = [_literal(v) for v in value]
-        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
-    return repr(value)
-
-
-def launcher(k: KernelContext, kind: str) -> str:
-    """`<name> = launcher.build(...)`: kernel `k`'s launcher, built by the runtime from its
-    signature (the fields that differ from their defaults) at the module's import."""
+def declared(k: KernelContext, kind: str) -> list[tuple[str, Any]]:
+    """The fields of kernel `k`'s launcher signature that differ from their defaults, (name,
+    value) in the signature's order: what its module states (module.py.j2 `launcher`)."""
     sig = launcher_signature(k, kind)
-    fields = [f"        {f.name}={_literal(getattr(sig, f.name))},"
-              for f in dataclasses.fields(sig) if getattr(sig, f.name) != f.default]
-    kernels = [f"per={k.name}_per", f"red={k.name}_red"]
-    kernels += [f"split={k.name}_split"] * (sig.split_span is not None)
-    return "\n".join([
-        f"{k.name} = launcher.build(",
-        "    launcher.Signature(",
-        *fields,
-        "    ),",
-        f"    module=__name__, {', '.join(kernels)}, torch_path={k.name}_torch,",
-        "    schedules=SCHEDULES,",
-        ")",
-    ])
+    return [(f.name, getattr(sig, f.name)) for f in dataclasses.fields(sig)
+            if getattr(sig, f.name) != f.default]
 
 
 @dataclass(frozen=True)
@@ -194,7 +159,6 @@ class KernelContext:
             or kernel.stores_of("scalar") or self.picks
             or any(kind != "column_index" for _, kind in kernel.generated)
             or any(t.broadcast for t in kernel.tensors("element")))
-        self.window_params = ["col_start=0", "row_length=None"] if self.windowed else []
         self.window_args = ["col_start", "row_length"] if self.windowed else []
         self.dialect = dialect
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
@@ -296,23 +260,11 @@ class KernelContext:
         self.extra_inputs = ["seed"] * self.seeded + ["row_shape"] * self.row_shape
         self.inputs = (self.element_inputs + self.kernel_columns + self.scalar_inputs
                        + self.row_inputs + self.scalars + self.extra_inputs)
-        self.params = self.inputs + [f"store_{s['name']}" for s in self.flagged_stores]
-        # flagged element outputs may take another dtype (a residual stream kept in fp32)
-        self.params += [f"{s['name']}_dtype=None" for s in self.element_stores if s["flag"]]
-        self.call_params = [p.split("=")[0] for p in self.params]
         self.returns = [self.aliases.get(o.name, o.name) for o in kernel.outputs]
         self.unique_returns = [o.name for o in kernel.outputs if o.name not in self.aliases]
-        # torch.library schema types of the launcher's inputs
-        self.typed_inputs = (
-            [(e, "Optional[torch.Tensor]" if e in self.optional_elements else "torch.Tensor")
-             for e in self.element_inputs]
-            + [(c["name"], "Optional[torch.Tensor]" if c["flag"] else "torch.Tensor")
-               for c in self.column_inputs]
-            + [(name, "torch.Tensor") for name in self.scalar_inputs]
-            + [(r, "torch.Tensor") for r in self.row_inputs]
-            + [(name, "float") for name in self.scalars]
-            + [("seed", "torch.Tensor")] * self.seeded
-            + [("row_shape", "list[int]")] * self.row_shape)
+        # inputs that may be None
+        self.optional_inputs = [*self.optional_elements,
+                                *(c["name"] for c in self.column_inputs if c["flag"])]
         used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
         self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
         # elementwise through and through: no reductions, nothing per row or per column, no
@@ -965,8 +917,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     # optional outputs (those after the first) are stored when asked for (want_<name>); element
     # ones may take another dtype (<name>_dtype; the custom op's <name>_fp32)
     dtyped = [s["name"] for s in fwd.element_stores if s["name"] in module.outputs[1:]]
-    extra_args = [arg for name in module.outputs[1:]
-                  for arg in (f"want_{name}", *[f"{name}_dtype"] * (name in dtyped))]
     modes = []
     emitted: set[str] = set()  # recorded kernels already in the module
     for mode, saved, doc in module.modes:
@@ -976,9 +926,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             "doc": doc,
             "saved": list(saved),
             "saved_for_backward": [*saved, *params] + ["seed"] * module.seeded,
-            "store_flags": {s.name: (True if s.name in saved else
-                                     f"want_{s.name}" if s.name in module.outputs else False)
-                            for s in forward.stores if s.flag},
             # a row loss's backward may run on a window of the row (its linear variant's
             # blocks of classes)
             "bwd": KernelContext(backward, TRITON, windowed=module.api.kind == "row_loss"),
@@ -1011,22 +958,24 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     with_hidden = next((m["recorded"] for m in modes
                         if m["recorded"] and m["recorded"]["hidden"]), None)
     hidden = with_hidden["hidden"] if with_hidden else []
-    tangents = _tangents(module, jvp, fwd, function_args + extra_args, layout_inputs,
-                         layout_outputs, dense_outputs, hidden)
+    tangents = _tangents(module, jvp, layout_inputs)
     for m in modes:
         m["unrecorded"] = None if m["recorded"] else _unrecorded(module, m, supported)
     # the tensors `_save` takes: the first input (its dtype and device), then every mode's
     # saved values
     save_tensors = list(dict.fromkeys(
         [fwd.first, *(name for m in modes for name in m["saved_for_backward"])]))
-    # whether a call stores each optional forward output, per mode: always, where the caller
-    # asks for it (`want_<name>`), or never
-    stored = {name: {"always": [m["name"] for m in modes if m["store_flags"][name] is True],
-                     "asked": [m["name"] for m in modes
-                               if isinstance(m["store_flags"][name], str)]}
-              for name in modes[0]["store_flags"]}
-    for flags in stored.values():
-        flags["others"] = [m["name"] for m in modes if m["name"] not in flags["always"]]
+    # whether a call stores each optional forward output, per mode: always (a saved value),
+    # where the caller asks for it (an output: `want_<name>`), or never
+    stored = {}
+    for store in forward.stores:
+        if store.flag:
+            always = [m["name"] for m in modes if store.name in m["saved"]]
+            stored[store.name] = {
+                "always": always,
+                "asked": [m["name"] for m in modes
+                          if m["name"] not in always and store.name in module.outputs],
+                "others": [m["name"] for m in modes if m["name"] not in always]}
     context = {
         "module": module,
         "fwd": fwd,
@@ -1050,8 +999,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # Function.backward's arguments: a gradient per output (those of undifferentiated
         # outputs dropped)
         "output_grads": [upstream_symbol(name).name for name in module.outputs],
-        "extra_flags": [arg for name in module.outputs[1:]
-                        for arg in (f"want_{name}", *[f"{name}_fp32"] * (name in dtyped))],
         "function_tensors": [*(name for name, _ in module.gradients)],
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
@@ -1059,7 +1006,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # elementwise ops do; one with row reductions (a softmax) returns contiguous rows, as
         # torch's do
         "keeps_layout": not any(p.reductions for p in forward.passes),
-        "extra_args": extra_args,
         "layout_inputs": layout_inputs,
         "layout_outputs": layout_outputs,
         "dense_outputs": dense_outputs,
@@ -1120,40 +1066,22 @@ def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: di
     }
 
 
-def _tangents(module: ModuleSpec, jvp: Kernel, fwd: KernelContext, arguments: list[str],
-              layout_inputs: list[str], layout_outputs: list[str], dense_outputs: list[str],
-              hidden: list[str]) -> dict[str, Any]:
+def _tangents(module: ModuleSpec, jvp: Kernel, layout_inputs: list[str]) -> dict[str, Any]:
     """What each autograd Function's `jvp` needs: the JVP's torch path, the primal tensors the
-    forward keeps for it (`save_for_forward`), its tangent arguments (one per argument of the
-    Function, `_<name>` where the argument has none) and the tangent it returns per output."""
+    forward keeps for it (`save_for_forward`), each argument's tangent and each output's (a
+    Function's argument without one takes `_<name>`)."""
     k = KernelContext(jvp, TORCH, backward=False)
     tangent_of = dict(module.tangent_inputs)
-    given = {tangent for tangent in tangent_of.values()}
-    primal = [name for name in k.params if name not in given and "=" not in name
-              and name not in (*module.scalars, "row_shape")]
-    calls = {name: f"ctx.{name}" for name in (*module.scalars, "row_shape")}
-    output_tangent = dict(module.tangent_outputs)
-    returns = []
-    for name in [*module.outputs, *hidden]:
-        tangent = output_tangent.get(name)
-        if tangent is None:
-            returns.append("None")
-        elif name in hidden:  # rows, as the Function returns them
-            returns.append(tangent)
-        elif name in layout_outputs:
-            how = "returned_dense" if name in dense_outputs else "returned"
-            returns.append(f"launch.{how}({tangent}, ctx.layout)")
-        else:
-            returns.append(tangent)
+    given = set(tangent_of.values())
     return {
         "k": k,
-        "saved": primal,
-        "args": [tangent_of.get(name, f"_{name}") for name in arguments],
+        "saved": [name for name in k.inputs if name not in given
+                  and name not in (*module.scalars, "row_shape")],
+        "of": tangent_of,
+        "of_output": dict(module.tangent_outputs),
         "rows": [(tangent_of[name], name in layout_inputs) for name in module.inputs
                  if name in tangent_of and name not in module.broadcast_inputs],
-        "call": [calls.get(name, name) for name in k.params if "=" not in name],
         "unpack": [t.name for t in jvp.outputs],
-        "returns": returns,
         # tangents the JVP cannot take as None (zero): a learnable scalar's, and one read at
         # the partner column
         "zeros": [(tangent, name) for name, tangent in module.tangent_inputs

@@ -1348,7 +1348,7 @@ _add_layernorm_fwd = launcher.build(
     launcher.Signature(
         name="_add_layernorm_fwd",
         kind="fwd",
-        params=("x", "residual", "input_bias", "weight", "bias", "eps", "store_residual_out", "store_mean", "store_rstd", "residual_out_dtype=None"),
+        inputs=("x", "residual", "input_bias", "weight", "bias", "eps"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS")),
         scalars=("eps",),
@@ -1366,7 +1366,7 @@ _add_layernorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_add_layernorm_bwd_default",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "mean", "rstd", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "mean", "rstd"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("mean", None), ("rstd", None)),
         element_stores=(("dx", None),),
@@ -1384,7 +1384,7 @@ _add_layernorm_bwd_recompute_mean = launcher.build(
     launcher.Signature(
         name="_add_layernorm_bwd_recompute_mean",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "rstd", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "rstd"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None)),
         element_stores=(("dx", None),),
@@ -1402,7 +1402,7 @@ _add_layernorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_add_layernorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "dresidual_out", "y", "input_bias", "weight", "bias", "rstd", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "y", "input_bias", "weight", "bias", "rstd"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("y", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None)),
         element_stores=(("dx", None),),

@@ -967,7 +967,7 @@ _add_rmsnorm_fwd = launcher.build(
     launcher.Signature(
         name="_add_rmsnorm_fwd",
         kind="fwd",
-        params=("x", "residual", "input_bias", "weight", "eps", "weight_offset", "round_normalized", "round_steps", "store_residual_out", "store_rstd", "residual_out_dtype=None"),
+        inputs=("x", "residual", "input_bias", "weight", "eps", "weight_offset", "round_normalized", "round_steps"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT")),
         scalars=("eps", "weight_offset", "round_normalized", "round_steps"),
@@ -985,7 +985,7 @@ _add_rmsnorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_add_rmsnorm_bwd_default",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "rstd", "weight_offset", "round_normalized", "round_steps", "store_dinput_bias", "store_dweight"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "rstd", "weight_offset", "round_normalized", "round_steps"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("rstd", None)),
         scalars=("weight_offset", "round_normalized", "round_steps"),
@@ -1006,7 +1006,7 @@ _add_rmsnorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_add_rmsnorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "dresidual_out", "y", "input_bias", "weight", "rstd", "weight_offset", "round_normalized", "round_steps", "store_dinput_bias", "store_dweight"),
+        inputs=("dy", "dresidual_out", "y", "input_bias", "weight", "rstd", "weight_offset", "round_normalized", "round_steps"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("y", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("rstd", None)),
         scalars=("weight_offset", "round_normalized", "round_steps"),

@@ -304,7 +304,7 @@ _bias_dropout_add_fwd = launcher.build(
     launcher.Signature(
         name="_bias_dropout_add_fwd",
         kind="fwd",
-        params=("x", "residual", "bias", "p", "seed"),
+        inputs=("x", "residual", "bias", "p", "seed"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("bias", "HAS_BIAS"), ("seed", None)),
         scalars=("p",),
@@ -320,7 +320,7 @@ _bias_dropout_add_bwd_default = launcher.build(
     launcher.Signature(
         name="_bias_dropout_add_bwd_default",
         kind="bwd",
-        params=("dy", "bias", "p", "seed", "store_dbias"),
+        inputs=("dy", "bias", "p", "seed"),
         elements=(("dy", None),),
         pointers=(("bias", "HAS_BIAS"), ("seed", None)),
         scalars=("p",),

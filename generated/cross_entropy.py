@@ -725,7 +725,7 @@ _cross_entropy_fwd = launcher.build(
     launcher.Signature(
         name="_cross_entropy_fwd",
         kind="fwd",
-        params=("x", "weight", "target", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling", "store_z_loss", "store_token_accuracy", "store_predicted_tokens", "store_row_max", "store_denominator", "store_target_logit", "store_target_weight", "store_weight_mean"),
+        inputs=("x", "weight", "target", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"), ("target", None)),
         scalars=("ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
@@ -743,7 +743,7 @@ _cross_entropy_bwd_default = launcher.build(
     launcher.Signature(
         name="_cross_entropy_bwd_default",
         kind="bwd",
-        params=("x", "weight", "dloss", "target", "row_max", "denominator", "target_logit", "target_weight", "weight_mean", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
+        inputs=("x", "weight", "dloss", "target", "row_max", "denominator", "target_logit", "target_weight", "weight_mean", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"), ("dloss", None), ("target", None), ("row_max", None), ("denominator", None), ("target_logit", None), ("target_weight", None), ("weight_mean", None)),
         scalars=("ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),

@@ -1117,7 +1117,7 @@ _dropout_add_layernorm_fwd = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_fwd",
         kind="fwd",
-        params=("x", "residual", "input_bias", "weight", "bias", "eps", "dropout_p", "seed", "store_residual_out", "store_mean", "store_rstd", "residual_out_dtype=None"),
+        inputs=("x", "residual", "input_bias", "weight", "bias", "eps", "dropout_p", "seed"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("seed", None)),
         scalars=("eps", "dropout_p"),
@@ -1135,7 +1135,7 @@ _dropout_add_layernorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_bwd_default",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "mean", "rstd", "dropout_p", "seed", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "mean", "rstd", "dropout_p", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("mean", None), ("rstd", None), ("seed", None)),
         scalars=("dropout_p",),
@@ -1153,7 +1153,7 @@ _dropout_add_layernorm_bwd_recompute_mean = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_bwd_recompute_mean",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None), ("seed", None)),
         scalars=("dropout_p",),
@@ -1171,7 +1171,7 @@ _dropout_add_layernorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "dresidual_out", "y", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "y", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("y", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None), ("seed", None)),
         scalars=("dropout_p",),

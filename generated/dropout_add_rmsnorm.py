@@ -820,7 +820,7 @@ _dropout_add_rmsnorm_fwd = launcher.build(
     launcher.Signature(
         name="_dropout_add_rmsnorm_fwd",
         kind="fwd",
-        params=("x", "residual", "input_bias", "weight", "eps", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed", "store_residual_out", "store_rstd", "residual_out_dtype=None"),
+        inputs=("x", "residual", "input_bias", "weight", "eps", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("seed", None)),
         scalars=("eps", "weight_offset", "dropout_p", "round_normalized", "round_steps"),
@@ -838,7 +838,7 @@ _dropout_add_rmsnorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_dropout_add_rmsnorm_bwd_default",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed", "store_dinput_bias", "store_dweight"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("rstd", None), ("seed", None)),
         scalars=("weight_offset", "dropout_p", "round_normalized", "round_steps"),
@@ -858,7 +858,7 @@ _dropout_add_rmsnorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_dropout_add_rmsnorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "dresidual_out", "y", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed", "store_dinput_bias", "store_dweight"),
+        inputs=("dy", "dresidual_out", "y", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("y", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("rstd", None), ("seed", None)),
         scalars=("weight_offset", "dropout_p", "round_normalized", "round_steps"),

@@ -244,7 +244,7 @@ _geglu_fwd = launcher.build(
     launcher.Signature(
         name="_geglu_fwd",
         kind="fwd",
-        params=("gate", "up"),
+        inputs=("gate", "up"),
         elements=(("gate", None), ("up", None)),
         element_stores=(("y", None),),
         required_loads=2,
@@ -260,7 +260,7 @@ _geglu_bwd_default = launcher.build(
     launcher.Signature(
         name="_geglu_bwd_default",
         kind="bwd",
-        params=("dy", "gate", "up"),
+        inputs=("dy", "gate", "up"),
         elements=(("dy", None), ("gate", None), ("up", None)),
         element_stores=(("dgate", None), ("dup", None)),
         required_loads=3,

@@ -234,7 +234,7 @@ _geglu_tanh_fwd = launcher.build(
     launcher.Signature(
         name="_geglu_tanh_fwd",
         kind="fwd",
-        params=("gate", "up"),
+        inputs=("gate", "up"),
         elements=(("gate", None), ("up", None)),
         element_stores=(("y", None),),
         required_loads=2,
@@ -250,7 +250,7 @@ _geglu_tanh_bwd_default = launcher.build(
     launcher.Signature(
         name="_geglu_tanh_bwd_default",
         kind="bwd",
-        params=("dy", "gate", "up"),
+        inputs=("dy", "gate", "up"),
         elements=(("dy", None), ("gate", None), ("up", None)),
         element_stores=(("dgate", None), ("dup", None)),
         required_loads=3,

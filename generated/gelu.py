@@ -326,7 +326,7 @@ _gelu_fwd = launcher.build(
     launcher.Signature(
         name="_gelu_fwd",
         kind="fwd",
-        params=("x", "bias"),
+        inputs=("x", "bias"),
         elements=(("x", None),),
         pointers=(("bias", "HAS_BIAS"),),
         element_stores=(("y", None),),
@@ -341,7 +341,7 @@ _gelu_bwd_default = launcher.build(
     launcher.Signature(
         name="_gelu_bwd_default",
         kind="bwd",
-        params=("dy", "x", "bias", "store_dbias"),
+        inputs=("dy", "x", "bias"),
         elements=(("dy", None), ("x", None)),
         pointers=(("bias", "HAS_BIAS"),),
         element_stores=(("dx", None),),

@@ -1120,7 +1120,7 @@ _layernorm_fwd = launcher.build(
     launcher.Signature(
         name="_layernorm_fwd",
         kind="fwd",
-        params=("x", "weight", "bias", "eps", "weight_offset", "store_mean", "store_rstd"),
+        inputs=("x", "weight", "bias", "eps", "weight_offset"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS")),
         scalars=("eps", "weight_offset"),
@@ -1138,7 +1138,7 @@ _layernorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_layernorm_bwd_default",
         kind="bwd",
-        params=("dy", "x", "weight", "bias", "mean", "rstd", "weight_offset", "store_dweight", "store_dbias"),
+        inputs=("dy", "x", "weight", "bias", "mean", "rstd", "weight_offset"),
         elements=(("dy", None), ("x", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("mean", None), ("rstd", None)),
         scalars=("weight_offset",),
@@ -1157,7 +1157,7 @@ _layernorm_bwd_recompute_mean = launcher.build(
     launcher.Signature(
         name="_layernorm_bwd_recompute_mean",
         kind="bwd",
-        params=("dy", "x", "weight", "bias", "rstd", "weight_offset", "store_dweight", "store_dbias"),
+        inputs=("dy", "x", "weight", "bias", "rstd", "weight_offset"),
         elements=(("dy", None), ("x", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None)),
         scalars=("weight_offset",),
@@ -1176,7 +1176,7 @@ _layernorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_layernorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "y", "weight", "bias", "rstd", "weight_offset", "store_dweight", "store_dbias"),
+        inputs=("dy", "y", "weight", "bias", "rstd", "weight_offset"),
         elements=(("dy", None), ("y", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None)),
         scalars=("weight_offset",),

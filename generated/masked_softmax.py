@@ -524,7 +524,7 @@ _masked_softmax_fwd = launcher.build(
     launcher.Signature(
         name="_masked_softmax_fwd",
         kind="fwd",
-        params=("x", "attention_mask", "scale", "window", "dropout_p", "seed", "row_shape", "store_p", "p_dtype=None"),
+        inputs=("x", "attention_mask", "scale", "window", "dropout_p", "seed", "row_shape"),
         elements=(("x", None), ("attention_mask", "HAS_ATTENTION_MASK")),
         pointers=(("seed", None),),
         broadcast=("attention_mask",),
@@ -543,7 +543,7 @@ _masked_softmax_bwd_default = launcher.build(
     launcher.Signature(
         name="_masked_softmax_bwd_default",
         kind="bwd",
-        params=("dy", "p", "scale", "window", "dropout_p", "seed", "row_shape"),
+        inputs=("dy", "p", "scale", "window", "dropout_p", "seed", "row_shape"),
         elements=(("dy", None), ("p", None)),
         pointers=(("seed", None),),
         scalars=("scale", "window", "dropout_p"),

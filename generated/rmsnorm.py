@@ -789,7 +789,7 @@ _rmsnorm_fwd = launcher.build(
     launcher.Signature(
         name="_rmsnorm_fwd",
         kind="fwd",
-        params=("x", "weight", "eps", "weight_offset", "round_normalized", "round_steps", "store_rstd"),
+        inputs=("x", "weight", "eps", "weight_offset", "round_normalized", "round_steps"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"),),
         scalars=("eps", "weight_offset", "round_normalized", "round_steps"),
@@ -807,7 +807,7 @@ _rmsnorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_rmsnorm_bwd_default",
         kind="bwd",
-        params=("dy", "x", "weight", "rstd", "weight_offset", "round_normalized", "round_steps", "store_dweight"),
+        inputs=("dy", "x", "weight", "rstd", "weight_offset", "round_normalized", "round_steps"),
         elements=(("dy", None), ("x", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("rstd", None)),
         scalars=("weight_offset", "round_normalized", "round_steps"),
@@ -828,7 +828,7 @@ _rmsnorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_rmsnorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "y", "weight", "rstd", "weight_offset", "round_normalized", "round_steps", "store_dweight"),
+        inputs=("dy", "y", "weight", "rstd", "weight_offset", "round_normalized", "round_steps"),
         elements=(("dy", None), ("y", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("rstd", None)),
         scalars=("weight_offset", "round_normalized", "round_steps"),

@@ -231,7 +231,7 @@ _rotary_fwd = launcher.build(
     launcher.Signature(
         name="_rotary_fwd",
         kind="fwd",
-        params=("x", "cos", "sin", "row_shape"),
+        inputs=("x", "cos", "sin", "row_shape"),
         elements=(("x", None), ("cos", None), ("sin", None)),
         broadcast=("cos", "sin"),
         element_stores=(("y", None),),
@@ -248,7 +248,7 @@ _rotary_bwd_default = launcher.build(
     launcher.Signature(
         name="_rotary_bwd_default",
         kind="bwd",
-        params=("dy", "cos", "sin", "row_shape"),
+        inputs=("dy", "cos", "sin", "row_shape"),
         elements=(("dy", None), ("cos", None), ("sin", None)),
         broadcast=("cos", "sin"),
         element_stores=(("dx", None),),

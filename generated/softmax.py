@@ -392,7 +392,7 @@ _softmax_fwd = launcher.build(
     launcher.Signature(
         name="_softmax_fwd",
         kind="fwd",
-        params=("x",),
+        inputs=("x",),
         elements=(("x", None),),
         element_stores=(("p", None),),
         one_sweep=True,
@@ -407,7 +407,7 @@ _softmax_bwd_default = launcher.build(
     launcher.Signature(
         name="_softmax_bwd_default",
         kind="bwd",
-        params=("dp", "p"),
+        inputs=("dp", "p"),
         elements=(("dp", None), ("p", None)),
         element_stores=(("dx", None),),
         required_loads=2,

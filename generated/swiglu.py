@@ -284,7 +284,7 @@ _swiglu_fwd = launcher.build(
     launcher.Signature(
         name="_swiglu_fwd",
         kind="fwd",
-        params=("gate", "up", "gate_multiplier", "down_multiplier"),
+        inputs=("gate", "up", "gate_multiplier", "down_multiplier"),
         elements=(("gate", None), ("up", None)),
         scalars=("gate_multiplier", "down_multiplier"),
         element_stores=(("y", None),),
@@ -301,7 +301,7 @@ _swiglu_bwd_default = launcher.build(
     launcher.Signature(
         name="_swiglu_bwd_default",
         kind="bwd",
-        params=("dy", "gate", "up", "gate_multiplier", "down_multiplier"),
+        inputs=("dy", "gate", "up", "gate_multiplier", "down_multiplier"),
         elements=(("dy", None), ("gate", None), ("up", None)),
         scalars=("gate_multiplier", "down_multiplier"),
         element_stores=(("dgate", None), ("dup", None)),

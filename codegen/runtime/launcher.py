@@ -36,9 +36,9 @@ class Signature:
     name: str
     #: the schedule table's kind ("fwd" or "bwd")
     kind: str
-    #: the launcher's parameters before its window and `into`, a default where it has one
-    #: (`"y_dtype=None"`)
-    params: tuple[str, ...]
+    #: the kernel's inputs, the launcher's first parameters; after them come its `flags`, its
+    #: `dtypes`, then its window and `into`
+    inputs: tuple[str, ...]
     #: (M, N) element inputs: (name, the constexpr saying it is given, or None where it always is)
     elements: tuple[tuple[str, str | None], ...]
     #: tensors taken by address after the element inputs (columns, per-tensor scalars, rows, the
@@ -84,8 +84,23 @@ class Signature:
         return next(name for name, flag in self.elements if flag is None)
 
     @property
+    def flags(self) -> list[str]:
+        """A parameter for each output stored on request, `store_<name>`: the element and row
+        stores that have a flag, then every column and scalar sum."""
+        stored = [name for name, flag in (*self.element_stores, *self.row_stores) if flag]
+        stored += [name for name, _, _ in (*self.column_stores, *self.scalar_stores)]
+        return [f"store_{name}" for name in stored]
+
+    @property
+    def dtypes(self) -> list[str]:
+        """A parameter for each (M, N) output stored on request, `<name>_dtype`: the dtype it
+        is stored in (a residual stream kept in fp32), None (the default) for the input's."""
+        return [f"{name}_dtype" for name, flag in self.element_stores if flag]
+
+    @property
     def call_params(self) -> list[str]:
-        return [p.split("=")[0] for p in self.params]
+        """The launcher's parameters before its window and `into`, by name."""
+        return [*self.inputs, *self.flags, *self.dtypes]
 
 
 class _Writer:
@@ -225,7 +240,7 @@ def source(sig: Signature) -> str:
     launcher of `sig` over those kernels, torch path and schedules."""
     w = _Writer()
     name = sig.name
-    params = [*sig.params]
+    params = [*sig.inputs, *sig.flags, *(f"{name}=None" for name in sig.dtypes)]
     params += ["col_start=0", "row_length=None"] if sig.windowed else []
     params += ["into=None"] if sig.kind == "bwd" and sig.into else []
     w("def _make(per, red, split, torch_path, SCHEDULES):")
