@@ -553,7 +553,7 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     dtype = x.dtype
     acc = launch.accumulator(dtype)
     M, N = x.shape
-    # columns col_start .. col_start + N of rows of row_length columns (KernelContext.windowed)
+    # columns col_start .. col_start + N of rows of row_length columns (KernelFacts.windowed)
     row_length = N if row_length is None else row_length
     x = x.to(acc)
     weight = weight[col_start:col_start + N].to(acc) if weight is not None else 1.0
