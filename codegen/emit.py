@@ -1,6 +1,11 @@
 """Render a derived op into one Python module (Triton kernels, torch path, autograd, API).
 
-Templates hold structure only; every math string comes from a printer.
+Templates hold structure only; every math string comes from a printer. A kernel's facts
+(`KernelFacts`: its tensors by role, stores and flags, what it can do) are computed once from
+the IR; two views print it: `TritonKernel`, the kernel text, and `TorchPath`, the expressions
+the torch path's template writes. Host code (the launchers' statements, autograd, the
+torch.library ops, the API, the torch path, tests) is written by the templates alone, and the
+launchers' bodies by the runtime (codegen/runtime/launcher.py).
 """
 
 from __future__ import annotations
@@ -282,10 +287,11 @@ class KernelFacts:
         return zeroed == 0
 
     def broadcast(self, names: set[str]) -> str | None:
-        """The shape a reduction's body of the values `names` is broadcast to before the torch
-        path sums it: None where it holds element values (it is (M, N) already). A body without
-        element values (a mean of class weights) varies along the row through columns alone:
-        summed as broadcast to one row of N, or to the M rows where it reads row values too."""
+        """What a reduction's body of the values `names` is broadcast to before the torch path
+        sums it: None where it holds element values (it is every element already). A body
+        without element values (a mean of class weights) varies along the row through columns
+        alone: summed as broadcast to one row ("row"), or to every row where it reads row
+        values too ("rows")."""
         elements = ({t.name for t in self.kernel.tensors("element")} | set(self._element_exprs)
                     | {name for name, kind in self.kernel.generated if kind == "random"})
         if names & elements:
@@ -293,7 +299,7 @@ class KernelFacts:
         per_column = ({t.name for t in self.kernel.inputs if t.level in ("column", "scalar")}
                       | {name for name, kind in self.kernel.generated if kind == "column_index"}
                       | set(self.kernel.scalars) | {"N"})
-        return "(1, N)" if names <= per_column else "(M, N)"
+        return "row" if names <= per_column else "rows"
 
 
 def _store_flag(store: Any) -> str | None:
@@ -1226,18 +1232,15 @@ def render_user_test(module: ModuleSpec, spec_path: str,
     """A finite-difference test that sits next to a module derived from a user's spec: it calls
     the op as its API kind says, varying every tensor that gets a gradient; the tensors named
     in `positive` (spec names, `positive_tensors`) are drawn positive."""
-    call = _user_call(module, positive)
-    draws_positive = any(value.startswith("positive(") for _, value in
-                         call["varied"] + call["fixed"])
+    api = module.api
+    ignored = None
+    if api.kind == "row_loss":
+        # a row whose target is the ignored class (loss 0)
+        ignore = next(o.default for o in api.options if o.name == api.ignore)
+        ignored = int(ignore) if float(ignore).is_integer() else 0
     return environment().get_template("user_test.py.j2").render(
         module=module, spec_path=spec_path, modes=[mode for mode, _, _ in module.modes],
-        draws_positive=draws_positive, **call)
-
-
-#: the tensors of a user op's generated test: a row of N elements, and ROWS rows
-_ELEMENTS = "randn(ROWS, N)"
-#: a column parameter away from zero: some memory modes divide by a scale
-_SCALE = "randn(N) + 2.0"
+        positive=positive, ignored=ignored)
 
 
 def positive_tensors(spec: Any) -> frozenset[str]:
@@ -1314,68 +1317,3 @@ def _values_in_tensors(spec: Any, positive: set[str], defaults: dict[str, float]
             else:
                 values[node.symbol] = body
     return values, depends
-
-
-def _user_call(module: ModuleSpec, positive: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """How the generated test calls the op: `varied` (name, value) are the tensors that get a
-    gradient, in the test function's argument order; `fixed` (name, value) the other tensors,
-    read as `_fixed["name"]`; `arguments` the call's arguments, as source. A tensor named in
-    `positive` is drawn positive, away from 0."""
-    def draw(name: str, value: str) -> str:
-        if name not in positive:
-            return value
-        return "positive" + value[len("randn"):].split(" +")[0]
-
-    api = module.api
-    varied: list[tuple[str, str]] = []
-    fixed: list[tuple[str, str]] = []
-    arguments: list[str] = []
-    keywords: list[str] = []
-    if api.kind == "normalized_shape":
-        varied.append(("input", draw(module.inputs[0], _ELEMENTS)))
-        if api.residual:
-            varied.append((api.residual, draw(api.residual, _ELEMENTS)))
-        arguments = [name for name, _ in varied] + ["(N,)"]
-        for param in api.params:
-            varied.append((param.name, draw(param.name, "randn(())" if param.scalar
-                                            else _SCALE)))
-            arguments.append(param.name)
-        for name in api.call_params:
-            varied.append((name, draw(name, _SCALE)))
-            keywords.append(f"{name}={name}")
-        if api.residual:
-            keywords.append("prenorm=True")  # both outputs: the sum's gradient too
-        if len(module.modes) > 1:
-            keywords.append("memory=_memory")
-    elif api.kind in ("elementwise", "position_embedding"):
-        # a position-embedding API's own function is elementwise
-        spec_inputs = dict(zip(api.inputs, module.inputs, strict=True))
-        for public, name in spec_inputs.items():
-            if name in module.broadcast_inputs:
-                # broadcast over the rows, in place
-                fixed.append((public, draw(name, "randn(1, N)")))
-                arguments.append(f'_fixed["{public}"]')
-            elif name in dict(module.gradients):
-                varied.append((public, draw(name, _ELEMENTS)))
-                arguments.append(public)
-            else:
-                fixed.append((public, draw(name, _ELEMENTS)))
-                arguments.append(f'_fixed["{public}"]')
-        for name in api.call_params:
-            varied.append((name, draw(name, "randn(N)")))
-            keywords.append(f"{name}={name}")
-        if api.dropout:
-            keywords.append("seed=0")  # the same keep mask at every call of gradcheck
-    else:
-        varied.append(("input", draw(module.inputs[0], _ELEMENTS)))
-        arguments.append("input")
-        if api.kind in ("dim", "reduction"):
-            arguments.append("-1")
-        elif api.kind == "row_loss":
-            ignore = next(o.default for o in api.options if o.name == api.ignore)
-            # a class at each end of the row, and a row whose target is ignored (loss 0)
-            last = int(ignore) if float(ignore).is_integer() else 0
-            fixed.append((api.target, f"torch.tensor([1, N - 1, {last}], device=device)"))
-            arguments.append(f'_fixed["{api.target}"]')
-            keywords.append('reduction="none"')
-    return {"varied": varied, "fixed": fixed, "arguments": ", ".join(arguments + keywords)}
