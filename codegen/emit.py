@@ -1,6 +1,11 @@
 """Render a derived op into one Python module (Triton kernels, torch path, autograd, API).
 
-Templates hold structure only; every math string comes from a printer.
+Templates hold structure only; every math string comes from a printer. A kernel's facts
+(`KernelFacts`: its tensors by role, stores and flags, what it can do) are computed once from
+the IR; two views print it: `TritonKernel`, the kernel text, and `TorchPath`, the expressions
+the torch path's template writes. Host code (the launchers' statements, autograd, the
+torch.library ops, the API, the torch path, tests) is written by the templates alone, and the
+launchers' bodies by the runtime (codegen/runtime/launcher.py).
 """
 
 from __future__ import annotations
@@ -41,31 +46,18 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters["signature"] = signature
-    env.filters["launcher"] = launcher
+    env.filters["declared"] = declared
     return env
 
 
-def signature(name: str, args: Collection[str], width: int = 100) -> str:
-    """`def name(args):` with the arguments filled into lines of at most `width` columns."""
-    lines, line = [], f"def {name}("
-    for index, arg in enumerate(args):
-        piece = arg + ("," if index < len(args) - 1 else "):")
-        if len(line) + len(piece) + 1 > width and not line.endswith("("):
-            lines.append(line.rstrip())
-            line = " " * 8
-        line += piece + " "
-    return "\n".join([*lines, line.rstrip()]) if args else f"def {name}():"
-
-
-def launcher_signature(k: KernelContext, kind: str) -> Signature:
+def launcher_signature(k: KernelFacts, kind: str) -> Signature:
     """What the runtime builds kernel `k`'s launcher from (codegen/runtime/launcher.py)."""
     return Signature(
         name=k.name,
         kind=kind,
-        params=tuple(k.params),
+        inputs=tuple(k.inputs),
         elements=tuple((e, k.element_flags.get(e)) for e in k.element_inputs),
-        pointers=tuple([(c["name"], c["flag"]) for c in k.column_inputs]
+        pointers=tuple([(c["name"], c["flag"]) for c in k.columns]
                        + [(name, None) for name in k.scalar_inputs + k.row_inputs]
                        + [("seed", None)] * k.seeded),
         broadcast=tuple(k.broadcast_inputs),
@@ -86,33 +78,12 @@ def launcher_signature(k: KernelContext, kind: str) -> Signature:
     )
 
 
-def _literal(value: Any) -> str:
-    """A Python literal of strings, numbers, None and tuples, strings in double quotes."""
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, tuple):
-        items = [_literal(v) for v in value]
-        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
-    return repr(value)
-
-
-def launcher(k: KernelContext, kind: str) -> str:
-    """`<name> = launcher.build(...)`: kernel `k`'s launcher, built by the runtime from its
-    signature (the fields that differ from their defaults) at the module's import."""
+def declared(k: KernelFacts, kind: str) -> list[tuple[str, Any]]:
+    """The fields of kernel `k`'s launcher signature that differ from their defaults, (name,
+    value) in the signature's order: what its module states (module.py.j2 `launcher`)."""
     sig = launcher_signature(k, kind)
-    fields = [f"        {f.name}={_literal(getattr(sig, f.name))},"
-              for f in dataclasses.fields(sig) if getattr(sig, f.name) != f.default]
-    kernels = [f"per={k.name}_per", f"red={k.name}_red"]
-    kernels += [f"split={k.name}_split"] * (sig.split_span is not None)
-    return "\n".join([
-        f"{k.name} = launcher.build(",
-        "    launcher.Signature(",
-        *fields,
-        "    ),",
-        f"    module=__name__, {', '.join(kernels)}, torch_path={k.name}_torch,",
-        "    schedules=SCHEDULES,",
-        ")",
-    ])
+    return [(f.name, getattr(sig, f.name)) for f in dataclasses.fields(sig)
+            if getattr(sig, f.name) != f.default]
 
 
 @dataclass(frozen=True)
@@ -170,59 +141,52 @@ def typed(absent: str) -> str:
     return f"tl.full([], {absent}, ACC)"
 
 
-class KernelContext:
-    """A Kernel with every expression printed in one dialect, as the templates read it."""
+class KernelFacts:
+    """What the templates read of a Kernel whatever prints it: its names, its tensors by role,
+    its stores and their flags, what it can do (fold, run on a window, split rows). Computed
+    once a kernel; its printed views (`TritonKernel`, `TorchPath`) read it."""
 
-    def __init__(self, kernel: Kernel, dialect: Dialect, backward: bool = True,
-                 windowed: bool = False):
+    def __init__(self, kernel: Kernel, backward: bool = True, windowed: bool = False):
         #: the derived formulas, as the kernels' docstrings state them
         self.formulas = kernel.formulas()
         # one-hot sums are read as one gathered element a row (codegen/fuse.py), by the Triton
         # kernels and the torch path alike
         kernel, self.picks = picks(kernel)
+        self.kernel = kernel
+        self.name = kernel.name
+        self.backward = backward
         #: a window of the row: the launcher takes `col_start` and `row_length`, and the
         #: (M, N) tensors it is given are columns col_start .. col_start + N of rows of
         #: row_length columns (a linear loss's block of the classes, codegen/runtime/
         #: linear_loss.py). Only where each element's value needs its row's values and its
         #: own: no row reductions, no column or scalar sums, no gathered element (which may lie
         #: outside the window), nothing drawn per element or read by row position
-        #: element stores whose memory the launcher takes from its caller (`into`)
-        self.into_stores: list[int] = []
         self.windowed = windowed and not (
             any(p.reductions for p in kernel.passes) or kernel.stores_of("column")
             or kernel.stores_of("scalar") or self.picks
             or any(kind != "column_index" for _, kind in kernel.generated)
             or any(t.broadcast for t in kernel.tensors("element")))
-        self.window_params = ["col_start=0", "row_length=None"] if self.windowed else []
-        self.window_args = ["col_start", "row_length"] if self.windowed else []
-        self.dialect = dialect
+        #: element stores whose memory the launcher takes from its caller (`into`)
+        self.into_stores: list[int] = []
         element = {t.name for t in kernel.inputs if t.level in ("element", "column")}
         element |= {a.name for p in (*kernel.passes, kernel.epilogue) for a in p.assigns
                     if a.level == "element"}
+        element |= {name for name, kind in kernel.generated if kind != "row_index"}
+        #: the values that vary along the row (a printer's `varies`)
+        self.elementwise = frozenset(element)
         self.generated = dict(kernel.generated)
         #: partner reads: name -> (the element tensor it loads, the pairing)
         self.partners = {name: (source, pairing) for name, source, pairing in kernel.partners}
-        element |= {name for name, kind in kernel.generated if kind != "row_index"}
-        self._element = element  # the printer reads it: names added later vary per element
         # scalars that may be off: a constexpr flag each (HAS_<NAME>), the kernel compiled for
         # whether the call has it (`OpSpec.scalar(absent=...)`)
-        self.switches = [{"name": name, "flag": f"HAS_{name.upper()}", "absent": repr(float(value))}
-                         for name, value in kernel.switches]
-        first = next(t.name for t in kernel.tensors("element") if not t.optional)
-        self.printer = KernelPrinter(
-            dialect, element.__contains__,
-            {(name, value): f"HAS_{name.upper()}" for name, value in kernel.switches},
-            f"torch.full((), {{}}, dtype=acc, device={first}.device)" if dialect is TORCH
-            else "{}")
-        if self.windowed:
-            # the formulas' row length is the whole row's, not the window's N
-            self.printer = _Renamed(self.printer, {ROW_LENGTH: "row_length"})
+        self.switch_flags = {(name, value): f"HAS_{name.upper()}"
+                             for name, value in kernel.switches}
+        self.switches = [{"name": name, "flag": flag, "absent": repr(float(value))}
+                         for (name, value), flag in self.switch_flags.items()]
         # values that are 0 where the mask is off: plain element inputs load as 0 there
         self._zero_masked = {t.name for t in kernel.tensors("element") if not t.optional}
         self._element_exprs = {a.name: a.expr for p in (*kernel.passes, kernel.epilogue)
                                for a in p.assigns if a.level == "element"}
-        self.kernel = kernel
-        self.name = kernel.name
         self.generated_elements = [n for n, kind in kernel.generated if kind != "row_index"]
         self.broadcast_inputs = [t.name for t in kernel.tensors("element") if t.broadcast]
         self.integer_inputs = [t.name for t in kernel.tensors("row") if t.integer]
@@ -231,46 +195,40 @@ class KernelContext:
         self.element_inputs = [t.name for t in kernel.tensors("element")]
         # element tensors read: the required ones, and each optional one where given
         self.required_loads = sum(not t.optional for t in kernel.tensors("element"))
-        self.optional_elements = {t.name: self.printer(t.absent)
-                                  for t in kernel.tensors("element") if t.optional}
         self.first = next(t.name for t in kernel.tensors("element") if not t.optional)
         #: whether the kernel takes an exponential or a quotient (and so decides which form:
         #: `helpers.exp`, `helpers.div`)
         self.exact = any(_exact_matters(sympy.sympify(e)) for e in kernel.expressions())
         # values rounded to the input's dtype (`Rounded`): the kernel's ROUND constexpr
         self.rounds = any(sympy.sympify(e).has(Rounded) for e in kernel.expressions())
-        self.element_flags = {name: f"HAS_{name.upper()}" for name in self.optional_elements}
+        self.element_flags = {t.name: f"HAS_{t.name.upper()}"
+                              for t in kernel.tensors("element") if t.optional}
         self.aliases = dict(kernel.aliases)
         self.row_inputs = [t.name for t in kernel.tensors("row")]
         self.scalar_inputs = [t.name for t in kernel.tensors("scalar")]
-        self.column_inputs = [self._column(t.name) for t in kernel.tensors("column")]
-        self.kernel_columns = [c["name"] for c in self.column_inputs]
+        #: per-column parameters: name, the constexpr saying it is given (None: always) and
+        #: the value it takes where it is not
+        self.columns = [{"name": t.name, "flag": f"HAS_{t.name.upper()}" if t.optional else None,
+                         "absent": t.absent if t.optional else None}
+                        for t in kernel.tensors("column")]
+        self.kernel_columns = [c["name"] for c in self.columns]
         self.scalars = list(kernel.scalars)
-        self.gates = {} if backward else self._gates(kernel, dialect)
-        self.prologue = self._assigns(kernel.prologue)
-        self.passes = [self._pass(p) for p in kernel.passes]
-        self.epilogue = self._pass(kernel.epilogue)
-        # the looped kernel's sweeps over a row: passes joined where codegen/fuse.py can,
-        # each joined sweep next to its two passes (the ONE_SWEEP constexpr picks)
-        found = sweeps(kernel)
-        self.sweeps = [{"one": self._sweep(s) if s.fused else None,
-                        "two": [self._sweep(Sweep(p.loads, p.assigns, p.reductions, (), p.after,
-                                                  (i,)))
-                                for i, p in enumerate(kernel.passes, start=1) if i in s.joined]}
-                       for s in found]
-        self.one_sweep = any(s.fused for s in found)
-        self.element_stores = [self._store(s) for s in kernel.stores_of("element")]
-        self.row_stores = [self._store(s) for s in kernel.stores_of("row")]
-        self.column_stores = [self._store(s) for s in kernel.stores_of("column")]
-        self.scalar_stores = [self._store(s) for s in kernel.stores_of("scalar")]
+        #: the forward values that only stores made on request read, each with the stores
+        #: whose request computes it (`_gates`); none in a backward
+        self.gates = {} if backward else _gates(kernel)
+        #: the looped kernel's sweeps over a row: passes joined where codegen/fuse.py can
+        self.sweep_plan = sweeps(kernel)
+        self.one_sweep = any(s.fused for s in self.sweep_plan)
+        #: the stores by level: name, the flag saying it is stored (None: always), the tensor
+        #: whose shape and dtype a sum takes
+        self.stores = {level: [{"name": s.name, "flag": _store_flag(s), "like": s.like}
+                               for s in kernel.stores_of(level)]
+                       for level in ("element", "row", "column", "scalar")}
+        self.element_stores = self.stores["element"]
+        self.row_stores = self.stores["row"]
+        self.column_stores = self.stores["column"]
+        self.scalar_stores = self.stores["scalar"]
         self.reduced_stores = self.column_stores + self.scalar_stores
-        done: set[str] = set()
-        self.persistent_passes = []
-        for p in self.passes:
-            fresh = [a for a in p["assigns"] if a["name"] not in done]
-            done |= {a["name"] for a in fresh}
-            self.persistent_passes.append({**p, "assigns": fresh})
-        self.persistent_epilogue = [a for a in self.epilogue["assigns"] if a["name"] not in done]
         self.flagged_stores = [s for s in self.element_stores + self.row_stores
                                + self.reduced_stores if s["flag"]]
         # split rows (`{name}_split`): a row's column slabs spread over programs that run at
@@ -283,48 +241,243 @@ class KernelContext:
         # too, with no exchange: each program's slab of columns over a group of rows is a
         # column-slab grid, the partials in registers (a looped row reads, adds to and writes
         # back its program's partial row every step)
-        self.splittable = (backward and (any(p["reductions"] for p in self.passes)
+        self.splittable = (backward and (any(p.reductions for p in kernel.passes)
                                          or bool(self.column_stores))
                            and not (self.picks or kernel.generated or self.broadcast_inputs
                                     or self.row_stores or self.scalar_stores or self.row_shape))
         #: partial row sums a program publishes per exchange: the most of any pass (0: the
         #: split kernel never exchanges, and needs no cooperative launch)
-        self.split_span = (max((len(p["reductions"]) for p in self.passes), default=0)
+        self.split_span = (max((len(p.reductions) for p in kernel.passes), default=0)
                            if self.splittable else 0)
-        self.args = self._args()
         self.extra_inputs = ["seed"] * self.seeded + ["row_shape"] * self.row_shape
         self.inputs = (self.element_inputs + self.kernel_columns + self.scalar_inputs
                        + self.row_inputs + self.scalars + self.extra_inputs)
-        self.params = self.inputs + [f"store_{s['name']}" for s in self.flagged_stores]
-        # flagged element outputs may take another dtype (a residual stream kept in fp32)
-        self.params += [f"{s['name']}_dtype=None" for s in self.element_stores if s["flag"]]
-        self.call_params = [p.split("=")[0] for p in self.params]
         self.returns = [self.aliases.get(o.name, o.name) for o in kernel.outputs]
         self.unique_returns = [o.name for o in kernel.outputs if o.name not in self.aliases]
-        # torch.library schema types of the launcher's inputs
-        self.typed_inputs = (
-            [(e, "Optional[torch.Tensor]" if e in self.optional_elements else "torch.Tensor")
-             for e in self.element_inputs]
-            + [(c["name"], "Optional[torch.Tensor]" if c["flag"] else "torch.Tensor")
-               for c in self.column_inputs]
-            + [(name, "torch.Tensor") for name in self.scalar_inputs]
-            + [(r, "torch.Tensor") for r in self.row_inputs]
-            + [(name, "float") for name in self.scalars]
-            + [("seed", "torch.Tensor")] * self.seeded
-            + [("row_shape", "list[int]")] * self.row_shape)
-        used = {c["name"] for p in (*self.passes, self.epilogue) for c in p["column_inputs"]}
-        self.used_column_inputs = [c for c in self.column_inputs if c["name"] in used]
+        # inputs that may be None
+        self.optional_inputs = [t.name for t in kernel.tensors("element") + kernel.tensors(
+            "column") if t.optional]
+        used = {name for p in (*kernel.passes, kernel.epilogue) for name in p.loads}
+        self.used_columns = [c for c in self.columns if c["name"] in used]
         # elementwise through and through: no reductions, nothing per row or per column, no
         # values from the element's position, every element tensor given. Its rows may be read
         # as rows of another width (the launcher's fold)
         exprs = [a.expr for a in (*kernel.prologue, *kernel.epilogue.assigns)]
         exprs += [s.expr for s in kernel.stores]
-        self.foldable = (not (kernel.passes or self.row_inputs or self.column_inputs
+        self.foldable = (not (kernel.passes or self.row_inputs or self.columns
                               or self.row_stores or self.reduced_stores or kernel.generated
-                              or self.optional_elements or self.broadcast_inputs
+                              or self.element_flags or self.broadcast_inputs
                               or self.aliases)
                          and all(ROW_LENGTH not in {s.name for s in e.free_symbols}
                                  for e in exprs))
+
+    def vanishes_where_masked(self, expr: sympy.Expr) -> bool:
+        """Whether expr is 0 wherever the mask is off, so a sum of it needs no select: with its
+        element assigns written out, it is 0 once every plain element input is (they load as
+        0 there). Row values may be anything finite; a row whose values are not finite gives
+        a non-finite sum either way."""
+        for _ in range(len(self._element_exprs) + 1):
+            inner = {s: self._element_exprs[s.name] for s in expr.free_symbols
+                     if s.name in self._element_exprs}
+            if not inner:
+                break
+            expr = expr.xreplace(inner)
+        zeroed = expr.xreplace({s: sympy.Integer(0) for s in expr.free_symbols
+                                if s.name in self._zero_masked})
+        return zeroed == 0
+
+    def broadcast(self, names: set[str]) -> str | None:
+        """What a reduction's body of the values `names` is broadcast to before the torch path
+        sums it: None where it holds element values (it is every element already). A body
+        without element values (a mean of class weights) varies along the row through columns
+        alone: summed as broadcast to one row ("row"), or to every row where it reads row
+        values too ("rows")."""
+        elements = ({t.name for t in self.kernel.tensors("element")} | set(self._element_exprs)
+                    | {name for name, kind in self.kernel.generated if kind == "random"})
+        if names & elements:
+            return None
+        per_column = ({t.name for t in self.kernel.inputs if t.level in ("column", "scalar")}
+                      | {name for name, kind in self.kernel.generated if kind == "column_index"}
+                      | set(self.kernel.scalars) | {"N"})
+        return "row" if names <= per_column else "rows"
+
+
+def _store_flag(store: Any) -> str | None:
+    """The constexpr saying a store is made (None: always): a column or scalar sum's is its
+    STORE_<NAME>, made where its `like` needs a gradient."""
+    return f"STORE_{store.name.upper()}" if store.level in ("column", "scalar") else store.flag
+
+
+def _gates(kernel: Kernel) -> dict[str, list[str]]:
+    """The row values of a forward kernel that only stores made on request read (the argmax
+    of a loss's predicted class, an output the call may not ask for), each with those stores,
+    by name: a value is computed where any of them is asked for (the kernel's STORE_<NAME>
+    constexprs, the torch path's store_<name> flags). Where none is, the kernel computes
+    nothing for them: the kernels of the spec without those outputs."""
+    reads: dict[str, set[str]] = {}  # a value -> the values and stores that read it
+    stored: dict[str, bool] = {}  # a store -> whether only a request makes it
+    definitions = [(a.name, [a.expr]) for a in kernel.prologue]
+    for step in (*kernel.passes, kernel.epilogue):
+        definitions += [(a.name, [a.expr]) for a in (*step.assigns, *step.after)]
+        definitions += [(r.name, [r.body, r.scale]) for r in step.reductions]
+    stores = {}
+    for store in kernel.stores:
+        key = ("store", store.name)
+        stores[key] = store.name
+        definitions.append((key, [store.expr]))
+        stored[key] = store.flag is not None and store.level in ("element", "row")
+    for name, exprs in definitions:
+        for expr in exprs:
+            for symbol in sympy.sympify(expr).free_symbols:
+                reads.setdefault(symbol.name, set()).add(name)
+    gated = {r.name for step in kernel.passes for r in step.reductions}
+    gated |= {a.name for step in kernel.passes for a in step.after}
+    gates = {}
+    for name in sorted(gated):
+        reached, todo, seen = set(), [name], {name}
+        while todo:
+            for reader in reads.get(todo.pop(), ()):
+                if reader in stored:
+                    reached.add(reader)
+                elif reader not in seen:
+                    seen.add(reader)
+                    todo.append(reader)
+        if reached and all(stored[store] for store in reached):
+            gates[name] = sorted(stores[store] for store in reached)
+    return gates
+
+
+class _Printed:
+    """A kernel's values printed in one dialect: its prologue, passes, epilogue and stores,
+    each expression by the dialect's printer (codegen/printers.py). Reads its facts' attributes
+    as its own."""
+
+    def __init__(self, facts: KernelFacts, dialect: Dialect):
+        self.facts = facts
+        self.dialect = dialect
+        self._element = set(facts.elementwise)  # the printer reads it: names added later vary
+        kernel = facts.kernel
+        self.printer = KernelPrinter(dialect, self._element.__contains__, facts.switch_flags,
+                                     facts.first)
+        if facts.windowed:
+            # the formulas' row length is the whole row's, not the window's N
+            self.printer = _Renamed(self.printer, {ROW_LENGTH: "row_length"})
+        self.optional_elements = {t.name: self.printer(t.absent)
+                                  for t in kernel.tensors("element") if t.optional}
+        self.column_inputs = [self._column(c["name"]) for c in facts.columns]
+        self.prologue = self._assigns(kernel.prologue)
+        self.passes = [self._pass(p) for p in kernel.passes]
+        self.epilogue = self._pass(kernel.epilogue)
+        self.element_stores = [self._store(s) for s in kernel.stores_of("element")]
+        self.row_stores = [self._store(s) for s in kernel.stores_of("row")]
+        self.column_stores = [self._store(s) for s in kernel.stores_of("column")]
+        self.scalar_stores = [self._store(s) for s in kernel.stores_of("scalar")]
+        self.reduced_stores = self.column_stores + self.scalar_stores
+        done: set[str] = set()
+        self.persistent_passes = []
+        for p in self.passes:
+            fresh = [a for a in p["assigns"] if a["name"] not in done]
+            done |= {a["name"] for a in fresh}
+            self.persistent_passes.append({**p, "assigns": fresh})
+        self.persistent_epilogue = [a for a in self.epilogue["assigns"] if a["name"] not in done]
+
+    def __getattr__(self, name: str) -> Any:
+        # the facts' attributes, for the templates (not found here)
+        if name == "facts":
+            raise AttributeError(name)
+        return getattr(self.facts, name)
+
+    def gate(self, name: str) -> Any:
+        """The condition under which value `name` is computed (None: always)."""
+        raise NotImplementedError
+
+    def _column(self, name: str) -> dict[str, Any]:
+        column = next(c for c in self.facts.columns if c["name"] == name)
+        return {**column, "absent": self.printer(column["absent"]) if column["flag"] else None}
+
+    def print_named(self, name: str, expr: sympy.Expr) -> str:
+        """Print expr; a failure names the value it defines (for the spec-line error)."""
+        try:
+            return self.printer(expr)
+        except PrintError as error:
+            raise PrintError(f"'{name}' = {expr}: {error}", name, error.offending) from error
+
+    def _assigns(self, assigns: tuple[Assign, ...]) -> list[dict[str, Any]]:
+        return [{"name": a.name, "src": self.print_named(a.name, a.expr),
+                 "formula": f"{a.name} = {formula(a.expr)}",
+                 "gate": self.gate(a.name)} for a in assigns]
+
+    def _reduction(self, r: RowReduce) -> dict[str, Any]:
+        # divide the accumulated sum (`sum / N`): a `1.0 / N` alone would be fp32
+        prefix, suffix = self.printer.scale_parts(r.scale) if r.scale != 1 else ("", "")
+        return {
+            "name": r.name, "op": r.op, "body": self.print_named(r.name, r.body),
+            "identity": {"max": 'float("-inf")', "min": 'float("inf")'}.get(r.op, "0.0"),
+            # computed only where a store that reads it is asked for (`_gates`)
+            "gate": self.gate(r.name),
+            "scale_prefix": prefix,
+            "scale_suffix": suffix,
+            "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
+            # a max is only ever a proven stabiliser, so any finite shift serves: a row of
+            # -inf (fully masked) shifts by 0, not by -inf (exp(-inf + inf) = NaN); a +inf
+            # max shifts by itself, NaN throughout its row as torch.softmax's
+            "finite": "a stabiliser: a row of -inf shifts by 0"}
+
+    def _pass(self, step: Pass) -> dict[str, Any]:
+        columns = {c["name"] for c in self.facts.columns}
+        return {
+            "element_loads": [n for n in step.loads if n not in columns],
+            "column_inputs": [self._column(n) for n in step.loads if n in columns],
+            "assigns": self._assigns(step.assigns),
+            "reductions": [self._reduction(r) for r in step.reductions],
+            "after": self._assigns(step.after),
+        }
+
+    def _store(self, store: Any) -> dict[str, Any]:
+        return {"name": store.name, "src": self.print_named(store.name, store.expr),
+                "like": store.like, "flag": _store_flag(store),
+                "formula": f"{store.name} = {formula(store.expr)}"}
+
+
+class TritonKernel(_Printed):
+    """A kernel printed as Triton, for triton_kernels.py.j2: every expression, and the kernel
+    text of its loads, sweeps, stores and arguments as lines, each relative to the block it
+    goes in."""
+
+    def __init__(self, facts: KernelFacts):
+        super().__init__(facts, TRITON)
+        self.used_column_inputs = [self._column(c["name"]) for c in facts.used_columns]
+        # the looped kernel's sweeps over a row: passes joined where codegen/fuse.py can,
+        # each joined sweep next to its two passes (the ONE_SWEEP constexpr picks)
+        self.sweeps = [{"one": self._sweep(s) if s.fused else None,
+                        "two": [self._sweep(Sweep(p.loads, p.assigns, p.reductions, (), p.after,
+                                                  (i,)))
+                                for i, p in enumerate(facts.kernel.passes, start=1)
+                                if i in s.joined]}
+                       for s in facts.sweep_plan]
+        self.args = self._args()
+
+    def gate(self, name: str) -> str | None:
+        stores = self.facts.gates.get(name)
+        if stores is None:
+            return None
+        flags = {s["name"]: s["flag"] for s in self.facts.element_stores + self.facts.row_stores}
+        return " or ".join(sorted(flags[store] for store in stores))
+
+    def _reduction(self, r: RowReduce) -> dict[str, Any]:
+        printed = super()._reduction(r)
+        body, identity = printed["body"], printed["identity"]
+        # a body that is 0 wherever the mask is off needs no select in its sum
+        printed["masked"] = (body if r.op == "sum" and self.vanishes_where_masked(r.body)
+                             else f"tl.where(mask, {body}, {identity})")
+        return printed
+
+    def _store(self, store: Any) -> dict[str, Any]:
+        printed = super()._store(store)
+        # the column partials' sum over the rows of a step: masked rows add 0
+        printed["masked"] = (printed["src"] if self.vanishes_where_masked(store.expr)
+                             else f"tl.where(mask, {printed['src']}, 0.0)")
+        return printed
 
     # Line snippets: each a list of source lines relative to the block they go in.
     def column_load_lines(self, columns: list[dict[str, Any]]) -> list[str]:
@@ -397,44 +550,6 @@ class KernelContext:
             return lines
         return [f"if {gate}:", *("    " + line for line in lines)]
 
-    @staticmethod
-    def _gates(kernel: Kernel, dialect: Dialect) -> dict[str, str]:
-        """The row values of a forward kernel that only stores made on request read (the
-        argmax of a loss's predicted class, an output the call may not ask for), each with
-        the condition that any of those stores is asked for: the kernel's STORE_<NAME>
-        constexprs (the torch path's store_<name> flags). Where none is, the kernel computes
-        nothing for them: the kernels of the spec without those outputs."""
-        reads: dict[str, set[str]] = {}  # a value -> the values and stores that read it
-        flags: dict[str, str | None] = {}  # a store -> its flag (None: always written)
-        definitions = [(a.name, [a.expr]) for a in kernel.prologue]
-        for step in (*kernel.passes, kernel.epilogue):
-            definitions += [(a.name, [a.expr]) for a in (*step.assigns, *step.after)]
-            definitions += [(r.name, [r.body, r.scale]) for r in step.reductions]
-        for store in kernel.stores:
-            definitions.append((f"store {store.name}", [store.expr]))
-            flags[f"store {store.name}"] = (
-                None if store.flag is None or store.level not in ("element", "row")
-                else store.flag if dialect is TRITON else f"store_{store.name}")
-        for name, exprs in definitions:
-            for expr in exprs:
-                for symbol in sympy.sympify(expr).free_symbols:
-                    reads.setdefault(symbol.name, set()).add(name)
-        gated = {r.name for step in kernel.passes for r in step.reductions}
-        gated |= {a.name for step in kernel.passes for a in step.after}
-        gates = {}
-        for name in sorted(gated):
-            reached, todo, seen = set(), [name], {name}
-            while todo:
-                for reader in reads.get(todo.pop(), ()):
-                    if reader in flags:
-                        reached.add(reader)
-                    elif reader not in seen:
-                        seen.add(reader)
-                        todo.append(reader)
-            if reached and all(flags[store] for store in reached):
-                gates[name] = " or ".join(sorted(flags[store] for store in reached))
-        return gates
-
     def store_lines(self) -> list[str]:
         lines = []
         for s in self.element_stores:
@@ -498,117 +613,12 @@ class KernelContext:
                 absent = f"    {p.name}_{c['name']} = {typed(c['absent'])}"
                 lines += ([f"if {c['flag']}:", f"    {load}", "else:", absent] if c["flag"]
                           else [load])
-            read = set(p.loads) | set(p.columns)
-            gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
-                                        for s in p.body.free_symbols if s.name in read})
-            value = f"tl.where({mask}, {self.print_named(p.name, gathered)}, 0.0)"
+            value = f"tl.where({mask}, {self.print_named(p.name, _gathered(p))}, 0.0)"
             reduce = RowReduce(p.name, "sum", p.body, p.scale)
             lines.append(f"{p.name} = {self._scaled(reduce, value)}  # {p.name} = "
                          f"{formula(p.scale)} * ({formula(p.body)} at column {p.index}): a "
                          "one-hot sum over the row, read as one element")
         return lines
-
-    def _torch_pick_lines(self) -> list[str]:
-        """`pick_lines` in torch: (M, 1) gathers at the row's index, where it is a column."""
-        lines = []
-        for p in self.picks:
-            mask, at = f"{p.name}_mask", f"{p.name}_at"
-            gathers = [f"{p.name}_{e} = torch.gather({e}, 1, {at})" for e in p.loads]
-            # an absent column is a number: the same at every column
-            gathers += [f"{p.name}_{c} = {c}[{at}] if isinstance({c}, torch.Tensor) else {c}"
-                        for c in p.columns]
-            read = set(p.loads) | set(p.columns)
-            gathered = p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
-                                        for s in p.body.free_symbols if s.name in read})
-            value = f"torch.where({mask}, {self.print_named(p.name, gathered)}, 0.0).to(acc)"
-            reduce = RowReduce(p.name, "sum", p.body, p.scale)
-            lines += [f"{mask} = ({p.index} >= 0) & ({p.index} < N)",
-                      # rows of no column (N = 0) gather nothing: the sum is 0
-                      "if N:",
-                      f"    {at} = {p.index}.clamp(0, N - 1)",
-                      *("    " + line for line in gathers),
-                      f"    {p.name} = {self._scaled(reduce, value)}  # {p.name} = "
-                      f"{formula(p.scale)} * ({formula(p.body)} at column {p.index}): a one-hot "
-                      "sum over the row, read as one element",
-                      "else:",
-                      f"    {p.name} = torch.zeros((M, 1), dtype=acc, device={self.first}.device)"]
-        return lines
-
-    def _column(self, name: str) -> dict[str, Any]:
-        tensor = next(t for t in self.kernel.inputs if t.name == name)
-        return {"name": name, "flag": f"HAS_{name.upper()}" if tensor.optional else None,
-                "absent": self.printer(tensor.absent) if tensor.optional else None}
-
-    def print_named(self, name: str, expr: sympy.Expr) -> str:
-        """Print expr; a failure names the value it defines (for the spec-line error)."""
-        try:
-            return self.printer(expr)
-        except PrintError as error:
-            raise PrintError(f"'{name}' = {expr}: {error}", name, error.offending) from error
-
-    def _assigns(self, assigns: tuple[Assign, ...]) -> list[dict[str, str]]:
-        return [{"name": a.name, "src": self.print_named(a.name, a.expr),
-                 "formula": f"{a.name} = {formula(a.expr)}",
-                 "gate": self.gates.get(a.name)} for a in assigns]
-
-    def _pass(self, step: Pass) -> dict[str, Any]:
-        columns = {t.name for t in self.kernel.tensors("column")}
-        element_names = ({t.name for t in self.kernel.tensors("element")}
-                         | {name for name, kind in self.kernel.generated if kind == "random"})
-        reductions = []
-        for r in step.reductions:
-            # Divide the accumulated sum (`sum / N`): a `1.0 / N` alone would be fp32.
-            base, exponent = r.scale.as_base_exp()
-            if r.scale == 1:
-                prefix, suffix = "", ""
-            elif exponent == -1 and self.dialect is TRITON:
-                # correctly rounded whatever the element dtype: a row statistic one ulp off
-                # (Triton's `/` is div.full.f32) shifts every deviation from it, and a row of
-                # -1e4 then normalises to 0.2 instead of 0 (once a row, so free)
-                prefix, suffix = "helpers.div(", f", {self.printer(base)}, True)"
-            elif exponent == -1:
-                prefix, suffix = "", f" / {self.printer(base)}"
-            else:
-                prefix, suffix = f"{self.printer(r.scale)} * ", ""
-            body = self.print_named(r.name, r.body)
-            identity = {"max": 'float("-inf")', "min": 'float("inf")'}.get(r.op, "0.0")
-            reductions.append({
-                "name": r.name, "op": r.op, "body": body, "identity": identity,
-                # computed only where a store that reads it is asked for (`_gates`)
-                "gate": self.gates.get(r.name),
-                # a body that is 0 wherever the mask is off needs no select in its sum
-                "masked": (body if r.op == "sum" and self.vanishes_where_masked(r.body)
-                           else f"tl.where(mask, {body}, {identity})"),
-                "scale_prefix": prefix,
-                "scale_suffix": suffix,
-                # a body without element values (a mean of class weights) is no (M, N) tensor
-                # in the torch path: it varies along the row through columns alone, a (N,)
-                # tensor or a number where its column is absent; summed as broadcast to one
-                # row of N, or to the M rows where it reads row values too
-                "broadcast": self._broadcast({s.name for s in r.body.free_symbols},
-                                             self._element_exprs.keys() | element_names),
-                "formula": f"{r.name} = {formula(r.scale)} * {r.op}_j({formula(r.body)})",
-                # a max is only ever a proven stabiliser, so any finite shift serves: a row of
-                # -inf (fully masked) shifts by 0, not by -inf (exp(-inf + inf) = NaN); a +inf
-                # max shifts by itself, NaN throughout its row as torch.softmax's
-                "finite": "a stabiliser: a row of -inf shifts by 0"})
-        return {
-            "element_loads": [n for n in step.loads if n not in columns],
-            "column_inputs": [self._column(n) for n in step.loads if n in columns],
-            "assigns": self._assigns(step.assigns),
-            "reductions": reductions,
-            "after": self._assigns(step.after),
-        }
-
-    def _broadcast(self, names: set[str], elements: set[str]) -> str | None:
-        """The shape a reduction's body is broadcast to before the torch path sums it: None
-        where it holds element values (it is (M, N) already)."""
-        if names & elements:
-            return None
-        per_column = ({t.name for t in self.kernel.inputs if t.level in ("column", "scalar")}
-                      | {name for name, kind in self.kernel.generated if kind == "column_index"}
-                      | set(self.kernel.scalars) | {"N"})
-        return "(1, N)" if names <= per_column else "(M, N)"
 
     def sweep_lines(self) -> list[str]:
         """The looped kernel's reduction sweeps, relative to its row-block loop. Where the
@@ -703,7 +713,7 @@ class KernelContext:
             else:
                 running = self._running_max(pair.peak, peaks)
                 lines = (self._online_exp(pair) if isinstance(pair, OnlineExp)
-                         else tuple(self._gated(self.gates.get(pair.first.name), part)
+                         else tuple(self._gated(self.gate(pair.first.name), part)
                                     for part in self._online_first(pair)))
                 lines = tuple(a + b for a, b in zip(running, lines, strict=True))
             init += lines[0]
@@ -715,7 +725,7 @@ class KernelContext:
 
     def _scaled(self, reduce: Any, merged: str) -> str:
         """`scale · merged`, printed as `_pass` prints a reduction's scale."""
-        printed = self._pass(Pass((), (), (reduce,), ()))["reductions"][0]
+        printed = self._reduction(reduce)
         return f"{printed['scale_prefix']}{merged}{printed['scale_suffix']}"
 
     def _moments(self, pair: Moments) -> tuple[list[str], list[str], list[str]]:
@@ -802,33 +812,6 @@ class KernelContext:
                   f"{formula(pair.first.scale)} * min_j({formula(pair.first.body)})"]
         return init, update, finish
 
-    def vanishes_where_masked(self, expr: sympy.Expr) -> bool:
-        """Whether expr is 0 wherever the mask is off, so a sum of it needs no select: with its
-        element assigns written out, it is 0 once every plain element input is (they load as
-        0 there). Row values may be anything finite; a row whose values are not finite gives
-        a non-finite sum either way."""
-        for _ in range(len(self._element_exprs) + 1):
-            inner = {s: self._element_exprs[s.name] for s in expr.free_symbols
-                     if s.name in self._element_exprs}
-            if not inner:
-                break
-            expr = expr.xreplace(inner)
-        zeroed = expr.xreplace({s: sympy.Integer(0) for s in expr.free_symbols
-                                if s.name in self._zero_masked})
-        return zeroed == 0
-
-    def _store(self, store: Any) -> dict[str, Any]:
-        flag = (f"STORE_{store.name.upper()}" if store.level in ("column", "scalar")
-                else store.flag)
-        src = self.print_named(store.name, store.expr)
-        return {"name": store.name, "src": src,
-                # the column partials' sum over the rows of a step: masked rows add 0
-                "masked": (src if self.vanishes_where_masked(store.expr)
-                           else f"tl.where(mask, {src}, 0.0)"),
-                "like": store.like,
-                "flag": flag,
-                "formula": f"{store.name} = {formula(store.expr)}"}
-
     def flag_args(self) -> list[str]:
         """The constexpr flags of every kernel form: optional inputs given, outputs stored."""
         return ([f"{flag}: tl.constexpr" for flag in self.element_flags.values()]
@@ -895,7 +878,8 @@ class KernelContext:
         args += [f"{s['name']}_ptr" for s in self.row_stores]
         args += [f"{s['name']}_partial_ptr" for s in self.reduced_stores]
         args += [f"{name}_{part}" for name in self.scalars for part in ("high", "low")]
-        args += ["M", "N"] + self.window_args + ["D1", "D2"] * self.row_shape
+        args += ["M", "N"] + ["col_start", "row_length"] * self.windowed
+        args += ["D1", "D2"] * self.row_shape
         # the split kernel's exchange buffers (the other kernels take them and leave them be)
         args += ["split_sums_ptr", "split_count_ptr"] * self.splittable
         args += self.flag_args()
@@ -909,6 +893,39 @@ class KernelContext:
                        "REVERSE: tl.constexpr", "LAST_FIRST: tl.constexpr", "FIXED_N: tl.constexpr"]
 
 
+class TorchPath(_Printed):
+    """A kernel printed as plain torch, for torch_path.py.j2: every expression, each gate as
+    the stores whose `store_<name>` flags compute it, each one-hot sum read at its row's
+    column as the template gathers it."""
+
+    def __init__(self, facts: KernelFacts):
+        super().__init__(facts, TORCH)
+        self.pick_reads = [self._pick(p) for p in facts.picks]
+
+    def gate(self, name: str) -> list[str] | None:
+        return self.facts.gates.get(name)
+
+    def _reduction(self, r: RowReduce) -> dict[str, Any]:
+        return {**super()._reduction(r),
+                "broadcast": self.facts.broadcast({s.name for s in r.body.free_symbols})}
+
+    def _pick(self, p: Any) -> dict[str, Any]:
+        prefix, suffix = self.printer.scale_parts(p.scale) if p.scale != 1 else ("", "")
+        return {"name": p.name, "index": p.index, "loads": list(p.loads),
+                "columns": list(p.columns), "value": self.print_named(p.name, _gathered(p)),
+                "scale_prefix": prefix, "scale_suffix": suffix,
+                "formula": f"{p.name} = {formula(p.scale)} * ({formula(p.body)} at column "
+                           f"{p.index}): a one-hot sum over the row, read as one element"}
+
+
+def _gathered(p: Any) -> sympy.Expr:
+    """A one-hot sum's body in the values gathered at its row's column, each named
+    `<pick>_<tensor>` after the tensor it is read from."""
+    tensors = set(p.loads) | set(p.columns)
+    return p.body.xreplace({s: sympy.Symbol(f"{p.name}_{s.name}", real=True)
+                            for s in p.body.free_symbols if s.name in tensors})
+
+
 class _Renamed:
     """A printer that prints some symbols under other names."""
 
@@ -916,10 +933,15 @@ class _Renamed:
         self.printer, self.names = printer, names
 
     def __call__(self, expr: sympy.Expr) -> str:
+        return self.printer(self._renamed(expr))
+
+    def scale_parts(self, scale: sympy.Expr) -> tuple[str, str]:
+        return self.printer.scale_parts(self._renamed(scale))
+
+    def _renamed(self, expr: sympy.Expr) -> sympy.Expr:
         expr = sympy.sympify(expr)
-        return self.printer(expr.xreplace({s: sympy.Symbol(self.names[s.name], **s.assumptions0)
-                                           for s in expr.free_symbols
-                                           if s.name in self.names}))
+        return expr.xreplace({s: sympy.Symbol(self.names[s.name], **s.assumptions0)
+                              for s in expr.free_symbols if s.name in self.names})
 
 
 #: API kinds whose autograd Functions take a `layout` (render_module)
@@ -936,15 +958,14 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     schedule = schedule or default_table()
     env = environment()
     params = list(module.params)
-    extras = ["seed"] * module.seeded + ["row_shape"] * module.row_shape
-    # a flag of the call the backward reads (ctx.in_place)
-    extras += ["in_place"] * bool(getattr(module.api, "in_place", False))
-    fwd = KernelContext(forward, TRITON, backward=False)
+    in_place = bool(getattr(module.api, "in_place", False))
+    several = len(module.modes) > 1
+    forward_facts = KernelFacts(forward, backward=False)
+    fwd = TritonKernel(forward_facts)
     # APIs whose Function takes its dense tensors as the caller gave them and the layout of
     # their rows (codegen/runtime/launch.py `layout`), and returns its results in the caller's
     # shape: views taken outside the Function would each be a node of autograd's graph
     shaped = module.api.kind in SHAPED_KINDS
-    extras += ["layout"] * shaped
     layout_inputs = [name for name in module.inputs
                      if name in fwd.element_inputs and name not in fwd.broadcast_inputs] * shaped
     element_stores = {s["name"] for s in fwd.element_stores}
@@ -952,52 +973,38 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     # a norm's output is contiguous whatever its rows' order, as torch's norms return it (the
     # residual sum beside it keeps the inputs' layout, as torch's `x + r`)
     dense_outputs = module.outputs[:1] * (module.api.kind == "normalized_shape")
-    function_args = [*module.inputs, *module.row_inputs, *params, *module.scalars, *extras]
+    # the Function's arguments: the custom op's inputs in its order (so that an input's
+    # gradient sits at one index for both, `_Function.backward` serving the op's autograd
+    # too), then a flag of the call the backward reads (ctx.in_place), the rows' layout and the
+    # memory mode
+    function_args = [*fwd.inputs, *["in_place"] * in_place, *["layout"] * shaped,
+                     *["memory"] * several]
+    given = [*module.inputs, *module.row_inputs, *params, *module.scalars]
+    given += ["seed"] * module.seeded + ["row_shape"] * module.row_shape
+    if sorted(given) != sorted(fwd.inputs):
+        raise ValueError(f"{module.op}: the forward kernel takes {fwd.inputs}, the op {given}")
     gradient_of = dict(module.gradients)
     # optional outputs (those after the first) are stored when asked for (want_<name>); element
     # ones may take another dtype (<name>_dtype; the custom op's <name>_fp32)
     dtyped = [s["name"] for s in fwd.element_stores if s["name"] in module.outputs[1:]]
-    extra_args = [arg for name in module.outputs[1:]
-                  for arg in (f"want_{name}", *[f"{name}_dtype"] * (name in dtyped))]
     modes = []
     emitted: set[str] = set()  # recorded kernels already in the module
     for mode, saved, doc in module.modes:
         backward = backwards[mode]
-        unpack = [o.name for o in backward.outputs]
-        gradients = [gradient for _, gradient in module.gradients]
+        # a row loss's backward may run on a window of the row (its linear variant's blocks of
+        # classes)
+        facts = KernelFacts(backward, windowed=module.api.kind == "row_loss")
         modes.append({
             "name": mode,
-            "class_name": "_" + "".join(part.title() for part in mode.split("_")) + "Function",
             "doc": doc,
             "saved": list(saved),
             "saved_for_backward": [*saved, *params] + ["seed"] * module.seeded,
-            "store_flags": {s.name: (True if s.name in saved else
-                                     f"want_{s.name}" if s.name in module.outputs else False)
-                            for s in forward.stores if s.flag},
-            # a row loss's backward may run on a window of the row (its linear variant's
-            # blocks of classes)
-            "bwd": KernelContext(backward, TRITON, windowed=module.api.kind == "row_loss"),
-            "bwd_torch": KernelContext(backward, TORCH,
-                                       windowed=module.api.kind == "row_loss"),
-            "gradients": gradients,
-            # the gradient of each custom-op input, in the op's argument order
-            "op_gradients": [gradient_of.get(name, "None") for name in fwd.inputs],
-            "op_needs_index": {gradient_of[a]: i for i, a in enumerate(fwd.inputs)
-                               if a in gradient_of},
-            "unpack": unpack,
-            "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
-                            if a in gradient_of},
-            "returns": ", ".join(
-                [(f"launch.from_rows({gradient_of[a]}, ctx.layout)" if a in layout_inputs
-                  else gradient_of[a]) + f" if needs[{i}] else None"
-                 if a in gradient_of else "None"
-                 for i, a in enumerate(function_args)]
-                + ["None"] * len(extra_args)),
-            # what the Function saves: its dense inputs as given (their rows are views the
-            # backward takes again, recorded where it is differentiated), its results as
-            # returned
-            "saved_given": [f"{name}_given" if name in layout_inputs else name
-                            for name in [*saved, *params] + ["seed"] * module.seeded],
+            "bwd": TritonKernel(facts),
+            "bwd_torch": TorchPath(facts),
+            "unpack": [o.name for o in backward.outputs],
+            # saved values the backward takes as rows again (the Function saves dense inputs
+            # as given and results as returned: their rows are views the backward takes,
+            # recorded where it is differentiated)
             "saved_shaped": [name for name in saved
                              if name in layout_inputs or name in layout_outputs],
         })
@@ -1010,39 +1017,58 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
             (stores.index(gradient_of[a]), a) for a in layout_inputs
             if bwd.foldable and a in saved and gradient_of.get(a) in stores
             and not bwd.element_stores[stores.index(gradient_of[a])]["flag"]))
-        reused = modes[-1]["reused"]
-        modes[-1]["into_given"] = [
-            f"launch.to_rows({reused[i]}_given.detach(), ctx.layout)"
-            f" if reused[{list(reused).index(i)}] else None" if i in reused else "None"
-            for i in range(len(stores))]
         # element stores the launcher takes memory for (`into`): the input gradient's, written
         # into an upstream gradient (in_place) or a chunk's logits (a row loss); the reused
         # inputs' gradients
-        first = ([0] if (getattr(module.api, "in_place", False)
-                         or module.api.kind == "row_loss")
+        first = ([0] if (in_place or module.api.kind == "row_loss")
                  and stores and not bwd.element_stores[0]["flag"] else [])
-        bwd.into_stores = sorted({*first, *modes[-1]["reused"]})
+        facts.into_stores = sorted({*first, *modes[-1]["reused"]})
         modes[-1]["recorded"] = _recorded(recorded[mode], backward, modes[-1], fwd, emitted)
     supported = [m["name"] for m in modes if m["recorded"]]
-    hidden = next((m["recorded"]["hidden"] for m in modes
-                   if m["recorded"] and m["recorded"]["hidden"]), [])
-    tangents = _tangents(module, jvp, fwd, function_args + extra_args, layout_inputs,
-                         layout_outputs, dense_outputs, hidden)
+    with_hidden = next((m["recorded"] for m in modes
+                        if m["recorded"] and m["recorded"]["hidden"]), None)
+    hidden = with_hidden["hidden"] if with_hidden else []
+    tangents = _tangents(module, jvp, layout_inputs)
     for m in modes:
         m["unrecorded"] = None if m["recorded"] else _unrecorded(module, m, supported)
+    # the tensors `_save` takes: the first input (its dtype and device), then every mode's
+    # saved values
+    save_tensors = list(dict.fromkeys(
+        [fwd.first, *(name for m in modes for name in m["saved_for_backward"])]))
+    # whether a call stores each optional forward output, per mode: always (a saved value),
+    # where the caller asks for it (an output: `want_<name>`), or never
+    stored = {}
+    for store in forward.stores:
+        if store.flag:
+            always = [m["name"] for m in modes if store.name in m["saved"]]
+            stored[store.name] = {
+                "always": always,
+                "asked": [m["name"] for m in modes
+                          if m["name"] not in always and store.name in module.outputs],
+                "others": [m["name"] for m in modes if m["name"] not in always]}
     context = {
         "module": module,
         "fwd": fwd,
         "modes": modes,
+        "several": several,
+        "in_place": in_place,
         "upstream": module.upstream,
         "function_args": function_args,
+        "gradient_of": gradient_of,
+        # each differentiated argument's index among the Function's (and the op's) arguments
+        "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
+                        if a in gradient_of},
+        "save_tensors": save_tensors,
+        "stored": stored,
+        # values the Function returns besides the op's outputs (saved values a recorded
+        # backward differentiates through), with their upstream gradients
+        "hidden": hidden,
+        "hidden_upstream": with_hidden["hidden_upstream"] if with_hidden else [],
         "optional_outputs": list(module.outputs[1:]),
         "dtyped_outputs": dtyped,
         # Function.backward's arguments: a gradient per output (those of undifferentiated
         # outputs dropped)
         "output_grads": [upstream_symbol(name).name for name in module.outputs],
-        "extra_flags": [arg for name in module.outputs[1:]
-                        for arg in (f"want_{name}", *[f"{name}_fp32"] * (name in dtyped))],
         "function_tensors": [*(name for name, _ in module.gradients)],
         # public argument name -> spec input name (elementwise APIs name every input)
         "rows": list(zip(getattr(module.api, "inputs", ()), module.inputs, strict=False)),
@@ -1050,11 +1076,10 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         # elementwise ops do; one with row reductions (a softmax) returns contiguous rows, as
         # torch's do
         "keeps_layout": not any(p.reductions for p in forward.passes),
-        "extra_args": extra_args,
         "layout_inputs": layout_inputs,
         "layout_outputs": layout_outputs,
         "dense_outputs": dense_outputs,
-        "fwd_torch": KernelContext(forward, TORCH, backward=False),
+        "fwd_torch": TorchPath(forward_facts),
         "schedule": schedule.constants(module.op),
         "measured_schedules": schedule.measured(module.op),
         "dispatch_table": schedule.dispatch(module.op),
@@ -1087,7 +1112,7 @@ def autocast_policy(torch_function: str) -> str | None:
 
 
 def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: dict[str, Any],
-              fwd: KernelContext, emitted: set[str]) -> dict[str, Any] | None:
+              fwd: TritonKernel, emitted: set[str]) -> dict[str, Any] | None:
     """What a mode's autograd Function needs for the backward autograd records: the torch path
     it calls, whether the module defines it here, and the values the op returns besides its
     outputs (hidden), each with its upstream gradient and that gradient's index among the
@@ -1096,7 +1121,7 @@ def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: di
         return None
     recorded, kernel = plan
     rows = {s["name"] for s in fwd.row_stores}
-    k = KernelContext(kernel, TORCH) if kernel is not None else mode["bwd_torch"]
+    k = TorchPath(KernelFacts(kernel)) if kernel is not None else mode["bwd_torch"]
     fresh = kernel is not None and kernel.name not in emitted
     if kernel is not None:
         emitted.add(kernel.name)
@@ -1111,40 +1136,22 @@ def _recorded(plan: tuple[Any, Kernel | None] | None, backward: Kernel, mode: di
     }
 
 
-def _tangents(module: ModuleSpec, jvp: Kernel, fwd: KernelContext, arguments: list[str],
-              layout_inputs: list[str], layout_outputs: list[str], dense_outputs: list[str],
-              hidden: list[str]) -> dict[str, Any]:
+def _tangents(module: ModuleSpec, jvp: Kernel, layout_inputs: list[str]) -> dict[str, Any]:
     """What each autograd Function's `jvp` needs: the JVP's torch path, the primal tensors the
-    forward keeps for it (`save_for_forward`), its tangent arguments (one per argument of the
-    Function, `_<name>` where the argument has none) and the tangent it returns per output."""
-    k = KernelContext(jvp, TORCH, backward=False)
+    forward keeps for it (`save_for_forward`), each argument's tangent and each output's (a
+    Function's argument without one takes `_<name>`)."""
+    k = TorchPath(KernelFacts(jvp, backward=False))
     tangent_of = dict(module.tangent_inputs)
-    given = {tangent for tangent in tangent_of.values()}
-    primal = [name for name in k.params if name not in given and "=" not in name
-              and name not in (*module.scalars, "row_shape")]
-    calls = {name: f"ctx.{name}" for name in (*module.scalars, "row_shape")}
-    output_tangent = dict(module.tangent_outputs)
-    returns = []
-    for name in [*module.outputs, *hidden]:
-        tangent = output_tangent.get(name)
-        if tangent is None:
-            returns.append("None")
-        elif name in hidden:  # rows, as the Function returns them
-            returns.append(tangent)
-        elif name in layout_outputs:
-            how = "returned_dense" if name in dense_outputs else "returned"
-            returns.append(f"launch.{how}({tangent}, ctx.layout)")
-        else:
-            returns.append(tangent)
+    given = set(tangent_of.values())
     return {
         "k": k,
-        "saved": primal,
-        "args": [tangent_of.get(name, f"_{name}") for name in arguments],
+        "saved": [name for name in k.inputs if name not in given
+                  and name not in (*module.scalars, "row_shape")],
+        "of": tangent_of,
+        "of_output": dict(module.tangent_outputs),
         "rows": [(tangent_of[name], name in layout_inputs) for name in module.inputs
                  if name in tangent_of and name not in module.broadcast_inputs],
-        "call": [calls.get(name, name) for name in k.params if "=" not in name],
         "unpack": [t.name for t in jvp.outputs],
-        "returns": returns,
         # tangents the JVP cannot take as None (zero): a learnable scalar's, and one read at
         # the partner column
         "zeros": [(tangent, name) for name, tangent in module.tangent_inputs
@@ -1225,18 +1232,15 @@ def render_user_test(module: ModuleSpec, spec_path: str,
     """A finite-difference test that sits next to a module derived from a user's spec: it calls
     the op as its API kind says, varying every tensor that gets a gradient; the tensors named
     in `positive` (spec names, `positive_tensors`) are drawn positive."""
-    call = _user_call(module, positive)
-    draws_positive = any(value.startswith("positive(") for _, value in
-                         call["varied"] + call["fixed"])
+    api = module.api
+    ignored = None
+    if api.kind == "row_loss":
+        # a row whose target is the ignored class (loss 0)
+        ignore = next(o.default for o in api.options if o.name == api.ignore)
+        ignored = int(ignore) if float(ignore).is_integer() else 0
     return environment().get_template("user_test.py.j2").render(
         module=module, spec_path=spec_path, modes=[mode for mode, _, _ in module.modes],
-        draws_positive=draws_positive, **call)
-
-
-#: the tensors of a user op's generated test: a row of N elements, and ROWS rows
-_ELEMENTS = "randn(ROWS, N)"
-#: a column parameter away from zero: some memory modes divide by a scale
-_SCALE = "randn(N) + 2.0"
+        positive=positive, ignored=ignored)
 
 
 def positive_tensors(spec: Any) -> frozenset[str]:
@@ -1313,68 +1317,3 @@ def _values_in_tensors(spec: Any, positive: set[str], defaults: dict[str, float]
             else:
                 values[node.symbol] = body
     return values, depends
-
-
-def _user_call(module: ModuleSpec, positive: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """How the generated test calls the op: `varied` (name, value) are the tensors that get a
-    gradient, in the test function's argument order; `fixed` (name, value) the other tensors,
-    read as `_fixed["name"]`; `arguments` the call's arguments, as source. A tensor named in
-    `positive` is drawn positive, away from 0."""
-    def draw(name: str, value: str) -> str:
-        if name not in positive:
-            return value
-        return "positive" + value[len("randn"):].split(" +")[0]
-
-    api = module.api
-    varied: list[tuple[str, str]] = []
-    fixed: list[tuple[str, str]] = []
-    arguments: list[str] = []
-    keywords: list[str] = []
-    if api.kind == "normalized_shape":
-        varied.append(("input", draw(module.inputs[0], _ELEMENTS)))
-        if api.residual:
-            varied.append((api.residual, draw(api.residual, _ELEMENTS)))
-        arguments = [name for name, _ in varied] + ["(N,)"]
-        for param in api.params:
-            varied.append((param.name, draw(param.name, "randn(())" if param.scalar
-                                            else _SCALE)))
-            arguments.append(param.name)
-        for name in api.call_params:
-            varied.append((name, draw(name, _SCALE)))
-            keywords.append(f"{name}={name}")
-        if api.residual:
-            keywords.append("prenorm=True")  # both outputs: the sum's gradient too
-        if len(module.modes) > 1:
-            keywords.append("memory=_memory")
-    elif api.kind in ("elementwise", "position_embedding"):
-        # a position-embedding API's own function is elementwise
-        spec_inputs = dict(zip(api.inputs, module.inputs, strict=True))
-        for public, name in spec_inputs.items():
-            if name in module.broadcast_inputs:
-                # broadcast over the rows, in place
-                fixed.append((public, draw(name, "randn(1, N)")))
-                arguments.append(f'_fixed["{public}"]')
-            elif name in dict(module.gradients):
-                varied.append((public, draw(name, _ELEMENTS)))
-                arguments.append(public)
-            else:
-                fixed.append((public, draw(name, _ELEMENTS)))
-                arguments.append(f'_fixed["{public}"]')
-        for name in api.call_params:
-            varied.append((name, draw(name, "randn(N)")))
-            keywords.append(f"{name}={name}")
-        if api.dropout:
-            keywords.append("seed=0")  # the same keep mask at every call of gradcheck
-    else:
-        varied.append(("input", draw(module.inputs[0], _ELEMENTS)))
-        arguments.append("input")
-        if api.kind in ("dim", "reduction"):
-            arguments.append("-1")
-        elif api.kind == "row_loss":
-            ignore = next(o.default for o in api.options if o.name == api.ignore)
-            # a class at each end of the row, and a row whose target is ignored (loss 0)
-            last = int(ignore) if float(ignore).is_integer() else 0
-            fixed.append((api.target, f"torch.tensor([1, N - 1, {last}], device=device)"))
-            arguments.append(f'_fixed["{api.target}"]')
-            keywords.append('reduction="none"')
-    return {"varied": varied, "fixed": fixed, "arguments": ", ".join(arguments + keywords)}

@@ -52,6 +52,12 @@ class Dialect:
     #: both conditions, and either, `{}` each (empty: `&` and `|`)
     conjunction: str = ""
     disjunction: str = ""
+    #: a number a switch's branch takes (`{}`), where the printer knows a tensor on the
+    #: kernel's device (`{device}`)
+    constant: str = "{}"
+    #: a row sum (`{}`) divided by its scale's base (`{}`): `sum / N`, never `1.0 / N * sum`,
+    #: which is fp32
+    sum_divide: str = "{} / {}"
 
 
 TRITON = Dialect(
@@ -76,6 +82,10 @@ TRITON = Dialect(
     # as selections: Triton's interpreter cannot `|` a condition of scalars with a tensor's
     conjunction="tl.where({}, {}, False)",
     disjunction="tl.where({}, True, {})",
+    # correctly rounded whatever the element dtype: a row statistic one ulp off (Triton's `/`
+    # is div.full.f32) shifts every deviation from it, and a row of -1e4 then normalises to
+    # 0.2 instead of 0 (once a row, so free)
+    sum_divide="helpers.div({}, {}, True)",
 )
 
 TORCH = Dialect(
@@ -96,6 +106,8 @@ TORCH = Dialect(
     rounded="({}).to(dtype).to(acc)",
     # a backward that autograd records (create_graph=True) differentiates the torch path
     detached="({}).detach()",
+    # a tensor, as a value the torch path stores must be
+    constant="torch.full((), {}, dtype=acc, device={device}.device)",
 )
 
 # Binding strength, for parentheses: atoms bind tightest.
@@ -145,12 +157,12 @@ class KernelPrinter:
 
     def __init__(self, dialect: Dialect, varies: Callable[[str], bool],
                  switches: Mapping[tuple[str, sympy.Expr], str] | None = None,
-                 constant: str = "{}"):
+                 device: str | None = None):
         self.dialect = dialect
         self.varies = varies
-        #: how a branch of a switch that is a number prints (`{}` the number): the torch path
-        #: makes it a tensor, as a value it stores must be
-        self.constant = constant
+        #: a tensor on the kernel's device, where a branch of a switch that is a number prints
+        #: as the dialect's `constant`
+        self.device = device
         #: (scalar, the value it takes when off) -> the flag that says it is on: a Piecewise
         #: condition Eq(scalar, value) prints as a Python conditional on the flag (a constexpr
         #: in a kernel), chosen at compile time
@@ -174,7 +186,18 @@ class KernelPrinter:
 
     def _branch(self, expr: sympy.Expr) -> str:
         source = self(expr)
-        return self.constant.format(source) if expr.is_number else source
+        if expr.is_number and self.device is not None:
+            return self.dialect.constant.format(source, device=self.device)
+        return source
+
+    def scale_parts(self, scale: sympy.Expr) -> tuple[str, str]:
+        """What prints before and after a row sum scaled by `scale` (not 1): the dialect's
+        `sum_divide` by its base where it is a reciprocal, else a product."""
+        base, exponent = sympy.sympify(scale).as_base_exp()
+        if exponent == -1:
+            before, after = self.dialect.sum_divide.split("{}", 1)
+            return before, after.format(self(base))
+        return f"{self(scale)} * ", ""
 
     # Each _print_* returns (source, binding strength).
     def _print(self, expr: sympy.Expr) -> tuple[str, int]:

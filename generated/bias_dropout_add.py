@@ -304,7 +304,7 @@ _bias_dropout_add_fwd = launcher.build(
     launcher.Signature(
         name="_bias_dropout_add_fwd",
         kind="fwd",
-        params=("x", "residual", "bias", "p", "seed"),
+        inputs=("x", "residual", "bias", "p", "seed"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("bias", "HAS_BIAS"), ("seed", None)),
         scalars=("p",),
@@ -320,7 +320,7 @@ _bias_dropout_add_bwd_default = launcher.build(
     launcher.Signature(
         name="_bias_dropout_add_bwd_default",
         kind="bwd",
-        params=("dy", "bias", "p", "seed", "store_dbias"),
+        inputs=("dy", "bias", "p", "seed"),
         elements=(("dy", None),),
         pointers=(("bias", "HAS_BIAS"), ("seed", None)),
         scalars=("p",),
@@ -333,27 +333,43 @@ _bias_dropout_add_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves nothing. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_bias_dropout_add_bwd_default,
+)
+
+
+def _save(ctx, layout, x, bias, seed, p):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(bias, seed)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.p = p
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
     def forward(ctx, x, residual, bias, p, seed, layout):
-        x = launch.to_rows(x, layout)
+        x_given, x = x, launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, = _bias_dropout_add_fwd(
             x, residual, bias, p, seed,
         )
         y = launch.returned(y, layout)
-        ctx.save_for_backward(bias, seed)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, residual, bias, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.p = p
+        _save(ctx, layout, x_given, bias, seed, p)
         return y
 
     @staticmethod
@@ -367,7 +383,8 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         bias, seed, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
@@ -377,29 +394,27 @@ class _DefaultFunction(launch.RowFunction):
                 dy, bias,
                 ctx.p,
                 seed,
-                store_dbias=bias is not None and ctx.needs_input_grad[2],
+                store_dbias=bias is not None and needs[2],
             )
         else:
-            dx, dresidual, dbias, = _bias_dropout_add_bwd_default(
+            dx, dresidual, dbias, = backwards.default(
                 dy, bias,
                 ctx.p,
                 seed,
-                store_dbias=bias is not None and ctx.needs_input_grad[2],
+                store_dbias=bias is not None and needs[2],
             )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dbias if needs[2] else None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -427,15 +442,15 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         bias, seed, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
             dy, bias,
             ctx.p,
             seed,
-            store_dbias=bias is not None and ctx.needs_input_grad[2],
+            store_dbias=bias is not None and needs[2],
         )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dbias if needs[2] else None, None, None, None
 
     @staticmethod
@@ -451,15 +466,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _bias_dropout_add_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {}
-    raise ValueError(f"vjpforge::bias_dropout_add: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::bias_dropout_add", mutates_args=())
@@ -471,7 +478,7 @@ def _bias_dropout_add_op(
     seed: torch.Tensor,
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _bias_dropout_add_stores(memory)
+    checks.check_choice("vjpforge::bias_dropout_add", "memory", memory, _MODES)
     outputs = _bias_dropout_add_fwd(
         x, residual, bias, p, seed,
     )
@@ -487,7 +494,7 @@ def _(
     seed,
     memory,
 ):
-    stores = _bias_dropout_add_stores(memory)
+    checks.check_choice("vjpforge::bias_dropout_add", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
@@ -524,44 +531,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.bias_dropout_add_backward_default, _bias_dropout_add_bwd_default, ("dx", "dbias")),
+)
+
+
 def _bias_dropout_add_setup_context(ctx, inputs, output):
     x, residual, bias, p, seed, memory, = inputs
     y, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.p = p
-    if memory == "default":
-        ctx.save_for_backward(bias, seed)
+    _save(ctx, launch.row_layout(x), x, bias, seed, p)
 
 
 def _bias_dropout_add_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        bias, seed, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
-                dy, bias,
-                ctx.p,
-                seed,
-                store_dbias=bias is not None and needs[2],
-            )
-        else:
-            dx, dbias, = torch.ops.vjpforge.bias_dropout_add_backward_default(
-                dy, bias,
-                ctx.p,
-                seed,
-                bias is not None and needs[2],
-            )
-            dresidual = dy
-        gradients = [dx, dresidual, dbias, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:5]), None
 
 
 torch.library.register_autograd(
@@ -612,9 +601,8 @@ def bias_dropout_add(input, residual=None, *, bias=None, p=0.1, training=True, s
     x = input
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
-    function = _FUNCTIONS["default"]
     if checks.needs_grad(x, residual, bias) and not torch.compiler.is_compiling():
-        return launch.apply(function, x, residual, bias, p, seed, layout)
+        return launch.apply(_Function, x, residual, bias, p, seed, layout)
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
     if torch.compiler.is_compiling():

@@ -553,7 +553,7 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     dtype = x.dtype
     acc = launch.accumulator(dtype)
     M, N = x.shape
-    # columns col_start .. col_start + N of rows of row_length columns (KernelContext.windowed)
+    # columns col_start .. col_start + N of rows of row_length columns (KernelFacts.windowed)
     row_length = N if row_length is None else row_length
     x = x.to(acc)
     weight = weight[col_start:col_start + N].to(acc) if weight is not None else 1.0
@@ -725,7 +725,7 @@ _cross_entropy_fwd = launcher.build(
     launcher.Signature(
         name="_cross_entropy_fwd",
         kind="fwd",
-        params=("x", "weight", "target", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling", "store_z_loss", "store_token_accuracy", "store_predicted_tokens", "store_row_max", "store_denominator", "store_target_logit", "store_target_weight", "store_weight_mean"),
+        inputs=("x", "weight", "target", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"), ("target", None)),
         scalars=("ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
@@ -743,7 +743,7 @@ _cross_entropy_bwd_default = launcher.build(
     launcher.Signature(
         name="_cross_entropy_bwd_default",
         kind="bwd",
-        params=("x", "weight", "dloss", "target", "row_max", "denominator", "target_logit", "target_weight", "weight_mean", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
+        inputs=("x", "weight", "dloss", "target", "row_max", "denominator", "target_logit", "target_weight", "weight_mean", "ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"), ("dloss", None), ("target", None), ("row_max", None), ("denominator", None), ("target_logit", None), ("target_weight", None), ("weight_mean", None)),
         scalars=("ignore_index", "label_smoothing", "lse_square_scale", "softcap", "token_scaling"),
@@ -758,14 +758,37 @@ _cross_entropy_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves x, target, row_max, denominator, target_weight, weight_mean, target_logit. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_cross_entropy_bwd_default,
+)
+
+
+def _save(ctx, x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+    ctx.ignore_index = ignore_index
+    ctx.label_smoothing = label_smoothing
+    ctx.lse_square_scale = lse_square_scale
+    ctx.softcap = softcap
+    ctx.token_scaling = token_scaling
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
+    def forward(ctx, x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
         loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = _cross_entropy_fwd(
             x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
             store_z_loss=want_z_loss,
@@ -783,20 +806,13 @@ class _DefaultFunction(launch.RowFunction):
             ctx.mark_non_differentiable(token_accuracy)  # never differentiated (`output(grad=False)`)
         if predicted_tokens is not None:
             ctx.mark_non_differentiable(predicted_tokens)  # never differentiated (`output(grad=False)`)
-        ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, weight, target)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.ignore_index = ignore_index
-        ctx.label_smoothing = label_smoothing
-        ctx.lse_square_scale = lse_square_scale
-        ctx.softcap = softcap
-        ctx.token_scaling = token_scaling
+        _save(ctx, x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling)
         return loss, z_loss, token_accuracy, predicted_tokens
 
     @staticmethod
-    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
+    def jvp(ctx, x_dot, _weight, _target, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, target, = ctx.saved_tensors
@@ -805,7 +821,8 @@ class _DefaultFunction(launch.RowFunction):
         return loss_dot, None, None, None
 
     @staticmethod
-    def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
+    def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
@@ -820,7 +837,7 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.token_scaling,
             )
         else:
-            dx, = _cross_entropy_bwd_default(
+            dx, = backwards.default(
                 x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean,
                 ctx.ignore_index,
                 ctx.label_smoothing,
@@ -828,25 +845,23 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.softcap,
                 ctx.token_scaling,
             )
-        needs = ctx.needs_input_grad
         return dx if needs[0] else None, None, None, None, None, None, None, None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
+    def forward(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
         loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = _cross_entropy_fwd_torch(
             x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
             store_z_loss=want_z_loss,
@@ -862,7 +877,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
+        x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
         loss, z_loss, token_accuracy, predicted_tokens, = output
         if z_loss is not None:
             ctx.mark_non_differentiable(z_loss)  # never differentiated (`output(grad=False)`)
@@ -883,6 +898,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
+        needs = ctx.needs_input_grad
         x, target, weight, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
         dx, = _cross_entropy_bwd_default_recorded_torch(
@@ -893,11 +909,10 @@ class _Functional(torch.autograd.Function):
             ctx.softcap,
             ctx.token_scaling,
         )
-        needs = ctx.needs_input_grad
         return dx if needs[0] else None, None, None, None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, _target, _weight, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
+    def jvp(ctx, x_dot, _weight, _target, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, target, = ctx.saved_tensors
@@ -906,15 +921,7 @@ class _Functional(torch.autograd.Function):
         return loss_dot, None, None, None
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {"z_loss": want_z_loss, "token_accuracy": want_token_accuracy, "predicted_tokens": want_predicted_tokens, "row_max": True, "denominator": True, "target_logit": True, "target_weight": True, "weight_mean": True, }
-    raise ValueError(f"vjpforge::cross_entropy: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::cross_entropy", mutates_args=())
@@ -932,17 +939,17 @@ def _cross_entropy_op(
     want_token_accuracy: bool,
     want_predicted_tokens: bool,
 ) -> list[torch.Tensor]:
-    stores = _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens)
+    checks.check_choice("vjpforge::cross_entropy", "memory", memory, _MODES)
     outputs = _cross_entropy_fwd(
         x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
-        store_z_loss=stores["z_loss"],
-        store_token_accuracy=stores["token_accuracy"],
-        store_predicted_tokens=stores["predicted_tokens"],
-        store_row_max=stores["row_max"],
-        store_denominator=stores["denominator"],
-        store_target_logit=stores["target_logit"],
-        store_target_weight=stores["target_weight"],
-        store_weight_mean=stores["weight_mean"],
+        store_z_loss=want_z_loss,
+        store_token_accuracy=want_token_accuracy,
+        store_predicted_tokens=want_predicted_tokens,
+        store_row_max=True,
+        store_denominator=True,
+        store_target_logit=True,
+        store_target_weight=True,
+        store_weight_mean=True,
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
 
@@ -962,21 +969,21 @@ def _(
     want_token_accuracy,
     want_predicted_tokens,
 ):
-    stores = _cross_entropy_stores(memory, want_z_loss, want_token_accuracy, want_predicted_tokens)
+    checks.check_choice("vjpforge::cross_entropy", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
     empty = x.new_empty
     return [
         x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc) if stores["z_loss"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["token_accuracy"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["predicted_tokens"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["row_max"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["denominator"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["target_logit"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["target_weight"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["weight_mean"] else empty(0),
+        x.new_empty((M,), dtype=acc) if want_z_loss else empty(0),
+        x.new_empty((M,), dtype=acc) if want_token_accuracy else empty(0),
+        x.new_empty((M,), dtype=acc) if want_predicted_tokens else empty(0),
+        x.new_empty((M,), dtype=acc),
+        x.new_empty((M,), dtype=acc),
+        x.new_empty((M,), dtype=acc),
+        x.new_empty((M,), dtype=acc),
+        x.new_empty((M,), dtype=acc),
     ]
 
 
@@ -1024,51 +1031,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.cross_entropy_backward_default, _cross_entropy_bwd_default, ("dx",)),
+)
+
+
 def _cross_entropy_setup_context(ctx, inputs, output):
     x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, memory, want_z_loss, want_token_accuracy, want_predicted_tokens, = inputs
     loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.ignore_index = ignore_index
-    ctx.label_smoothing = label_smoothing
-    ctx.lse_square_scale = lse_square_scale
-    ctx.softcap = softcap
-    ctx.token_scaling = token_scaling
-    if memory == "default":
-        ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight)
+    _save(ctx, x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling)
 
 
 def _cross_entropy_backward(ctx, grads):
-    dloss, = grads[:1]
-    dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, = _cross_entropy_bwd_default_recorded_torch(
-                x, weight, dloss, target,
-                ctx.ignore_index,
-                ctx.label_smoothing,
-                ctx.lse_square_scale,
-                ctx.softcap,
-                ctx.token_scaling,
-            )
-        else:
-            dx, = torch.ops.vjpforge.cross_entropy_backward_default(
-                x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean,
-                ctx.ignore_index,
-                ctx.label_smoothing,
-                ctx.lse_square_scale,
-                ctx.softcap,
-                ctx.token_scaling,
-            )
-        gradients = [dx, None, None, None, None, None, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, None, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], grads[1], grads[2], grads[3], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:8]), None, None, None, None
 
 
 torch.library.register_autograd(
@@ -1163,12 +1145,11 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     shape = input.shape
     x = launch.rows((-1, shape[-1]), input)
     target = target.reshape(-1).contiguous()
-    function = _FUNCTIONS["default"]
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         outputs = torch.ops.vjpforge.cross_entropy(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, "default", return_z_loss, return_token_accuracy, return_predicted_tokens)
     elif checks.needs_grad(x):
-        outputs = launch.apply(function, x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+        outputs = launch.apply(_Function, x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
     else:
         outputs = _cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, store_z_loss=return_z_loss, store_token_accuracy=return_token_accuracy, store_predicted_tokens=return_predicted_tokens, store_row_max=False, store_denominator=False, store_target_logit=False, store_target_weight=False, store_weight_mean=False)
     results = [losses.reduce_rows(outputs[0], reduction, shape, counted, target, ignore_index, weight, dtype)]

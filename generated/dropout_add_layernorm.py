@@ -1117,7 +1117,7 @@ _dropout_add_layernorm_fwd = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_fwd",
         kind="fwd",
-        params=("x", "residual", "input_bias", "weight", "bias", "eps", "dropout_p", "seed", "store_residual_out", "store_mean", "store_rstd", "residual_out_dtype=None"),
+        inputs=("x", "residual", "input_bias", "weight", "bias", "eps", "dropout_p", "seed"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("seed", None)),
         scalars=("eps", "dropout_p"),
@@ -1135,7 +1135,7 @@ _dropout_add_layernorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_bwd_default",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "mean", "rstd", "dropout_p", "seed", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "mean", "rstd", "dropout_p", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("mean", None), ("rstd", None), ("seed", None)),
         scalars=("dropout_p",),
@@ -1153,7 +1153,7 @@ _dropout_add_layernorm_bwd_recompute_mean = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_bwd_recompute_mean",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None), ("seed", None)),
         scalars=("dropout_p",),
@@ -1171,7 +1171,7 @@ _dropout_add_layernorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_dropout_add_layernorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "dresidual_out", "y", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed", "store_dinput_bias", "store_dweight", "store_dbias"),
+        inputs=("dy", "dresidual_out", "y", "input_bias", "weight", "bias", "rstd", "dropout_p", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("y", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None), ("seed", None)),
         scalars=("dropout_p",),
@@ -1185,180 +1185,63 @@ _dropout_add_layernorm_bwd_invertible = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves residual_out, mean, rstd. Keeps the sum and both statistics.
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_dropout_add_layernorm_bwd_default,
+    recompute_mean=_dropout_add_layernorm_bwd_recompute_mean,
+    invertible=_dropout_add_layernorm_bwd_invertible,
+)
 
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
 
-    @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
-        x = launch.to_rows(x, layout)
-        residual = launch.to_rows(residual, layout)
-        y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd(
-            x, residual, input_bias, weight, bias, eps, dropout_p, seed,
-            store_residual_out=True,
-            store_mean=True,
-            store_rstd=True,
-            residual_out_dtype=residual_out_dtype,
-        )
-        y = launch.returned_dense(y, layout)
-        residual_out = launch.returned(residual_out, layout)
+def _save(ctx, memory, layout, x, residual_out, mean, rstd, input_bias, weight, bias, seed, y, eps, dropout_p):
+    """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    if memory == "default":
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias, seed)
-        # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, residual, input_bias, weight, bias, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.dropout_p = dropout_p
-        ctx.residual_out_dtype = residual_out_dtype
-        return y, residual_out
-
-    @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _want_residual_out, _residual_out_dtype):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, residual, input_bias, weight, bias, seed, = ctx.saved_tensors
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _dropout_add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps, ctx.dropout_p, seed)
-        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
-
-    @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        residual_out, mean, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        residual_out = launch.to_rows(residual_out, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
-            dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
-                dy, dresidual_out, residual_out, input_bias, weight, bias,
-                ctx.eps,
-                ctx.dropout_p,
-                seed,
-                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-                store_dweight=weight is not None and ctx.needs_input_grad[3],
-                store_dbias=bias is not None and ctx.needs_input_grad[4],
-            )
-        else:
-            dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default(
-                dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
-                ctx.dropout_p,
-                seed,
-                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-                store_dweight=weight is not None and ctx.needs_input_grad[3],
-                store_dbias=bias is not None and ctx.needs_input_grad[4],
-            )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
-
-
-class _RecomputeMeanFunction(launch.RowFunction):
-    """Memory mode 'recompute_mean': saves residual_out, rstd. The backward recomputes the row mean from the saved sum.
-
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
-
-    @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
-        x = launch.to_rows(x, layout)
-        residual = launch.to_rows(residual, layout)
-        y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd(
-            x, residual, input_bias, weight, bias, eps, dropout_p, seed,
-            store_residual_out=True,
-            store_mean=False,
-            store_rstd=True,
-            residual_out_dtype=residual_out_dtype,
-        )
-        y = launch.returned_dense(y, layout)
-        residual_out = launch.returned(residual_out, layout)
+    elif memory == "recompute_mean":
         ctx.save_for_backward(residual_out, rstd, input_bias, weight, bias, seed)
-        # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, residual, input_bias, weight, bias, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.dropout_p = dropout_p
-        ctx.residual_out_dtype = residual_out_dtype
-        return y, residual_out
-
-    @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _want_residual_out, _residual_out_dtype):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, residual, input_bias, weight, bias, seed, = ctx.saved_tensors
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _dropout_add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps, ctx.dropout_p, seed)
-        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
-
-    @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        residual_out, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        residual_out = launch.to_rows(residual_out, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
-            dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
-                dy, dresidual_out, residual_out, input_bias, weight, bias,
-                ctx.eps,
-                ctx.dropout_p,
-                seed,
-                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-                store_dweight=weight is not None and ctx.needs_input_grad[3],
-                store_dbias=bias is not None and ctx.needs_input_grad[4],
-            )
-        else:
-            dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_recompute_mean(
-                dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
-                ctx.dropout_p,
-                seed,
-                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-                store_dweight=weight is not None and ctx.needs_input_grad[3],
-                store_dbias=bias is not None and ctx.needs_input_grad[4],
-            )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
+    else:  # memory == "invertible"
+        ctx.save_for_backward(y, rstd, input_bias, weight, bias, seed)
+    ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.eps = eps
+    ctx.dropout_p = dropout_p
 
 
-class _InvertibleFunction(launch.RowFunction):
-    """Memory mode 'invertible': saves y, rstd. Keeps the output instead of the sum; x_hat = (y - bias) / weight, guarded.
+class _Function(launch.RowFunction):
+    """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward of the
+    call's mode, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
-        x = launch.to_rows(x, layout)
+    def forward(ctx, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, memory, want_residual_out, residual_out_dtype):
+        x_given, x = x, launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd(
             x, residual, input_bias, weight, bias, eps, dropout_p, seed,
-            store_residual_out=want_residual_out,
-            store_mean=False,
+            store_residual_out=want_residual_out or memory != "invertible",
+            store_mean=memory == "default",
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
-        ctx.save_for_backward(y, rstd, input_bias, weight, bias, seed)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, residual, input_bias, weight, bias, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.dropout_p = dropout_p
         ctx.residual_out_dtype = residual_out_dtype
+        _save(ctx, memory, layout, x_given, residual_out, mean, rstd, input_bias, weight, bias, seed, y, eps, dropout_p)
         return y, residual_out
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _memory, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, bias, seed, = ctx.saved_tensors
@@ -1368,42 +1251,93 @@ class _InvertibleFunction(launch.RowFunction):
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        y, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        y = launch.to_rows(y, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        if torch.is_grad_enabled():
-            raise RuntimeError("dropout_add_layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_invertible(
-            dy, dresidual_out, y, input_bias, weight, bias, rstd,
-            ctx.dropout_p,
-            seed,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
-            store_dbias=bias is not None and ctx.needs_input_grad[4],
-        )
+    def backward(ctx, dy, dresidual_out, *, backwards=_BACKWARDS):
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
+        memory = ctx.memory
+        if memory == "default":
+            residual_out, mean, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
+            residual_out = launch.to_rows(residual_out, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
+            if torch.is_grad_enabled():
+                # autograd records this backward (create_graph=True): the derived backward as
+                # differentiable torch ops, reading saved values that carry autograd's graph
+                dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
+                    dy, dresidual_out, residual_out, input_bias, weight, bias,
+                    ctx.eps,
+                    ctx.dropout_p,
+                    seed,
+                    store_dinput_bias=input_bias is not None and needs[2],
+                    store_dweight=weight is not None and needs[3],
+                    store_dbias=bias is not None and needs[4],
+                )
+            else:
+                dx, dresidual, dinput_bias, dweight, dbias, = backwards.default(
+                    dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
+                    ctx.dropout_p,
+                    seed,
+                    store_dinput_bias=input_bias is not None and needs[2],
+                    store_dweight=weight is not None and needs[3],
+                    store_dbias=bias is not None and needs[4],
+                )
+        elif memory == "recompute_mean":
+            residual_out, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
+            residual_out = launch.to_rows(residual_out, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
+            if torch.is_grad_enabled():
+                # autograd records this backward (create_graph=True): the derived backward as
+                # differentiable torch ops, reading saved values that carry autograd's graph
+                dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
+                    dy, dresidual_out, residual_out, input_bias, weight, bias,
+                    ctx.eps,
+                    ctx.dropout_p,
+                    seed,
+                    store_dinput_bias=input_bias is not None and needs[2],
+                    store_dweight=weight is not None and needs[3],
+                    store_dbias=bias is not None and needs[4],
+                )
+            else:
+                dx, dresidual, dinput_bias, dweight, dbias, = backwards.recompute_mean(
+                    dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
+                    ctx.dropout_p,
+                    seed,
+                    store_dinput_bias=input_bias is not None and needs[2],
+                    store_dweight=weight is not None and needs[3],
+                    store_dbias=bias is not None and needs[4],
+                )
+        else:  # memory == "invertible"
+            y, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
+            y = launch.to_rows(y, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
+            if torch.is_grad_enabled():
+                raise RuntimeError("dropout_add_layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
+            dx, dresidual, dinput_bias, dweight, dbias, = backwards.invertible(
+                dy, dresidual_out, y, input_bias, weight, bias, rstd,
+                ctx.dropout_p,
+                seed,
+                store_dinput_bias=input_bias is not None and needs[2],
+                store_dweight=weight is not None and needs[3],
+                store_dbias=bias is not None and needs[4],
+            )
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-    "recompute_mean": _RecomputeMeanFunction,
-    "invertible": _InvertibleFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default", "recompute_mean", "invertible")
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype):
+    def forward(x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, memory, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, mean, rstd, = _dropout_add_layernorm_fwd_torch(
@@ -1419,7 +1353,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, want_residual_out, residual_out_dtype, = inputs
+        x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, memory, want_residual_out, residual_out_dtype, = inputs
         y, residual_out, = output
         ctx.save_for_backward(residual_out, input_bias, weight, bias, seed)
         ctx.save_for_forward(x, residual, input_bias, weight, bias, seed)
@@ -1433,6 +1367,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
+        needs = ctx.needs_input_grad
         residual_out, input_bias, weight, bias, seed, = ctx.saved_tensors
         residual_out = launch.to_rows(residual_out, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
@@ -1442,15 +1377,14 @@ class _Functional(torch.autograd.Function):
             ctx.eps,
             ctx.dropout_p,
             seed,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
-            store_dbias=bias is not None and ctx.needs_input_grad[4],
+            store_dinput_bias=input_bias is not None and needs[2],
+            store_dweight=weight is not None and needs[3],
+            store_dbias=bias is not None and needs[4],
         )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _dropout_p, _seed, _layout, _memory, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, bias, seed, = ctx.saved_tensors
@@ -1462,21 +1396,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-_RecomputeMeanFunction.functional = _Functional
-_InvertibleFunction.functional = _Functional
-
-
-def _dropout_add_layernorm_stores(memory, want_residual_out):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {"residual_out": True, "mean": True, "rstd": True, }
-    if memory == "recompute_mean":
-        return {"residual_out": True, "mean": False, "rstd": True, }
-    if memory == "invertible":
-        return {"residual_out": want_residual_out, "mean": False, "rstd": True, }
-    raise ValueError(f"vjpforge::dropout_add_layernorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::dropout_add_layernorm", mutates_args=())
@@ -1493,12 +1413,12 @@ def _dropout_add_layernorm_op(
     want_residual_out: bool,
     residual_out_fp32: bool,
 ) -> list[torch.Tensor]:
-    stores = _dropout_add_layernorm_stores(memory, want_residual_out)
+    checks.check_choice("vjpforge::dropout_add_layernorm", "memory", memory, _MODES)
     outputs = _dropout_add_layernorm_fwd(
         x, residual, input_bias, weight, bias, eps, dropout_p, seed,
-        store_residual_out=stores["residual_out"],
-        store_mean=stores["mean"],
-        store_rstd=stores["rstd"],
+        store_residual_out=want_residual_out or memory != "invertible",
+        store_mean=memory == "default",
+        store_rstd=True,
         residual_out_dtype=torch.float32 if residual_out_fp32 else None,
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
@@ -1518,16 +1438,16 @@ def _(
     want_residual_out,
     residual_out_fp32,
 ):
-    stores = _dropout_add_layernorm_stores(memory, want_residual_out)
+    checks.check_choice("vjpforge::dropout_add_layernorm", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
     empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["mean"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
+        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if want_residual_out or memory != "invertible" else empty(0),
+        x.new_empty((M,), dtype=acc) if memory == "default" else empty(0),
+        x.new_empty((M,), dtype=acc),
     ]
 
 
@@ -1665,90 +1585,28 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.dropout_add_layernorm_backward_default, _dropout_add_layernorm_bwd_default, ("dx", "dresidual", "dinput_bias", "dweight", "dbias")),
+    recompute_mean=launcher.through(torch.ops.vjpforge.dropout_add_layernorm_backward_recompute_mean, _dropout_add_layernorm_bwd_recompute_mean, ("dx", "dresidual", "dinput_bias", "dweight", "dbias")),
+    invertible=launcher.through(torch.ops.vjpforge.dropout_add_layernorm_backward_invertible, _dropout_add_layernorm_bwd_invertible, ("dx", "dresidual", "dinput_bias", "dweight", "dbias")),
+)
+
+
 def _dropout_add_layernorm_setup_context(ctx, inputs, output):
     x, residual, input_bias, weight, bias, eps, dropout_p, seed, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, mean, rstd, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.eps = eps
-    ctx.dropout_p = dropout_p
-    if memory == "default":
-        ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias, seed)
-    elif memory == "recompute_mean":
-        ctx.save_for_backward(residual_out, rstd, input_bias, weight, bias, seed)
-    elif memory == "invertible":
-        ctx.save_for_backward(y, rstd, input_bias, weight, bias, seed)
+    _save(ctx, memory, launch.row_layout(x), x, residual_out, mean, rstd, input_bias, weight, bias, seed, y, eps, dropout_p)
 
 
 def _dropout_add_layernorm_backward(ctx, grads):
-    dy, dresidual_out, = grads[:2]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    dresidual_out = launch.rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        residual_out, mean, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
-                dy, dresidual_out, residual_out, input_bias, weight, bias,
-                ctx.eps,
-                ctx.dropout_p,
-                seed,
-                store_dinput_bias=input_bias is not None and needs[2],
-                store_dweight=weight is not None and needs[3],
-                store_dbias=bias is not None and needs[4],
-            )
-        else:
-            dx, dresidual, dinput_bias, dweight, dbias, = torch.ops.vjpforge.dropout_add_layernorm_backward_default(
-                dy, dresidual_out, residual_out, input_bias, weight, bias, mean, rstd,
-                ctx.dropout_p,
-                seed,
-                input_bias is not None and needs[2],
-                weight is not None and needs[3],
-                bias is not None and needs[4],
-            )
-        gradients = [dx, dresidual, dinput_bias, dweight, dbias, None, None, None]
-    elif ctx.memory == "recompute_mean":
-        residual_out, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dresidual, dinput_bias, dweight, dbias, = _dropout_add_layernorm_bwd_default_recorded_torch(
-                dy, dresidual_out, residual_out, input_bias, weight, bias,
-                ctx.eps,
-                ctx.dropout_p,
-                seed,
-                store_dinput_bias=input_bias is not None and needs[2],
-                store_dweight=weight is not None and needs[3],
-                store_dbias=bias is not None and needs[4],
-            )
-        else:
-            dx, dresidual, dinput_bias, dweight, dbias, = torch.ops.vjpforge.dropout_add_layernorm_backward_recompute_mean(
-                dy, dresidual_out, residual_out, input_bias, weight, bias, rstd,
-                ctx.dropout_p,
-                seed,
-                input_bias is not None and needs[2],
-                weight is not None and needs[3],
-                bias is not None and needs[4],
-            )
-        gradients = [dx, dresidual, dinput_bias, dweight, dbias, None, None, None]
-    elif ctx.memory == "invertible":
-        y, rstd, input_bias, weight, bias, seed, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            raise RuntimeError("dropout_add_layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dresidual, dinput_bias, dweight, dbias, = torch.ops.vjpforge.dropout_add_layernorm_backward_invertible(
-            dy, dresidual_out, y, input_bias, weight, bias, rstd,
-            ctx.dropout_p,
-            seed,
-            input_bias is not None and needs[2],
-            weight is not None and needs[3],
-            bias is not None and needs[4],
-        )
-        gradients = [dx, dresidual, dinput_bias, dweight, dbias, None, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], grads[1], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:8]), None, None, None
 
 
 torch.library.register_autograd(
@@ -1824,7 +1682,8 @@ def dropout_add_layer_norm(
     if not training:
         dropout_p = 0.0
     checks.check_seed("dropout_add_layer_norm", seed)
-    function = checks.check_choice("dropout_add_layer_norm", "memory", memory, _FUNCTIONS)
+    if memory not in _MODES:  # the check's call only where it raises: host time on every call
+        checks.check_choice("dropout_add_layer_norm", "memory", memory, _MODES)
     if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and bias is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and dispatch.same_dtype(input, residual, input_bias, weight, bias):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.layer_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, bias, eps, prenorm=prenorm)
@@ -1845,7 +1704,7 @@ def dropout_add_layer_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight, bias) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, prenorm, residual_out_dtype)
+        outputs = launch.apply(_Function, x, residual, input_bias, weight, bias, eps, dropout_p, seed, layout, memory, prenorm, residual_out_dtype)
         return (outputs[0], amp.restored(outputs[1], added_dtype)) if prenorm else outputs[0]
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
@@ -1896,7 +1755,7 @@ class DropoutAddLayerNorm(torch.nn.Module):
         self.prenorm = prenorm
         self.residual_in_fp32 = residual_in_fp32
         self.dropout_p = checks.check_option("DropoutAddLayerNorm", "dropout_p", dropout_p, "probability")
-        checks.check_choice("DropoutAddLayerNorm", "memory", memory, _FUNCTIONS)
+        checks.check_choice("DropoutAddLayerNorm", "memory", memory, _MODES)
         self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))

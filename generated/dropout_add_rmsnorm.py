@@ -820,7 +820,7 @@ _dropout_add_rmsnorm_fwd = launcher.build(
     launcher.Signature(
         name="_dropout_add_rmsnorm_fwd",
         kind="fwd",
-        params=("x", "residual", "input_bias", "weight", "eps", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed", "store_residual_out", "store_rstd", "residual_out_dtype=None"),
+        inputs=("x", "residual", "input_bias", "weight", "eps", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed"),
         elements=(("x", None), ("residual", "HAS_RESIDUAL")),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("seed", None)),
         scalars=("eps", "weight_offset", "dropout_p", "round_normalized", "round_steps"),
@@ -838,7 +838,7 @@ _dropout_add_rmsnorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_dropout_add_rmsnorm_bwd_default",
         kind="bwd",
-        params=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed", "store_dinput_bias", "store_dweight"),
+        inputs=("dy", "dresidual_out", "residual_out", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("residual_out", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("rstd", None), ("seed", None)),
         scalars=("weight_offset", "dropout_p", "round_normalized", "round_steps"),
@@ -858,7 +858,7 @@ _dropout_add_rmsnorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_dropout_add_rmsnorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "dresidual_out", "y", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed", "store_dinput_bias", "store_dweight"),
+        inputs=("dy", "dresidual_out", "y", "input_bias", "weight", "rstd", "weight_offset", "dropout_p", "round_normalized", "round_steps", "seed"),
         elements=(("dy", None), ("dresidual_out", "HAS_DRESIDUAL_OUT"), ("y", None)),
         pointers=(("input_bias", "HAS_INPUT_BIAS"), ("weight", "HAS_WEIGHT"), ("rstd", None), ("seed", None)),
         scalars=("weight_offset", "dropout_p", "round_normalized", "round_steps"),
@@ -874,41 +874,63 @@ _dropout_add_rmsnorm_bwd_invertible = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves residual_out, rstd. Keeps the sum and the row statistic.
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_dropout_add_rmsnorm_bwd_default,
+    invertible=_dropout_add_rmsnorm_bwd_invertible,
+)
+
+
+def _save(ctx, memory, layout, x, residual_out, rstd, input_bias, weight, seed, y, eps, weight_offset, dropout_p, round_normalized, round_steps, in_place):
+    """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    if memory == "default":
+        ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
+    else:  # memory == "invertible"
+        ctx.save_for_backward(y, rstd, input_bias, weight, seed)
+    ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.eps = eps
+    ctx.weight_offset = weight_offset
+    ctx.dropout_p = dropout_p
+    ctx.round_normalized = round_normalized
+    ctx.round_steps = round_steps
+    ctx.in_place = in_place
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward of the
+    call's mode, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype):
-        x = launch.to_rows(x, layout)
+    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, memory, want_residual_out, residual_out_dtype):
+        x_given, x = x, launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd(
             x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
-            store_residual_out=True,
+            store_residual_out=want_residual_out or memory == "default",
             store_rstd=True,
             residual_out_dtype=residual_out_dtype,
         )
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
-        ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, residual, input_bias, weight, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        ctx.dropout_p = dropout_p
-        ctx.round_normalized = round_normalized
-        ctx.round_steps = round_steps
-        ctx.in_place = in_place
         ctx.residual_out_dtype = residual_out_dtype
+        _save(ctx, memory, layout, x_given, residual_out, rstd, input_bias, weight, seed, y, eps, weight_offset, dropout_p, round_normalized, round_steps, in_place)
         return y, residual_out
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _memory, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, seed, = ctx.saved_tensors
@@ -918,129 +940,79 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        residual_out, rstd, input_bias, weight, seed, = ctx.saved_tensors
-        residual_out = launch.to_rows(residual_out, ctx.layout)
+    def backward(ctx, dy, dresidual_out, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        into = (dy,) if overwrite else None
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
-            dx, dresidual, dinput_bias, dweight, = _dropout_add_rmsnorm_bwd_default_recorded_torch(
-                dy, dresidual_out, residual_out, input_bias, weight,
-                ctx.eps,
+        memory = ctx.memory
+        if memory == "default":
+            residual_out, rstd, input_bias, weight, seed, = ctx.saved_tensors
+            residual_out = launch.to_rows(residual_out, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
+            into = (dy,) if overwrite else None
+            if torch.is_grad_enabled():
+                # autograd records this backward (create_graph=True): the derived backward as
+                # differentiable torch ops, reading saved values that carry autograd's graph
+                dx, dresidual, dinput_bias, dweight, = _dropout_add_rmsnorm_bwd_default_recorded_torch(
+                    dy, dresidual_out, residual_out, input_bias, weight,
+                    ctx.eps,
+                    ctx.weight_offset,
+                    ctx.dropout_p,
+                    ctx.round_normalized,
+                    ctx.round_steps,
+                    seed,
+                    store_dinput_bias=input_bias is not None and needs[2],
+                    store_dweight=weight is not None and needs[3],
+                )
+            else:
+                dx, dresidual, dinput_bias, dweight, = backwards.default(
+                    dy, dresidual_out, residual_out, input_bias, weight, rstd,
+                    ctx.weight_offset,
+                    ctx.dropout_p,
+                    ctx.round_normalized,
+                    ctx.round_steps,
+                    seed,
+                    store_dinput_bias=input_bias is not None and needs[2],
+                    store_dweight=weight is not None and needs[3],
+                    into=into,
+                )
+        else:  # memory == "invertible"
+            y, rstd, input_bias, weight, seed, = ctx.saved_tensors
+            y = launch.to_rows(y, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
+            into = (dy,) if overwrite else None
+            if torch.is_grad_enabled():
+                raise RuntimeError("dropout_add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
+            dx, dresidual, dinput_bias, dweight, = backwards.invertible(
+                dy, dresidual_out, y, input_bias, weight, rstd,
                 ctx.weight_offset,
                 ctx.dropout_p,
                 ctx.round_normalized,
                 ctx.round_steps,
                 seed,
-                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-                store_dweight=weight is not None and ctx.needs_input_grad[3],
-            )
-        else:
-            dx, dresidual, dinput_bias, dweight, = _dropout_add_rmsnorm_bwd_default(
-                dy, dresidual_out, residual_out, input_bias, weight, rstd,
-                ctx.weight_offset,
-                ctx.dropout_p,
-                ctx.round_normalized,
-                ctx.round_steps,
-                seed,
-                store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-                store_dweight=weight is not None and ctx.needs_input_grad[3],
+                store_dinput_bias=input_bias is not None and needs[2],
+                store_dweight=weight is not None and needs[3],
                 into=into,
             )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None, None
 
 
-class _InvertibleFunction(launch.RowFunction):
-    """Memory mode 'invertible': saves y, rstd. Keeps the output instead of the sum; x_hat = y / (weight_offset + weight).
-
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
-
-    @staticmethod
-    def forward(ctx, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype):
-        x = launch.to_rows(x, layout)
-        residual = launch.to_rows(residual, layout)
-        y, residual_out, rstd, = _dropout_add_rmsnorm_fwd(
-            x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
-            store_residual_out=want_residual_out,
-            store_rstd=True,
-            residual_out_dtype=residual_out_dtype,
-        )
-        y = launch.returned_dense(y, layout)
-        residual_out = launch.returned(residual_out, layout)
-        ctx.save_for_backward(y, rstd, input_bias, weight, seed)
-        # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, residual, input_bias, weight, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        ctx.dropout_p = dropout_p
-        ctx.round_normalized = round_normalized
-        ctx.round_steps = round_steps
-        ctx.in_place = in_place
-        ctx.residual_out_dtype = residual_out_dtype
-        return y, residual_out
-
-    @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, residual, input_bias, weight, seed, = ctx.saved_tensors
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _dropout_add_rmsnorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, input_bias_dot, weight_dot, ctx.eps, ctx.weight_offset, ctx.dropout_p, ctx.round_normalized, ctx.round_steps, seed)
-        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
-
-    @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        y, rstd, input_bias, weight, seed, = ctx.saved_tensors
-        y = launch.to_rows(y, ctx.layout)
-        # the kernels write the input's gradient into dy's memory where no one else holds it
-        overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        into = (dy,) if overwrite else None
-        if torch.is_grad_enabled():
-            raise RuntimeError("dropout_add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dresidual, dinput_bias, dweight, = _dropout_add_rmsnorm_bwd_invertible(
-            dy, dresidual_out, y, input_bias, weight, rstd,
-            ctx.weight_offset,
-            ctx.dropout_p,
-            ctx.round_normalized,
-            ctx.round_steps,
-            seed,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
-            into=into,
-        )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None
-
-
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-    "invertible": _InvertibleFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default", "invertible")
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype):
+    def forward(x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, memory, want_residual_out, residual_out_dtype):
         x = launch.to_rows(x, layout)
         residual = launch.to_rows(residual, layout)
         y, residual_out, rstd, = _dropout_add_rmsnorm_fwd_torch(
@@ -1055,7 +1027,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, want_residual_out, residual_out_dtype, = inputs
+        x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, memory, want_residual_out, residual_out_dtype, = inputs
         y, residual_out, = output
         ctx.save_for_backward(residual_out, input_bias, weight, seed)
         ctx.save_for_forward(x, residual, input_bias, weight, seed)
@@ -1072,6 +1044,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dresidual_out):
+        needs = ctx.needs_input_grad
         residual_out, input_bias, weight, seed, = ctx.saved_tensors
         residual_out = launch.to_rows(residual_out, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
@@ -1084,14 +1057,13 @@ class _Functional(torch.autograd.Function):
             ctx.round_normalized,
             ctx.round_steps,
             seed,
-            store_dinput_bias=input_bias is not None and ctx.needs_input_grad[2],
-            store_dweight=weight is not None and ctx.needs_input_grad[3],
+            store_dinput_bias=input_bias is not None and needs[2],
+            store_dweight=weight is not None and needs[3],
         )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, None, None, None, None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _want_residual_out, _residual_out_dtype):
+    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, _eps, _weight_offset, _dropout_p, _round_normalized, _round_steps, _seed, _in_place, _layout, _memory, _want_residual_out, _residual_out_dtype):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, seed, = ctx.saved_tensors
@@ -1103,18 +1075,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-_InvertibleFunction.functional = _Functional
-
-
-def _dropout_add_rmsnorm_stores(memory, want_residual_out):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {"residual_out": True, "rstd": True, }
-    if memory == "invertible":
-        return {"residual_out": want_residual_out, "rstd": True, }
-    raise ValueError(f"vjpforge::dropout_add_rmsnorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::dropout_add_rmsnorm", mutates_args=())
@@ -1133,11 +1094,11 @@ def _dropout_add_rmsnorm_op(
     want_residual_out: bool,
     residual_out_fp32: bool,
 ) -> list[torch.Tensor]:
-    stores = _dropout_add_rmsnorm_stores(memory, want_residual_out)
+    checks.check_choice("vjpforge::dropout_add_rmsnorm", "memory", memory, _MODES)
     outputs = _dropout_add_rmsnorm_fwd(
         x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed,
-        store_residual_out=stores["residual_out"],
-        store_rstd=stores["rstd"],
+        store_residual_out=want_residual_out or memory == "default",
+        store_rstd=True,
         residual_out_dtype=torch.float32 if residual_out_fp32 else None,
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
@@ -1159,15 +1120,15 @@ def _(
     want_residual_out,
     residual_out_fp32,
 ):
-    stores = _dropout_add_rmsnorm_stores(memory, want_residual_out)
+    checks.check_choice("vjpforge::dropout_add_rmsnorm", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
     empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if stores["residual_out"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
+        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if want_residual_out or memory == "default" else empty(0),
+        x.new_empty((M,), dtype=acc),
     ]
 
 
@@ -1261,74 +1222,27 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.dropout_add_rmsnorm_backward_default, _dropout_add_rmsnorm_bwd_default, ("dx", "dresidual", "dinput_bias", "dweight")),
+    invertible=launcher.through(torch.ops.vjpforge.dropout_add_rmsnorm_backward_invertible, _dropout_add_rmsnorm_bwd_invertible, ("dx", "dresidual", "dinput_bias", "dweight")),
+)
+
+
 def _dropout_add_rmsnorm_setup_context(ctx, inputs, output):
     x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, memory, want_residual_out, residual_out_fp32, = inputs
     y, residual_out, rstd, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.eps = eps
-    ctx.weight_offset = weight_offset
-    ctx.dropout_p = dropout_p
-    ctx.round_normalized = round_normalized
-    ctx.round_steps = round_steps
-    if memory == "default":
-        ctx.save_for_backward(residual_out, rstd, input_bias, weight, seed)
-    elif memory == "invertible":
-        ctx.save_for_backward(y, rstd, input_bias, weight, seed)
+    _save(ctx, memory, launch.row_layout(x), x, residual_out, rstd, input_bias, weight, seed, y, eps, weight_offset, dropout_p, round_normalized, round_steps, False)
 
 
 def _dropout_add_rmsnorm_backward(ctx, grads):
-    dy, dresidual_out, = grads[:2]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    dresidual_out = launch.rows(dresidual_out.shape, dresidual_out) if dresidual_out is not None and dresidual_out.numel() else None
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        residual_out, rstd, input_bias, weight, seed, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dresidual, dinput_bias, dweight, = _dropout_add_rmsnorm_bwd_default_recorded_torch(
-                dy, dresidual_out, residual_out, input_bias, weight,
-                ctx.eps,
-                ctx.weight_offset,
-                ctx.dropout_p,
-                ctx.round_normalized,
-                ctx.round_steps,
-                seed,
-                store_dinput_bias=input_bias is not None and needs[2],
-                store_dweight=weight is not None and needs[3],
-            )
-        else:
-            dx, dresidual, dinput_bias, dweight, = torch.ops.vjpforge.dropout_add_rmsnorm_backward_default(
-                dy, dresidual_out, residual_out, input_bias, weight, rstd,
-                ctx.weight_offset,
-                ctx.dropout_p,
-                ctx.round_normalized,
-                ctx.round_steps,
-                seed,
-                input_bias is not None and needs[2],
-                weight is not None and needs[3],
-            )
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None, None]
-    elif ctx.memory == "invertible":
-        y, rstd, input_bias, weight, seed, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            raise RuntimeError("dropout_add_rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dresidual, dinput_bias, dweight, = torch.ops.vjpforge.dropout_add_rmsnorm_backward_invertible(
-            dy, dresidual_out, y, input_bias, weight, rstd,
-            ctx.weight_offset,
-            ctx.dropout_p,
-            ctx.round_normalized,
-            ctx.round_steps,
-            seed,
-            input_bias is not None and needs[2],
-            weight is not None and needs[3],
-        )
-        gradients = [dx, dresidual, dinput_bias, dweight, None, None, None, None, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, None, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], grads[1], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:10]), None, None, None
 
 
 torch.library.register_autograd(
@@ -1431,7 +1345,8 @@ def dropout_add_rms_norm(
         weight_offset = 0.0
     if not isinstance(in_place, bool):
         raise TypeError(f"dropout_add_rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
-    function = checks.check_choice("dropout_add_rms_norm", "memory", memory, _FUNCTIONS)
+    if memory not in _MODES:  # the check's call only where it raises: host time on every call
+        checks.check_choice("dropout_add_rms_norm", "memory", memory, _MODES)
     if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and input_bias is None) and (dropout_p == 0 or training is False or seed is None) and not residual_in_fp32 and weight_offset == 0 and casting_mode == "gemma":
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return dispatch.normalized(torch.nn.functional.rms_norm, dispatch.added(torch.nn.functional.dropout(input if input_bias is None else input + input_bias, dropout_p, training), residual), normalized_shape, weight, eps, prenorm=prenorm)
@@ -1452,7 +1367,7 @@ def dropout_add_rms_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, residual, input_bias, weight) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, prenorm, residual_out_dtype)
+        outputs = launch.apply(_Function, x, residual, input_bias, weight, eps, weight_offset, dropout_p, round_normalized, round_steps, seed, in_place, layout, memory, prenorm, residual_out_dtype)
         return (outputs[0], amp.restored(outputs[1], added_dtype)) if prenorm else outputs[0]
     x = launch.to_rows(x, layout)
     residual = launch.to_rows(residual, layout)
@@ -1507,7 +1422,7 @@ class DropoutAddRMSNorm(torch.nn.Module):
         self.dropout_p = checks.check_option("DropoutAddRMSNorm", "dropout_p", dropout_p, "probability")
         checks.check_mode("DropoutAddRMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
         self.casting_mode = casting_mode
-        checks.check_choice("DropoutAddRMSNorm", "memory", memory, _FUNCTIONS)
+        checks.check_choice("DropoutAddRMSNorm", "memory", memory, _MODES)
         self.memory = memory
         if not isinstance(in_place, bool):
             raise TypeError(f"DropoutAddRMSNorm(): argument 'in_place' must be bool, got {type(in_place).__name__}")

@@ -234,7 +234,7 @@ _geglu_tanh_fwd = launcher.build(
     launcher.Signature(
         name="_geglu_tanh_fwd",
         kind="fwd",
-        params=("gate", "up"),
+        inputs=("gate", "up"),
         elements=(("gate", None), ("up", None)),
         element_stores=(("y", None),),
         required_loads=2,
@@ -250,7 +250,7 @@ _geglu_tanh_bwd_default = launcher.build(
     launcher.Signature(
         name="_geglu_tanh_bwd_default",
         kind="bwd",
-        params=("dy", "gate", "up"),
+        inputs=("dy", "gate", "up"),
         elements=(("dy", None), ("gate", None), ("up", None)),
         element_stores=(("dgate", None), ("dup", None)),
         required_loads=3,
@@ -263,8 +263,27 @@ _geglu_tanh_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves gate, up. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_geglu_tanh_bwd_default,
+)
+
+
+def _save(ctx, layout, gate, up):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(gate, up)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], gate.dtype, gate.device
+    ctx.layout = layout
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -277,12 +296,9 @@ class _DefaultFunction(launch.RowFunction):
             gate, up,
         )
         y = launch.returned(y, layout)
-        ctx.save_for_backward(gate_given, up_given)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(gate, up)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
-        ctx.layout = layout
+        _save(ctx, layout, gate_given, up_given)
         return y
 
     @staticmethod
@@ -296,11 +312,13 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         gate, up, = ctx.saved_tensors
         # the gradients of saved inputs that autograd frees after this backward, and that
-        # nothing else holds, go over their memory: no more memory than the inputs took
-        reused = (launch.reusable(gate, ctx.rows, dy.dtype), launch.reusable(up, ctx.rows, dy.dtype)) if dy is not None else None
+        # nothing else holds, go over their memory: no more memory than the inputs took (the
+        # launchers write there; a custom op's results are its own)
+        reused = (launch.reusable(gate, ctx.rows, dy.dtype), launch.reusable(up, ctx.rows, dy.dtype)) if dy is not None and backwards is _BACKWARDS else None
         gate_given = gate
         up_given = up
         gate = launch.to_rows(gate, ctx.layout)
@@ -314,24 +332,22 @@ class _DefaultFunction(launch.RowFunction):
                 dy, gate, up,
             )
         else:
-            dgate, dup, = _geglu_tanh_bwd_default(
+            dgate, dup, = backwards.default(
                 dy, gate, up,
                 into=into,
             )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -358,6 +374,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         gate, up, = ctx.saved_tensors
         gate = launch.to_rows(gate, ctx.layout)
         up = launch.to_rows(up, ctx.layout)
@@ -365,7 +382,6 @@ class _Functional(torch.autograd.Function):
         dgate, dup, = _geglu_tanh_bwd_default_torch(
             dy, gate, up,
         )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None
 
     @staticmethod
@@ -381,15 +397,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _geglu_tanh_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {}
-    raise ValueError(f"vjpforge::geglu_tanh: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::geglu_tanh", mutates_args=())
@@ -398,7 +406,7 @@ def _geglu_tanh_op(
     up: torch.Tensor,
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _geglu_tanh_stores(memory)
+    checks.check_choice("vjpforge::geglu_tanh", "memory", memory, _MODES)
     outputs = _geglu_tanh_fwd(
         gate, up,
     )
@@ -411,7 +419,7 @@ def _(
     up,
     memory,
 ):
-    stores = _geglu_tanh_stores(memory)
+    checks.check_choice("vjpforge::geglu_tanh", "memory", memory, _MODES)
     M, N = gate.shape
     acc = launch.accumulator(gate.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
@@ -444,36 +452,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.geglu_tanh_backward_default, _geglu_tanh_bwd_default, ("dgate", "dup")),
+)
+
+
 def _geglu_tanh_setup_context(ctx, inputs, output):
     gate, up, memory, = inputs
     y, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
-    if memory == "default":
-        ctx.save_for_backward(gate, up)
+    _save(ctx, launch.row_layout(gate), gate, up)
 
 
 def _geglu_tanh_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        gate, up, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dgate, dup, = _geglu_tanh_bwd_default_torch(
-                dy, gate, up,
-            )
-        else:
-            dgate, dup, = torch.ops.vjpforge.geglu_tanh_backward_default(
-                dy, gate, up,
-            )
-        gradients = [dgate, dup]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:2]), None
 
 
 torch.library.register_autograd(
@@ -508,9 +506,8 @@ def geglu_tanh(gate, up):
 
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
-    function = _FUNCTIONS["default"]
     if checks.needs_grad(gate, up) and not torch.compiler.is_compiling():
-        return launch.apply(function, gate, up, layout)
+        return launch.apply(_Function, gate, up, layout)
     gate = launch.to_rows(gate, layout)
     up = launch.to_rows(up, layout)
     if torch.compiler.is_compiling():

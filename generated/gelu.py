@@ -326,7 +326,7 @@ _gelu_fwd = launcher.build(
     launcher.Signature(
         name="_gelu_fwd",
         kind="fwd",
-        params=("x", "bias"),
+        inputs=("x", "bias"),
         elements=(("x", None),),
         pointers=(("bias", "HAS_BIAS"),),
         element_stores=(("y", None),),
@@ -341,7 +341,7 @@ _gelu_bwd_default = launcher.build(
     launcher.Signature(
         name="_gelu_bwd_default",
         kind="bwd",
-        params=("dy", "x", "bias", "store_dbias"),
+        inputs=("dy", "x", "bias"),
         elements=(("dy", None), ("x", None)),
         pointers=(("bias", "HAS_BIAS"),),
         element_stores=(("dx", None),),
@@ -355,8 +355,27 @@ _gelu_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves x. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_gelu_bwd_default,
+)
+
+
+def _save(ctx, layout, x, bias):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(x, bias)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -368,12 +387,9 @@ class _DefaultFunction(launch.RowFunction):
             x, bias,
         )
         y = launch.returned(y, layout)
-        ctx.save_for_backward(x_given, bias)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, bias)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
+        _save(ctx, layout, x_given, bias)
         return y
 
     @staticmethod
@@ -386,7 +402,8 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         x, bias, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
@@ -395,27 +412,25 @@ class _DefaultFunction(launch.RowFunction):
             # differentiable torch ops, reading saved values that carry autograd's graph
             dx, dbias, = _gelu_bwd_default_torch(
                 dy, x, bias,
-                store_dbias=bias is not None and ctx.needs_input_grad[1],
+                store_dbias=bias is not None and needs[1],
             )
         else:
-            dx, dbias, = _gelu_bwd_default(
+            dx, dbias, = backwards.default(
                 dy, x, bias,
-                store_dbias=bias is not None and ctx.needs_input_grad[1],
+                store_dbias=bias is not None and needs[1],
             )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dbias if needs[1] else None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -441,14 +456,14 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         x, bias, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, dbias, = _gelu_bwd_default_torch(
             dy, x, bias,
-            store_dbias=bias is not None and ctx.needs_input_grad[1],
+            store_dbias=bias is not None and needs[1],
         )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dbias if needs[1] else None, None
 
     @staticmethod
@@ -462,15 +477,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _gelu_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {}
-    raise ValueError(f"vjpforge::gelu: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::gelu", mutates_args=())
@@ -479,7 +486,7 @@ def _gelu_op(
     bias: Optional[torch.Tensor],
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _gelu_stores(memory)
+    checks.check_choice("vjpforge::gelu", "memory", memory, _MODES)
     outputs = _gelu_fwd(
         x, bias,
     )
@@ -492,7 +499,7 @@ def _(
     bias,
     memory,
 ):
-    stores = _gelu_stores(memory)
+    checks.check_choice("vjpforge::gelu", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
@@ -527,38 +534,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.gelu_backward_default, _gelu_bwd_default, ("dx", "dbias")),
+)
+
+
 def _gelu_setup_context(ctx, inputs, output):
     x, bias, memory, = inputs
     y, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    if memory == "default":
-        ctx.save_for_backward(x, bias)
+    _save(ctx, launch.row_layout(x), x, bias)
 
 
 def _gelu_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        x, bias, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dbias, = _gelu_bwd_default_torch(
-                dy, x, bias,
-                store_dbias=bias is not None and needs[1],
-            )
-        else:
-            dx, dbias, = torch.ops.vjpforge.gelu_backward_default(
-                dy, x, bias,
-                bias is not None and needs[1],
-            )
-        gradients = [dx, dbias]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:2]), None
 
 
 torch.library.register_autograd(
@@ -599,9 +594,8 @@ def gelu(input, *, approximate="none", bias=None):
     x = input
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
-    function = _FUNCTIONS["default"]
     if checks.needs_grad(x, bias) and not torch.compiler.is_compiling():
-        return launch.apply(function, x, bias, layout)
+        return launch.apply(_Function, x, bias, layout)
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

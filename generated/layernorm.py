@@ -1120,7 +1120,7 @@ _layernorm_fwd = launcher.build(
     launcher.Signature(
         name="_layernorm_fwd",
         kind="fwd",
-        params=("x", "weight", "bias", "eps", "weight_offset", "store_mean", "store_rstd"),
+        inputs=("x", "weight", "bias", "eps", "weight_offset"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS")),
         scalars=("eps", "weight_offset"),
@@ -1138,7 +1138,7 @@ _layernorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_layernorm_bwd_default",
         kind="bwd",
-        params=("dy", "x", "weight", "bias", "mean", "rstd", "weight_offset", "store_dweight", "store_dbias"),
+        inputs=("dy", "x", "weight", "bias", "mean", "rstd", "weight_offset"),
         elements=(("dy", None), ("x", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("mean", None), ("rstd", None)),
         scalars=("weight_offset",),
@@ -1157,7 +1157,7 @@ _layernorm_bwd_recompute_mean = launcher.build(
     launcher.Signature(
         name="_layernorm_bwd_recompute_mean",
         kind="bwd",
-        params=("dy", "x", "weight", "bias", "rstd", "weight_offset", "store_dweight", "store_dbias"),
+        inputs=("dy", "x", "weight", "bias", "rstd", "weight_offset"),
         elements=(("dy", None), ("x", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None)),
         scalars=("weight_offset",),
@@ -1176,7 +1176,7 @@ _layernorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_layernorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "y", "weight", "bias", "rstd", "weight_offset", "store_dweight", "store_dbias"),
+        inputs=("dy", "y", "weight", "bias", "rstd", "weight_offset"),
         elements=(("dy", None), ("y", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("bias", "HAS_BIAS"), ("rstd", None)),
         scalars=("weight_offset",),
@@ -1191,153 +1191,58 @@ _layernorm_bwd_invertible = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves x, mean, rstd. The fastest backward: only x_hat is recomputed.
-
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, weight_offset, layout):
-        x_given, x = x, launch.to_rows(x, layout)
-        y, mean, rstd, = _layernorm_fwd(
-            x, weight, bias, eps, weight_offset,
-            store_mean=True,
-            store_rstd=True,
-        )
-        y = launch.returned_dense(y, layout)
-        ctx.save_for_backward(x_given, mean, rstd, weight, bias)
-        # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, weight, bias)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        return y
-
-    @staticmethod
-    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, weight, bias, = ctx.saved_tensors
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps, ctx.weight_offset)
-        return launch.returned_dense(y_dot, ctx.layout)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, mean, rstd, weight, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
-            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
-                dy, x, weight, bias,
-                ctx.eps,
-                ctx.weight_offset,
-                store_dweight=weight is not None and ctx.needs_input_grad[1],
-                store_dbias=bias is not None and ctx.needs_input_grad[2],
-            )
-        else:
-            dx, dweight, dbias, = _layernorm_bwd_default(
-                dy, x, weight, bias, mean, rstd,
-                ctx.weight_offset,
-                store_dweight=weight is not None and ctx.needs_input_grad[1],
-                store_dbias=bias is not None and ctx.needs_input_grad[2],
-            )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_layernorm_bwd_default,
+    recompute_mean=_layernorm_bwd_recompute_mean,
+    invertible=_layernorm_bwd_invertible,
+)
 
 
-class _RecomputeMeanFunction(launch.RowFunction):
-    """Memory mode 'recompute_mean': saves x, rstd. DeepSpeed's useMean=false: the backward recomputes the row mean from x.
-
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, weight_offset, layout):
-        x_given, x = x, launch.to_rows(x, layout)
-        y, mean, rstd, = _layernorm_fwd(
-            x, weight, bias, eps, weight_offset,
-            store_mean=False,
-            store_rstd=True,
-        )
-        y = launch.returned_dense(y, layout)
-        ctx.save_for_backward(x_given, rstd, weight, bias)
-        # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, weight, bias)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        return y
-
-    @staticmethod
-    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, weight, bias, = ctx.saved_tensors
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps, ctx.weight_offset)
-        return launch.returned_dense(y_dot, ctx.layout)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, rstd, weight, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
-            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
-                dy, x, weight, bias,
-                ctx.eps,
-                ctx.weight_offset,
-                store_dweight=weight is not None and ctx.needs_input_grad[1],
-                store_dbias=bias is not None and ctx.needs_input_grad[2],
-            )
-        else:
-            dx, dweight, dbias, = _layernorm_bwd_recompute_mean(
-                dy, x, weight, bias, rstd,
-                ctx.weight_offset,
-                store_dweight=weight is not None and ctx.needs_input_grad[1],
-                store_dbias=bias is not None and ctx.needs_input_grad[2],
-            )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None
-
-
-class _InvertibleFunction(launch.RowFunction):
-    """Memory mode 'invertible': saves y, rstd. DeepSpeed's normalize_invertible, Apex's memory_efficient: keeps the output, which the next layer keeps anyway, instead of the input; x_hat is recovered as (y - bias) / (weight_offset + weight) with the divisor clamped below (see INVERSION_GUARD).
-
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, weight_offset, layout):
-        x = launch.to_rows(x, layout)
-        y, mean, rstd, = _layernorm_fwd(
-            x, weight, bias, eps, weight_offset,
-            store_mean=False,
-            store_rstd=True,
-        )
-        y = launch.returned_dense(y, layout)
+def _save(ctx, memory, layout, x, mean, rstd, weight, bias, y, eps, weight_offset):
+    """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    if memory == "default":
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+    elif memory == "recompute_mean":
+        ctx.save_for_backward(x, rstd, weight, bias)
+    else:  # memory == "invertible"
         ctx.save_for_backward(y, rstd, weight, bias)
+    ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.eps = eps
+    ctx.weight_offset = weight_offset
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward of the
+    call's mode, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+
+    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, weight_offset, layout, memory):
+        x_given, x = x, launch.to_rows(x, layout)
+        y, mean, rstd, = _layernorm_fwd(
+            x, weight, bias, eps, weight_offset,
+            store_mean=memory == "default",
+            store_rstd=True,
+        )
+        y = launch.returned_dense(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, weight, bias)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
+        _save(ctx, memory, layout, x_given, mean, rstd, weight, bias, y, eps, weight_offset)
         return y
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout):
+    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout, _memory):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, bias, = ctx.saved_tensors
@@ -1346,39 +1251,80 @@ class _InvertibleFunction(launch.RowFunction):
         return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
-        y, rstd, weight, bias, = ctx.saved_tensors
-        y = launch.to_rows(y, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            raise RuntimeError("layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dweight, dbias, = _layernorm_bwd_invertible(
-            dy, y, weight, bias, rstd,
-            ctx.weight_offset,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
-            store_dbias=bias is not None and ctx.needs_input_grad[2],
-        )
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
         needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None
+        memory = ctx.memory
+        if memory == "default":
+            x, mean, rstd, weight, bias, = ctx.saved_tensors
+            x = launch.to_rows(x, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            if torch.is_grad_enabled():
+                # autograd records this backward (create_graph=True): the derived backward as
+                # differentiable torch ops, reading saved values that carry autograd's graph
+                dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+                    dy, x, weight, bias,
+                    ctx.eps,
+                    ctx.weight_offset,
+                    store_dweight=weight is not None and needs[1],
+                    store_dbias=bias is not None and needs[2],
+                )
+            else:
+                dx, dweight, dbias, = backwards.default(
+                    dy, x, weight, bias, mean, rstd,
+                    ctx.weight_offset,
+                    store_dweight=weight is not None and needs[1],
+                    store_dbias=bias is not None and needs[2],
+                )
+        elif memory == "recompute_mean":
+            x, rstd, weight, bias, = ctx.saved_tensors
+            x = launch.to_rows(x, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            if torch.is_grad_enabled():
+                # autograd records this backward (create_graph=True): the derived backward as
+                # differentiable torch ops, reading saved values that carry autograd's graph
+                dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
+                    dy, x, weight, bias,
+                    ctx.eps,
+                    ctx.weight_offset,
+                    store_dweight=weight is not None and needs[1],
+                    store_dbias=bias is not None and needs[2],
+                )
+            else:
+                dx, dweight, dbias, = backwards.recompute_mean(
+                    dy, x, weight, bias, rstd,
+                    ctx.weight_offset,
+                    store_dweight=weight is not None and needs[1],
+                    store_dbias=bias is not None and needs[2],
+                )
+        else:  # memory == "invertible"
+            y, rstd, weight, bias, = ctx.saved_tensors
+            y = launch.to_rows(y, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            if torch.is_grad_enabled():
+                raise RuntimeError("layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
+            dx, dweight, dbias, = backwards.invertible(
+                dy, y, weight, bias, rstd,
+                ctx.weight_offset,
+                store_dweight=weight is not None and needs[1],
+                store_dbias=bias is not None and needs[2],
+            )
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-    "recompute_mean": _RecomputeMeanFunction,
-    "invertible": _InvertibleFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default", "recompute_mean", "invertible")
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, eps, weight_offset, layout):
+    def forward(x, weight, bias, eps, weight_offset, layout, memory):
         x = launch.to_rows(x, layout)
         y, mean, rstd, = _layernorm_fwd_torch(
             x, weight, bias, eps, weight_offset,
@@ -1390,7 +1336,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, eps, weight_offset, layout, = inputs
+        x, weight, bias, eps, weight_offset, layout, memory, = inputs
         y = output
         ctx.save_for_backward(x, weight, bias)
         ctx.save_for_forward(x, weight, bias)
@@ -1403,6 +1349,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         x, weight, bias, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
@@ -1410,14 +1357,13 @@ class _Functional(torch.autograd.Function):
             dy, x, weight, bias,
             ctx.eps,
             ctx.weight_offset,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
-            store_dbias=bias is not None and ctx.needs_input_grad[2],
+            store_dweight=weight is not None and needs[1],
+            store_dbias=bias is not None and needs[2],
         )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout):
+    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout, _memory):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, bias, = ctx.saved_tensors
@@ -1427,21 +1373,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned_dense(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-_RecomputeMeanFunction.functional = _Functional
-_InvertibleFunction.functional = _Functional
-
-
-def _layernorm_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {"mean": True, "rstd": True, }
-    if memory == "recompute_mean":
-        return {"mean": False, "rstd": True, }
-    if memory == "invertible":
-        return {"mean": False, "rstd": True, }
-    raise ValueError(f"vjpforge::layernorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::layernorm", mutates_args=())
@@ -1453,11 +1385,11 @@ def _layernorm_op(
     weight_offset: float,
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _layernorm_stores(memory)
+    checks.check_choice("vjpforge::layernorm", "memory", memory, _MODES)
     outputs = _layernorm_fwd(
         x, weight, bias, eps, weight_offset,
-        store_mean=stores["mean"],
-        store_rstd=stores["rstd"],
+        store_mean=memory == "default",
+        store_rstd=True,
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
 
@@ -1471,15 +1403,15 @@ def _(
     weight_offset,
     memory,
 ):
-    stores = _layernorm_stores(memory)
+    checks.check_choice("vjpforge::layernorm", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
     empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M,), dtype=acc) if stores["mean"] else empty(0),
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
+        x.new_empty((M,), dtype=acc) if memory == "default" else empty(0),
+        x.new_empty((M,), dtype=acc),
     ]
 
 
@@ -1587,79 +1519,28 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.layernorm_backward_default, _layernorm_bwd_default, ("dx", "dweight", "dbias")),
+    recompute_mean=launcher.through(torch.ops.vjpforge.layernorm_backward_recompute_mean, _layernorm_bwd_recompute_mean, ("dx", "dweight", "dbias")),
+    invertible=launcher.through(torch.ops.vjpforge.layernorm_backward_invertible, _layernorm_bwd_invertible, ("dx", "dweight", "dbias")),
+)
+
+
 def _layernorm_setup_context(ctx, inputs, output):
     x, weight, bias, eps, weight_offset, memory, = inputs
     y, mean, rstd, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.eps = eps
-    ctx.weight_offset = weight_offset
-    if memory == "default":
-        ctx.save_for_backward(x, mean, rstd, weight, bias)
-    elif memory == "recompute_mean":
-        ctx.save_for_backward(x, rstd, weight, bias)
-    elif memory == "invertible":
-        ctx.save_for_backward(y, rstd, weight, bias)
+    _save(ctx, memory, launch.row_layout(x), x, mean, rstd, weight, bias, y, eps, weight_offset)
 
 
 def _layernorm_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        x, mean, rstd, weight, bias, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
-                dy, x, weight, bias,
-                ctx.eps,
-                ctx.weight_offset,
-                store_dweight=weight is not None and needs[1],
-                store_dbias=bias is not None and needs[2],
-            )
-        else:
-            dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_default(
-                dy, x, weight, bias, mean, rstd,
-                ctx.weight_offset,
-                weight is not None and needs[1],
-                bias is not None and needs[2],
-            )
-        gradients = [dx, dweight, dbias, None, None]
-    elif ctx.memory == "recompute_mean":
-        x, rstd, weight, bias, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
-                dy, x, weight, bias,
-                ctx.eps,
-                ctx.weight_offset,
-                store_dweight=weight is not None and needs[1],
-                store_dbias=bias is not None and needs[2],
-            )
-        else:
-            dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_recompute_mean(
-                dy, x, weight, bias, rstd,
-                ctx.weight_offset,
-                weight is not None and needs[1],
-                bias is not None and needs[2],
-            )
-        gradients = [dx, dweight, dbias, None, None]
-    elif ctx.memory == "invertible":
-        y, rstd, weight, bias, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            raise RuntimeError("layer_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dweight, dbias, = torch.ops.vjpforge.layernorm_backward_invertible(
-            dy, y, weight, bias, rstd,
-            ctx.weight_offset,
-            weight is not None and needs[1],
-            bias is not None and needs[2],
-        )
-        gradients = [dx, dweight, dbias, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:5]), None
 
 
 torch.library.register_autograd(
@@ -1701,7 +1582,8 @@ def layer_norm(
     if weight is None:
         # the offset is part of the parameter: without weight, the scale is 1, not 1 + weight_offset
         weight_offset = 0.0
-    function = checks.check_choice("layer_norm", "memory", memory, _FUNCTIONS)
+    if memory not in _MODES:  # the check's call only where it raises: host time on every call
+        checks.check_choice("layer_norm", "memory", memory, _MODES)
     if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None and bias is None) and weight_offset == 0 and dispatch.same_dtype(input, weight, bias):
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
@@ -1716,7 +1598,7 @@ def layer_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, weight, bias) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, weight, bias, eps, weight_offset, layout)
+        outputs = launch.apply(_Function, x, weight, bias, eps, weight_offset, layout, memory)
         return outputs
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
@@ -1758,7 +1640,7 @@ class LayerNorm(torch.nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = checks.check_real("LayerNorm", "weight_offset", weight_offset)
-        checks.check_choice("LayerNorm", "memory", memory, _FUNCTIONS)
+        checks.check_choice("LayerNorm", "memory", memory, _MODES)
         self.memory = memory
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))

@@ -524,7 +524,7 @@ _masked_softmax_fwd = launcher.build(
     launcher.Signature(
         name="_masked_softmax_fwd",
         kind="fwd",
-        params=("x", "attention_mask", "scale", "window", "dropout_p", "seed", "row_shape", "store_p", "p_dtype=None"),
+        inputs=("x", "attention_mask", "scale", "window", "dropout_p", "seed", "row_shape"),
         elements=(("x", None), ("attention_mask", "HAS_ATTENTION_MASK")),
         pointers=(("seed", None),),
         broadcast=("attention_mask",),
@@ -543,7 +543,7 @@ _masked_softmax_bwd_default = launcher.build(
     launcher.Signature(
         name="_masked_softmax_bwd_default",
         kind="bwd",
-        params=("dy", "p", "scale", "window", "dropout_p", "seed", "row_shape"),
+        inputs=("dy", "p", "scale", "window", "dropout_p", "seed", "row_shape"),
         elements=(("dy", None), ("p", None)),
         pointers=(("seed", None),),
         scalars=("scale", "window", "dropout_p"),
@@ -557,8 +557,31 @@ _masked_softmax_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves p. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_masked_softmax_bwd_default,
+)
+
+
+def _save(ctx, layout, x, p, seed, scale, window, dropout_p, row_shape):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(p, seed)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.scale = scale
+    ctx.window = window
+    ctx.dropout_p = dropout_p
+    ctx.row_shape = row_shape
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     `apply` drops what the forward returns besides the op's outputs: p. Saved
@@ -571,22 +594,15 @@ class _DefaultFunction(launch.RowFunction):
 
     @staticmethod
     def forward(ctx, x, attention_mask, scale, window, dropout_p, seed, row_shape, layout):
-        x = launch.to_rows(x, layout)
+        x_given, x = x, launch.to_rows(x, layout)
         y, p, = _masked_softmax_fwd(
             x, attention_mask, scale, window, dropout_p, seed, row_shape,
             store_p=True,
         )
         y = launch.returned(y, layout)
-        ctx.save_for_backward(p, seed)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, attention_mask, seed)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.scale = scale
-        ctx.window = window
-        ctx.dropout_p = dropout_p
-        ctx.row_shape = row_shape
+        _save(ctx, layout, x_given, p, seed, scale, window, dropout_p, row_shape)
         return y, p
 
     @staticmethod
@@ -599,7 +615,8 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned(y_dot, ctx.layout), p_dot
 
     @staticmethod
-    def backward(ctx, dy, dp):
+    def backward(ctx, dy, dp, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         p, seed, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled() or dp is not None:
@@ -616,7 +633,7 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.row_shape,
             )
         else:
-            dx, = _masked_softmax_bwd_default(
+            dx, = backwards.default(
                 dy, p,
                 ctx.scale,
                 ctx.window,
@@ -624,20 +641,18 @@ class _DefaultFunction(launch.RowFunction):
                 seed,
                 ctx.row_shape,
             )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -668,6 +683,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dp):
+        needs = ctx.needs_input_grad
         p, seed, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dp = launch.rows(ctx.rows, dp) if dp is not None else None
@@ -679,7 +695,6 @@ class _Functional(torch.autograd.Function):
             seed,
             ctx.row_shape,
         )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None, None, None, None
 
     @staticmethod
@@ -693,15 +708,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned(y_dot, ctx.layout), p_dot
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _masked_softmax_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {"p": True, }
-    raise ValueError(f"vjpforge::masked_softmax: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::masked_softmax", mutates_args=())
@@ -715,10 +722,10 @@ def _masked_softmax_op(
     row_shape: list[int],
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _masked_softmax_stores(memory)
+    checks.check_choice("vjpforge::masked_softmax", "memory", memory, _MODES)
     outputs = _masked_softmax_fwd(
         x, attention_mask, scale, window, dropout_p, seed, row_shape,
-        store_p=stores["p"],
+        store_p=True,
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
 
@@ -734,14 +741,14 @@ def _(
     row_shape,
     memory,
 ):
-    stores = _masked_softmax_stores(memory)
+    checks.check_choice("vjpforge::masked_softmax", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
     empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M, N)) if stores["p"] else empty(0),
+        x.new_empty((M, N)),
     ]
 
 
@@ -775,52 +782,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.masked_softmax_backward_default, _masked_softmax_bwd_default, ("dx",)),
+)
+
+
 def _masked_softmax_setup_context(ctx, inputs, output):
     x, attention_mask, scale, window, dropout_p, seed, row_shape, memory, = inputs
     y, p, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.scale = scale
-    ctx.window = window
-    ctx.dropout_p = dropout_p
-    ctx.row_shape = row_shape
-    if memory == "default":
-        ctx.save_for_backward(p, seed)
+    _save(ctx, launch.row_layout(x), x, p, seed, scale, window, dropout_p, row_shape)
 
 
 def _masked_softmax_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        p, seed, = ctx.saved_tensors
-        dp = grads[1]
-        if torch.is_grad_enabled() or dp is not None:
-            # the backward autograd can record, as the autograd Function's
-            dp = launch.rows(ctx.rows, dp) if dp is not None else None
-            dx, = _masked_softmax_bwd_default_recorded_torch(
-                dy, dp, p,
-                ctx.scale,
-                ctx.window,
-                ctx.dropout_p,
-                seed,
-                ctx.row_shape,
-            )
-        else:
-            dx, = torch.ops.vjpforge.masked_softmax_backward_default(
-                dy, p,
-                ctx.scale,
-                ctx.window,
-                ctx.dropout_p,
-                seed,
-                ctx.row_shape,
-            )
-        gradients = [dx, None, None, None, None, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], grads[1], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:7]), None
 
 
 torch.library.register_autograd(
@@ -872,9 +853,8 @@ def masked_softmax(input, mask=None, *, scale=1.0, dropout_p=0.0, causal=False, 
     attention_mask = checks.broadcast_rows(mask, shape, row_shape) if mask is not None else None
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
-    function = _FUNCTIONS["default"]
     if checks.needs_grad(x) and not torch.compiler.is_compiling():
-        return launch.apply(function, x, attention_mask, scale, window, dropout_p, seed, row_shape, layout)
+        return launch.apply(_Function, x, attention_mask, scale, window, dropout_p, seed, row_shape, layout)
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

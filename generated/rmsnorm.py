@@ -789,7 +789,7 @@ _rmsnorm_fwd = launcher.build(
     launcher.Signature(
         name="_rmsnorm_fwd",
         kind="fwd",
-        params=("x", "weight", "eps", "weight_offset", "round_normalized", "round_steps", "store_rstd"),
+        inputs=("x", "weight", "eps", "weight_offset", "round_normalized", "round_steps"),
         elements=(("x", None),),
         pointers=(("weight", "HAS_WEIGHT"),),
         scalars=("eps", "weight_offset", "round_normalized", "round_steps"),
@@ -807,7 +807,7 @@ _rmsnorm_bwd_default = launcher.build(
     launcher.Signature(
         name="_rmsnorm_bwd_default",
         kind="bwd",
-        params=("dy", "x", "weight", "rstd", "weight_offset", "round_normalized", "round_steps", "store_dweight"),
+        inputs=("dy", "x", "weight", "rstd", "weight_offset", "round_normalized", "round_steps"),
         elements=(("dy", None), ("x", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("rstd", None)),
         scalars=("weight_offset", "round_normalized", "round_steps"),
@@ -828,7 +828,7 @@ _rmsnorm_bwd_invertible = launcher.build(
     launcher.Signature(
         name="_rmsnorm_bwd_invertible",
         kind="bwd",
-        params=("dy", "y", "weight", "rstd", "weight_offset", "round_normalized", "round_steps", "store_dweight"),
+        inputs=("dy", "y", "weight", "rstd", "weight_offset", "round_normalized", "round_steps"),
         elements=(("dy", None), ("y", None)),
         pointers=(("weight", "HAS_WEIGHT"), ("rstd", None)),
         scalars=("weight_offset", "round_normalized", "round_steps"),
@@ -845,35 +845,57 @@ _rmsnorm_bwd_invertible = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves x, rstd. Keeps the input and the row statistic.
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_rmsnorm_bwd_default,
+    invertible=_rmsnorm_bwd_invertible,
+)
+
+
+def _save(ctx, memory, layout, x, rstd, weight, y, eps, weight_offset, round_normalized, round_steps, in_place):
+    """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    if memory == "default":
+        ctx.save_for_backward(x, rstd, weight)
+    else:  # memory == "invertible"
+        ctx.save_for_backward(y, rstd, weight)
+    ctx.memory = memory
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.eps = eps
+    ctx.weight_offset = weight_offset
+    ctx.round_normalized = round_normalized
+    ctx.round_steps = round_steps
+    ctx.in_place = in_place
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward of the
+    call's mode, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout):
+    def forward(ctx, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, memory):
         x_given, x = x, launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd(
             x, weight, eps, weight_offset, round_normalized, round_steps,
             store_rstd=True,
         )
         y = launch.returned_dense(y, layout)
-        ctx.save_for_backward(x_given, rstd, weight)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, weight)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        ctx.round_normalized = round_normalized
-        ctx.round_steps = round_steps
-        ctx.in_place = in_place
+        _save(ctx, memory, layout, x_given, rstd, weight, y, eps, weight_offset, round_normalized, round_steps, in_place)
         return y
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout):
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout, _memory):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, = ctx.saved_tensors
@@ -882,111 +904,68 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned_dense(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, rstd, weight, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         # the kernels write the input's gradient into dy's memory where no one else holds it
         overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        into = (dy,) if overwrite else None
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
-            dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
-                dy, x, weight,
-                ctx.eps,
+        memory = ctx.memory
+        if memory == "default":
+            x, rstd, weight, = ctx.saved_tensors
+            x = launch.to_rows(x, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            into = (dy,) if overwrite else None
+            if torch.is_grad_enabled():
+                # autograd records this backward (create_graph=True): the derived backward as
+                # differentiable torch ops, reading saved values that carry autograd's graph
+                dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
+                    dy, x, weight,
+                    ctx.eps,
+                    ctx.weight_offset,
+                    ctx.round_normalized,
+                    ctx.round_steps,
+                    store_dweight=weight is not None and needs[1],
+                )
+            else:
+                dx, dweight, = backwards.default(
+                    dy, x, weight, rstd,
+                    ctx.weight_offset,
+                    ctx.round_normalized,
+                    ctx.round_steps,
+                    store_dweight=weight is not None and needs[1],
+                    into=into,
+                )
+        else:  # memory == "invertible"
+            y, rstd, weight, = ctx.saved_tensors
+            y = launch.to_rows(y, ctx.layout)
+            dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
+            into = (dy,) if overwrite else None
+            if torch.is_grad_enabled():
+                raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
+            dx, dweight, = backwards.invertible(
+                dy, y, weight, rstd,
                 ctx.weight_offset,
                 ctx.round_normalized,
                 ctx.round_steps,
-                store_dweight=weight is not None and ctx.needs_input_grad[1],
-            )
-        else:
-            dx, dweight, = _rmsnorm_bwd_default(
-                dy, x, weight, rstd,
-                ctx.weight_offset,
-                ctx.round_normalized,
-                ctx.round_steps,
-                store_dweight=weight is not None and ctx.needs_input_grad[1],
+                store_dweight=weight is not None and needs[1],
                 into=into,
             )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None, None
 
 
-class _InvertibleFunction(launch.RowFunction):
-    """Memory mode 'invertible': saves y, rstd. Keeps the output instead of the input; x_hat is recovered as y / (weight_offset + weight) with the divisor clamped below.
-
-    Rows in, rows out: (M, N) tensors whose last dim has stride 1.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout):
-        x = launch.to_rows(x, layout)
-        y, rstd, = _rmsnorm_fwd(
-            x, weight, eps, weight_offset, round_normalized, round_steps,
-            store_rstd=True,
-        )
-        y = launch.returned_dense(y, layout)
-        ctx.save_for_backward(y, rstd, weight)
-        # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, weight)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        ctx.round_normalized = round_normalized
-        ctx.round_steps = round_steps
-        ctx.in_place = in_place
-        return y
-
-    @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, weight, = ctx.saved_tensors
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
-        return launch.returned_dense(y_dot, ctx.layout)
-
-    @staticmethod
-    def backward(ctx, dy):
-        y, rstd, weight, = ctx.saved_tensors
-        y = launch.to_rows(y, ctx.layout)
-        # the kernels write the input's gradient into dy's memory where no one else holds it
-        overwrite = ctx.in_place and not torch.is_grad_enabled() and launch.overwritable(dy, ctx.rows, ctx.dtype)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        into = (dy,) if overwrite else None
-        if torch.is_grad_enabled():
-            raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dweight, = _rmsnorm_bwd_invertible(
-            dy, y, weight, rstd,
-            ctx.weight_offset,
-            ctx.round_normalized,
-            ctx.round_steps,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
-            into=into,
-        )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None
-
-
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-    "invertible": _InvertibleFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default", "invertible")
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout):
+    def forward(x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, memory):
         x = launch.to_rows(x, layout)
         y, rstd, = _rmsnorm_fwd_torch(
             x, weight, eps, weight_offset, round_normalized, round_steps,
@@ -997,7 +976,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, = inputs
+        x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, memory, = inputs
         y = output
         ctx.save_for_backward(x, weight)
         ctx.save_for_forward(x, weight)
@@ -1012,6 +991,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         x, weight, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
@@ -1021,13 +1001,12 @@ class _Functional(torch.autograd.Function):
             ctx.weight_offset,
             ctx.round_normalized,
             ctx.round_steps,
-            store_dweight=weight is not None and ctx.needs_input_grad[1],
+            store_dweight=weight is not None and needs[1],
         )
-        needs = ctx.needs_input_grad
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None
+        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout):
+    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout, _memory):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, = ctx.saved_tensors
@@ -1037,18 +1016,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned_dense(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-_InvertibleFunction.functional = _Functional
-
-
-def _rmsnorm_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {"rstd": True, }
-    if memory == "invertible":
-        return {"rstd": True, }
-    raise ValueError(f"vjpforge::rmsnorm: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::rmsnorm", mutates_args=())
@@ -1061,10 +1029,10 @@ def _rmsnorm_op(
     round_steps: float,
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _rmsnorm_stores(memory)
+    checks.check_choice("vjpforge::rmsnorm", "memory", memory, _MODES)
     outputs = _rmsnorm_fwd(
         x, weight, eps, weight_offset, round_normalized, round_steps,
-        store_rstd=stores["rstd"],
+        store_rstd=True,
     )
     return [t if t is not None else x.new_empty(0) for t in outputs]
 
@@ -1079,14 +1047,14 @@ def _(
     round_steps,
     memory,
 ):
-    stores = _rmsnorm_stores(memory)
+    checks.check_choice("vjpforge::rmsnorm", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
     empty = x.new_empty
     return [
         x.new_empty((M, N)),
-        x.new_empty((M,), dtype=acc) if stores["rstd"] else empty(0),
+        x.new_empty((M,), dtype=acc),
     ]
 
 
@@ -1156,63 +1124,27 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.rmsnorm_backward_default, _rmsnorm_bwd_default, ("dx", "dweight")),
+    invertible=launcher.through(torch.ops.vjpforge.rmsnorm_backward_invertible, _rmsnorm_bwd_invertible, ("dx", "dweight")),
+)
+
+
 def _rmsnorm_setup_context(ctx, inputs, output):
     x, weight, eps, weight_offset, round_normalized, round_steps, memory, = inputs
     y, rstd, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.eps = eps
-    ctx.weight_offset = weight_offset
-    ctx.round_normalized = round_normalized
-    ctx.round_steps = round_steps
-    if memory == "default":
-        ctx.save_for_backward(x, rstd, weight)
-    elif memory == "invertible":
-        ctx.save_for_backward(y, rstd, weight)
+    _save(ctx, memory, launch.row_layout(x), x, rstd, weight, y, eps, weight_offset, round_normalized, round_steps, False)
 
 
 def _rmsnorm_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        x, rstd, weight, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
-                dy, x, weight,
-                ctx.eps,
-                ctx.weight_offset,
-                ctx.round_normalized,
-                ctx.round_steps,
-                store_dweight=weight is not None and needs[1],
-            )
-        else:
-            dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_default(
-                dy, x, weight, rstd,
-                ctx.weight_offset,
-                ctx.round_normalized,
-                ctx.round_steps,
-                weight is not None and needs[1],
-            )
-        gradients = [dx, dweight, None, None, None, None]
-    elif ctx.memory == "invertible":
-        y, rstd, weight, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            raise RuntimeError("rms_norm(memory='invertible'): double backward (create_graph=True) needs memory='default': this mode saves y, rstd, through which autograd cannot differentiate its backward")
-        dx, dweight, = torch.ops.vjpforge.rmsnorm_backward_invertible(
-            dy, y, weight, rstd,
-            ctx.weight_offset,
-            ctx.round_normalized,
-            ctx.round_steps,
-            weight is not None and needs[1],
-        )
-        gradients = [dx, dweight, None, None, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:6]), None
 
 
 torch.library.register_autograd(
@@ -1276,7 +1208,8 @@ def rms_norm(
         weight_offset = 0.0
     if not isinstance(in_place, bool):
         raise TypeError(f"rms_norm(): argument 'in_place' must be bool, got {type(in_place).__name__}")
-    function = checks.check_choice("rms_norm", "memory", memory, _FUNCTIONS)
+    if memory not in _MODES:  # the check's call only where it raises: host time on every call
+        checks.check_choice("rms_norm", "memory", memory, _MODES)
     if DISPATCH.to_torch(input) and memory == "default" and (len(shape) == 1 or weight is None) and weight_offset == 0 and casting_mode == "gemma":
         # torch's own ops: measured cheaper than the kernels here (codegen/runtime/dispatch.py)
         return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
@@ -1291,7 +1224,7 @@ def rms_norm(
     layout = launch.layout(None, input.shape, columns)
     x = input
     if checks.needs_grad(x, weight) and not torch.compiler.is_compiling():
-        outputs = launch.apply(function, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout)
+        outputs = launch.apply(_Function, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, memory)
         return outputs
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
@@ -1335,7 +1268,7 @@ class RMSNorm(torch.nn.Module):
         self.weight_offset = checks.check_real("RMSNorm", "weight_offset", weight_offset)
         checks.check_mode("RMSNorm", "casting_mode", casting_mode, {'gemma': (0.0, 0.0, ), 'llama': (1.0, 0.0, ), 'none': (1.0, 1.0, )})
         self.casting_mode = casting_mode
-        checks.check_choice("RMSNorm", "memory", memory, _FUNCTIONS)
+        checks.check_choice("RMSNorm", "memory", memory, _MODES)
         self.memory = memory
         if not isinstance(in_place, bool):
             raise TypeError(f"RMSNorm(): argument 'in_place' must be bool, got {type(in_place).__name__}")

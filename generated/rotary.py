@@ -231,7 +231,7 @@ _rotary_fwd = launcher.build(
     launcher.Signature(
         name="_rotary_fwd",
         kind="fwd",
-        params=("x", "cos", "sin", "row_shape"),
+        inputs=("x", "cos", "sin", "row_shape"),
         elements=(("x", None), ("cos", None), ("sin", None)),
         broadcast=("cos", "sin"),
         element_stores=(("y", None),),
@@ -248,7 +248,7 @@ _rotary_bwd_default = launcher.build(
     launcher.Signature(
         name="_rotary_bwd_default",
         kind="bwd",
-        params=("dy", "cos", "sin", "row_shape"),
+        inputs=("dy", "cos", "sin", "row_shape"),
         elements=(("dy", None), ("cos", None), ("sin", None)),
         broadcast=("cos", "sin"),
         element_stores=(("dx", None),),
@@ -261,26 +261,42 @@ _rotary_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves cos, sin. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_rotary_bwd_default,
+)
+
+
+def _save(ctx, layout, x, cos, sin, row_shape):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(cos, sin)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], x.dtype, x.device
+    ctx.layout = layout
+    ctx.row_shape = row_shape
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
     def forward(ctx, x, cos, sin, row_shape, layout):
-        x = launch.to_rows(x, layout)
+        x_given, x = x, launch.to_rows(x, layout)
         y, = _rotary_fwd(
             x, cos, sin, row_shape,
         )
         y = launch.returned(y, layout)
-        ctx.save_for_backward(cos, sin)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x, cos, sin)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        ctx.layout = layout
-        ctx.row_shape = row_shape
+        _save(ctx, layout, x_given, cos, sin, row_shape)
         return y
 
     @staticmethod
@@ -294,7 +310,8 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         cos, sin, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
@@ -305,24 +322,22 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.row_shape,
             )
         else:
-            dx, = _rotary_bwd_default(
+            dx, = backwards.default(
                 dy, cos, sin,
                 ctx.row_shape,
             )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -349,13 +364,13 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         cos, sin, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, = _rotary_bwd_default_torch(
             dy, cos, sin,
             ctx.row_shape,
         )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None
 
     @staticmethod
@@ -370,15 +385,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _rotary_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {}
-    raise ValueError(f"vjpforge::rotary: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::rotary", mutates_args=())
@@ -389,7 +396,7 @@ def _rotary_op(
     row_shape: list[int],
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _rotary_stores(memory)
+    checks.check_choice("vjpforge::rotary", "memory", memory, _MODES)
     outputs = _rotary_fwd(
         x, cos, sin, row_shape,
     )
@@ -404,7 +411,7 @@ def _(
     row_shape,
     memory,
 ):
-    stores = _rotary_stores(memory)
+    checks.check_choice("vjpforge::rotary", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
@@ -438,39 +445,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.rotary_backward_default, _rotary_bwd_default, ("dx",)),
+)
+
+
 def _rotary_setup_context(ctx, inputs, output):
     x, cos, sin, row_shape, memory, = inputs
     y, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    ctx.row_shape = row_shape
-    if memory == "default":
-        ctx.save_for_backward(cos, sin)
+    _save(ctx, launch.row_layout(x), x, cos, sin, row_shape)
 
 
 def _rotary_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        cos, sin, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, = _rotary_bwd_default_torch(
-                dy, cos, sin,
-                ctx.row_shape,
-            )
-        else:
-            dx, = torch.ops.vjpforge.rotary_backward_default(
-                dy, cos, sin,
-                ctx.row_shape,
-            )
-        gradients = [dx, None, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:4]), None
 
 
 torch.library.register_autograd(
@@ -516,10 +510,9 @@ def rotary(input, cos, sin):
     sin = checks.broadcast_rows(sin, shape, row_shape, order)
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
-    function = _FUNCTIONS["default"]
     if checks.needs_grad(x) and not torch.compiler.is_compiling():
         # inside `apply_rotary_pos_emb`, one node of autograd's graph for every embedded tensor
-        return launch.applied(function, (x, cos, sin, row_shape, layout))
+        return launch.applied(_Function, (x, cos, sin, row_shape, layout))
     x = launch.to_rows(x, layout)
     if torch.compiler.is_compiling():
         # one opaque op with schema, fake and autograd: no graph break under torch.compile

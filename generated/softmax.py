@@ -392,7 +392,7 @@ _softmax_fwd = launcher.build(
     launcher.Signature(
         name="_softmax_fwd",
         kind="fwd",
-        params=("x",),
+        inputs=("x",),
         elements=(("x", None),),
         element_stores=(("p", None),),
         one_sweep=True,
@@ -407,7 +407,7 @@ _softmax_bwd_default = launcher.build(
     launcher.Signature(
         name="_softmax_bwd_default",
         kind="bwd",
-        params=("dp", "p"),
+        inputs=("dp", "p"),
         elements=(("dp", None), ("p", None)),
         element_stores=(("dx", None),),
         required_loads=2,
@@ -419,8 +419,26 @@ _softmax_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves p. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_softmax_bwd_default,
+)
+
+
+def _save(ctx, x, p):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(p)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -430,11 +448,9 @@ class _DefaultFunction(launch.RowFunction):
         p, = _softmax_fwd(
             x,
         )
-        ctx.save_for_backward(p)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        _save(ctx, x, p)
         return p
 
     @staticmethod
@@ -447,7 +463,8 @@ class _DefaultFunction(launch.RowFunction):
         return p_dot
 
     @staticmethod
-    def backward(ctx, dp):
+    def backward(ctx, dp, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         p, = ctx.saved_tensors
         dp = launch.rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         if torch.is_grad_enabled():
@@ -457,23 +474,21 @@ class _DefaultFunction(launch.RowFunction):
                 dp, p,
             )
         else:
-            dx, = _softmax_bwd_default(
+            dx, = backwards.default(
                 dp, p,
             )
-        needs = ctx.needs_input_grad
-        return dx if needs[0] else None
+        return dx if needs[0] else None,
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -496,13 +511,13 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dp):
+        needs = ctx.needs_input_grad
         p, = ctx.saved_tensors
         dp = launch.rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         dx, = _softmax_bwd_default_torch(
             dp, p,
         )
-        needs = ctx.needs_input_grad
-        return dx if needs[0] else None
+        return dx if needs[0] else None,
 
     @staticmethod
     def jvp(ctx, x_dot):
@@ -514,15 +529,7 @@ class _Functional(torch.autograd.Function):
         return p_dot
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _softmax_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {}
-    raise ValueError(f"vjpforge::softmax: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::softmax", mutates_args=())
@@ -530,7 +537,7 @@ def _softmax_op(
     x: torch.Tensor,
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _softmax_stores(memory)
+    checks.check_choice("vjpforge::softmax", "memory", memory, _MODES)
     outputs = _softmax_fwd(
         x,
     )
@@ -542,7 +549,7 @@ def _(
     x,
     memory,
 ):
-    stores = _softmax_stores(memory)
+    checks.check_choice("vjpforge::softmax", "memory", memory, _MODES)
     M, N = x.shape
     acc = launch.accumulator(x.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
@@ -572,36 +579,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.softmax_backward_default, _softmax_bwd_default, ("dx",)),
+)
+
+
 def _softmax_setup_context(ctx, inputs, output):
     x, memory, = inputs
     p, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-    if memory == "default":
-        ctx.save_for_backward(p)
+    _save(ctx, x, p)
 
 
 def _softmax_backward(ctx, grads):
-    dp, = grads[:1]
-    dp = launch.rows(dp.shape, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        p, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dx, = _softmax_bwd_default_torch(
-                dp, p,
-            )
-        else:
-            dx, = torch.ops.vjpforge.softmax_backward_default(
-                dp, p,
-            )
-        gradients = [dx]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:1]), None
 
 
 torch.library.register_autograd(
@@ -659,7 +656,7 @@ def softmax(input, dim=-1, dtype=None):
         # one opaque op with schema, fake and autograd: no graph break under torch.compile
         p = torch.ops.vjpforge.softmax(x, "default")[0]
     elif checks.needs_grad(input):
-        p = _FUNCTIONS["default"].apply(x)
+        p = _Function.apply(x)
     else:
         p = _softmax_fwd(x, )[0]
     return p.reshape(moved.shape).movedim(-1, dim)

@@ -284,7 +284,7 @@ _swiglu_fwd = launcher.build(
     launcher.Signature(
         name="_swiglu_fwd",
         kind="fwd",
-        params=("gate", "up", "gate_multiplier", "down_multiplier"),
+        inputs=("gate", "up", "gate_multiplier", "down_multiplier"),
         elements=(("gate", None), ("up", None)),
         scalars=("gate_multiplier", "down_multiplier"),
         element_stores=(("y", None),),
@@ -301,7 +301,7 @@ _swiglu_bwd_default = launcher.build(
     launcher.Signature(
         name="_swiglu_bwd_default",
         kind="bwd",
-        params=("dy", "gate", "up", "gate_multiplier", "down_multiplier"),
+        inputs=("dy", "gate", "up", "gate_multiplier", "down_multiplier"),
         elements=(("dy", None), ("gate", None), ("up", None)),
         scalars=("gate_multiplier", "down_multiplier"),
         element_stores=(("dgate", None), ("dup", None)),
@@ -315,8 +315,29 @@ _swiglu_bwd_default = launcher.build(
 )
 
 
-class _DefaultFunction(launch.RowFunction):
-    """Memory mode 'default': saves gate, up. 
+#: each memory mode's backward launcher, as the autograd Function's backward runs it
+_BACKWARDS = launcher.Backwards(
+    default=_swiglu_bwd_default,
+)
+
+
+def _save(ctx, layout, gate, up, gate_multiplier, down_multiplier):
+    """What a call keeps for its backward (`_Function.backward`).
+    The autograd Function's forward and the torch.library op's setup_context call it."""
+    ctx.save_for_backward(gate, up)
+    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
+    # returns gets one only where autograd differentiates through it (a recorded backward)
+    ctx.set_materialize_grads(False)
+    ctx.rows, ctx.dtype, ctx.device = layout[2], gate.dtype, gate.device
+    ctx.layout = layout
+    ctx.gate_multiplier = gate_multiplier
+    ctx.down_multiplier = down_multiplier
+
+
+class _Function(launch.RowFunction):
+    """The op's autograd Function. Its forward runs the forward
+    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -329,14 +350,9 @@ class _DefaultFunction(launch.RowFunction):
             gate, up, gate_multiplier, down_multiplier,
         )
         y = launch.returned(y, layout)
-        ctx.save_for_backward(gate_given, up_given)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(gate, up)
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
-        ctx.layout = layout
-        ctx.gate_multiplier = gate_multiplier
-        ctx.down_multiplier = down_multiplier
+        _save(ctx, layout, gate_given, up_given, gate_multiplier, down_multiplier)
         return y
 
     @staticmethod
@@ -350,11 +366,13 @@ class _DefaultFunction(launch.RowFunction):
         return launch.returned(y_dot, ctx.layout)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *, backwards=_BACKWARDS):
+        needs = ctx.needs_input_grad
         gate, up, = ctx.saved_tensors
         # the gradients of saved inputs that autograd frees after this backward, and that
-        # nothing else holds, go over their memory: no more memory than the inputs took
-        reused = (launch.reusable(gate, ctx.rows, dy.dtype), launch.reusable(up, ctx.rows, dy.dtype)) if dy is not None else None
+        # nothing else holds, go over their memory: no more memory than the inputs took (the
+        # launchers write there; a custom op's results are its own)
+        reused = (launch.reusable(gate, ctx.rows, dy.dtype), launch.reusable(up, ctx.rows, dy.dtype)) if dy is not None and backwards is _BACKWARDS else None
         gate_given = gate
         up_given = up
         gate = launch.to_rows(gate, ctx.layout)
@@ -370,26 +388,24 @@ class _DefaultFunction(launch.RowFunction):
                 ctx.down_multiplier,
             )
         else:
-            dgate, dup, = _swiglu_bwd_default(
+            dgate, dup, = backwards.default(
                 dy, gate, up,
                 ctx.gate_multiplier,
                 ctx.down_multiplier,
                 into=into,
             )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None, None, None
 
 
-_FUNCTIONS = {
-    "default": _DefaultFunction,
-}
+#: the memory modes, the default first
+_MODES = ("default",)
 
 
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
     the forward, the derived backward (as memory mode 'default' records it) and the derived
     JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what the modes' Functions return."""
+    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -418,6 +434,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        needs = ctx.needs_input_grad
         gate, up, = ctx.saved_tensors
         gate = launch.to_rows(gate, ctx.layout)
         up = launch.to_rows(up, ctx.layout)
@@ -427,7 +444,6 @@ class _Functional(torch.autograd.Function):
             ctx.gate_multiplier,
             ctx.down_multiplier,
         )
-        needs = ctx.needs_input_grad
         return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None, None, None
 
     @staticmethod
@@ -443,15 +459,7 @@ class _Functional(torch.autograd.Function):
         return launch.returned(y_dot, ctx.layout)
 
 
-
-_DefaultFunction.functional = _Functional
-
-
-def _swiglu_stores(memory):
-    """Which optional forward outputs a call stores: a mode's saved values, requested outputs."""
-    if memory == "default":
-        return {}
-    raise ValueError(f"vjpforge::swiglu: argument 'memory' must be one of {', '.join(map(repr, _FUNCTIONS))}, got {memory!r}")
+_Function.functional = _Functional
 
 
 @torch.library.custom_op("vjpforge::swiglu", mutates_args=())
@@ -462,7 +470,7 @@ def _swiglu_op(
     down_multiplier: float,
     memory: str,
 ) -> list[torch.Tensor]:
-    stores = _swiglu_stores(memory)
+    checks.check_choice("vjpforge::swiglu", "memory", memory, _MODES)
     outputs = _swiglu_fwd(
         gate, up, gate_multiplier, down_multiplier,
     )
@@ -477,7 +485,7 @@ def _(
     down_multiplier,
     memory,
 ):
-    stores = _swiglu_stores(memory)
+    checks.check_choice("vjpforge::swiglu", "memory", memory, _MODES)
     M, N = gate.shape
     acc = launch.accumulator(gate.dtype)
     # an output not stored is a tensor of its own, as the op's (outputs never alias)
@@ -514,42 +522,26 @@ def _(
     ]
 
 
+#: each memory mode's backward through its custom op, as the op's autograd runs it: one
+#: opaque op under torch.compile
+_BACKWARD_OPS = launcher.Backwards(
+    default=launcher.through(torch.ops.vjpforge.swiglu_backward_default, _swiglu_bwd_default, ("dgate", "dup")),
+)
+
+
 def _swiglu_setup_context(ctx, inputs, output):
     gate, up, gate_multiplier, down_multiplier, memory, = inputs
     y, = output
-    ctx.memory = memory
-    # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
-    # returns gets one only where autograd differentiates through it (a recorded backward)
-    ctx.set_materialize_grads(False)
-    ctx.rows, ctx.dtype, ctx.device = gate.shape, gate.dtype, gate.device
-    ctx.gate_multiplier = gate_multiplier
-    ctx.down_multiplier = down_multiplier
-    if memory == "default":
-        ctx.save_for_backward(gate, up)
+    _save(ctx, launch.row_layout(gate), gate, up, gate_multiplier, down_multiplier)
 
 
 def _swiglu_backward(ctx, grads):
-    dy, = grads[:1]
-    dy = launch.rows(dy.shape, dy) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-    needs = ctx.needs_input_grad
-    if ctx.memory == "default":
-        gate, up, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # the backward autograd can record, as the autograd Function's
-            dgate, dup, = _swiglu_bwd_default_torch(
-                dy, gate, up,
-                ctx.gate_multiplier,
-                ctx.down_multiplier,
-            )
-        else:
-            dgate, dup, = torch.ops.vjpforge.swiglu_backward_default(
-                dy, gate, up,
-                ctx.gate_multiplier,
-                ctx.down_multiplier,
-            )
-        gradients = [dgate, dup, None, None]
-    gradients = [g if need and g is not None and g.numel() else None for g, need in zip(gradients, needs)]
-    return *gradients, None, 
+    # an output the call did not store is an empty tensor: its gradient, as an unused
+    # output's, None
+    grads = [g if g is not None and g.numel() else None for g in grads]
+    gradients = _Function.backward(ctx, grads[0], backwards=_BACKWARD_OPS)
+    # the op's inputs: the Function's first ones, then the memory mode and the output flags
+    return *(g if g is not None and g.numel() else None for g in gradients[:4]), None
 
 
 torch.library.register_autograd(
@@ -588,9 +580,8 @@ def swiglu(gate, up, *, gate_multiplier=1.0, down_multiplier=1.0):
 
     # the dense tensors' rows: made by the Function itself where autograd records it
     layout = launch.layout(order, shape, columns)
-    function = _FUNCTIONS["default"]
     if checks.needs_grad(gate, up) and not torch.compiler.is_compiling():
-        return launch.apply(function, gate, up, gate_multiplier, down_multiplier, layout)
+        return launch.apply(_Function, gate, up, gate_multiplier, down_multiplier, layout)
     gate = launch.to_rows(gate, layout)
     up = launch.to_rows(up, layout)
     if torch.compiler.is_compiling():

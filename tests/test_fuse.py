@@ -196,10 +196,9 @@ def test_one_hot_sums_that_are_not_one_element_stay_sums():
 
 
 def test_sums_that_vanish_where_masked_skip_the_select():
-    from codegen.emit import KernelContext
-    from codegen.printers import TRITON
+    from codegen.emit import KernelFacts, TritonKernel
 
-    backward = KernelContext(kernels("layernorm")["default"], TRITON)
+    backward = TritonKernel(KernelFacts(kernels("layernorm")["default"]))
     # dy loads as 0 where the mask is off, so dy * (weight + weight_offset) * x_hat is 0
     # there: no select
     reductions = {r["name"]: r for p in backward.passes for r in p["reductions"]}
@@ -207,14 +206,13 @@ def test_sums_that_vanish_where_masked_skip_the_select():
     assert not {s["name"]: s for s in backward.column_stores}["dweight"]["masked"].startswith(
         "tl.where")
     # exp(x - row_max) is exp(-row_max) there, not 0: the select stays
-    forward = KernelContext(kernels("softmax")["fwd"], TRITON)
+    forward = TritonKernel(KernelFacts(kernels("softmax")["fwd"]))
     reductions = {r["name"]: r for p in forward.passes for r in p["reductions"]}
     assert reductions["denominator"]["masked"].startswith("tl.where(mask")
 
 
 def test_every_other_sweep_runs_backwards_under_reverse():
-    from codegen.emit import KernelContext
-    from codegen.printers import TRITON
+    from codegen.emit import KernelFacts, TritonKernel
 
     def directions(context):
         lines = [line.strip() for line in context.sweep_lines()]
@@ -224,33 +222,32 @@ def test_every_other_sweep_runs_backwards_under_reverse():
     # the layer-norm forward: one joined sweep (forwards: Welford counts steps from the first
     # column block) or the mean's and the variance's passes (the second backwards); the
     # epilogue backwards after the one sweep, forwards after the two
-    sweeps, epilogue = directions(KernelContext(kernels("layernorm")["fwd"], TRITON))
+    sweeps, epilogue = directions(TritonKernel(KernelFacts(kernels("layernorm")["fwd"])))
     assert sweeps == ["chunk", "chunk", "helpers.column_block(chunk, CHUNKS, REVERSE)"]
     assert epilogue.startswith("cols = helpers.column_block(chunk, CHUNKS, REVERSE * ONE_SWEEP) ")
     # the layer-norm backward: one sweep for both sums, then the epilogue backwards
-    sweeps, epilogue = directions(KernelContext(kernels("layernorm")["default"], TRITON))
+    sweeps, epilogue = directions(TritonKernel(KernelFacts(kernels("layernorm")["default"])))
     assert sweeps == ["chunk"]
     assert epilogue.startswith("cols = helpers.column_block(chunk, CHUNKS, REVERSE) ")
 
 
 def test_a_sweep_s_direction_follows_the_parity_of_the_sweeps_before_it():
-    from codegen.emit import KernelContext
+    from codegen.emit import KernelFacts, TritonKernel
 
     # (sweeps before it with ONE_SWEEP set, without): forwards, backwards, or by ONE_SWEEP
-    assert KernelContext._backwards(2, 2) == "0"
-    assert KernelContext._backwards(1, 3) == "1"
-    assert KernelContext._backwards(1, 2) == "ONE_SWEEP"
-    assert KernelContext._backwards(2, 3) == "(1 - ONE_SWEEP)"
-    from codegen.printers import TRITON
+    assert TritonKernel._backwards(2, 2) == "0"
+    assert TritonKernel._backwards(1, 3) == "1"
+    assert TritonKernel._backwards(1, 2) == "ONE_SWEEP"
+    assert TritonKernel._backwards(2, 3) == "(1 - ONE_SWEEP)"
 
-    context = KernelContext(kernels("layernorm")["fwd"], TRITON)
+    context = TritonKernel(KernelFacts(kernels("layernorm")["fwd"]))
     assert context.columns_lines("0") == [
         "cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
     assert context.columns_lines("(1 - ONE_SWEEP)") == [
         "cols = helpers.column_block(chunk, CHUNKS, REVERSE * (1 - ONE_SWEEP)) * BLOCK_N"
         " + tl.arange(0, BLOCK_N)[None, :]"]
     # a kernel that draws random values names the block's first column for `helpers.uniform`
-    seeded = KernelContext(kernels("bias_dropout_add")["fwd"], TRITON)
+    seeded = TritonKernel(KernelFacts(kernels("bias_dropout_add")["fwd"]))
     assert seeded.columns_lines("1") == [
         "col0 = helpers.column_block(chunk, CHUNKS, REVERSE) * BLOCK_N",
         "cols = col0 + tl.arange(0, BLOCK_N)[None, :]"]

@@ -123,16 +123,16 @@ def glu_grads(variant, device, scenario, monkeypatch=None):
     for them (whether it gave any, per input)."""
     answers = []
     if monkeypatch is not None:
-        module = swiglu if variant == "swiglu" else geglu
-        name = f"_{variant}_bwd_default"
-        launcher = getattr(module, name)
+        # the launcher the Function's backward runs (its mode's, `_BACKWARDS`)
+        backwards = (swiglu if variant == "swiglu" else geglu)._BACKWARDS
+        launcher = backwards.default
 
         def recorded(*args, into=None):
             # after the backward decided: the spy's frame counts as no holder
             answers.extend([t is not None for t in into] if into is not None else [False] * 2)
             return launcher(*args, into=into)
 
-        monkeypatch.setattr(module, name, recorded)
+        monkeypatch.setattr(backwards, "default", recorded)
     ours, _ = VARIANTS[variant]
     x = randn((6, 16), seed=1, device=device, dtype=torch.float32).requires_grad_()
     w_gate, w_up = (randn((16, 96), seed=s, device=device, dtype=torch.float32).requires_grad_()

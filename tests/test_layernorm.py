@@ -185,7 +185,7 @@ def test_module_loads_torch_state_dict(device, config):
     assert_loads_torch_state_dict(layernorm.LayerNorm, torch.nn.LayerNorm, shape, device, **kwargs)
 
 
-@pytest.mark.parametrize("memory", list(layernorm._FUNCTIONS))
+@pytest.mark.parametrize("memory", list(layernorm._MODES))
 @pytest.mark.parametrize("affine", ["weight", "affine", "plain"])
 def test_weight_offset_scales_by_one_plus_weight(device, memory, affine):
     """weight_offset=1: the scale is 1 + weight (VideoPrism's, Moonshine's LayerNorm), in every

@@ -160,7 +160,7 @@ def test_bad_calls_raise_alike_on_every_path(case, monkeypatch):
 def norm_ops():
     """(id, ours(x, r, w, b), torch's(x, r, w, b)), every memory mode of each norm."""
     cases = []
-    for mode in layernorm._FUNCTIONS:
+    for mode in layernorm._MODES:
         cases.append((f"layer_norm {mode}",
                       lambda x, r, w, b, m=mode: layernorm.layer_norm(x, (N,), w, b, memory=m),
                       lambda x, r, w, b: F.layer_norm(x, (N,), w, b)))
@@ -168,7 +168,7 @@ def norm_ops():
                       lambda x, r, w, b, m=mode: add_layernorm.add_layer_norm(
                           x, r, (N,), w, b, memory=m),
                       lambda x, r, w, b: F.layer_norm(x + r, (N,), w, b)))
-    for mode in rmsnorm._FUNCTIONS:
+    for mode in rmsnorm._MODES:
         cases.append((f"rms_norm {mode}",
                       lambda x, r, w, b, m=mode: rmsnorm.rms_norm(x, (N,), w, memory=m),
                       lambda x, r, w, b: F.rms_norm(x, (N,), w)))
@@ -333,7 +333,7 @@ def test_values_on_every_path(name, op, kind, strides, dtype, param_dtype, monke
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the schedules of fp64 rows on a GPU")
 @pytest.mark.parametrize("width", [1000, 4096, 8192, 12288, 16384, 32768, 65536])
-@pytest.mark.parametrize("mode", list(layernorm._FUNCTIONS))
+@pytest.mark.parametrize("mode", list(layernorm._MODES))
 def test_float64_rows_fit_the_card(width, mode, monkeypatch):
     """fp64 rows of every width compile within the card's shared memory and match torch."""
     with path("triton", monkeypatch) as device:

@@ -57,7 +57,7 @@ class Case(NamedTuple):
 
 def _cases() -> dict[str, Case]:
     cases = {}
-    for m in layernorm._FUNCTIONS:
+    for m in layernorm._MODES:
         cases[f"layer_norm-{m}"] = Case(
             lambda x, r, w, b, t, m=m: layernorm.layer_norm(x, (N,), w, b, memory=m),
             lambda x, r, w, b, t: F.layer_norm(x, (N,), w, b))
@@ -70,7 +70,7 @@ def _cases() -> dict[str, Case]:
                 x, r, (N,), w, b, dropout_p=0.25, seed=3, prenorm=True, memory=m),
             lambda x, r, w, b, t: (F.layer_norm(F.dropout(x, 0.25) + r, (N,), w, b), x + r),
             exact=False)
-    for m in rmsnorm._FUNCTIONS:
+    for m in rmsnorm._MODES:
         cases[f"rms_norm-{m}"] = Case(
             lambda x, r, w, b, t, m=m: rmsnorm.rms_norm(x, (N,), w, 1e-6, memory=m),
             lambda x, r, w, b, t: F.rms_norm(x, (N,), w, 1e-6))
@@ -403,7 +403,7 @@ def _off_dropouts():
                 (add_layernorm, F.layer_norm, "add_layer_norm"),
                 (add_rmsnorm, F.rms_norm, "add_rms_norm")):
             call = getattr(module, function)
-            for m in module._FUNCTIONS:
+            for m in module._MODES:
                 calls[f"{function}-{m}-{tag}"] = (
                     lambda x, r, w, b, p=p, training=training, call=call, m=m:
                         call(x, r, (N,), w, dropout_p=p, training=training, memory=m),

@@ -586,13 +586,14 @@ def check_broadcast(function, name, tensor, input, additive):
 
 
 def check_choice(function, name, value, choices):
-    """choices[value], where `value` is one of the keys of the dict `choices`."""
+    """choices[value], where `value` is one of the keys of the dict `choices`; `value`, where
+    `choices` is a tuple of them."""
     if value not in choices:
         raise ValueError(
             f"{function}(): argument '{name}' must be one of {', '.join(map(repr, choices))}, "
             f"got {value!r}"
         )
-    return choices[value]
+    return value if choices.__class__ is tuple else choices[value]
 
 
 def check_mode(function, name, value, choices):

@@ -137,6 +137,11 @@ def layout(order: tuple[int, ...] | None, shape, columns: int) -> tuple:
     return order, shape, (shape.numel() // columns if columns else 0, columns)
 
 
+def row_layout(rows: torch.Tensor) -> tuple:
+    """The layout of (M, N) rows taken as they are (a custom op's, which takes rows)."""
+    return None, rows.shape, rows.shape
+
+
 def to_rows(tensor: torch.Tensor | None, layout: tuple) -> torch.Tensor | None:
     """`tensor` (None, or a tensor of the layout's shape before `order`) as the layout's rows."""
     if tensor is None:
@@ -315,10 +320,10 @@ class _Kept:
 
 
 class RowFunction(torch.autograd.Function):
-    """A generated op's autograd Function (one per memory mode). Under torch.func transforms it
-    applies the op's `functional` Function instead: the same results and derivatives as plain
-    torch ops, which the transforms can wrap and vmap can batch (the kernels take whole
-    tensors)."""
+    """A generated op's autograd Function (one for all its memory modes). Under torch.func
+    transforms it applies the op's `functional` Function instead: the same results and
+    derivatives as plain torch ops, which the transforms can wrap and vmap can batch (the
+    kernels take whole tensors)."""
 
     #: set by the generated module
     functional: type[torch.autograd.Function]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import types
 
 import torch
 import triton
@@ -35,9 +36,9 @@ class Signature:
     name: str
     #: the schedule table's kind ("fwd" or "bwd")
     kind: str
-    #: the launcher's parameters before its window and `into`, a default where it has one
-    #: (`"y_dtype=None"`)
-    params: tuple[str, ...]
+    #: the kernel's inputs, the launcher's first parameters; after them come its `flags`, its
+    #: `dtypes`, then its window and `into`
+    inputs: tuple[str, ...]
     #: (M, N) element inputs: (name, the constexpr saying it is given, or None where it always is)
     elements: tuple[tuple[str, str | None], ...]
     #: tensors taken by address after the element inputs (columns, per-tensor scalars, rows, the
@@ -83,8 +84,23 @@ class Signature:
         return next(name for name, flag in self.elements if flag is None)
 
     @property
+    def flags(self) -> list[str]:
+        """A parameter for each output stored on request, `store_<name>`: the element and row
+        stores that have a flag, then every column and scalar sum."""
+        stored = [name for name, flag in (*self.element_stores, *self.row_stores) if flag]
+        stored += [name for name, _, _ in (*self.column_stores, *self.scalar_stores)]
+        return [f"store_{name}" for name in stored]
+
+    @property
+    def dtypes(self) -> list[str]:
+        """A parameter for each (M, N) output stored on request, `<name>_dtype`: the dtype it
+        is stored in (a residual stream kept in fp32), None (the default) for the input's."""
+        return [f"{name}_dtype" for name, flag in self.element_stores if flag]
+
+    @property
     def call_params(self) -> list[str]:
-        return [p.split("=")[0] for p in self.params]
+        """The launcher's parameters before its window and `into`, by name."""
+        return [*self.inputs, *self.flags, *self.dtypes]
 
 
 class _Writer:
@@ -224,7 +240,7 @@ def source(sig: Signature) -> str:
     launcher of `sig` over those kernels, torch path and schedules."""
     w = _Writer()
     name = sig.name
-    params = [*sig.params]
+    params = [*sig.inputs, *sig.flags, *(f"{name}=None" for name in sig.dtypes)]
     params += ["col_start=0", "row_length=None"] if sig.windowed else []
     params += ["into=None"] if sig.kind == "bwd" and sig.into else []
     w("def _make(per, red, split, torch_path, SCHEDULES):")
@@ -397,3 +413,34 @@ def build(sig: Signature, *, module: str, per, red, split=None, torch_path, sche
     function.__module__, function.__qualname__ = module, sig.name
     function.signature = sig
     return function
+
+
+class Backwards(types.SimpleNamespace):
+    """Each memory mode's backward, by the mode's name: its launcher (what a generated
+    Function's backward runs), or the launcher's call through its torch.library op (`through`:
+    what it runs for the op's autograd)."""
+
+
+def through(op, launcher, made: tuple[str, ...]):
+    """`launcher`'s call made through `op`, its torch.library op, which returns the results
+    named `made` (those that are no other result or input): the launcher's arguments and
+    results, a result not stored None (the op returns an empty tensor for it) and a result that
+    is another one or an input that one. `into` is not passed on: an op's results are its own
+    memory (`mutates_args=()`)."""
+    sig = launcher.signature
+    params = sig.call_params
+    # the results stored on request, by their flag's parameter
+    flags = {name: f"store_{name}" for name, flag in (*sig.element_stores, *sig.row_stores)
+             if flag}
+    flags.update((name, f"store_{name}") for name, _, _ in (*sig.column_stores,
+                                                            *sig.scalar_stores))
+
+    def call(*args, into=None, **named):
+        # the arguments by name: the leading ones given positionally, the flags by keyword
+        values = dict(zip(params, args, strict=False), **named)
+        values.update(zip(made, op(*(values[name] for name in params)), strict=True))
+        return tuple(values[name] if values.get(flags.get(name), True) else None
+                     for name in sig.returns)
+
+    call.__name__ = call.__qualname__ = f"{sig.name}_through_op"
+    return call
