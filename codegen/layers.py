@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
-from codegen.emit import environment, signature
+from codegen.emit import environment
 from derive.api import Option
 from derive.blocks import (
     Attr,
@@ -263,8 +263,10 @@ def arguments(block: BlockSpec) -> list[str]:
 
 
 def method_def(name: str, args: list[str]) -> str:
-    """`def name(args):` as a method of the layer has it, its lines unindented."""
-    return signature(name, args, LINE_LENGTH - len(INDENT))
+    """`def name(args):` as a method of the layer has it, its lines unindented: the ops'
+    writer of def lines (the `def_line` macro of macros.j2)."""
+    macros = environment().get_template("macros.j2").module
+    return str(macros.def_line(name, args, LINE_LENGTH - len(INDENT)))
 
 
 def forward_def(block: BlockSpec) -> str:
