@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from reference import select_path
 
 import generated.add_layernorm as add_layernorm
 import generated.cross_entropy as cross_entropy
@@ -23,10 +24,14 @@ CUDA = SimpleNamespace(is_cuda=True)
 
 @pytest.fixture
 def measured(monkeypatch):
-    """Each op's measurements decide (tests/conftest.py forces the kernels), the kernels run
-    on the CPU through Triton's interpreter."""
+    """Each op's measurements decide (tests/conftest.py forces the kernels)."""
     monkeypatch.setattr(dispatch, "FORCED", None)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """Where the kernels run: the GPU, else the CPU through Triton's interpreter."""
+    return select_path(monkeypatch, "triton")
 
 
 def test_a_cuda_call_keeps_its_own_code_below_the_routes_crossover(measured):
@@ -52,12 +57,16 @@ def test_every_op_module_states_its_routes_measurements():
     assert dispatch.of(len) is None
 
 
-def _gpt2(dropout: float = 0.0) -> torch.nn.Module:
+def _gpt2(device, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
                                      n_positions=32, resid_pdrop=dropout, embd_pdrop=0.0,
                                      attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config).train()
+    return transformers.GPT2LMHeadModel(config).to(device).train()
+
+
+def _tokens(device):
+    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def _counting(monkeypatch, owner, name):
@@ -69,15 +78,15 @@ def _counting(monkeypatch, owner, name):
 
 @pytest.mark.parametrize("memory", [None, "invertible"])
 def test_a_fused_layer_runs_its_own_forward_where_its_op_would_run_torchs(
-        measured, monkeypatch, memory):
+        measured, device, monkeypatch, memory):
     """Where add_layer_norm would run torch's expression (the layer's own computation), the
     layer's own forward runs and spares the rewritten forward's host time; in a memory mode
     torch's expression has not, the fusion runs."""
-    model = _gpt2()
+    model = _gpt2(device)
     patched = copy.deepcopy(model)
     report = patch_model(patched, memory=memory)
     assert "GPT2Block" in report.counts, report
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    tokens = _tokens(device)
     block = transformers.models.gpt2.modeling_gpt2.GPT2Block
     calls = _counting(monkeypatch, block, "forward")
     with add_layernorm.DISPATCH.override("torch"):
@@ -90,18 +99,24 @@ def test_a_fused_layer_runs_its_own_forward_where_its_op_would_run_torchs(
     assert calls == [], "the layer's own forward ran"
 
 
-def test_the_loss_route_keeps_the_models_loss_where_its_op_says(measured):
-    model = _gpt2()
+def test_the_loss_route_keeps_the_models_loss_where_its_op_says(measured, device):
+    model = _gpt2(device)
     patched = copy.deepcopy(model)
     report = patch_model(patched, loss=True, include=["loss"])
     assert "ForCausalLMLoss" in report.counts, report
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    tokens = _tokens(device)
     # routed: the logits never exist whole
-    assert patched(input_ids=tokens, labels=tokens).logits is None
+    with cross_entropy.DISPATCH.override(own_below=0):
+        assert patched(input_ids=tokens, labels=tokens).logits is None
     with cross_entropy.DISPATCH.override("torch"):
         output = patched(input_ids=tokens, labels=tokens)
     assert output.logits is not None
     torch.testing.assert_close(output.loss, model(input_ids=tokens, labels=tokens).loss)
+    # below the route's crossover, a CUDA call computes the model's own loss (a CPU call under
+    # the interpreter runs the kernels: no crossover is measured there)
+    with cross_entropy.DISPATCH.override(own_below=10**18):
+        output = patched(input_ids=tokens, labels=tokens)
+    assert (output.logits is not None) == (device.type == "cuda")
 
 
 def _route_row(rows, ours, own, ours_peak=1, own_peak=1):

@@ -94,24 +94,27 @@ class Dispatch:
 
     @contextlib.contextmanager
     def override(self, mode: str | None = None, *, eager_below: int | None = None,
-                 compiled: str | None = None):
-        """Within the block, `mode` ("kernels", "torch") decides every call of this op, or
-        `eager_below` / `compiled` replace its measurements; restored on exit."""
+                 compiled: str | None = None, own_below: int | None = None):
+        """Within the block, `mode` ("kernels", "torch") decides every call of this op (and
+        every patch_model route through it), or `eager_below` / `compiled` / `own_below`
+        replace its measurements; restored on exit."""
         if mode is not None and mode not in MODES:
             raise ValueError(f"override(): mode must be one of {MODES} or None, got {mode!r}")
         if compiled is not None and compiled not in COMPILED:
             raise ValueError(f"override(): compiled must be one of {COMPILED} or None, "
                              f"got {compiled!r}")
-        saved = (self.forced, self.eager_below, self.compiled)
+        saved = (self.forced, self.eager_below, self.compiled, self.own_below)
         self.forced = mode
         if eager_below is not None:
             self.eager_below = int(eager_below)
         if compiled is not None:
             self.compiled = compiled
+        if own_below is not None:
+            self.own_below = int(own_below)
         try:
             yield self
         finally:
-            self.forced, self.eager_below, self.compiled = saved
+            self.forced, self.eager_below, self.compiled, self.own_below = saved
 
     def __repr__(self) -> str:
         return (f"Dispatch({self.op!r}, eager_below={self.eager_below}, "
