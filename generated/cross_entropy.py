@@ -987,55 +987,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::cross_entropy_backward_default", mutates_args=())
-def _cross_entropy_backward_default_op(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    dloss: torch.Tensor,
-    target: torch.Tensor,
-    row_max: torch.Tensor,
-    denominator: torch.Tensor,
-    target_logit: torch.Tensor,
-    target_weight: torch.Tensor,
-    weight_mean: torch.Tensor,
-    ignore_index: float,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    token_scaling: float,
-) -> list[torch.Tensor]:
-    outputs = _cross_entropy_bwd_default(x, weight, dloss, target, row_max, denominator, target_logit, target_weight, weight_mean, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling)
-    named = dict(zip(['dx'], outputs))
-    return [named[name] if named[name] is not None else x.new_empty(0) for name in ['dx']]
-
-
-@_cross_entropy_backward_default_op.register_fake
-def _(
-    x,
-    weight,
-    dloss,
-    target,
-    row_max,
-    denominator,
-    target_logit,
-    target_weight,
-    weight_mean,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    token_scaling,
-):
-    return [
-        x.new_empty(x.shape),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.cross_entropy_backward_default, _cross_entropy_bwd_default, ("dx",)),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("cross_entropy", _BACKWARDS, module=__name__)
 
 
 def _cross_entropy_setup_context(ctx, inputs, output):

@@ -1132,102 +1132,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::dropout_add_rmsnorm_backward_default", mutates_args=())
-def _dropout_add_rmsnorm_backward_default_op(
-    dy: torch.Tensor,
-    dresidual_out: Optional[torch.Tensor],
-    residual_out: torch.Tensor,
-    input_bias: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    rstd: torch.Tensor,
-    weight_offset: float,
-    dropout_p: float,
-    round_normalized: float,
-    round_steps: float,
-    seed: torch.Tensor,
-    store_dinput_bias: bool,
-    store_dweight: bool,
-) -> list[torch.Tensor]:
-    outputs = _dropout_add_rmsnorm_bwd_default(dy, dresidual_out, residual_out, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight)
-    named = dict(zip(['dx', 'dresidual', 'dinput_bias', 'dweight'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dresidual', 'dinput_bias', 'dweight']]
-
-
-@_dropout_add_rmsnorm_backward_default_op.register_fake
-def _(
-    dy,
-    dresidual_out,
-    residual_out,
-    input_bias,
-    weight,
-    rstd,
-    weight_offset,
-    dropout_p,
-    round_normalized,
-    round_steps,
-    seed,
-    store_dinput_bias,
-    store_dweight,
-):
-    return [
-        dy.new_empty(dy.shape),
-        dy.new_empty(dy.shape),
-        input_bias.new_empty(input_bias.shape) if store_dinput_bias else dy.new_empty(0),
-        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
-    ]
-
-
-@torch.library.custom_op("vjpforge::dropout_add_rmsnorm_backward_invertible", mutates_args=())
-def _dropout_add_rmsnorm_backward_invertible_op(
-    dy: torch.Tensor,
-    dresidual_out: Optional[torch.Tensor],
-    y: torch.Tensor,
-    input_bias: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    rstd: torch.Tensor,
-    weight_offset: float,
-    dropout_p: float,
-    round_normalized: float,
-    round_steps: float,
-    seed: torch.Tensor,
-    store_dinput_bias: bool,
-    store_dweight: bool,
-) -> list[torch.Tensor]:
-    outputs = _dropout_add_rmsnorm_bwd_invertible(dy, dresidual_out, y, input_bias, weight, rstd, weight_offset, dropout_p, round_normalized, round_steps, seed, store_dinput_bias, store_dweight)
-    named = dict(zip(['dx', 'dresidual', 'dinput_bias', 'dweight'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dresidual', 'dinput_bias', 'dweight']]
-
-
-@_dropout_add_rmsnorm_backward_invertible_op.register_fake
-def _(
-    dy,
-    dresidual_out,
-    y,
-    input_bias,
-    weight,
-    rstd,
-    weight_offset,
-    dropout_p,
-    round_normalized,
-    round_steps,
-    seed,
-    store_dinput_bias,
-    store_dweight,
-):
-    return [
-        dy.new_empty(dy.shape),
-        dy.new_empty(dy.shape),
-        input_bias.new_empty(input_bias.shape) if store_dinput_bias else dy.new_empty(0),
-        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.dropout_add_rmsnorm_backward_default, _dropout_add_rmsnorm_bwd_default, ("dx", "dresidual", "dinput_bias", "dweight")),
-    invertible=launcher.through(torch.ops.vjpforge.dropout_add_rmsnorm_backward_invertible, _dropout_add_rmsnorm_bwd_invertible, ("dx", "dresidual", "dinput_bias", "dweight")),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("dropout_add_rmsnorm", _BACKWARDS, module=__name__)
 
 
 def _dropout_add_rmsnorm_setup_context(ctx, inputs, output):

@@ -429,34 +429,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::geglu_tanh_backward_default", mutates_args=())
-def _geglu_tanh_backward_default_op(
-    dy: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-) -> list[torch.Tensor]:
-    outputs = _geglu_tanh_bwd_default(dy, gate, up)
-    named = dict(zip(['dgate', 'dup'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dgate', 'dup']]
-
-
-@_geglu_tanh_backward_default_op.register_fake
-def _(
-    dy,
-    gate,
-    up,
-):
-    return [
-        dy.new_empty(dy.shape),
-        dy.new_empty(dy.shape),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.geglu_tanh_backward_default, _geglu_tanh_bwd_default, ("dgate", "dup")),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("geglu_tanh", _BACKWARDS, module=__name__)
 
 
 def _geglu_tanh_setup_context(ctx, inputs, output):

@@ -509,36 +509,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::gelu_backward_default", mutates_args=())
-def _gelu_backward_default_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    store_dbias: bool,
-) -> list[torch.Tensor]:
-    outputs = _gelu_bwd_default(dy, x, bias, store_dbias)
-    named = dict(zip(['dx', 'dbias'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dbias']]
-
-
-@_gelu_backward_default_op.register_fake
-def _(
-    dy,
-    x,
-    bias,
-    store_dbias,
-):
-    return [
-        dy.new_empty(dy.shape),
-        bias.new_empty(bias.shape) if store_dbias else dy.new_empty(0),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.gelu_backward_default, _gelu_bwd_default, ("dx", "dbias")),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("gelu", _BACKWARDS, module=__name__)
 
 
 def _gelu_setup_context(ctx, inputs, output):

@@ -752,41 +752,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::masked_softmax_backward_default", mutates_args=())
-def _masked_softmax_backward_default_op(
-    dy: torch.Tensor,
-    p: torch.Tensor,
-    scale: float,
-    window: float,
-    dropout_p: float,
-    seed: torch.Tensor,
-    row_shape: list[int],
-) -> list[torch.Tensor]:
-    outputs = _masked_softmax_bwd_default(dy, p, scale, window, dropout_p, seed, row_shape)
-    named = dict(zip(['dx'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx']]
-
-
-@_masked_softmax_backward_default_op.register_fake
-def _(
-    dy,
-    p,
-    scale,
-    window,
-    dropout_p,
-    seed,
-    row_shape,
-):
-    return [
-        dy.new_empty(dy.shape),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.masked_softmax_backward_default, _masked_softmax_bwd_default, ("dx",)),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("masked_softmax", _BACKWARDS, module=__name__)
 
 
 def _masked_softmax_setup_context(ctx, inputs, output):

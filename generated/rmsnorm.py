@@ -1058,78 +1058,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::rmsnorm_backward_default", mutates_args=())
-def _rmsnorm_backward_default_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    rstd: torch.Tensor,
-    weight_offset: float,
-    round_normalized: float,
-    round_steps: float,
-    store_dweight: bool,
-) -> list[torch.Tensor]:
-    outputs = _rmsnorm_bwd_default(dy, x, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight)
-    named = dict(zip(['dx', 'dweight'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
-
-
-@_rmsnorm_backward_default_op.register_fake
-def _(
-    dy,
-    x,
-    weight,
-    rstd,
-    weight_offset,
-    round_normalized,
-    round_steps,
-    store_dweight,
-):
-    return [
-        dy.new_empty(dy.shape),
-        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
-    ]
-
-
-@torch.library.custom_op("vjpforge::rmsnorm_backward_invertible", mutates_args=())
-def _rmsnorm_backward_invertible_op(
-    dy: torch.Tensor,
-    y: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    rstd: torch.Tensor,
-    weight_offset: float,
-    round_normalized: float,
-    round_steps: float,
-    store_dweight: bool,
-) -> list[torch.Tensor]:
-    outputs = _rmsnorm_bwd_invertible(dy, y, weight, rstd, weight_offset, round_normalized, round_steps, store_dweight)
-    named = dict(zip(['dx', 'dweight'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx', 'dweight']]
-
-
-@_rmsnorm_backward_invertible_op.register_fake
-def _(
-    dy,
-    y,
-    weight,
-    rstd,
-    weight_offset,
-    round_normalized,
-    round_steps,
-    store_dweight,
-):
-    return [
-        dy.new_empty(dy.shape),
-        weight.new_empty(weight.shape) if store_dweight else dy.new_empty(0),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.rmsnorm_backward_default, _rmsnorm_bwd_default, ("dx", "dweight")),
-    invertible=launcher.through(torch.ops.vjpforge.rmsnorm_backward_invertible, _rmsnorm_bwd_invertible, ("dx", "dweight")),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("rmsnorm", _BACKWARDS, module=__name__)
 
 
 def _rmsnorm_setup_context(ctx, inputs, output):

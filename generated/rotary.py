@@ -421,35 +421,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::rotary_backward_default", mutates_args=())
-def _rotary_backward_default_op(
-    dy: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    row_shape: list[int],
-) -> list[torch.Tensor]:
-    outputs = _rotary_bwd_default(dy, cos, sin, row_shape)
-    named = dict(zip(['dx'], outputs))
-    return [named[name] if named[name] is not None else dy.new_empty(0) for name in ['dx']]
-
-
-@_rotary_backward_default_op.register_fake
-def _(
-    dy,
-    cos,
-    sin,
-    row_shape,
-):
-    return [
-        dy.new_empty(dy.shape),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.rotary_backward_default, _rotary_bwd_default, ("dx",)),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("rotary", _BACKWARDS, module=__name__)
 
 
 def _rotary_setup_context(ctx, inputs, output):

@@ -559,31 +559,10 @@ def _(
     ]
 
 
-@torch.library.custom_op("vjpforge::softmax_backward_default", mutates_args=())
-def _softmax_backward_default_op(
-    dp: torch.Tensor,
-    p: torch.Tensor,
-) -> list[torch.Tensor]:
-    outputs = _softmax_bwd_default(dp, p)
-    named = dict(zip(['dx'], outputs))
-    return [named[name] if named[name] is not None else dp.new_empty(0) for name in ['dx']]
-
-
-@_softmax_backward_default_op.register_fake
-def _(
-    dp,
-    p,
-):
-    return [
-        dp.new_empty(dp.shape),
-    ]
-
-
-#: each memory mode's backward through its custom op, as the op's autograd runs it: one
-#: opaque op under torch.compile
-_BACKWARD_OPS = launcher.Backwards(
-    default=launcher.through(torch.ops.vjpforge.softmax_backward_default, _softmax_bwd_default, ("dx",)),
-)
+#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
+#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
+#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
+_BACKWARD_OPS = launcher.backward_ops("softmax", _BACKWARDS, module=__name__)
 
 
 def _softmax_setup_context(ctx, inputs, output):

@@ -7,6 +7,8 @@ M == 1 would run where they do not hold."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import triton
@@ -331,4 +333,66 @@ def test_a_failing_launch_shows_the_launchers_line(monkeypatch):
         rebuilt(x, None, None, 1e-5, 0.0, False, False)
     frames = traceback.extract_tb(caught.value.__traceback__)
     assert any(frame.name == "_layernorm_fwd" and frame.line.startswith("return torch_path(")
+               for frame in frames), frames
+
+
+def test_every_backward_op_is_built_from_its_launchers_signature():
+    """Each generated module states its backward launchers' signatures and nothing of their
+    torch.library ops: the runtime registers one op a memory mode, taking the launcher's inputs
+    and flags, whose source a traceback can show."""
+    import ast
+    import inspect
+    import linecache
+
+    modules = {m for m, _, _ in _launchers() if hasattr(m, "_BACKWARD_OPS")}
+    assert len(modules) >= 15
+    for module in modules:
+        op = module.__name__.rpartition(".")[2]
+        text = inspect.getsource(module)
+        assert f'custom_op("vjpforge::{op}_backward_' not in text
+        assert f"def _{op}_backward_" not in text
+        modes = vars(module._BACKWARDS)
+        assert list(vars(module._BACKWARD_OPS)) == list(modes)
+        for mode, f in modes.items():
+            # the op's source as registered (the registry's op may be another module's of the
+            # same name: a test may import a variant of this one)
+            text = "".join(linecache.getlines(f"<vjpforge op {module.__name__}."
+                                              f"{op}_backward_{mode}>"))
+            assert f'"vjpforge::{op}_backward_{mode}"' in text, (op, mode)
+            defined = next(node for node in ast.walk(ast.parse(text))
+                           if isinstance(node, ast.FunctionDef)
+                           and node.name == f"_{op}_backward_{mode}_op")
+            sig = f.signature
+            assert [a.arg for a in defined.args.args] == [*sig.inputs, *sig.flags], (op, mode)
+
+
+@functools.cache
+def _failing_backward_ops():
+    """layernorm's default backward, its torch path raising, through an op of its own."""
+    from codegen.runtime import launcher
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("from the torch path")
+
+    f = layernorm._layernorm_bwd_default
+    rebuilt = launcher.build(f.signature, module=layernorm.__name__,
+                             per=layernorm._layernorm_bwd_default_per,
+                             red=layernorm._layernorm_bwd_default_red,
+                             split=layernorm._layernorm_bwd_default_split,
+                             torch_path=failing, schedules=layernorm.SCHEDULES)
+    return launcher.backward_ops("failing_layernorm", launcher.Backwards(default=rebuilt),
+                                 module=layernorm.__name__)
+
+
+def test_a_failing_backward_op_shows_its_line():
+    """A backward op's frames carry its source: an error inside shows the failing line."""
+    import traceback
+
+    dy = torch.zeros((0, 8))  # no rows: the torch path
+    rows = torch.zeros((0,))
+    with pytest.raises(RuntimeError, match="from the torch path") as caught:
+        _failing_backward_ops().default(dy, dy, None, None, rows, rows, 0.0, False, False)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert any(frame.name == "_failing_layernorm_backward_default_op"
+               and frame.line.startswith("dx, dweight, dbias, = _launcher(")
                for frame in frames), frames

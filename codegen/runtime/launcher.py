@@ -9,6 +9,10 @@ split fallback, column sums) lives once, here, and each launcher runs straight-l
 nothing left to decide from the signature per call. Its source is registered with `linecache`
 so that tracebacks and debuggers show it.
 
+Each memory mode's backward is a torch.library op too (`backward_ops`): its op and fake are
+written and registered the same way, from the backward launcher's signature, so that the module
+states neither.
+
 A launcher takes its kernel's (M, N) row tensors and returns its outputs. It runs the torch path
 (the module's `<name>_torch`) where there is nothing to launch: no rows or columns, a CPU tensor
 outside Triton's interpreter, meta and fake tensors (`launch.use_triton`).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import types
+from typing import Optional
 
 import torch
 import triton
@@ -98,6 +103,14 @@ class Signature:
         return [f"{name}_dtype" for name, flag in self.element_stores if flag]
 
     @property
+    def made(self) -> tuple[str, ...]:
+        """The results the kernel stores, once each in return order: a return that is an input
+        or another result (an alias) is that one's, not made again."""
+        stores = {name for name, *_ in (*self.element_stores, *self.row_stores,
+                                        *self.column_stores, *self.scalar_stores)}
+        return tuple(dict.fromkeys(name for name in self.returns if name in stores))
+
+    @property
     def call_params(self) -> list[str]:
         """The launcher's parameters before its window and `into`, by name."""
         return [*self.inputs, *self.flags, *self.dtypes]
@@ -111,7 +124,7 @@ class _Writer:
         self.depth = 0
 
     def __call__(self, *lines: str) -> None:
-        self.lines.extend("    " * self.depth + line for line in lines)
+        self.lines.extend("    " * self.depth + line if line else "" for line in lines)
 
     def block(self, head: str) -> _Block:
         self(head)
@@ -403,12 +416,8 @@ _NAMESPACE = {"torch": torch, "triton": triton, "launch": launch, "fixed_n": fix
 def build(sig: Signature, *, module: str, per, red, split=None, torch_path, schedules):
     """The launcher of `sig` over its module's kernels (`per`: whole rows per program, `red`:
     looped rows, `split`: rows split over programs), torch path and schedules."""
-    text = source(sig)
-    filename = f"<vjpforge launcher {module}.{sig.name}>"
-    # tracebacks and debuggers read the source of a frame through linecache
-    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    namespace = dict(_NAMESPACE)
-    exec(compile(text, filename, "exec"), namespace)  # noqa: S102 - our own source, above
+    namespace = _compiled(source(sig), f"<vjpforge launcher {module}.{sig.name}>",
+                          dict(_NAMESPACE))
     function = namespace["_make"](per, red, split, torch_path, schedules)
     function.__module__, function.__qualname__ = module, sig.name
     function.signature = sig
@@ -421,14 +430,14 @@ class Backwards(types.SimpleNamespace):
     what it runs for the op's autograd)."""
 
 
-def through(op, launcher, made: tuple[str, ...]):
+def through(op, launcher):
     """`launcher`'s call made through `op`, its torch.library op, which returns the results
-    named `made` (those that are no other result or input): the launcher's arguments and
-    results, a result not stored None (the op returns an empty tensor for it) and a result that
-    is another one or an input that one. `into` is not passed on: an op's results are its own
-    memory (`mutates_args=()`)."""
+    the launcher makes (`Signature.made`): the launcher's arguments and results, a result not
+    stored None (the op returns an empty tensor for it) and a result that is another one or an
+    input that one. `into` is not passed on: an op's results are its own memory
+    (`mutates_args=()`)."""
     sig = launcher.signature
-    params = sig.call_params
+    params, made = sig.call_params, sig.made
     # the results stored on request, by their flag's parameter
     flags = {name: f"store_{name}" for name, flag in (*sig.element_stores, *sig.row_stores)
              if flag}
@@ -444,3 +453,82 @@ def through(op, launcher, made: tuple[str, ...]):
 
     call.__name__ = call.__qualname__ = f"{sig.name}_through_op"
     return call
+
+
+def _annotation(sig: Signature, name: str) -> str:
+    """The schema type of input `name`, as torch.library infers it from the annotation."""
+    optional = {e for e, flag in (*sig.elements, *sig.pointers) if flag}
+    if name in optional:
+        return "Optional[torch.Tensor]"
+    if name in sig.scalars:
+        return "float"
+    return "list[int]" if name == "row_shape" else "torch.Tensor"
+
+
+def op_source(sig: Signature, op: str) -> str:
+    """The source of `_make(launcher)`, which registers the torch.library op `vjpforge::<op>`
+    of backward launcher `sig`, and its fake, and returns the op. The op takes the launcher's
+    inputs and flags and returns the results it makes (`Signature.made`), a result not stored
+    an empty tensor (an op's outputs never are None)."""
+    if sig.dtypes or sig.row_stores:
+        # an op's schema has no dtype arguments, and a fake below no (M,) rows
+        raise ValueError(f"{sig.name}: a backward op stores no dtypes or rows")
+    first, w = sig.first, _Writer()
+    flagged = dict((*sig.element_stores, *((s, flag) for s, _, flag in sig.column_stores
+                                           + sig.scalar_stores)))
+    like = {s: like_ for s, like_, _ in sig.column_stores + sig.scalar_stores}
+    params = [*sig.inputs, *sig.flags]
+    made = sig.made
+    w("def _make(_launcher):")
+    with _Block(w):
+        w(f'@torch.library.custom_op("vjpforge::{op}", mutates_args=())',
+          f"def _{op}_op(")
+        with _Block(w):
+            w(*(f"{name}: {_annotation(sig, name)}," for name in sig.inputs),
+              *(f"{flag}: bool," for flag in sig.flags))
+        w(") -> list[torch.Tensor]:")
+        with _Block(w):
+            # a result that is another one or an input is not the op's: unpacked to `_`
+            targets = [name if name in made and name not in sig.returns[:i] else "_"
+                       for i, name in enumerate(sig.returns)]
+            w(f"{', '.join(targets)}, = _launcher({', '.join(params)})", "return [")
+            with _Block(w):
+                w(*(f"{name} if {name} is not None else {first}.new_empty(0)," for name in made))
+            w("]")
+        w("", f"@_{op}_op.register_fake", f"def _{op}_fake({', '.join(params)}):")
+        with _Block(w):
+            # an output not stored is a tensor of its own, as the op's (outputs never alias)
+            w("return [")
+            with _Block(w):
+                for name in made:
+                    shape = (f"{like[name]}.new_empty({like[name]}.shape)" if name in like
+                             else f"{first}.new_empty({first}.shape)")
+                    w(f"{shape} if store_{name} else {first}.new_empty(0),"
+                      if flagged[name] else f"{shape},")
+            w("]")
+        w("", f"return _{op}_op")
+    return "\n".join(w.lines) + "\n"
+
+
+def _compiled(text: str, filename: str, namespace: dict, **flags) -> dict:
+    """`namespace` after running `text`, registered with linecache as `filename`."""
+    # tracebacks and debuggers read the source of a frame through linecache
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    exec(compile(text, filename, "exec", **flags), namespace)  # noqa: S102 - our own source
+    return namespace
+
+
+def backward_ops(op: str, backwards: Backwards, *, module: str) -> Backwards:
+    """Registers each memory mode's backward launcher in `backwards` as the torch.library op
+    `vjpforge::<op>_backward_<mode>`, with its fake (`op_source`), and returns each mode's
+    call through its op (`through`), as the op's autograd runs it."""
+    calls = {}
+    for mode, function in vars(backwards).items():
+        name = f"{op}_backward_{mode}"
+        text = op_source(function.signature, name)
+        # the ops' annotations are their schema: objects, not this module's postponed strings
+        namespace = _compiled(text, f"<vjpforge op {module}.{name}>",
+                              {"__name__": module, "torch": torch, "Optional": Optional},
+                              dont_inherit=True)
+        calls[mode] = through(namespace["_make"](function), function)
+    return Backwards(**calls)
