@@ -181,6 +181,11 @@ def _labelled(labels) -> _Labelled | None:
                      (flat != IGNORE_INDEX).nonzero().squeeze(1))
 
 
+def label_count(labels) -> int:
+    """The tokens of a call's labels (a tensor, or what torch.as_tensor takes)."""
+    return labels.numel() if isinstance(labels, torch.Tensor) else torch.as_tensor(labels).numel()
+
+
 class LogitsRoute:
     """What `install` sets on a model: its `forward` (module doc)."""
 
@@ -216,8 +221,8 @@ class LogitsRoute:
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
         if labels is None or not self.model.training or torch.compiler.is_compiling() \
-                or dispatch.keeps_own(self.head.weight, labels.numel() * self.head.weight.numel(),
-                                      self.route):
+                or dispatch.keeps_own(self.head.weight,
+                                      label_count(labels) * self.head.weight.numel(), self.route):
             # where the chunked loss would be slower than the model's own: the work is the
             # output layer's multiply of every position (rows x hidden x vocabulary; the
             # labelled rows are not counted here, which would wait for the GPU)

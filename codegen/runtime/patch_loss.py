@@ -272,7 +272,7 @@ class CausalLMRoute:
         if labels is None and self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]
         if labels is None or not self.model.training or torch.compiler.is_compiling() \
-                or self.route_loses(self.head.weight, labels.numel()):
+                or self.route_loses(self.head.weight, logits_route.label_count(labels)):
             # a compiled graph takes the logits and their loss in whole (the compiler's own
             # fusion; a module attribute swapped and restored inside it, as below, is replayed
             # wrongly by some torch versions' graph capture); a call where the chunked loss
@@ -399,32 +399,6 @@ def install(model, linear, fallback):
 def is_route(function) -> bool:
     """Whether a model's loss_function is one `install` set."""
     return isinstance(getattr(function, "__self__", None), CausalLMRoute)
-
-
-def structure_problem(model, device) -> str | None:
-    """Why `model`'s training loss cannot be routed from the hidden states whatever its
-    forward computes, or None: its output embeddings must be a plain torch.nn.Linear without
-    hooks or a forward of their own (named in the message by where the model holds them:
-    lm_head, cls.predictions.decoder, ...), its forward must take input_ids and labels, and it
-    must be where a probe can run."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        return f"its output embeddings are a {type(head).__name__}, not a torch.nn.Linear"
-    hooks = [name.strip("_") for name in ("_forward_pre_hooks", "_forward_hooks")
-             if getattr(head, name, None)] + ["forward"] * ("forward" in head.__dict__)
-    if hooks:
-        where = next(name for name, module in model.named_modules() if module is head)
-        return (f"its {where} has {' and '.join(hooks)} of its own, which would see the "
-                "stand-in for the logits")
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "its forward's signature cannot be read"
-    if "labels" not in parameters or "input_ids" not in parameters:
-        return "its forward takes no input_ids and labels"
-    if device.type == "meta":
-        return "it is on the meta device, where its outputs cannot be compared"
-    return None
 
 
 def route_problem(model, linear, fallback, dtype, device) -> str | None:

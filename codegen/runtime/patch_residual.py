@@ -382,7 +382,7 @@ def _keeps_layer(layer, fusion: Fusion, route, args, kwargs) -> bool:
       dropout draws once.
 
     `VJPFORGE_DISPATCH=kernels` keeps the fusion."""
-    hidden = args[0] if args else next(iter(kwargs.values()), None)
+    hidden = args[0] if args else kwargs.get("hidden_states")
     if not isinstance(hidden, torch.Tensor):
         hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
         if hidden is None:
