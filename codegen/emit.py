@@ -21,7 +21,7 @@ from typing import Any
 import jinja2
 import sympy
 
-from codegen.fuse import Moments, OnlineExp, OnlineFirst, Sweep, picks, sweeps
+from codegen.fuse import Moments, OnlineExp, OnlineFirst, OnlineGap, Sweep, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce
 from codegen.lower import ROW_LENGTH
 from codegen.printers import TORCH, TRITON, Dialect, KernelPrinter, PrintError
@@ -704,17 +704,23 @@ class TritonKernel(_Printed):
             if r["op"] == "max":
                 done.append(f"{name} = helpers.stable_shift({name})  # {r['finite']}")
             finish += self._gated(gate, done)
-        # a running max is set up once for the pairs that share it (a sum of exponentials and
-        # an argmax of one max), and moves on after every one of them read its old value
+        # a running max is set up once for the pairs that share it (a sum of exponentials, sums
+        # affine in it and an argmax of one max), and moves on after every one of them read its
+        # old value
         peaks: list[str] = []
         for pair in sorted(sweep.fused, key=lambda pair: isinstance(pair, OnlineFirst)):
             if isinstance(pair, Moments):
                 lines = self._moments(pair)
             else:
                 running = self._running_max(pair.peak, peaks)
-                lines = (self._online_exp(pair) if isinstance(pair, OnlineExp)
-                         else tuple(self._gated(self.gate(pair.first.name), part)
-                                    for part in self._online_first(pair)))
+                if isinstance(pair, OnlineExp):
+                    lines = self._online_exp(pair)
+                elif isinstance(pair, OnlineGap):
+                    lines = tuple(self._gated(self.gate(pair.total.name), part)
+                                  for part in self._online_gap(pair))
+                else:
+                    lines = tuple(self._gated(self.gate(pair.first.name), part)
+                                  for part in self._online_first(pair))
                 lines = tuple(a + b for a, b in zip(running, lines, strict=True))
             init += lines[0]
             update += lines[1]
@@ -789,6 +795,28 @@ class TritonKernel(_Printed):
             # overflowed exp (0 * exp(1000) = NaN)
             f"{total}_acc = {total}_acc * tl.exp(tl.minimum({peak}_shift - {peak}_next, 0.0))"
             f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max"]
+        merged = f"tl.sum({total}_acc, axis=1)[:, None]"
+        finish = [
+            f"{total} = {self._scaled(pair.total, merged)}"
+            f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
+            "every lane at the row's max"]
+        return init, update, finish
+
+    def _online_gap(self, pair: OnlineGap) -> tuple[list[str], list[str], list[str]]:
+        peak, total = pair.peak.name, pair.total.name
+        shift = sympy.Symbol(f"{peak}_next", real=True)
+        symbol = next(s for s in pair.total.body.free_symbols if s.name == peak)
+        term = self.print_named(total, pair.total.body.xreplace({symbol: shift}))
+        slope = self.print_named(total, pair.slope)
+        init = [f"{total}_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)",
+                f"{total}_slope = tl.zeros((ROWS, BLOCK_N), dtype=ACC)"]
+        update = [
+            # the terms so far move with the max by their slopes' sum; where the max stays
+            # (most steps) nothing moves, even at a +inf (inf - inf is no move)
+            f"{total}_acc += tl.where({peak}_next != {peak}_shift, "
+            f"{total}_slope * ({peak}_next - {peak}_shift), 0.0)"
+            f" + tl.where(mask, {term}, 0.0)  # at the row's max so far",
+            f"{total}_slope += tl.where(mask, {slope}, 0.0)"]
         merged = f"tl.sum({total}_acc, axis=1)[:, None]"
         finish = [
             f"{total} = {self._scaled(pair.total, merged)}"

@@ -2,7 +2,7 @@
 pass k's sweep over a looped row.
 
 A looped row is read from memory once per pass. Two dependent reductions need two passes as
-written (the second needs the first's value), but two shapes of them can be carried together
+written (the second needs the first's value), but some shapes of them can be carried together
 per lane and combined at the end of one sweep, as torch and inductor do by hand:
 
 - a centred second moment after a mean, `mean = 1/N Σ b`, `v = s Σ (b - mean)^2`: each lane
@@ -15,6 +15,13 @@ per lane and combined at the end of one sweep, as torch and inductor do by hand:
   the row's running max (each step's tile max joins it) and each lane's sum, rescaled once a
   step when that max grows (the online softmax): one exponential an element, and the lanes
   share the max, so they merge by a plain sum.
+
+- a sum affine in a max, `m = max_j g`, `t = s Σ (A·m + B)` (A and B free of m; the gaps
+  below the max, Σ w·(m - g)): each lane's sum at the running max, and its sum of the slopes
+  A, which moves that sum along when the max grows: `t += ΣA · (m' - m)`. Every term is then
+  taken at the max seen so far, as the two passes take it at the row's: gaps ≥ 0, no sum of
+  the g themselves to cancel (Σ A·m - Σ A·g would round at the scale of g), and a gap to a
+  -inf is +inf, not inf - inf;
 
 - the first column where a row reaches its max, `m = max_j g`, `f = min_j (v where g >= m,
   else c)` (an argmax, torch's first index of the max): each lane's least candidate at the
@@ -64,7 +71,17 @@ class OnlineFirst:
     other: sympy.Expr
 
 
-Fused = Moments | OnlineExp | OnlineFirst
+@dataclass(frozen=True)
+class OnlineGap:
+    """peak = max_j g and total = scale Σ (slope·peak + rest), slope and rest free of the peak,
+    carried in one sweep (on the peak's running max, shared with its other pairs)."""
+
+    peak: RowReduce
+    total: RowReduce
+    slope: sympy.Expr
+
+
+Fused = Moments | OnlineExp | OnlineFirst | OnlineGap
 
 
 @dataclass(frozen=True)
@@ -155,17 +172,16 @@ def _fusible(first: Pass, second: Pass
         partner = earlier[(names & set(earlier)).pop()]
         symbol = next(s for s in body.free_symbols if s.name == partner.name)
         pair = (_moments(partner, r, body, symbol) or _online_exp(partner, r, body, symbol)
-                or _online_first(partner, r, body, symbol))
+                or _online_first(partner, r, body, symbol)
+                or _online_gap(partner, r, body, symbol))
         if pair is None:
             return None
         fused.append(pair)
-    # an argmax rides along on its peak's running max: any number of them a peak
-    paired = [f for f in fused if not isinstance(f, OnlineFirst)]
+    # an argmax and a sum affine in the max ride along on its peak's running max: any number
+    # of them a peak
+    paired = [f for f in fused if isinstance(f, Moments | OnlineExp)]
     if len({id(f.mean if isinstance(f, Moments) else f.peak) for f in paired}) != len(paired):
         return None  # one partner, two fused reductions: not a shape carried here
-    if any(isinstance(f, OnlineFirst) and any(isinstance(g, Moments) and g.mean is f.peak
-                                              for g in fused) for f in fused):
-        return None
     return (tuple(fused), tuple(plain)) if fused else None
 
 
@@ -210,6 +226,19 @@ def _online_first(peak: RowReduce, first: RowReduce, body: sympy.Expr,
             or symbol in peak.body.free_symbols:
         return None
     return OnlineFirst(peak, RowReduce(first.name, first.op, body, first.scale), value, other)
+
+
+def _online_gap(peak: RowReduce, total: RowReduce, body: sympy.Expr,
+                symbol: sympy.Symbol) -> OnlineGap | None:
+    if peak.op != "max" or total.op != "sum" or peak.scale != 1:
+        return None
+    if symbol in peak.body.free_symbols or symbol in total.scale.free_symbols:
+        return None
+    slope = body.diff(symbol)
+    if slope == 0 or symbol in slope.free_symbols \
+            or symbol in sympy.expand(body - slope * symbol).free_symbols:
+        return None
+    return OnlineGap(peak, RowReduce(total.name, total.op, body, total.scale), slope)
 
 
 @dataclass(frozen=True)

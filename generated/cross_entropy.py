@@ -6,13 +6,14 @@ weights w (1 where not given), as torch's:
 loss = (1 - smoothing) * w[target] * nll + smoothing * mean_j(w_j * (logsumexp(x) - x_j)),
 nll = logsumexp(x) - x[target], and 0 where target == ignore_index.
 
-It is computed as nll * (w[target] + smoothing * (mean(w) - w[target])) + smoothing *
-mean_j(w_j * (x[target] - x_j)), the same sum taken from the logits' gaps to the target, each
-exact, where a mean of the logits themselves would round at their scale (logits 1e4 + N(0, 1):
-three digits of an O(1) loss). The row max is a stabiliser of logsumexp (the engine proves the
-loss does not depend on it); the softmax is never stored: the backward recomputes
-exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
-gradient (torch gives them none either).
+The smoothing term is computed as smoothing * (mean(w) * log(denominator) + mean_j(w_j *
+(row_max - x_j))), with logsumexp(x) - x_j split at the row max m into log(denominator) and
+the gap m - x_j: every term is >= 0 and exact, where a mean of the logits themselves would
+round at their scale (logits 1e4 + N(0, 1): three digits of an O(1) loss), and a -inf logit
+gives the term torch's +inf, never inf - inf. The row max is a stabiliser of logsumexp (the
+engine proves the loss does not depend on it); the softmax is never stored: the backward
+recomputes exp(x - row_max) / denominator from the saved logits and row statistics. The
+weights get no gradient (torch gives them none either).
 
 Three options of large-vocabulary training, all off by default (the kernels are then compiled
 without them): `softcap` caps the logits first, z = softcap * tanh(x / softcap) (Gemma 2's
@@ -68,14 +69,14 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
       e = exp(-row_max + z)
       denominator = 1 * sum_j(e)
-      target_gap = 1/N * sum_j(weight*(target_logit - z))
+      max_gap = 1/N * sum_j(weight*(row_max - z))
       first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
-      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*max_gap, True))
       token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
       z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))**2, True))
       predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
       token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-      loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*log(denominator) + smoothed + target_weight*(1 - label_smoothing)*(row_max - target_logit)) + z_loss, True))
     epilogue: load -
     store loss = loss
     store z_loss = z_loss (if STORE_Z_LOSS)
@@ -134,17 +135,17 @@ def _cross_entropy_fwd_per(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
         denominator = tl.sum(tl.where(mask, e, 0.0), axis=1)[:, None]  # denominator = 1 * sum_j(e)
-        target_gap = helpers.div(tl.sum(tl.where(mask, weight * (target_logit - z), 0.0), axis=1)[:, None], N, True)  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+        max_gap = helpers.div(tl.sum(tl.where(mask, weight * (row_max - z), 0.0), axis=1)[:, None], N, True)  # max_gap = 1/N * sum_j(weight*(row_max - z))
         if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
             first_max = tl.min(tl.where(mask, tl.where((row_max <= z), key, N), float("inf")), axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
-        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+        smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * max_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*max_gap, True))
         token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
         z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
         if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
             predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
         if STORE_TOKEN_ACCURACY:
             token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-        loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + tl.log(denominator))))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
+        loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + target_weight * (1.0 - label_smoothing) * (row_max - target_logit) + factor * tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*log(denominator) + smoothed + target_weight*(-label_smoothing + 1)*(row_max - target_logit)) + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
@@ -194,14 +195,14 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
       z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
       e = exp(-row_max + z)
       denominator = 1 * sum_j(e)
-      target_gap = 1/N * sum_j(weight*(target_logit - z))
+      max_gap = 1/N * sum_j(weight*(row_max - z))
       first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
-      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+      smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*max_gap, True))
       token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
       z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))**2, True))
       predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
       token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-      loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
+      loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*log(denominator) + smoothed + target_weight*(1 - label_smoothing)*(row_max - target_logit)) + z_loss, True))
     epilogue: load -
     store loss = loss
     store z_loss = z_loss (if STORE_Z_LOSS)
@@ -240,10 +241,11 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
         target_weight = tl.where(target_weight_mask, target_weight_weight, 0.0)  # target_weight = 1 * (weight at column target): a one-hot sum over the row, read as one element
         if ONE_SWEEP:
             weight_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-            target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             row_max_acc = tl.full((ROWS, 1), float("-inf"), dtype=ACC)
             row_max_shift = tl.zeros((ROWS, 1), dtype=ACC)
             denominator_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            max_gap_acc = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
+            max_gap_slope = tl.zeros((ROWS, BLOCK_N), dtype=ACC)
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -258,29 +260,30 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 x = tl.load(x_ptr + offsets * x_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first" if KEEP else "").to(ACC)
                 z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
                 weight_mean_acc += tl.where(mask, weight, 0.0)
-                target_gap_acc += tl.where(mask, weight * (target_logit - z), 0.0)
                 row_max_acc = tl.maximum(row_max_acc, tl.max(tl.where(mask, z, float("-inf")), axis=1)[:, None])
                 row_max_next = helpers.stable_shift(row_max_acc)
                 denominator_acc = denominator_acc * tl.exp(tl.minimum(row_max_shift - row_max_next, 0.0)) + tl.where(mask, helpers.exp(z - row_max_next, EXACT), 0.0)  # rescaled to the row's new max
+                max_gap_acc += tl.where(row_max_next != row_max_shift, max_gap_slope * (row_max_next - row_max_shift), 0.0) + tl.where(mask, weight * (row_max_next - z), 0.0)  # at the row's max so far
+                max_gap_slope += tl.where(mask, weight, 0.0)
                 if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                     first_max_acc = tl.where(row_max_next != row_max_shift, float("inf"), first_max_acc)
                     first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max_next <= z), key, N), float("inf")))  # the candidates at the row's max so far
                 row_max_shift = row_max_next
             weight_mean = helpers.div(tl.sum(weight_mean_acc, axis=1)[:, None], N, True)  # weight_mean = 1/N * sum_j(weight)
-            target_gap = helpers.div(tl.sum(target_gap_acc, axis=1)[:, None], N, True)  # target_gap = 1/N * sum_j(weight*(target_logit - z))
             row_max = row_max_shift  # row_max = 1 * max_j(z), -inf made 0
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(exp(-row_max + z)), every lane at the row's max
+            max_gap = helpers.div(tl.sum(max_gap_acc, axis=1)[:, None], N, True)  # max_gap = 1/N * sum_j(weight*(row_max - z)), every lane at the row's max
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
-            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * max_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*max_gap, True))
             token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
             if STORE_TOKEN_ACCURACY:
                 token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-            loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + tl.log(denominator))))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
+            loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + target_weight * (1.0 - label_smoothing) * (row_max - target_logit) + factor * tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*log(denominator) + smoothed + target_weight*(-label_smoothing + 1)*(row_max - target_logit)) + z_loss, True))
         else:
             row_max_acc = tl.full((ROWS, BLOCK_N), float("-inf"), dtype=ACC)
             weight_mean_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
@@ -302,7 +305,7 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
             weight_mean = helpers.div(tl.sum(weight_mean_acc, axis=1)[:, None], N, True)  # weight_mean = 1/N * sum_j(weight)
             factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
             denominator_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
-            target_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
+            max_gap_acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=ACC)
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max_acc = tl.full((ROWS, BLOCK_N), float("inf"), dtype=ACC)
             for chunk in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -318,21 +321,21 @@ def _cross_entropy_fwd_red(x_ptr, x_row_stride, weight_ptr, target_ptr, loss_ptr
                 z = (softcap * helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (softcap*tanh(x/softcap), True))
                 e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
                 denominator_acc += tl.where(mask, e, 0.0)
-                target_gap_acc += tl.where(mask, weight * (target_logit - z), 0.0)
+                max_gap_acc += tl.where(mask, weight * (row_max - z), 0.0)
                 if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                     first_max_acc = tl.minimum(first_max_acc, tl.where(mask, tl.where((row_max <= z), key, N), float("inf")))
             denominator = tl.sum(denominator_acc, axis=1)[:, None]  # denominator = 1 * sum_j(e)
-            target_gap = helpers.div(tl.sum(target_gap_acc, axis=1)[:, None], N, True)  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+            max_gap = helpers.div(tl.sum(max_gap_acc, axis=1)[:, None], N, True)  # max_gap = 1/N * sum_j(weight*(row_max - z))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 first_max = tl.min(first_max_acc, axis=1)[:, None]  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
-            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+            smoothed = tl.where((label_smoothing == 0.0), 0.0, label_smoothing * max_gap)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*max_gap, True))
             token_scale = (helpers.exp(token_scaling * (target_logit - row_max - tl.log(denominator)), EXACT) if HAS_TOKEN_SCALING else 1.0)  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
             z_loss = (tl.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + tl.log(denominator)) * (row_max + tl.log(denominator))) if HAS_LSE_SQUARE_SCALE else 0.0)  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
             if STORE_PREDICTED_TOKENS or STORE_TOKEN_ACCURACY:
                 predicted_tokens = tl.where((ignore_index == target), -1.0, tl.where((N == first_max), 0.0, first_max))  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
             if STORE_TOKEN_ACCURACY:
                 token_accuracy = tl.where((ignore_index == target), 0.0, tl.where((predicted_tokens == target), 1.0, 0.0))  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-            loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + tl.log(denominator))))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
+            loss = tl.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + target_weight * (1.0 - label_smoothing) * (row_max - target_logit) + factor * tl.log(denominator)))  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*log(denominator) + smoothed + target_weight*(-label_smoothing + 1)*(row_max - target_logit)) + z_loss, True))
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + rows, z_loss, mask=row_mask)
@@ -372,7 +375,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
       common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
       z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
       e = exp(-row_max + z)
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True)) + factor*token_scale/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*token_scale*weight/N, True)) + Piecewise((-factor*token_scale + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*token_scale*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True)) + factor*token_scale/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*token_scale*weight/N, True)) + Piecewise((-target_weight*token_scale*(1 - label_smoothing), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -417,7 +420,7 @@ def _cross_entropy_bwd_default_per(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
         common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
         z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
         e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
-        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -441,7 +444,7 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
       common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
       z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
       e = exp(-row_max + z)
-    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True)) + factor*token_scale/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*token_scale*weight/N, True)) + Piecewise((-factor*token_scale + Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*token_scale*weight_mean, True)), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
+    store dx = Piecewise((0, Eq(ignore_index, target)), (dloss*(e*(Piecewise((0, Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True)) + factor*token_scale/denominator) + Piecewise((0, Eq(label_smoothing, 0)), (-label_smoothing*token_scale*weight/N, True)) + Piecewise((-target_weight*token_scale*(1 - label_smoothing), Eq(key, target)), (0, True)))*Piecewise((1, Eq(softcap, 0)), (1 - common_1**2, True)), True))
     """
     pid = tl.program_id(0)
     # fp32 elements take the exponential within 2 ulps and correctly rounded quotients;
@@ -480,7 +483,7 @@ def _cross_entropy_bwd_default_red(x_ptr, x_row_stride, weight_ptr, dloss_ptr, t
             common_1 = (helpers.tanh(helpers.div(x, softcap, EXACT)) if HAS_SOFTCAP else 0.0)  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
             z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
             e = helpers.exp(z - row_max, EXACT)  # e = exp(-row_max + z)
-            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), tl.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean) - factor * token_scale, 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offsets * dx_row_stride + cols, (((tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e)) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0) + (helpers.div(factor * token_scale, denominator, EXACT) + helpers.div(2.0 * lse_square_scale * token_scale * (row_max + tl.log(denominator)), denominator, EXACT)) * e))) if HAS_LSE_SQUARE_SCALE else (tl.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0))) if HAS_SOFTCAP else tl.where((ignore_index == target), 0.0, dloss * (helpers.div(factor * token_scale, denominator, EXACT) * e + tl.where((label_smoothing == 0.0), 0.0, -helpers.div(label_smoothing * token_scale, row_length, EXACT) * weight) + tl.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0)))))).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, lse_square_scale,
@@ -524,16 +527,16 @@ def _cross_entropy_fwd_torch(x, weight, target, ignore_index, label_smoothing, l
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
-    target_gap = (weight * (target_logit - z)).sum(dim=-1, keepdim=True) / N  # target_gap = 1/N * sum_j(weight*(target_logit - z))
+    max_gap = (weight * (row_max - z)).sum(dim=-1, keepdim=True) / N  # max_gap = 1/N * sum_j(weight*(row_max - z))
     first_max = None  # computed only where a store that reads it is asked for
     if store_predicted_tokens or store_token_accuracy:
         first_max = torch.broadcast_to(torch.where((row_max <= z), key, N).to(acc), (M, N)).amin(dim=-1, keepdim=True).to(acc) if N else torch.full((M, 1), float("inf"), dtype=acc, device=x.device)  # first_max = 1 * min_j(Piecewise((key, row_max <= z), (N, True)))
-    smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * target_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*target_gap, True))
+    smoothed = torch.where((label_smoothing == 0.0), 0.0, label_smoothing * max_gap).to(acc)  # smoothed = Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing*max_gap, True))
     token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     z_loss = (torch.where((ignore_index == target), 0.0, lse_square_scale * token_scale * (row_max + torch.log(denominator)) * (row_max + torch.log(denominator))).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss = Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (lse_square_scale*token_scale*(row_max + log(denominator))^2, True))
     predicted_tokens = torch.where((ignore_index == target), -1.0, torch.where((N == first_max), 0.0, first_max).to(acc)).to(acc) if store_predicted_tokens or store_token_accuracy else None  # predicted_tokens = Piecewise((-1, Eq(ignore_index, target)), (0, Eq(N, first_max)), (first_max, True))
     token_accuracy = torch.where((ignore_index == target), 0.0, torch.where((predicted_tokens == target), 1.0, 0.0).to(acc)).to(acc) if store_token_accuracy else None  # token_accuracy = Piecewise((0, Eq(ignore_index, target)), (1, Eq(predicted_tokens, target)), (0, True))
-    loss = torch.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + factor * (row_max - target_logit + torch.log(denominator)))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*(row_max - target_logit + log(denominator)) + smoothed) + z_loss, True))
+    loss = torch.where((ignore_index == target), 0.0, z_loss + token_scale * (smoothed + target_weight * (1.0 - label_smoothing) * (row_max - target_logit) + factor * torch.log(denominator))).to(acc)  # loss = Piecewise((0, Eq(ignore_index, target)), (token_scale*(factor*log(denominator) + smoothed + target_weight*(-label_smoothing + 1)*(row_max - target_logit)) + z_loss, True))
     loss = torch.broadcast_to(loss, (M, 1)).reshape(M).contiguous()
     z_loss = torch.broadcast_to(z_loss, (M, 1)).reshape(M).contiguous() if store_z_loss else None
     token_accuracy = torch.broadcast_to(token_accuracy, (M, 1)).reshape(M).contiguous() if store_token_accuracy else None
@@ -578,7 +581,7 @@ def _cross_entropy_bwd_default_torch(x, weight, dloss, target, row_max, denomina
     common_1 = (torch.tanh((x) / (softcap)) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
     z = (softcap * common_1 if HAS_SOFTCAP else x)  # z = Piecewise((x, Eq(softcap, 0)), (common_1*softcap, True))
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
-    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (row_length) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -625,7 +628,7 @@ def _cross_entropy_bwd_default_recorded_torch(x, weight, dloss, target, ignore_i
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     common_1 = (torch.tanh((x) / (softcap)) if HAS_SOFTCAP else torch.full((), 0.0, dtype=acc, device=x.device))  # common_1 = Piecewise((0, Eq(softcap, 0)), (tanh(x/softcap), True))
-    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), torch.where((label_smoothing == 0.0), 0.0, label_smoothing * token_scale * weight_mean).to(acc) - factor * token_scale, 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
+    dx = torch.broadcast_to(((torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * (torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc) + ((factor * token_scale) / (denominator) + (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)) * e)).to(acc)) if HAS_LSE_SQUARE_SCALE else (torch.where((ignore_index == target), 0.0, dloss * (1.0 - common_1 * common_1) * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc))).to(acc) if HAS_SOFTCAP else torch.where((ignore_index == target), 0.0, dloss * ((factor * token_scale) / (denominator) * e + torch.where((label_smoothing == 0.0), 0.0, -(label_smoothing * token_scale) / (N) * weight).to(acc) + torch.where((key == target), -target_weight * token_scale * (1.0 - label_smoothing), 0.0).to(acc))).to(acc))), (M, N)).to(dtype).contiguous()
     return dx,
 
 
@@ -668,16 +671,15 @@ def _cross_entropy_jvp_torch(x, x_dot, weight, target, ignore_index, label_smoot
     row_max = helpers.stable_shift_torch(row_max)  # a stabiliser: a row of -inf shifts by 0
     target_logit_dot = ((x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) * torch.where((key == target), 1.0, 0.0).to(acc) if HAS_SOFTCAP else x_dot * torch.where((key == target), 1.0, 0.0).to(acc))).sum(dim=-1, keepdim=True)  # target_logit_dot = 1 * sum_j(x_dot*Piecewise((1, Eq(key, target)), (0, True))*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
     weight_mean = torch.broadcast_to(torch.as_tensor(weight, dtype=acc, device=x.device), (1, N)).sum(dim=-1, keepdim=True) / N  # weight_mean = 1/N * sum_j(weight)
-    sum_target_gap_dot = ((-weight * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else -weight * x_dot)).sum(dim=-1, keepdim=True)  # sum_target_gap_dot = 1 * sum_j(-weight*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
-    target_gap_dot = ((sum_target_gap_dot + N * target_logit_dot * weight_mean)) / (N)  # target_gap_dot = (N*target_logit_dot*weight_mean + sum_target_gap_dot)/N
-    smoothed_dot = target_gap_dot * torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc)  # smoothed_dot = target_gap_dot*Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))
+    max_gap_dot = ((-weight * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else -weight * x_dot)).sum(dim=-1, keepdim=True) / N  # max_gap_dot = 1/N * sum_j(-weight*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
+    smoothed_dot = max_gap_dot * torch.where((label_smoothing == 0.0), 0.0, label_smoothing).to(acc)  # smoothed_dot = max_gap_dot*Piecewise((0, Eq(label_smoothing, 0)), (label_smoothing, True))
     factor = target_weight + label_smoothing * (weight_mean - target_weight)  # factor = label_smoothing*(-target_weight + weight_mean) + target_weight
     e = torch.exp(z - row_max)  # e = exp(-row_max + z)
     denominator = (e).sum(dim=-1, keepdim=True)  # denominator = 1 * sum_j(e)
     denominator_dot = ((e * x_dot * (1.0 - torch.tanh((x) / (softcap)) * torch.tanh((x) / (softcap))) if HAS_SOFTCAP else e * x_dot)).sum(dim=-1, keepdim=True)  # denominator_dot = 1 * sum_j(e*x_dot*Piecewise((1, Eq(softcap, 0)), (-tanh(x/softcap)^2 + 1, True)))
     token_scale = ((torch.exp(token_scaling * (target_logit - row_max - torch.log(denominator)))).detach() if HAS_TOKEN_SCALING else torch.full((), 1.0, dtype=acc, device=x.device))  # token_scale = Piecewise((1, Eq(token_scaling, 0)), (Detached(exp(token_scaling*(-row_max + target_logit - log(denominator)))), True))
     z_loss_dot = (denominator_dot * torch.where((ignore_index == target), 0.0, (2.0 * lse_square_scale * token_scale * (row_max + torch.log(denominator))) / (denominator)).to(acc) if HAS_LSE_SQUARE_SCALE else torch.full((), 0.0, dtype=acc, device=x.device))  # z_loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target) | Eq(lse_square_scale, 0)), (2*lse_square_scale*token_scale*(row_max + log(denominator))/denominator, True))
-    loss_dot = denominator_dot * torch.where((ignore_index == target), 0.0, (factor * token_scale) / (denominator)).to(acc) + smoothed_dot * torch.where((ignore_index == target), 0.0, token_scale).to(acc) + target_logit_dot * torch.where((ignore_index == target), 0.0, -factor * token_scale).to(acc) + z_loss_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc)  # loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target)), (factor*token_scale/denominator, True)) + smoothed_dot*Piecewise((0, Eq(ignore_index, target)), (token_scale, True)) + target_logit_dot*Piecewise((0, Eq(ignore_index, target)), (-factor*token_scale, True)) + z_loss_dot*Piecewise((0, Eq(ignore_index, target)), (1, True))
+    loss_dot = denominator_dot * torch.where((ignore_index == target), 0.0, (factor * token_scale) / (denominator)).to(acc) + smoothed_dot * torch.where((ignore_index == target), 0.0, token_scale).to(acc) + target_logit_dot * torch.where((ignore_index == target), 0.0, -target_weight * token_scale * (1.0 - label_smoothing)).to(acc) + z_loss_dot * torch.where((ignore_index == target), 0.0, 1.0).to(acc)  # loss_dot = denominator_dot*Piecewise((0, Eq(ignore_index, target)), (factor*token_scale/denominator, True)) + smoothed_dot*Piecewise((0, Eq(ignore_index, target)), (token_scale, True)) + target_logit_dot*Piecewise((0, Eq(ignore_index, target)), (-target_weight*token_scale*(-label_smoothing + 1), True)) + z_loss_dot*Piecewise((0, Eq(ignore_index, target)), (1, True))
     loss_dot = torch.broadcast_to(loss_dot, (M, 1)).reshape(M).contiguous()
     return loss_dot,
 

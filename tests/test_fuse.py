@@ -10,7 +10,7 @@ import sympy
 import torch
 from reference import force_looped, randn, select_path
 
-from codegen.fuse import Moments, OnlineExp, OnlineFirst, picks, sweeps
+from codegen.fuse import Moments, OnlineExp, OnlineFirst, OnlineGap, picks, sweeps
 from codegen.ir import Assign, Kernel, Pass, RowReduce, Store, Tensor
 from codegen.lower import lower
 from derive.engine import derive, load_spec
@@ -51,14 +51,15 @@ def test_exp_sum_joins_the_max(op):
     (sweep,) = sweeps(picks(kernels(op)["fwd"])[0])
     pair, *riders = sweep.fused
     assert isinstance(pair, OnlineExp) and pair.peak.name == "row_max" and pair.factor == 1
-    # cross-entropy's predicted class, the first column at that max, rides on it too
-    assert [(type(r), r.peak.name, r.first.name) for r in riders] == (
-        [(OnlineFirst, "row_max", "first_max")] if op == "cross_entropy" else [])
-    # cross-entropy's gaps to that logit, a reduction of the second pass that uses nothing of
-    # the first, and the mean class weight of the first pass stay plain accumulators of the
-    # joined sweep
+    # cross-entropy's gaps below that max (its smoothing term) and predicted class, the first
+    # column at that max, ride on it too
+    assert [(type(r), r.peak.name, r.total.name if isinstance(r, OnlineGap) else r.first.name)
+            for r in riders] == (
+        [(OnlineGap, "row_max", "max_gap"), (OnlineFirst, "row_max", "first_max")]
+        if op == "cross_entropy" else [])
+    # the mean class weight of the first pass stays a plain accumulator of the joined sweep
     assert {r.name for r in sweep.reductions} == (
-        {"target_gap", "weight_mean"} if op == "cross_entropy" else set())
+        {"weight_mean"} if op == "cross_entropy" else set())
 
 
 def test_recomputed_mean_in_a_backward_keeps_its_pass():
@@ -92,6 +93,14 @@ def test_recomputed_mean_in_a_backward_keeps_its_pass():
                      sympy.Integer(1)), None),
     (MEAN, RowReduce("s", "min", sympy.Piecewise((k, x >= m), (n, True)), sympy.Integer(1)),
      None),
+    # sums affine in the max: the gaps below it, weighted or not
+    (PEAK, RowReduce("s", "sum", m - x, 1 / n), OnlineGap),
+    (PEAK, RowReduce("s", "sum", x * (m - x) + 3 * m, sympy.Integer(1)), OnlineGap),
+    (PEAK, RowReduce("s", "sum", (m - x) ** 2, sympy.Integer(1)), None),
+    (PEAK, RowReduce("s", "sum", m * m - x, sympy.Integer(1)), None),
+    (PEAK, RowReduce("s", "sum", sympy.Abs(m - x), sympy.Integer(1)), None),
+    (PEAK, RowReduce("s", "sum", x, sympy.Integer(1) / m), None),
+    (MEAN, RowReduce("s", "sum", m - x, 1 / n), None),
 ])
 def test_only_carried_shapes_join(first, second, carried):
     found = sweeps(two_passes(first, second))
@@ -134,8 +143,11 @@ def _calls(device):
         add_layernorm: lambda: add_layernorm.add_layer_norm(x, x.flip(0), (37,), w, b),
         softmax: lambda: softmax.softmax(x + torch.arange(37, device=device) * 2.0),
         masked_softmax: lambda: masked_softmax.masked_softmax(x, mask, scale=0.5),
-        cross_entropy: lambda: cross_entropy.cross_entropy(x, target, label_smoothing=0.1,
-                                                           reduction="none"),
+        # a max that grows from block to block: the gaps below it move with it (and the
+        # weights make their slopes differ from lane to lane)
+        cross_entropy: lambda: cross_entropy.cross_entropy(
+            x + torch.arange(37, device=device) * 0.5, target, weight=w.abs() + 0.5,
+            label_smoothing=0.1, reduction="none"),
     }
 
 
@@ -171,7 +183,7 @@ def test_cross_entropy_target_logit_is_read_as_one_element():
     assert (weight.name, weight.index, weight.loads, weight.columns) == (
         "target_weight", "target", (), ("weight",))
     assert {r.name for p in kernel.passes for r in p.reductions} == {
-        "row_max", "denominator", "target_gap", "weight_mean", "first_max"}
+        "row_max", "denominator", "max_gap", "weight_mean", "first_max"}
 
 
 def one_hot_sum(body: sympy.Expr, index: sympy.Symbol, extra=()) -> Kernel:

@@ -144,19 +144,13 @@ def masked_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy_reference(target: torch.Tensor, smoothing: float) -> Callable:
-    """F.cross_entropy(reduction="none", label_smoothing=smoothing) of the given targets, but
-    for one case apart from the infinite max: with smoothing, a target whose logit is -inf in a
-    row of finite max has the loss NaN, where torch's is +inf (its gradient is torch's). The
-    spec (derive/ops/cross_entropy.py) takes the smoothing term from the gaps to the target,
-    smoothing · mean_j(x[target] - x_j), whose j = target term is -inf - (-inf) = NaN; torch
-    sums smoothing · mean_j(logsumexp(x) - x_j) = +inf."""
+    """F.cross_entropy(reduction="none", label_smoothing=smoothing) of the given targets. With
+    smoothing, a row holding a -inf has the loss +inf, as torch's: the spec
+    (derive/ops/cross_entropy.py) takes the smoothing term from the gaps below the row max,
+    each >= 0 and +inf at a -inf, never inf - inf."""
     def loss(x: torch.Tensor) -> torch.Tensor:
-        labels = target.to(x.device)
-        value = F.cross_entropy(x, labels, label_smoothing=smoothing, reduction="none")
-        if smoothing:
-            gap = (x.detach().gather(-1, labels[:, None])[:, 0] == -INF) & ~holding_plus_inf(x)
-            value = value + torch.where(gap, NAN, 0.0)
-        return value
+        return F.cross_entropy(x, target.to(x.device), label_smoothing=smoothing,
+                               reduction="none")
     return loss
 
 

@@ -3,13 +3,14 @@ weights w (1 where not given), as torch's:
 loss = (1 - smoothing) * w[target] * nll + smoothing * mean_j(w_j * (logsumexp(x) - x_j)),
 nll = logsumexp(x) - x[target], and 0 where target == ignore_index.
 
-It is computed as nll * (w[target] + smoothing * (mean(w) - w[target])) + smoothing *
-mean_j(w_j * (x[target] - x_j)), the same sum taken from the logits' gaps to the target, each
-exact, where a mean of the logits themselves would round at their scale (logits 1e4 + N(0, 1):
-three digits of an O(1) loss). The row max is a stabiliser of logsumexp (the engine proves the
-loss does not depend on it); the softmax is never stored: the backward recomputes
-exp(x - row_max) / denominator from the saved logits and row statistics. The weights get no
-gradient (torch gives them none either).
+The smoothing term is computed as smoothing * (mean(w) * log(denominator) + mean_j(w_j *
+(row_max - x_j))), with logsumexp(x) - x_j split at the row max m into log(denominator) and
+the gap m - x_j: every term is >= 0 and exact, where a mean of the logits themselves would
+round at their scale (logits 1e4 + N(0, 1): three digits of an O(1) loss), and a -inf logit
+gives the term torch's +inf, never inf - inf. The row max is a stabiliser of logsumexp (the
+engine proves the loss does not depend on it); the softmax is never stored: the backward
+recomputes exp(x - row_max) / denominator from the saved logits and row statistics. The
+weights get no gradient (torch gives them none either).
 
 Three options of large-vocabulary training, all off by default (the kernels are then compiled
 without them): `softcap` caps the logits first, z = softcap * tanh(x / softcap) (Gemma 2's
@@ -50,13 +51,13 @@ def spec() -> OpSpec:
     target_weight = op.row_sum("target_weight", sympy.Piecewise((weight, sympy.Eq(key, target)),
                                                                 (0, True)))
     weight_mean = op.row_mean("weight_mean", weight)
-    target_gap = op.row_mean("target_gap", weight * (target_logit - z))
+    # the logits' gaps below the row max, each >= 0 (+inf at a -inf logit)
+    max_gap = op.row_mean("max_gap", weight * (row_max - z))
     # smoothing = 0 drops the term (a -inf logit is allowed, as in torch); an ignored row is
     # selected away, not multiplied by 0, so NaN logits there give a loss of 0, as in torch
     smoothed = op.row("smoothed", sympy.Piecewise((0, sympy.Eq(smoothing, 0)),
-                                                  (smoothing * target_gap, True)))
+                                                  (smoothing * max_gap, True)))
     lse = sympy.log(denominator) + row_max
-    nll = lse - target_logit
     # token scaling (Liger-Kernel's use_token_scaling at 1): the row's loss times its target's
     # predicted probability raised to token_scaling, exp(token_scaling * log p), the factor
     # never differentiated
@@ -77,11 +78,15 @@ def spec() -> OpSpec:
     # 1 where a counted row's prediction is its target, else 0 (ignored rows too)
     token_accuracy = op.row("token_accuracy", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)), (1, sympy.Eq(predicted_tokens, target)), (0, True)))
-    # without weights the factor is 1 + smoothing * (1 - 1): exactly 1
+    # log(denominator)'s factor: exactly 1 without weights, whatever the smoothing
     factor = op.row("factor", target_weight + smoothing * (weight_mean - target_weight))
+    # nll * (1 - smoothing) * w[target] + smoothing * mean_j(w_j * (logsumexp - z_j)), its
+    # log(denominator) terms gathered: fewer roundings than the two sums added apart
     loss = op.row("loss", sympy.Piecewise(
         (0, sympy.Eq(target, ignore_index)),
-        ((nll * factor + smoothed) * token_scale + z_loss, True)))
+        ((sympy.log(denominator) * factor
+          + (1 - smoothing) * target_weight * (row_max - target_logit) + smoothed)
+         * token_scale + z_loss, True)))
     op.output(loss)
     # returned on request (return_z_loss=True, ...), for logging
     op.output(z_loss, token_accuracy, predicted_tokens, grad=False)
