@@ -10,6 +10,9 @@ decides by.
     python -m benchmarks.crossover --routes [--vocab 32000,128256] --write
                                                 # patch_model's loss route against the
                                                 # model's own loss (`own_below`)
+    python -m benchmarks.crossover --inference --write
+                                                # the forward alone under torch.no_grad
+                                                # (`infer_below`)
     python -m benchmarks.crossover --cpu-smoke  # tiny sizes on the CPU: tests the harness
 
 Each op is timed where a transformer block calls it: after the matrix multiplications a block
@@ -31,6 +34,11 @@ vocabulary) is what the route's `own_below` counts, and the peak memory of each 
 the route is chosen from the smallest size on which it is faster, as above, and no larger.
 (The fused residual add + norm of a layer follows its op's `eager_below`: below it the op
 runs torch's expression, the layer's own computation.)
+
+`--inference` times the same block's forward alone under `torch.no_grad` (generation,
+evaluation): a call then pays the forward's host time only, so the kernels can win from a
+smaller size. Its choice is `infer_below`, which the dispatch uses wherever autograd records
+nothing.
 """
 
 from __future__ import annotations
@@ -107,9 +115,11 @@ def ops() -> dict:
     }
 
 
-def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled: bool):
-    """One forward+backward of `(M, 3N) @ (3N, N) -> op` on (M, N) rows, as a function of the
-    dispatch mode ("kernels" or "torch")."""
+def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled: bool,
+         inference: bool = False):
+    """One forward+backward of `(M, 3N) @ (3N, N) -> op` on (M, N) rows, or with `inference`
+    its forward alone under torch.no_grad, as a function of the dispatch mode ("kernels" or
+    "torch")."""
     def leaf(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_()
 
@@ -127,7 +137,11 @@ def step(module, call, M: int, N: int, device: str, dtype: torch.dtype, compiled
         def once():
             with (module.DISPATCH.override(compiled=mode) if compiled
                   else module.DISPATCH.override(mode)):
-                fn(x, other, linear, w, b).backward(g)
+                if inference:
+                    with torch.no_grad():
+                        fn(x, other, linear, w, b)
+                else:
+                    fn(x, other, linear, w, b).backward(g)
         return once
     return run
 
@@ -193,7 +207,8 @@ def _winning_from(measured: list[dict], ratios: list[float], fits: list[bool]) -
 
 def choose(rows: list[dict]) -> dict[str, dict]:
     """The table's "dispatch" entries from measured rows: per op, `eager_below` (elements),
-    where measured `compiled`, and for a route's rows `own_below`.
+    where measured `compiled`, for a route's rows `own_below`, and for forward-only rows
+    (`--inference`) `infer_below`.
 
     `eager_below` is the smallest measured `work` at which the kernels were faster and from
     which on they were faster by `MARGIN` in geometric mean over every larger one (one noisy
@@ -206,6 +221,12 @@ def choose(rows: list[dict]) -> dict[str, dict]:
         if own:
             entry["eager_below"] = _winning_from(
                 own, [r["ours_us"] / r["torch_us"] for r in own], [True] * len(own))
+        forward = sorted((r for r in rows if r["op"] == op and "infer_torch_us" in r),
+                         key=work)
+        if forward:
+            entry["infer_below"] = _winning_from(
+                forward, [r["infer_ours_us"] / r["infer_torch_us"] for r in forward],
+                [True] * len(forward))
         route = sorted((r for r in rows if r["op"] == op and "own_us" in r), key=work)
         if route:
             entry["own_below"] = _winning_from(
@@ -248,6 +269,8 @@ def main(argv=None) -> list[dict]:
                         help="measure patch_model's loss route instead (rows x --cols hidden "
                              "x --vocab classes)")
     parser.add_argument("--vocab", default="32000,128256")
+    parser.add_argument("--inference", action="store_true",
+                        help="time the forward alone under torch.no_grad (`infer_below`)")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--from", dest="saved", nargs="+", metavar="FILE",
                         help="choose from rows saved by --out instead of measuring")
@@ -275,17 +298,22 @@ def main(argv=None) -> list[dict]:
     if args.ops:
         chosen = {name: chosen[name] for name in args.ops.split(",")}
     results = []
+    # forward-only rows keep their own fields: a run's rows for --inference and without it
+    # choose `infer_below` and `eager_below` apart, from one saved file or several
+    prefix = "infer_" if args.inference else ""
     if not args.compile:
-        print("| op | rows x cols | ours µs | torch µs | ours / torch |")
+        print(f"| op{' (forward)' if args.inference else ''} | rows x cols | ours µs | "
+              "torch µs | ours / torch |")
         print("|---|---|---|---|---|")
     for N in cols if not args.compile else ():
         for M in rows:
             for name, (module, call) in chosen.items():
-                run = step(module, call, M, N, device, dtype, compiled=False)
+                run = step(module, call, M, N, device, dtype, compiled=False,
+                           inference=args.inference)
                 mine = wall_micros(run("kernels"), calls, repeats, sync)
                 theirs = wall_micros(run("torch"), calls, repeats, sync)
-                results.append({"op": name, "rows": M, "cols": N, "ours_us": mine,
-                                "torch_us": theirs})
+                results.append({"op": name, "rows": M, "cols": N, f"{prefix}ours_us": mine,
+                                f"{prefix}torch_us": theirs})
                 print(f"| {name} | {M}x{N} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} |",
                       flush=True)
     if args.compile:

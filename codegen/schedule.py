@@ -19,6 +19,8 @@ from codegen.runtime.schedules import Constants
 
 MEASURED_TABLE = Path(__file__).with_name("schedule_table.json")
 _CONSTANT_NAMES = {f.name for f in dataclasses.fields(Constants)}
+#: what the table's "dispatch" entries may set (`codegen.runtime.dispatch.Dispatch` arguments)
+DISPATCH_FIELDS = ("eager_below", "compiled", "own_below", "infer_below")
 
 
 class MissingTable(FileNotFoundError):
@@ -86,13 +88,14 @@ class ScheduleTable:
     def dispatch(self, op: str) -> dict[str, object]:
         """When one op runs torch's expression instead of its kernels
         (`codegen.runtime.dispatch.Dispatch` arguments: `eager_below`, `compiled`,
-        `own_below`), as measured by `python -m benchmarks.crossover --write` (`--routes` for
-        `own_below`); empty where nothing was measured."""
+        `own_below`, `infer_below`), as measured by `python -m benchmarks.crossover --write`
+        (`--routes` for `own_below`, `--inference` for `infer_below`); empty where nothing was
+        measured."""
         own = self.measured_table.get("dispatch", {}).get(op, {})
-        unknown = sorted(set(own) - {"eager_below", "compiled", "own_below"})
+        unknown = sorted(set(own) - set(DISPATCH_FIELDS))
         if unknown:
             raise ValueError(f"{MEASURED_TABLE.name}: dispatch of {op!r}: unknown {unknown}; "
-                             "expected eager_below, compiled, own_below")
+                             f"expected {', '.join(DISPATCH_FIELDS)}")
         return dict(sorted(own.items()))
 
 

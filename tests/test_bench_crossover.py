@@ -1,6 +1,8 @@
 """The crossover benchmark's harness, on tiny CPU sizes (its numbers mean nothing there), and
 how it turns measurements into the dispatch table."""
 
+import pytest
+
 from benchmarks import crossover
 
 
@@ -54,6 +56,31 @@ def test_compiled_choice_is_the_faster_at_the_largest_size():
             row("a", 80, 1, 2, cols=10)]
     assert crossover.choose(rows) == {"a": {"eager_below": 8000, "compiled": "torch"}}
     assert crossover.choose(rows[:2]) == {"a": {"compiled": "torch"}}
+
+
+def test_forward_only_rows_choose_infer_below_apart(tmp_path, capsys):
+    rows = [row("a", 1, 300, 100), row("a", 10, 90, 100),
+            {"op": "a", "rows": 1, "cols": 10, "infer_ours_us": 90, "infer_torch_us": 100},
+            {"op": "a", "rows": 10, "cols": 10, "infer_ours_us": 80, "infer_torch_us": 100}]
+    # forward+backward wins from 10 rows, the forward alone from 1
+    assert crossover.choose(rows) == {"a": {"eager_below": 10 * 100, "infer_below": 100}}
+    out = tmp_path / "rows.json"
+    smoke = crossover.main(["--cpu-smoke", "--inference", "--ops", "layernorm",
+                            "--out", str(out)])
+    assert all(r["infer_ours_us"] > 0 and r["infer_torch_us"] > 0 and "ours_us" not in r
+               for r in smoke)
+    assert set(crossover.choose(smoke)["layernorm"]) == {"infer_below"}
+    assert capsys.readouterr().out.splitlines()[0].startswith("| op (forward) |")
+
+
+def test_the_table_takes_infer_below_and_refuses_unknown_fields():
+    from codegen.schedule import ScheduleTable
+
+    table = ScheduleTable(measured_table={"ops": {}, "borrow": {}, "dispatch": {
+        "a": {"eager_below": 5, "infer_below": 3}, "b": {"eager_bellow": 1}}})
+    assert table.dispatch("a") == {"eager_below": 5, "infer_below": 3}
+    with pytest.raises(ValueError, match="unknown \\['eager_bellow'\\]"):
+        table.dispatch("b")
 
 
 def test_choices_from_saved_rows(tmp_path):

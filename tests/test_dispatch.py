@@ -224,6 +224,24 @@ def test_measured_work_decides_for_cuda_tensors_only(monkeypatch):
     assert not dispatch.Dispatch("op").to_torch(fake((1, 1)))
 
 
+def test_calls_autograd_does_not_record_use_the_forward_only_crossover(monkeypatch):
+    monkeypatch.setattr(dispatch, "FORCED", None)  # tests/conftest.py forces the kernels
+    d = dispatch.Dispatch("op", eager_below=1000, infer_below=100)
+    assert d.to_torch(fake((9, 10)))  # 900 < 1000: a training call
+    for recording_off in (torch.no_grad, torch.inference_mode):
+        with recording_off():
+            assert not d.to_torch(fake((9, 10)))  # 900 >= 100: a forward alone
+            assert d.to_torch(fake((9, 3)))  # 81 < 100
+    # unmeasured: the forward+backward crossover decides forward-only calls too
+    unmeasured = dispatch.Dispatch("op", eager_below=1000)
+    with torch.no_grad():
+        assert unmeasured.to_torch(fake((9, 10))) and unmeasured.infer_below is None
+    with d.override(infer_below=1):
+        with torch.no_grad():
+            assert not d.to_torch(fake((1, 1)))
+    assert d.infer_below == 100 and "infer_below=100" in repr(d)
+
+
 def test_override_restores_and_checks(monkeypatch):
     d = dispatch.Dispatch("op", eager_below=10, compiled="torch")
     monkeypatch.setattr(dispatch, "FORCED", None)

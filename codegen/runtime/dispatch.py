@@ -8,7 +8,10 @@ host time gets slower. An op whose spec names a torch expression with the same r
 
 - eagerly, for CUDA tensors whose elements times their last dim's size (rows x width^2: the
   multiply work of the transformer block around the op, whose GPU time hides the host time of
-  a call) is below the op's measured `eager_below` (`python -m benchmarks.crossover --write`);
+  a call) is below the op's measured `eager_below` (`python -m benchmarks.crossover --write`),
+  or, where autograd records nothing (`torch.no_grad`, `torch.inference_mode`: a forward with
+  no backward, whose host time is the forward's alone), below its `infer_below`, measured
+  forward-only (`--inference`; unmeasured, `eager_below` decides there too);
 - eagerly, for CPU tensors outside Triton's interpreter (`TRITON_INTERPRET=1`): there the
   alternative is the generated torch path (the derived formulas as plain torch ops, what meta
   and fake tensors and the interpreter's absence run), never faster than torch's own CPU op;
@@ -58,10 +61,10 @@ FORCED = _mode()
 class Dispatch:
     """One op's choice between its generated kernels and torch's expression of it."""
 
-    __slots__ = ("op", "eager_below", "compiled", "forced", "own_below")
+    __slots__ = ("op", "eager_below", "compiled", "forced", "own_below", "infer_below")
 
     def __init__(self, op: str, eager_below: int = 0, compiled: str = "kernels",
-                 own_below: int = 0):
+                 own_below: int = 0, infer_below: int | None = None):
         if compiled not in COMPILED:
             raise ValueError(f"Dispatch({op!r}): compiled must be one of {COMPILED}, "
                              f"got {compiled!r}")
@@ -75,6 +78,8 @@ class Dispatch:
         #: a patch_model route through this op keeps the model's own code for CUDA calls
         #: whose work (the route's measure: `keeps_own`) is below this (0: never)
         self.own_below = int(own_below)
+        #: as `eager_below`, for calls autograd does not record (None: `eager_below`)
+        self.infer_below = None if infer_below is None else int(infer_below)
 
     def to_torch(self, tensor: torch.Tensor) -> bool:
         """Whether a call on `tensor` (the op's first input, as given) runs torch's
@@ -87,23 +92,27 @@ class Dispatch:
         if not isinstance(tensor, torch.Tensor):
             return False
         if tensor.is_cuda:
-            return tensor.dim() > 0 and tensor.numel() * tensor.shape[-1] < self.eager_below
+            below = self.eager_below
+            if self.infer_below is not None and not torch.is_grad_enabled():
+                below = self.infer_below  # a forward alone: no backward's host time to hide
+            return tensor.dim() > 0 and tensor.numel() * tensor.shape[-1] < below
         # a CPU call would run the generated torch path, the derived formulas as many torch
         # ops, where torch's expression is its own fused CPU op
         return without_kernels(tensor)
 
     @contextlib.contextmanager
     def override(self, mode: str | None = None, *, eager_below: int | None = None,
-                 compiled: str | None = None, own_below: int | None = None):
+                 compiled: str | None = None, own_below: int | None = None,
+                 infer_below: int | None = None):
         """Within the block, `mode` ("kernels", "torch") decides every call of this op (and
-        every patch_model route through it), or `eager_below` / `compiled` / `own_below`
-        replace its measurements; restored on exit."""
+        every patch_model route through it), or `eager_below` / `compiled` / `own_below` /
+        `infer_below` replace its measurements; restored on exit."""
         if mode is not None and mode not in MODES:
             raise ValueError(f"override(): mode must be one of {MODES} or None, got {mode!r}")
         if compiled is not None and compiled not in COMPILED:
             raise ValueError(f"override(): compiled must be one of {COMPILED} or None, "
                              f"got {compiled!r}")
-        saved = (self.forced, self.eager_below, self.compiled, self.own_below)
+        saved = (self.forced, self.eager_below, self.compiled, self.own_below, self.infer_below)
         self.forced = mode
         if eager_below is not None:
             self.eager_below = int(eager_below)
@@ -111,14 +120,18 @@ class Dispatch:
             self.compiled = compiled
         if own_below is not None:
             self.own_below = int(own_below)
+        if infer_below is not None:
+            self.infer_below = int(infer_below)
         try:
             yield self
         finally:
-            self.forced, self.eager_below, self.compiled, self.own_below = saved
+            (self.forced, self.eager_below, self.compiled, self.own_below,
+             self.infer_below) = saved
 
     def __repr__(self) -> str:
         return (f"Dispatch({self.op!r}, eager_below={self.eager_below}, "
-                f"compiled={self.compiled!r}, own_below={self.own_below})")
+                f"compiled={self.compiled!r}, own_below={self.own_below}, "
+                f"infer_below={self.infer_below})")
 
 
 def without_kernels(tensor: torch.Tensor) -> bool:
