@@ -58,6 +58,10 @@ class Dialect:
     #: a row sum (`{}`) divided by its scale's base (`{}`): `sum / N`, never `1.0 / N * sum`,
     #: which is fp32
     sum_divide: str = "{} / {}"
+    #: a number (`{}`) at the accumulator's precision, as the numerator of a quotient by
+    #: integers alone (`1 / N`), which would otherwise be computed at the literal's (empty: the
+    #: number as it prints)
+    accumulated: str = ""
 
 
 TRITON = Dialect(
@@ -86,6 +90,9 @@ TRITON = Dialect(
     # is div.full.f32) shifts every deviation from it, and a row of -1e4 then normalises to
     # 0.2 instead of 0 (once a row, so free)
     sum_divide="helpers.div({}, {}, True)",
+    # a float literal and an int are fp32 to Triton: 1.0 / N, then an fp64 kernel's every use
+    # of it, would be one fp32 rounding off
+    accumulated="tl.full([], {}, ACC)",
 )
 
 TORCH = Dialect(
@@ -314,7 +321,10 @@ class KernelPrinter:
             # not x times a reciprocal: one rounding)
             # (a bare reciprocal of a row value divides the elementwise factors instead)
             alone = not invariant and varying
-            source = self._quotient(self._product(invariant, []), [] if alone else invariant_den)
+            source = self._product(invariant, [])
+            if not alone and all(f.is_number for f in invariant):
+                source = self._accumulated(source, invariant_den)
+            source = self._quotient(source, [] if alone else invariant_den)
             product = self._product(varying, [])
             if product is not None:
                 source = product if source is None else f"{source} * {product}"
@@ -327,6 +337,15 @@ class KernelPrinter:
             source = tail if source is None else f"{source} * {tail}" if varying else \
                 f"{source}{tail}"
         return (source or "1.0"), _MUL
+
+    def _accumulated(self, number: str | None, denominator: list[sympy.Expr]) -> str | None:
+        """`number` (1 where None), the numerator of a quotient by `denominator`, at the
+        accumulator's precision where every divisor is made of integers alone (`1 / N`): the
+        dialect's `accumulated`."""
+        if not self.dialect.accumulated or not denominator or not all(
+                s.is_integer for factor in denominator for s in factor.free_symbols):
+            return number
+        return self.dialect.accumulated.format(number or "1.0")
 
     def _quotient(self, source: str | None, denominator: list[sympy.Expr]) -> str | None:
         """source divided by each factor of denominator through the dialect's `divide`."""
@@ -355,7 +374,8 @@ class KernelPrinter:
             repeated = self._power(self._wrap(base, _UNARY), abs(power))
             if power < 0:
                 if self.dialect.divide:
-                    return self.dialect.divide.format("1.0", repeated), _ATOM
+                    one = self._accumulated(None, [base]) or "1.0"
+                    return self.dialect.divide.format(one, repeated), _ATOM
                 return f"1.0 / ({repeated})" if abs(power) > 1 else \
                     f"1.0 / {self._wrap(base, _UNARY)}", _MUL
             return repeated, (_MUL if power > 1 else _ATOM)

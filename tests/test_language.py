@@ -5,6 +5,7 @@ DIR`, called against torch in fp64 on both paths, their generated finite-differe
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import randn
+from reference import force_looped, randn
 
 from codegen.driver.command import main
 
@@ -22,7 +23,7 @@ functional = torch.nn.functional
 
 HEADER = ("import sympy\nfrom sympy import (Abs, And, Heaviside, Max, Min, Not, Or, Piecewise, "
           "Rational, Eq, Mod, cos, cosh, erf, exp, log, sign, sin, sinh, sqrt, tanh)\n\n"
-          "from derive.api import ElementwiseAPI, NormalizedShapeAPI, Option\n"
+          "from derive.api import ElementwiseAPI, NormalizedShapeAPI, Option, ReductionAPI\n"
           "from derive.spec import OpSpec\n\n\ndef spec():\n")
 
 
@@ -93,6 +94,18 @@ L2 = {
 }
 
 
+#: a loss against the uniform target, mean_j(logsumexp(x) - x_j), from the gaps below the row
+#: max (carried in the max's sweep of a looped row); its backward's 1 / N is a quotient of
+#: integers alone
+UNIFORM = ("    op = OpSpec('uniform_ce')\n    x = op.input('x')\n"
+           "    m = op.row_max('m', x)\n"
+           "    total = op.row_sum('total', exp(x - m), positive=True)\n"
+           "    gap = op.row_mean('gap', m - x)\n"
+           "    op.output(op.row('y', log(total) + gap))\n    op.save(x, m, total)\n"
+           "    op.api = ReductionAPI(function='uniform_ce', module='UniformCE', "
+           "torch_function='-')\n    return op\n")
+
+
 def _l2_source(name: str) -> str:
     return (L2[name] + f"    op.api = NormalizedShapeAPI(function='{name}', module='M_{name}', "
             "torch_function='-', torch_module='-', params=(), eps=1e-12)\n    return op\n")
@@ -112,6 +125,7 @@ def derived(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, l
     out = tmp_path_factory.mktemp("language")
     sources = {name: HEADER + body for name, (body, _, _) in SPECS.items()}
     sources |= {name: HEADER + _l2_source(name) for name in L2}
+    sources["uniform_ce"] = HEADER + UNIFORM
     statuses = []
     for name, source in sources.items():
         (out / f"{name}_spec.py").write_text(source)
@@ -131,7 +145,7 @@ def derived(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, l
     return out, outcomes
 
 
-@pytest.mark.parametrize("name", [*SPECS, *L2])
+@pytest.mark.parametrize("name", [*SPECS, *L2, "uniform_ce"])
 def test_derives_and_its_generated_test_passes(name, derived):
     out, outcomes = derived
     assert f"{name}: 0" in outcomes["derive"]
@@ -183,3 +197,24 @@ def test_generated_tests_draw_from_the_domain(derived):
     out, _ = derived
     assert '"input": positive(ROWS, N)' in (out / "test_log_domain.py").read_text()
     assert '"input": randn(ROWS, N)' in (out / "test_functions.py").read_text()
+
+
+@pytest.mark.parametrize("looped", [None, True, False], ids=["whole", "one-sweep", "two-pass"])
+def test_uniform_loss_is_exact_in_fp64(derived, device, looped):
+    """fp64 to a few ulps, loss and gradient, whether the row is whole or looped (the gaps
+    carried with the running max, or a pass after it): the backward's 1 / N is computed at the
+    accumulator's precision (Triton's 1.0 / N is fp32: 1e-9 relative off)."""
+    module = _load(derived[0] / "uniform_ce.py")
+    x = (randn((4, 300), seed=1, device=device) + 0.01 * torch.arange(300, device=device)
+         + 1e3).requires_grad_()
+    with (contextlib.nullcontext() if looped is None else force_looped(module, looped)):
+        loss = module.uniform_ce(x)
+        grad, = torch.autograd.grad(loss.sum(), x)
+    reference = x.detach().cpu().requires_grad_()
+    # shifted by the row max first, the reference's own sums round at the loss's scale, not
+    # at the logits' 1e3
+    shifted = reference - reference.detach().amax(-1, keepdim=True)
+    expected = torch.logsumexp(shifted, -1) - shifted.mean(-1)
+    torch.testing.assert_close(loss.cpu(), expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(grad.cpu(), torch.autograd.grad(expected.sum(), reference)[0],
+                               rtol=1e-13, atol=1e-15)

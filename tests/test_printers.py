@@ -29,6 +29,13 @@ def torch_(expr: sympy.Expr) -> str:
     (rstd * (x - total / N), "rstd * (x - helpers.div(total, N, EXACT))"),
     (x**2, "x * x"),
     (x**-2, "helpers.div(1.0, x * x, EXACT)"),
+    # a quotient of numbers and integers alone at the accumulator's precision: Triton's 1.0 / N
+    # is fp32, one rounding off in an fp64 kernel
+    (1 / N, "helpers.div(tl.full([], 1.0, ACC), N, EXACT)"),
+    (x - 3 / N, "x - helpers.div(tl.full([], 3.0, ACC), N, EXACT)"),
+    (2 * x / N, "helpers.div(tl.full([], 2.0, ACC), N, EXACT) * x"),
+    (N**-2, "helpers.div(tl.full([], 1.0, ACC), N * N, EXACT)"),
+    (total / (2 * N), "helpers.div(0.5 * total, N, EXACT)"),
     (sympy.sqrt(x), "helpers.sqrt(x)"),
     # a reciprocal square root: correctly rounded unless the kernel is compiled for its width
     (1 / sympy.sqrt(x + y), "helpers.rsqrt(x + y, FIXED_N)"),
