@@ -20,7 +20,7 @@ from codegen.runtime import dispatch
 
 HAS_CUDA = torch.cuda.is_available()
 PATHS = ("triton", "torch")
-FP64_TOL = {"rtol": 1e-10, "atol": 1e-10}
+FP64_TOL = {"rtol": 1e-12, "atol": 1e-12}
 LOW_PRECISION_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-5}
 LOW_PRECISION_DTYPES = tuple(LOW_PRECISION_ATOL)
 BAD_INPUT = (TypeError, ValueError, RuntimeError)

@@ -119,7 +119,10 @@ def test_dropout_path_matches_reference_at_tiny_p(case):
     x = randn((BATCH, SEQ, HIDDEN), seed=100)
     grad = randn((BATCH, SEQ, HIDDEN), seed=101)
     mask = additive_mask()
-    assert_results_close(run(layer, x, mask, grad), run(reference, x, mask, grad), **FP64_TOL)
+    # every kept element is scaled by 1 / (1 - 1e-12): the step differs from the reference's
+    # by about 1e-12 relative before any rounding, more after the norms divide
+    assert_results_close(run(layer, x, mask, grad), run(reference, x, mask, grad),
+                         rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
