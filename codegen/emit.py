@@ -1063,17 +1063,11 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
     # saved values
     save_tensors = list(dict.fromkeys(
         [fwd.first, *(name for m in modes for name in m["saved_for_backward"])]))
-    # whether a call stores each optional forward output, per mode: always (a saved value),
-    # where the caller asks for it (an output: `want_<name>`), or never
-    stored = {}
-    for store in forward.stores:
-        if store.flag:
-            always = [m["name"] for m in modes if store.name in m["saved"]]
-            stored[store.name] = {
-                "always": always,
-                "asked": [m["name"] for m in modes
-                          if m["name"] not in always and store.name in module.outputs],
-                "others": [m["name"] for m in modes if m["name"] not in always]}
+    # what each mode keeps for its backward of the forward's results stored on request: the
+    # forward stores those, and the outputs the caller asks for (`want_<name>`)
+    for m in modes:
+        m["keeps"] = [store.name for store in forward.stores
+                      if store.flag and store.name in m["saved"]]
     context = {
         "module": module,
         "fwd": fwd,
@@ -1087,7 +1081,6 @@ def render_module(module: ModuleSpec, forward: Kernel, backwards: dict[str, Kern
         "needs_index": {gradient_of[a]: i for i, a in enumerate(function_args)
                         if a in gradient_of},
         "save_tensors": save_tensors,
-        "stored": stored,
         # values the Function returns besides the op's outputs (saved values a recorded
         # backward differentiates through), with their upstream gradients
         "hidden": hidden,

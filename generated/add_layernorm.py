@@ -11,7 +11,6 @@ The backward is derived symbolically; see docs/ops/add_layernorm.md for every st
 """
 
 import numbers
-from typing import Optional
 
 import torch
 import triton
@@ -1423,10 +1422,30 @@ _BACKWARDS = launcher.Backwards(
     invertible=_add_layernorm_bwd_invertible,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": ("residual_out", "mean", "rstd"),
+    "recompute_mean": ("residual_out", "rstd"),
+    "invertible": ("rstd",),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::add_layernorm. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("add_layernorm", _add_layernorm_fwd, _KEEPS, outputs=("y", "residual_out"), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::add_layernorm_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("add_layernorm", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, memory, layout, x, residual_out, mean, rstd, input_bias, weight, bias, y, eps):
     """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     if memory == "default":
         ctx.save_for_backward(residual_out, mean, rstd, input_bias, weight, bias)
     elif memory == "recompute_mean":
@@ -1444,9 +1463,10 @@ def _save(ctx, memory, layout, x, residual_out, mean, rstd, input_bias, weight, 
 
 class _Function(launch.RowFunction):
     """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward of the
-    call's mode, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward of
+    the call's mode, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -1454,18 +1474,12 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, residual, input_bias, weight, bias, eps, layout, memory, want_residual_out, residual_out_dtype):
         x_given, x = x, launch.to_rows(x, layout)
-        residual = launch.to_rows(residual, layout)
-        y, residual_out, mean, rstd, = _add_layernorm_fwd(
-            x, residual, input_bias, weight, bias, eps,
-            store_residual_out=want_residual_out or memory != "invertible",
-            store_mean=memory == "default",
-            store_rstd=True,
-            residual_out_dtype=residual_out_dtype,
-        )
+        residual_given, residual = residual, launch.to_rows(residual, layout)
+        y, residual_out, mean, rstd, = _FORWARD(x, residual, input_bias, weight, bias, eps, memory, want_residual_out, residual_out_dtype)
         y = launch.returned_dense(y, layout)
         residual_out = launch.returned(residual_out, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, residual, input_bias, weight, bias)
+        ctx.save_for_forward(x_given, residual_given, input_bias, weight, bias)
         ctx.residual_out_dtype = residual_out_dtype
         _save(ctx, memory, layout, x_given, residual_out, mean, rstd, input_bias, weight, bias, y, eps)
         return y, residual_out
@@ -1475,6 +1489,8 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, input_bias, weight, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        residual = launch.to_rows(residual, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
         y_dot, residual_out_dot, = _add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps)
@@ -1489,9 +1505,10 @@ class _Function(launch.RowFunction):
             residual_out = launch.to_rows(residual_out, ctx.layout)
             dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
             dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-            if torch.is_grad_enabled():
-                # autograd records this backward (create_graph=True): the derived backward as
-                # differentiable torch ops, reading saved values that carry autograd's graph
+            if backwards is None or torch.is_grad_enabled():
+                # torch.func transforms this backward (`_Functional`) or autograd records it
+                # (create_graph=True): the derived backward as differentiable torch ops, reading
+                # saved values that carry autograd's graph
                 dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
                     dy, dresidual_out, residual_out, input_bias, weight, bias,
                     ctx.eps,
@@ -1511,9 +1528,10 @@ class _Function(launch.RowFunction):
             residual_out = launch.to_rows(residual_out, ctx.layout)
             dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
             dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-            if torch.is_grad_enabled():
-                # autograd records this backward (create_graph=True): the derived backward as
-                # differentiable torch ops, reading saved values that carry autograd's graph
+            if backwards is None or torch.is_grad_enabled():
+                # torch.func transforms this backward (`_Functional`) or autograd records it
+                # (create_graph=True): the derived backward as differentiable torch ops, reading
+                # saved values that carry autograd's graph
                 dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
                     dy, dresidual_out, residual_out, input_bias, weight, bias,
                     ctx.eps,
@@ -1544,15 +1562,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default", "recompute_mean", "invertible")
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -1562,7 +1577,7 @@ class _Functional(torch.autograd.Function):
         residual = launch.to_rows(residual, layout)
         y, residual_out, mean, rstd, = _add_layernorm_fwd_torch(
             x, residual, input_bias, weight, bias, eps,
-            store_residual_out=want_residual_out,
+            store_residual_out=True,
             store_mean=False,
             store_rstd=False,
             residual_out_dtype=residual_out_dtype,
@@ -1575,99 +1590,20 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, residual, input_bias, weight, bias, eps, layout, memory, want_residual_out, residual_out_dtype, = inputs
         y, residual_out, = output
-        ctx.save_for_backward(residual_out, input_bias, weight, bias)
         ctx.save_for_forward(x, residual, input_bias, weight, bias)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
-        ctx.eps = eps
         ctx.residual_out_dtype = residual_out_dtype
+        # kept as memory mode 'default' keeps them, but for what the torch path does not
+        # return, which the backward autograd records never reads: mean, rstd
+        _save(ctx, "default", layout, x, residual_out, None, None, input_bias, weight, bias, y, eps)
 
     @staticmethod
-    def backward(ctx, dy, dresidual_out):
-        needs = ctx.needs_input_grad
-        residual_out, input_bias, weight, bias, = ctx.saved_tensors
-        residual_out = launch.to_rows(residual_out, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dresidual_out = launch.to_rows(dresidual_out, ctx.layout) if dresidual_out is not None else None
-        dx, dresidual, dinput_bias, dweight, dbias, = _add_layernorm_bwd_default_recorded_torch(
-            dy, dresidual_out, residual_out, input_bias, weight, bias,
-            ctx.eps,
-            store_dinput_bias=input_bias is not None and needs[2],
-            store_dweight=weight is not None and needs[3],
-            store_dbias=bias is not None and needs[4],
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dinput_bias if needs[2] else None, dweight if needs[3] else None, dbias if needs[4] else None, None, None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, residual_dot, input_bias_dot, weight_dot, bias_dot, _eps, _layout, _memory, _want_residual_out, _residual_out_dtype):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, residual, input_bias, weight, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        residual = launch.to_rows(residual, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, residual_out_dot, = _add_layernorm_jvp_torch(x, residual, x_dot, residual_dot, input_bias, weight, bias, input_bias_dot, weight_dot, bias_dot, ctx.eps)
-        return launch.returned_dense(y_dot, ctx.layout), launch.returned(residual_out_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::add_layernorm", mutates_args=())
-def _add_layernorm_op(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    input_bias: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    eps: float,
-    memory: str,
-    want_residual_out: bool,
-    residual_out_fp32: bool,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::add_layernorm", "memory", memory, _MODES)
-    outputs = _add_layernorm_fwd(
-        x, residual, input_bias, weight, bias, eps,
-        store_residual_out=want_residual_out or memory != "invertible",
-        store_mean=memory == "default",
-        store_rstd=True,
-        residual_out_dtype=torch.float32 if residual_out_fp32 else None,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_add_layernorm_op.register_fake
-def _(
-    x,
-    residual,
-    input_bias,
-    weight,
-    bias,
-    eps,
-    memory,
-    want_residual_out,
-    residual_out_fp32,
-):
-    checks.check_choice("vjpforge::add_layernorm", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-        x.new_empty((M, N), dtype=torch.float32 if residual_out_fp32 else x.dtype) if want_residual_out or memory != "invertible" else empty(0),
-        x.new_empty((M,), dtype=acc) if memory == "default" else empty(0),
-        x.new_empty((M,), dtype=acc),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("add_layernorm", _BACKWARDS, module=__name__)
 
 
 def _add_layernorm_setup_context(ctx, inputs, output):

@@ -10,7 +10,6 @@ the backward regenerates the same mask. p = 0 keeps every element and scales by 
 The backward is derived symbolically; see docs/ops/bias_dropout_add.md for every step.
 """
 
-from typing import Optional
 
 import torch
 import triton
@@ -338,10 +337,28 @@ _BACKWARDS = launcher.Backwards(
     default=_bias_dropout_add_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": (),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::bias_dropout_add. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("bias_dropout_add", _bias_dropout_add_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::bias_dropout_add_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("bias_dropout_add", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, layout, x, bias, seed, p):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(bias, seed)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -353,8 +370,9 @@ def _save(ctx, layout, x, bias, seed, p):
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -362,13 +380,11 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, residual, bias, p, seed, layout):
         x_given, x = x, launch.to_rows(x, layout)
-        residual = launch.to_rows(residual, layout)
-        y, = _bias_dropout_add_fwd(
-            x, residual, bias, p, seed,
-        )
+        residual_given, residual = residual, launch.to_rows(residual, layout)
+        y, = _FORWARD(x, residual, bias, p, seed, "default")
         y = launch.returned(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, residual, bias, seed)
+        ctx.save_for_forward(x_given, residual_given, bias, seed)
         _save(ctx, layout, x_given, bias, seed, p)
         return y
 
@@ -377,6 +393,8 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, residual, bias, seed, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
+        residual = launch.to_rows(residual, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         residual_dot = launch.to_rows(residual_dot, ctx.layout)
         y_dot, = _bias_dropout_add_jvp_torch(x, residual, x_dot, residual_dot, bias, bias_dot, ctx.p, seed)
@@ -387,9 +405,10 @@ class _Function(launch.RowFunction):
         needs = ctx.needs_input_grad
         bias, seed, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled():
+            # torch.func transforms this backward (`_Functional`) or autograd records it
+            # (create_graph=True): the derived backward as differentiable torch ops, reading
+            # saved values that carry autograd's graph
             dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
                 dy, bias,
                 ctx.p,
@@ -406,15 +425,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dbias if needs[2] else None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -432,82 +448,17 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, residual, bias, p, seed, layout, = inputs
         y = output
-        ctx.save_for_backward(bias, seed)
         ctx.save_for_forward(x, residual, bias, seed)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
-        ctx.p = p
+        _save(ctx, layout, x, bias, seed, p)
 
     @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad
-        bias, seed, = ctx.saved_tensors
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dresidual, dbias, = _bias_dropout_add_bwd_default_torch(
-            dy, bias,
-            ctx.p,
-            seed,
-            store_dbias=bias is not None and needs[2],
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, launch.from_rows(dresidual, ctx.layout) if needs[1] else None, dbias if needs[2] else None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, residual_dot, bias_dot, _p, _seed, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, residual, bias, seed, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        residual = launch.to_rows(residual, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        residual_dot = launch.to_rows(residual_dot, ctx.layout)
-        y_dot, = _bias_dropout_add_jvp_torch(x, residual, x_dot, residual_dot, bias, bias_dot, ctx.p, seed)
-        return launch.returned(y_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::bias_dropout_add", mutates_args=())
-def _bias_dropout_add_op(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    p: float,
-    seed: torch.Tensor,
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::bias_dropout_add", "memory", memory, _MODES)
-    outputs = _bias_dropout_add_fwd(
-        x, residual, bias, p, seed,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_bias_dropout_add_op.register_fake
-def _(
-    x,
-    residual,
-    bias,
-    p,
-    seed,
-    memory,
-):
-    checks.check_choice("vjpforge::bias_dropout_add", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("bias_dropout_add", _BACKWARDS, module=__name__)
 
 
 def _bias_dropout_add_setup_context(ctx, inputs, output):

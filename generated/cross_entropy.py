@@ -28,7 +28,6 @@ through the factor (Liger-Kernel's use_token_scaling at 1).
 The backward is derived symbolically; see docs/ops/cross_entropy.md for every step.
 """
 
-from typing import Optional
 
 import torch
 import triton
@@ -765,10 +764,28 @@ _BACKWARDS = launcher.Backwards(
     default=_cross_entropy_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": ("row_max", "denominator", "target_logit", "target_weight", "weight_mean"),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::cross_entropy. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("cross_entropy", _cross_entropy_fwd, _KEEPS, outputs=("loss", "z_loss", "token_accuracy", "predicted_tokens"), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::cross_entropy_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("cross_entropy", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -783,25 +800,16 @@ def _save(ctx, x, target, row_max, denominator, target_weight, weight_mean, targ
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, want_z_loss, want_token_accuracy, want_predicted_tokens):
-        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = _cross_entropy_fwd(
-            x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
-            store_z_loss=want_z_loss,
-            store_token_accuracy=want_token_accuracy,
-            store_predicted_tokens=want_predicted_tokens,
-            store_row_max=True,
-            store_denominator=True,
-            store_target_logit=True,
-            store_target_weight=True,
-            store_weight_mean=True,
-        )
+        loss, z_loss, token_accuracy, predicted_tokens, row_max, denominator, target_logit, target_weight, weight_mean, = _FORWARD(x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, "default", want_z_loss, want_token_accuracy, want_predicted_tokens)
         if z_loss is not None:
             ctx.mark_non_differentiable(z_loss)  # never differentiated (`output(grad=False)`)
         if token_accuracy is not None:
@@ -827,9 +835,10 @@ class _Function(launch.RowFunction):
         needs = ctx.needs_input_grad
         x, target, row_max, denominator, target_weight, weight_mean, target_logit, weight, = ctx.saved_tensors
         dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled():
+            # torch.func transforms this backward (`_Functional`) or autograd records it
+            # (create_graph=True): the derived backward as differentiable torch ops, reading
+            # saved values that carry autograd's graph
             dx, = _cross_entropy_bwd_default_recorded_torch(
                 x, weight, dloss, target,
                 ctx.ignore_index,
@@ -850,15 +859,12 @@ class _Function(launch.RowFunction):
         return dx if needs[0] else None, None, None, None, None, None, None, None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -887,112 +893,19 @@ class _Functional(torch.autograd.Function):
             ctx.mark_non_differentiable(token_accuracy)  # never differentiated (`output(grad=False)`)
         if predicted_tokens is not None:
             ctx.mark_non_differentiable(predicted_tokens)  # never differentiated (`output(grad=False)`)
-        ctx.save_for_backward(x, target, weight)
         ctx.save_for_forward(x, weight, target)
-        ctx.set_materialize_grads(False)
-        rows = x
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.ignore_index = ignore_index
-        ctx.label_smoothing = label_smoothing
-        ctx.lse_square_scale = lse_square_scale
-        ctx.softcap = softcap
-        ctx.token_scaling = token_scaling
+        # kept as memory mode 'default' keeps them, but for what the torch path does not
+        # return, which the backward autograd records never reads: row_max, denominator, target_weight, weight_mean, target_logit
+        _save(ctx, x, target, None, None, None, None, None, weight, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling)
 
     @staticmethod
-    def backward(ctx, dloss, dz_loss, dtoken_accuracy, dpredicted_tokens):
-        needs = ctx.needs_input_grad
-        x, target, weight, = ctx.saved_tensors
-        dloss = dloss.reshape(-1).contiguous() if dloss is not None else torch.zeros(ctx.rows[0], dtype=ctx.dtype, device=ctx.device)
-        dx, = _cross_entropy_bwd_default_recorded_torch(
-            x, weight, dloss, target,
-            ctx.ignore_index,
-            ctx.label_smoothing,
-            ctx.lse_square_scale,
-            ctx.softcap,
-            ctx.token_scaling,
-        )
-        return dx if needs[0] else None, None, None, None, None, None, None, None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, _weight, _target, _ignore_index, _label_smoothing, _lse_square_scale, _softcap, _token_scaling, _want_z_loss, _want_token_accuracy, _want_predicted_tokens):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, weight, target, = ctx.saved_tensors
-        x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
-        loss_dot, = _cross_entropy_jvp_torch(x, x_dot, weight, target, ctx.ignore_index, ctx.label_smoothing, ctx.lse_square_scale, ctx.softcap, ctx.token_scaling)
-        return loss_dot, None, None, None
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::cross_entropy", mutates_args=())
-def _cross_entropy_op(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    target: torch.Tensor,
-    ignore_index: float,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    token_scaling: float,
-    memory: str,
-    want_z_loss: bool,
-    want_token_accuracy: bool,
-    want_predicted_tokens: bool,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::cross_entropy", "memory", memory, _MODES)
-    outputs = _cross_entropy_fwd(
-        x, weight, target, ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling,
-        store_z_loss=want_z_loss,
-        store_token_accuracy=want_token_accuracy,
-        store_predicted_tokens=want_predicted_tokens,
-        store_row_max=True,
-        store_denominator=True,
-        store_target_logit=True,
-        store_target_weight=True,
-        store_weight_mean=True,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_cross_entropy_op.register_fake
-def _(
-    x,
-    weight,
-    target,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    token_scaling,
-    memory,
-    want_z_loss,
-    want_token_accuracy,
-    want_predicted_tokens,
-):
-    checks.check_choice("vjpforge::cross_entropy", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc) if want_z_loss else empty(0),
-        x.new_empty((M,), dtype=acc) if want_token_accuracy else empty(0),
-        x.new_empty((M,), dtype=acc) if want_predicted_tokens else empty(0),
-        x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc),
-        x.new_empty((M,), dtype=acc),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("cross_entropy", _BACKWARDS, module=__name__)
 
 
 def _cross_entropy_setup_context(ctx, inputs, output):

@@ -268,10 +268,28 @@ _BACKWARDS = launcher.Backwards(
     default=_geglu_tanh_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": (),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::geglu_tanh. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("geglu_tanh", _geglu_tanh_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::geglu_tanh_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("geglu_tanh", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, layout, gate, up):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(gate, up)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -282,8 +300,9 @@ def _save(ctx, layout, gate, up):
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -292,12 +311,10 @@ class _Function(launch.RowFunction):
     def forward(ctx, gate, up, layout):
         gate_given, gate = gate, launch.to_rows(gate, layout)
         up_given, up = up, launch.to_rows(up, layout)
-        y, = _geglu_tanh_fwd(
-            gate, up,
-        )
+        y, = _FORWARD(gate, up, "default")
         y = launch.returned(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(gate, up)
+        ctx.save_for_forward(gate_given, up_given)
         _save(ctx, layout, gate_given, up_given)
         return y
 
@@ -306,6 +323,8 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         gate, up, = ctx.saved_tensors
+        gate = launch.to_rows(gate, ctx.layout)
+        up = launch.to_rows(up, ctx.layout)
         gate_dot = launch.to_rows(gate_dot, ctx.layout)
         up_dot = launch.to_rows(up_dot, ctx.layout)
         y_dot, = _geglu_tanh_jvp_torch(gate, up, gate_dot, up_dot)
@@ -325,9 +344,10 @@ class _Function(launch.RowFunction):
         up = launch.to_rows(up, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
         into = (launch.to_rows(gate_given.detach(), ctx.layout) if reused[0] else None, launch.to_rows(up_given.detach(), ctx.layout) if reused[1] else None) if reused else None
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled():
+            # torch.func transforms this backward (`_Functional`) or autograd records it
+            # (create_graph=True): the derived backward as differentiable torch ops, reading
+            # saved values that carry autograd's graph
             dgate, dup, = _geglu_tanh_bwd_default_torch(
                 dy, gate, up,
             )
@@ -339,15 +359,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -365,74 +382,17 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         gate, up, layout, = inputs
         y = output
-        ctx.save_for_backward(gate, up)
         ctx.save_for_forward(gate, up)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(gate, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
+        _save(ctx, layout, gate, up)
 
     @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad
-        gate, up, = ctx.saved_tensors
-        gate = launch.to_rows(gate, ctx.layout)
-        up = launch.to_rows(up, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dgate, dup, = _geglu_tanh_bwd_default_torch(
-            dy, gate, up,
-        )
-        return launch.from_rows(dgate, ctx.layout) if needs[0] else None, launch.from_rows(dup, ctx.layout) if needs[1] else None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, gate_dot, up_dot, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        gate, up, = ctx.saved_tensors
-        gate = launch.to_rows(gate, ctx.layout)
-        up = launch.to_rows(up, ctx.layout)
-        gate_dot = launch.to_rows(gate_dot, ctx.layout)
-        up_dot = launch.to_rows(up_dot, ctx.layout)
-        y_dot, = _geglu_tanh_jvp_torch(gate, up, gate_dot, up_dot)
-        return launch.returned(y_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::geglu_tanh", mutates_args=())
-def _geglu_tanh_op(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::geglu_tanh", "memory", memory, _MODES)
-    outputs = _geglu_tanh_fwd(
-        gate, up,
-    )
-    return [t if t is not None else gate.new_empty(0) for t in outputs]
-
-
-@_geglu_tanh_op.register_fake
-def _(
-    gate,
-    up,
-    memory,
-):
-    checks.check_choice("vjpforge::geglu_tanh", "memory", memory, _MODES)
-    M, N = gate.shape
-    acc = launch.accumulator(gate.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = gate.new_empty
-    return [
-        gate.new_empty((M, N)),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("geglu_tanh", _BACKWARDS, module=__name__)
 
 
 def _geglu_tanh_setup_context(ctx, inputs, output):

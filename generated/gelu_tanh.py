@@ -7,7 +7,6 @@ z = x + bias (GPT-2's NewGELUActivation, torch's approximate="tanh", DeepSpeed's
 The backward is derived symbolically; see docs/ops/gelu_tanh.md for every step.
 """
 
-from typing import Optional
 
 import torch
 import triton
@@ -348,10 +347,28 @@ _BACKWARDS = launcher.Backwards(
     default=_gelu_tanh_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": (),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::gelu_tanh. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("gelu_tanh", _gelu_tanh_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::gelu_tanh_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("gelu_tanh", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, layout, x, bias):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(x, bias)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -362,8 +379,9 @@ def _save(ctx, layout, x, bias):
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -371,12 +389,10 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, bias, layout):
         x_given, x = x, launch.to_rows(x, layout)
-        y, = _gelu_tanh_fwd(
-            x, bias,
-        )
+        y, = _FORWARD(x, bias, "default")
         y = launch.returned(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, bias)
+        ctx.save_for_forward(x_given, bias)
         _save(ctx, layout, x_given, bias)
         return y
 
@@ -385,6 +401,7 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         y_dot, = _gelu_tanh_jvp_torch(x, x_dot, bias, bias_dot)
         return launch.returned(y_dot, ctx.layout)
@@ -395,9 +412,10 @@ class _Function(launch.RowFunction):
         x, bias, = ctx.saved_tensors
         x = launch.to_rows(x, ctx.layout)
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled():
+            # torch.func transforms this backward (`_Functional`) or autograd records it
+            # (create_graph=True): the derived backward as differentiable torch ops, reading
+            # saved values that carry autograd's graph
             dx, dbias, = _gelu_tanh_bwd_default_torch(
                 dy, x, bias,
                 store_dbias=bias is not None and needs[1],
@@ -410,15 +428,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dbias if needs[1] else None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -435,72 +450,17 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, bias, layout, = inputs
         y = output
-        ctx.save_for_backward(x, bias)
         ctx.save_for_forward(x, bias)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
+        _save(ctx, layout, x, bias)
 
     @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad
-        x, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dbias, = _gelu_tanh_bwd_default_torch(
-            dy, x, bias,
-            store_dbias=bias is not None and needs[1],
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dbias if needs[1] else None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, bias_dot, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _gelu_tanh_jvp_torch(x, x_dot, bias, bias_dot)
-        return launch.returned(y_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::gelu_tanh", mutates_args=())
-def _gelu_tanh_op(
-    x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::gelu_tanh", "memory", memory, _MODES)
-    outputs = _gelu_tanh_fwd(
-        x, bias,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_gelu_tanh_op.register_fake
-def _(
-    x,
-    bias,
-    memory,
-):
-    checks.check_choice("vjpforge::gelu_tanh", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("gelu_tanh", _BACKWARDS, module=__name__)
 
 
 def _gelu_tanh_setup_context(ctx, inputs, output):

@@ -12,7 +12,6 @@ The backward is derived symbolically; see docs/ops/layernorm.md for every step.
 """
 
 import numbers
-from typing import Optional
 
 import torch
 import triton
@@ -1198,10 +1197,30 @@ _BACKWARDS = launcher.Backwards(
     invertible=_layernorm_bwd_invertible,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": ("mean", "rstd"),
+    "recompute_mean": ("rstd",),
+    "invertible": ("rstd",),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::layernorm. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("layernorm", _layernorm_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::layernorm_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("layernorm", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, memory, layout, x, mean, rstd, weight, bias, y, eps, weight_offset):
     """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     if memory == "default":
         ctx.save_for_backward(x, mean, rstd, weight, bias)
     elif memory == "recompute_mean":
@@ -1220,9 +1239,10 @@ def _save(ctx, memory, layout, x, mean, rstd, weight, bias, y, eps, weight_offse
 
 class _Function(launch.RowFunction):
     """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward of the
-    call's mode, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward of
+    the call's mode, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -1230,14 +1250,10 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, weight_offset, layout, memory):
         x_given, x = x, launch.to_rows(x, layout)
-        y, mean, rstd, = _layernorm_fwd(
-            x, weight, bias, eps, weight_offset,
-            store_mean=memory == "default",
-            store_rstd=True,
-        )
+        y, mean, rstd, = _FORWARD(x, weight, bias, eps, weight_offset, memory)
         y = launch.returned_dense(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, weight, bias)
+        ctx.save_for_forward(x_given, weight, bias)
         _save(ctx, memory, layout, x_given, mean, rstd, weight, bias, y, eps, weight_offset)
         return y
 
@@ -1246,6 +1262,7 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, bias, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps, ctx.weight_offset)
         return launch.returned_dense(y_dot, ctx.layout)
@@ -1258,9 +1275,10 @@ class _Function(launch.RowFunction):
             x, mean, rstd, weight, bias, = ctx.saved_tensors
             x = launch.to_rows(x, ctx.layout)
             dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-            if torch.is_grad_enabled():
-                # autograd records this backward (create_graph=True): the derived backward as
-                # differentiable torch ops, reading saved values that carry autograd's graph
+            if backwards is None or torch.is_grad_enabled():
+                # torch.func transforms this backward (`_Functional`) or autograd records it
+                # (create_graph=True): the derived backward as differentiable torch ops, reading
+                # saved values that carry autograd's graph
                 dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
                     dy, x, weight, bias,
                     ctx.eps,
@@ -1279,9 +1297,10 @@ class _Function(launch.RowFunction):
             x, rstd, weight, bias, = ctx.saved_tensors
             x = launch.to_rows(x, ctx.layout)
             dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-            if torch.is_grad_enabled():
-                # autograd records this backward (create_graph=True): the derived backward as
-                # differentiable torch ops, reading saved values that carry autograd's graph
+            if backwards is None or torch.is_grad_enabled():
+                # torch.func transforms this backward (`_Functional`) or autograd records it
+                # (create_graph=True): the derived backward as differentiable torch ops, reading
+                # saved values that carry autograd's graph
                 dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
                     dy, x, weight, bias,
                     ctx.eps,
@@ -1311,15 +1330,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default", "recompute_mean", "invertible")
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -1338,87 +1354,19 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, eps, weight_offset, layout, memory, = inputs
         y = output
-        ctx.save_for_backward(x, weight, bias)
         ctx.save_for_forward(x, weight, bias)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
+        # kept as memory mode 'default' keeps them, but for what the torch path does not
+        # return, which the backward autograd records never reads: mean, rstd
+        _save(ctx, "default", layout, x, None, None, weight, bias, y, eps, weight_offset)
 
     @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad
-        x, weight, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dweight, dbias, = _layernorm_bwd_default_recorded_torch(
-            dy, x, weight, bias,
-            ctx.eps,
-            ctx.weight_offset,
-            store_dweight=weight is not None and needs[1],
-            store_dbias=bias is not None and needs[2],
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, dbias if needs[2] else None, None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, weight_dot, bias_dot, _eps, _weight_offset, _layout, _memory):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, weight, bias, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _layernorm_jvp_torch(x, x_dot, weight, bias, weight_dot, bias_dot, ctx.eps, ctx.weight_offset)
-        return launch.returned_dense(y_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::layernorm", mutates_args=())
-def _layernorm_op(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    eps: float,
-    weight_offset: float,
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::layernorm", "memory", memory, _MODES)
-    outputs = _layernorm_fwd(
-        x, weight, bias, eps, weight_offset,
-        store_mean=memory == "default",
-        store_rstd=True,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_layernorm_op.register_fake
-def _(
-    x,
-    weight,
-    bias,
-    eps,
-    weight_offset,
-    memory,
-):
-    checks.check_choice("vjpforge::layernorm", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-        x.new_empty((M,), dtype=acc) if memory == "default" else empty(0),
-        x.new_empty((M,), dtype=acc),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("layernorm", _BACKWARDS, module=__name__)
 
 
 def _layernorm_setup_context(ctx, inputs, output):

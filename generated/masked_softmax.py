@@ -14,7 +14,6 @@ dropout) are saved; the dropout mask is regenerated from the seed.
 The backward is derived symbolically; see docs/ops/masked_softmax.md for every step.
 """
 
-from typing import Optional
 
 import torch
 import triton
@@ -562,10 +561,28 @@ _BACKWARDS = launcher.Backwards(
     default=_masked_softmax_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": ("p",),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::masked_softmax. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("masked_softmax", _masked_softmax_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::masked_softmax_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("masked_softmax", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, layout, x, p, seed, scale, window, dropout_p, row_shape):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(p, seed)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -580,8 +597,9 @@ def _save(ctx, layout, x, p, seed, scale, window, dropout_p, row_shape):
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     `apply` drops what the forward returns besides the op's outputs: p. Saved
@@ -595,13 +613,10 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, attention_mask, scale, window, dropout_p, seed, row_shape, layout):
         x_given, x = x, launch.to_rows(x, layout)
-        y, p, = _masked_softmax_fwd(
-            x, attention_mask, scale, window, dropout_p, seed, row_shape,
-            store_p=True,
-        )
+        y, p, = _FORWARD(x, attention_mask, scale, window, dropout_p, seed, row_shape, "default")
         y = launch.returned(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, attention_mask, seed)
+        ctx.save_for_forward(x_given, attention_mask, seed)
         _save(ctx, layout, x_given, p, seed, scale, window, dropout_p, row_shape)
         return y, p
 
@@ -610,6 +625,7 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, attention_mask, seed, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         y_dot, p_dot, = _masked_softmax_jvp_torch(x, attention_mask, x_dot, ctx.scale, ctx.window, ctx.dropout_p, seed, ctx.row_shape)
         return launch.returned(y_dot, ctx.layout), p_dot
@@ -619,10 +635,11 @@ class _Function(launch.RowFunction):
         needs = ctx.needs_input_grad
         p, seed, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled() or dp is not None:
-            # autograd records this backward (create_graph=True) or differentiates through
-            # p: the derived backward as differentiable torch ops, reading saved values
-            # that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled() or dp is not None:
+            # torch.func transforms this backward (`_Functional`), autograd records it
+            # (create_graph=True) or differentiates through p: the derived
+            # backward as differentiable torch ops, reading saved values that carry autograd's
+            # graph
             dp = launch.rows(ctx.rows, dp) if dp is not None else None
             dx, = _masked_softmax_bwd_default_recorded_torch(
                 dy, dp, p,
@@ -644,15 +661,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -670,92 +684,17 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, attention_mask, scale, window, dropout_p, seed, row_shape, layout, = inputs
         y, p, = output
-        ctx.save_for_backward(p, seed)
         ctx.save_for_forward(x, attention_mask, seed)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
-        ctx.scale = scale
-        ctx.window = window
-        ctx.dropout_p = dropout_p
-        ctx.row_shape = row_shape
+        _save(ctx, layout, x, p, seed, scale, window, dropout_p, row_shape)
 
     @staticmethod
-    def backward(ctx, dy, dp):
-        needs = ctx.needs_input_grad
-        p, seed, = ctx.saved_tensors
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dp = launch.rows(ctx.rows, dp) if dp is not None else None
-        dx, = _masked_softmax_bwd_default_recorded_torch(
-            dy, dp, p,
-            ctx.scale,
-            ctx.window,
-            ctx.dropout_p,
-            seed,
-            ctx.row_shape,
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, _attention_mask, _scale, _window, _dropout_p, _seed, _row_shape, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, attention_mask, seed, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, p_dot, = _masked_softmax_jvp_torch(x, attention_mask, x_dot, ctx.scale, ctx.window, ctx.dropout_p, seed, ctx.row_shape)
-        return launch.returned(y_dot, ctx.layout), p_dot
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::masked_softmax", mutates_args=())
-def _masked_softmax_op(
-    x: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    scale: float,
-    window: float,
-    dropout_p: float,
-    seed: torch.Tensor,
-    row_shape: list[int],
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::masked_softmax", "memory", memory, _MODES)
-    outputs = _masked_softmax_fwd(
-        x, attention_mask, scale, window, dropout_p, seed, row_shape,
-        store_p=True,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_masked_softmax_op.register_fake
-def _(
-    x,
-    attention_mask,
-    scale,
-    window,
-    dropout_p,
-    seed,
-    row_shape,
-    memory,
-):
-    checks.check_choice("vjpforge::masked_softmax", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-        x.new_empty((M, N)),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("masked_softmax", _BACKWARDS, module=__name__)
 
 
 def _masked_softmax_setup_context(ctx, inputs, output):

@@ -14,7 +14,6 @@ The backward is derived symbolically; see docs/ops/rmsnorm.md for every step.
 """
 
 import numbers
-from typing import Optional
 
 import torch
 import triton
@@ -851,10 +850,29 @@ _BACKWARDS = launcher.Backwards(
     invertible=_rmsnorm_bwd_invertible,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": ("rstd",),
+    "invertible": ("rstd",),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::rmsnorm. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("rmsnorm", _rmsnorm_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::rmsnorm_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("rmsnorm", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, memory, layout, x, rstd, weight, y, eps, weight_offset, round_normalized, round_steps, in_place):
     """What a call keeps for its backward (`_Function.backward`), as its memory mode says.
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     if memory == "default":
         ctx.save_for_backward(x, rstd, weight)
     else:  # memory == "invertible"
@@ -874,9 +892,10 @@ def _save(ctx, memory, layout, x, rstd, weight, y, eps, weight_offset, round_nor
 
 class _Function(launch.RowFunction):
     """The op's autograd Function, for every memory mode (`memory`). Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward of the
-    call's mode, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward of
+    the call's mode, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -884,13 +903,10 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, memory):
         x_given, x = x, launch.to_rows(x, layout)
-        y, rstd, = _rmsnorm_fwd(
-            x, weight, eps, weight_offset, round_normalized, round_steps,
-            store_rstd=True,
-        )
+        y, rstd, = _FORWARD(x, weight, eps, weight_offset, round_normalized, round_steps, memory)
         y = launch.returned_dense(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, weight)
+        ctx.save_for_forward(x_given, weight)
         _save(ctx, memory, layout, x_given, rstd, weight, y, eps, weight_offset, round_normalized, round_steps, in_place)
         return y
 
@@ -899,6 +915,7 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, weight, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
         return launch.returned_dense(y_dot, ctx.layout)
@@ -914,9 +931,10 @@ class _Function(launch.RowFunction):
             x = launch.to_rows(x, ctx.layout)
             dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
             into = (dy,) if overwrite else None
-            if torch.is_grad_enabled():
-                # autograd records this backward (create_graph=True): the derived backward as
-                # differentiable torch ops, reading saved values that carry autograd's graph
+            if backwards is None or torch.is_grad_enabled():
+                # torch.func transforms this backward (`_Functional`) or autograd records it
+                # (create_graph=True): the derived backward as differentiable torch ops, reading
+                # saved values that carry autograd's graph
                 dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
                     dy, x, weight,
                     ctx.eps,
@@ -952,15 +970,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default", "invertible")
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -978,90 +993,19 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, eps, weight_offset, round_normalized, round_steps, in_place, layout, memory, = inputs
         y = output
-        ctx.save_for_backward(x, weight)
         ctx.save_for_forward(x, weight)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
-        ctx.eps = eps
-        ctx.weight_offset = weight_offset
-        ctx.round_normalized = round_normalized
-        ctx.round_steps = round_steps
+        # kept as memory mode 'default' keeps them, but for what the torch path does not
+        # return, which the backward autograd records never reads: rstd
+        _save(ctx, "default", layout, x, None, weight, y, eps, weight_offset, round_normalized, round_steps, False)
 
     @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad
-        x, weight, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, dweight, = _rmsnorm_bwd_default_recorded_torch(
-            dy, x, weight,
-            ctx.eps,
-            ctx.weight_offset,
-            ctx.round_normalized,
-            ctx.round_steps,
-            store_dweight=weight is not None and needs[1],
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, dweight if needs[1] else None, None, None, None, None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, weight_dot, _eps, _weight_offset, _round_normalized, _round_steps, _in_place, _layout, _memory):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, weight, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        y_dot, = _rmsnorm_jvp_torch(x, x_dot, weight, weight_dot, ctx.eps, ctx.weight_offset, ctx.round_normalized, ctx.round_steps)
-        return launch.returned_dense(y_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::rmsnorm", mutates_args=())
-def _rmsnorm_op(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    eps: float,
-    weight_offset: float,
-    round_normalized: float,
-    round_steps: float,
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::rmsnorm", "memory", memory, _MODES)
-    outputs = _rmsnorm_fwd(
-        x, weight, eps, weight_offset, round_normalized, round_steps,
-        store_rstd=True,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_rmsnorm_op.register_fake
-def _(
-    x,
-    weight,
-    eps,
-    weight_offset,
-    round_normalized,
-    round_steps,
-    memory,
-):
-    checks.check_choice("vjpforge::rmsnorm", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-        x.new_empty((M,), dtype=acc),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("rmsnorm", _BACKWARDS, module=__name__)
 
 
 def _rmsnorm_setup_context(ctx, inputs, output):

@@ -266,10 +266,28 @@ _BACKWARDS = launcher.Backwards(
     default=_rotary_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": (),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::rotary. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("rotary", _rotary_fwd, _KEEPS, outputs=("y",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::rotary_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("rotary", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, layout, x, cos, sin, row_shape):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(cos, sin)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -281,8 +299,9 @@ def _save(ctx, layout, x, cos, sin, row_shape):
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
@@ -290,12 +309,10 @@ class _Function(launch.RowFunction):
     @staticmethod
     def forward(ctx, x, cos, sin, row_shape, layout):
         x_given, x = x, launch.to_rows(x, layout)
-        y, = _rotary_fwd(
-            x, cos, sin, row_shape,
-        )
+        y, = _FORWARD(x, cos, sin, row_shape, "default")
         y = launch.returned(y, layout)
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
-        ctx.save_for_forward(x, cos, sin)
+        ctx.save_for_forward(x_given, cos, sin)
         _save(ctx, layout, x_given, cos, sin, row_shape)
         return y
 
@@ -304,6 +321,7 @@ class _Function(launch.RowFunction):
         """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
         derived from the same spec, run as plain torch ops on the rows."""
         x, cos, sin, = ctx.saved_tensors
+        x = launch.to_rows(x, ctx.layout)
         x_dot = launch.to_rows(x_dot, ctx.layout)
         x_dot = x_dot if x_dot is not None else torch.zeros_like(x)
         y_dot, = _rotary_jvp_torch(x, cos, sin, x_dot, ctx.row_shape)
@@ -314,9 +332,10 @@ class _Function(launch.RowFunction):
         needs = ctx.needs_input_grad
         cos, sin, = ctx.saved_tensors
         dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled():
+            # torch.func transforms this backward (`_Functional`) or autograd records it
+            # (create_graph=True): the derived backward as differentiable torch ops, reading
+            # saved values that carry autograd's graph
             dx, = _rotary_bwd_default_torch(
                 dy, cos, sin,
                 ctx.row_shape,
@@ -329,15 +348,12 @@ class _Function(launch.RowFunction):
         return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -354,77 +370,17 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, cos, sin, row_shape, layout, = inputs
         y = output
-        ctx.save_for_backward(cos, sin)
         ctx.save_for_forward(x, cos, sin)
-        ctx.set_materialize_grads(False)
-        rows = launch.to_rows(x, layout)
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
-        ctx.layout = layout
-        ctx.row_shape = row_shape
+        _save(ctx, layout, x, cos, sin, row_shape)
 
     @staticmethod
-    def backward(ctx, dy):
-        needs = ctx.needs_input_grad
-        cos, sin, = ctx.saved_tensors
-        dy = launch.to_rows(dy, ctx.layout) if dy is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, = _rotary_bwd_default_torch(
-            dy, cos, sin,
-            ctx.row_shape,
-        )
-        return launch.from_rows(dx, ctx.layout) if needs[0] else None, None, None, None, None
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot, _cos, _sin, _row_shape, _layout):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, cos, sin, = ctx.saved_tensors
-        x = launch.to_rows(x, ctx.layout)
-        x_dot = launch.to_rows(x_dot, ctx.layout)
-        x_dot = x_dot if x_dot is not None else torch.zeros_like(x)
-        y_dot, = _rotary_jvp_torch(x, cos, sin, x_dot, ctx.row_shape)
-        return launch.returned(y_dot, ctx.layout)
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::rotary", mutates_args=())
-def _rotary_op(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    row_shape: list[int],
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::rotary", "memory", memory, _MODES)
-    outputs = _rotary_fwd(
-        x, cos, sin, row_shape,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_rotary_op.register_fake
-def _(
-    x,
-    cos,
-    sin,
-    row_shape,
-    memory,
-):
-    checks.check_choice("vjpforge::rotary", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("rotary", _BACKWARDS, module=__name__)
 
 
 def _rotary_setup_context(ctx, inputs, output):

@@ -424,10 +424,28 @@ _BACKWARDS = launcher.Backwards(
     default=_softmax_bwd_default,
 )
 
+#: the memory modes, the default first, each with the forward's results stored on request that
+#: it keeps for its backward (`_save`)
+_KEEPS = {
+    "default": (),
+}
+_MODES = tuple(_KEEPS)
+
+#: the forward of a call in each memory mode: the forward launcher storing what the mode keeps
+#: and the outputs the caller asks for. Its `op` is the same as a torch.library op, one opaque
+#: op under torch.compile: vjpforge::softmax. The runtime writes both, and the op's fake,
+#: from the launcher's signature and `_KEEPS` (codegen/runtime/launcher.py)
+_FORWARD = launcher.forward_op("softmax", _softmax_fwd, _KEEPS, outputs=("p",), module=__name__)
+
+#: each memory mode's backward through its torch.library op, as the op's autograd runs it:
+#: vjpforge::softmax_backward_<mode>. The runtime registers the ops and their fakes from the
+#: modes' launcher signatures
+_BACKWARD_OPS = launcher.backward_ops("softmax", _BACKWARDS, module=__name__)
+
 
 def _save(ctx, x, p):
     """What a call keeps for its backward (`_Function.backward`).
-    The autograd Function's forward and the torch.library op's setup_context call it."""
+    The autograd Functions' forwards and the torch.library op's setup_context call it."""
     ctx.save_for_backward(p)
     # the gradient of an output nothing used arrives as None, not zeros: a saved value the op
     # returns gets one only where autograd differentiates through it (a recorded backward)
@@ -437,17 +455,16 @@ def _save(ctx, x, p):
 
 class _Function(launch.RowFunction):
     """The op's autograd Function. Its forward runs the forward
-    launcher and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), or through the custom ops where the
-    torch.library op's autograd calls it (`_BACKWARD_OPS`).
+    launcher (`_FORWARD`) and keeps what `_save` says; its backward runs the derived backward, through the launchers (`backwards`), through the custom ops where the
+    torch.library op's autograd calls it (`_BACKWARD_OPS`), or as plain torch ops where
+    `_Functional` calls it (None).
 
     Rows in, rows out: (M, N) tensors whose last dim has stride 1.
     """
 
     @staticmethod
     def forward(ctx, x):
-        p, = _softmax_fwd(
-            x,
-        )
+        p, = _FORWARD(x, "default")
         # what the forward-mode derivative reads (`jvp`); kept only while it runs
         ctx.save_for_forward(x)
         _save(ctx, x, p)
@@ -467,9 +484,10 @@ class _Function(launch.RowFunction):
         needs = ctx.needs_input_grad
         p, = ctx.saved_tensors
         dp = launch.rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        if torch.is_grad_enabled():
-            # autograd records this backward (create_graph=True): the derived backward as
-            # differentiable torch ops, reading saved values that carry autograd's graph
+        if backwards is None or torch.is_grad_enabled():
+            # torch.func transforms this backward (`_Functional`) or autograd records it
+            # (create_graph=True): the derived backward as differentiable torch ops, reading
+            # saved values that carry autograd's graph
             dx, = _softmax_bwd_default_torch(
                 dp, p,
             )
@@ -480,15 +498,12 @@ class _Function(launch.RowFunction):
         return dx if needs[0] else None,
 
 
-#: the memory modes, the default first
-_MODES = ("default",)
-
-
 class _Functional(torch.autograd.Function):
     """The op under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, functional_call):
-    the forward, the derived backward (as memory mode 'default' records it) and the derived
-    JVP, each as plain torch ops, which vmap batches (`generate_vmap_rule`): the kernels take
-    whole tensors, never a transform's wrappers. Returns what `_Function` returns."""
+    the forward as plain torch ops, and `_Function`'s derived backward (as memory mode
+    'default' records it) and derived JVP, which run plain torch ops too; vmap batches them
+    (`generate_vmap_rule`): the kernels take whole tensors, never a transform's wrappers. Returns
+    what `_Function` returns."""
 
     generate_vmap_rule = True
 
@@ -503,66 +518,17 @@ class _Functional(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, = inputs
         p = output
-        ctx.save_for_backward(p)
         ctx.save_for_forward(x)
-        ctx.set_materialize_grads(False)
-        rows = x
-        ctx.rows, ctx.dtype, ctx.device = rows.shape, rows.dtype, rows.device
+        _save(ctx, x, p)
 
     @staticmethod
-    def backward(ctx, dp):
-        needs = ctx.needs_input_grad
-        p, = ctx.saved_tensors
-        dp = launch.rows(ctx.rows, dp) if dp is not None else torch.zeros(ctx.rows, dtype=ctx.dtype, device=ctx.device)
-        dx, = _softmax_bwd_default_torch(
-            dp, p,
-        )
-        return dx if needs[0] else None,
+    def backward(ctx, *grads):
+        return _Function.backward(ctx, *grads, backwards=None)
 
-    @staticmethod
-    def jvp(ctx, x_dot):
-        """The forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp): the JVP
-        derived from the same spec, run as plain torch ops on the rows."""
-        x, = ctx.saved_tensors
-        x_dot = launch.rows(ctx.rows, x_dot) if x_dot is not None else None
-        p_dot, = _softmax_jvp_torch(x, x_dot)
-        return p_dot
+    jvp = staticmethod(_Function.jvp)
 
 
 _Function.functional = _Functional
-
-
-@torch.library.custom_op("vjpforge::softmax", mutates_args=())
-def _softmax_op(
-    x: torch.Tensor,
-    memory: str,
-) -> list[torch.Tensor]:
-    checks.check_choice("vjpforge::softmax", "memory", memory, _MODES)
-    outputs = _softmax_fwd(
-        x,
-    )
-    return [t if t is not None else x.new_empty(0) for t in outputs]
-
-
-@_softmax_op.register_fake
-def _(
-    x,
-    memory,
-):
-    checks.check_choice("vjpforge::softmax", "memory", memory, _MODES)
-    M, N = x.shape
-    acc = launch.accumulator(x.dtype)
-    # an output not stored is a tensor of its own, as the op's (outputs never alias)
-    empty = x.new_empty
-    return [
-        x.new_empty((M, N)),
-    ]
-
-
-#: each memory mode's backward through its torch.library op, vjpforge::<op>_backward_<mode>, as
-#: the op's autograd runs it: one opaque op under torch.compile. The runtime registers the ops
-#: and their fakes from the modes' launcher signatures (codegen/runtime/launcher.py)
-_BACKWARD_OPS = launcher.backward_ops("softmax", _BACKWARDS, module=__name__)
 
 
 def _softmax_setup_context(ctx, inputs, output):

@@ -315,22 +315,27 @@ def test_launcher_source_follows_its_signature():
         compile(text, name, "exec")
 
 
-def test_a_failing_launch_shows_the_launchers_line(monkeypatch):
-    """A launcher's frames carry its source: an error inside shows the failing line."""
-    import traceback
+def _failing(name: str):
+    """layernorm's launcher `name` built again over its kernels, its torch path raising."""
+    from codegen.runtime import launcher
 
     def failing(*args, **kwargs):
         raise RuntimeError("from the torch path")
 
-    from codegen.runtime import launcher
+    return launcher.build(getattr(layernorm, name).signature, module=layernorm.__name__,
+                          per=getattr(layernorm, f"{name}_per"),
+                          red=getattr(layernorm, f"{name}_red"),
+                          split=getattr(layernorm, f"{name}_split", None), torch_path=failing,
+                          schedules=layernorm.SCHEDULES)
 
-    f = layernorm._layernorm_fwd
-    rebuilt = launcher.build(f.signature, module=layernorm.__name__,
-                             per=layernorm._layernorm_fwd_per, red=layernorm._layernorm_fwd_red,
-                             torch_path=failing, schedules=layernorm.SCHEDULES)
+
+def test_a_failing_launch_shows_the_launchers_line(monkeypatch):
+    """A launcher's frames carry its source: an error inside shows the failing line."""
+    import traceback
+
     x = torch.zeros((0, 8))  # no rows: the torch path
     with pytest.raises(RuntimeError, match="from the torch path") as caught:
-        rebuilt(x, None, None, 1e-5, 0.0, False, False)
+        _failing("_layernorm_fwd")(x, None, None, 1e-5, 0.0, False, False)
     frames = traceback.extract_tb(caught.value.__traceback__)
     assert any(frame.name == "_layernorm_fwd" and frame.line.startswith("return torch_path(")
                for frame in frames), frames
@@ -371,15 +376,7 @@ def _failing_backward_ops():
     """layernorm's default backward, its torch path raising, through an op of its own."""
     from codegen.runtime import launcher
 
-    def failing(*args, **kwargs):
-        raise RuntimeError("from the torch path")
-
-    f = layernorm._layernorm_bwd_default
-    rebuilt = launcher.build(f.signature, module=layernorm.__name__,
-                             per=layernorm._layernorm_bwd_default_per,
-                             red=layernorm._layernorm_bwd_default_red,
-                             split=layernorm._layernorm_bwd_default_split,
-                             torch_path=failing, schedules=layernorm.SCHEDULES)
+    rebuilt = _failing("_layernorm_bwd_default")
     return launcher.backward_ops("failing_layernorm", launcher.Backwards(default=rebuilt),
                                  module=layernorm.__name__)
 
@@ -395,4 +392,71 @@ def test_a_failing_backward_op_shows_its_line():
     frames = traceback.extract_tb(caught.value.__traceback__)
     assert any(frame.name == "_failing_layernorm_backward_default_op"
                and frame.line.startswith("dx, dweight, dbias, = _launcher(")
+               for frame in frames), frames
+
+
+def test_every_forward_op_is_built_from_its_launchers_signature():
+    """Each generated module states its forward launcher's signature and what each memory mode
+    keeps, and nothing of its torch.library op: the runtime registers the op and its fake, taking
+    the launcher's inputs, the mode and the output flags, whose source a traceback can show, and
+    the Function's forward runs the same forward."""
+    import ast
+    import inspect
+    import linecache
+
+    modules = {m for m, _, _ in _launchers() if hasattr(m, "_FORWARD")}
+    assert len(modules) >= 15
+    for module in modules:
+        op = module.__name__.rpartition(".")[2]
+        assert f'custom_op("vjpforge::{op}"' not in inspect.getsource(module)
+        assert module._MODES == tuple(module._KEEPS)
+        text = "".join(linecache.getlines(f"<vjpforge op {module.__name__}.{op}>"))
+        assert f'"vjpforge::{op}"' in text, op
+        defined = {node.name: node for node in ast.walk(ast.parse(text))
+                   if isinstance(node, ast.FunctionDef)}
+        sig = getattr(module, f"_{op}_fwd").signature
+        params = [a.arg for a in defined[f"_{op}_op"].args.args]
+        assert params[:len(sig.inputs) + 1] == [*sig.inputs, "memory"], op
+        assert [a.arg for a in defined[f"_{op}_fake"].args.args] == params, op
+        assert "_FORWARD(" in inspect.getsource(module._Function.forward), op
+
+
+def test_a_mode_stores_what_it_keeps_and_what_is_asked():
+    """The forward of each memory mode stores the results the mode keeps for its backward, and
+    an optional output only where the caller asks for it."""
+    import generated.add_layernorm as add_layernorm
+
+    x = torch.zeros((2, 8), dtype=torch.float64)
+    for memory, kept in add_layernorm._KEEPS.items():
+        for want in (False, True):
+            y, residual_out, mean, rstd = add_layernorm._FORWARD(
+                x, x, None, None, None, 1e-5, memory, want, None)
+            stored = {name for name, t in zip(("residual_out", "mean", "rstd"),
+                                              (residual_out, mean, rstd), strict=True)
+                      if t is not None}
+            assert stored == set(kept) | ({"residual_out"} if want else set()), (memory, want)
+
+
+@functools.cache
+def _failing_forward():
+    """layernorm's forward, its torch path raising, through an op of its own."""
+    from codegen.runtime import launcher
+
+    return launcher.forward_op("failing_layernorm", _failing("_layernorm_fwd"), layernorm._KEEPS,
+                               outputs=("y",), module=layernorm.__name__)
+
+
+def test_a_failing_forward_op_shows_its_lines():
+    """A forward op's frames carry its source: an error inside shows the failing lines."""
+    import traceback
+
+    x = torch.zeros((0, 8))  # no rows: the torch path
+    with pytest.raises(RuntimeError, match="from the torch path") as caught:
+        _failing_forward().op(x, None, None, 1e-5, 0.0, "default")
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert any(frame.name == "_failing_layernorm_op"
+               and frame.line.startswith("outputs = _failing_layernorm_forward(")
+               for frame in frames), frames
+    assert any(frame.name == "_failing_layernorm_forward"
+               and frame.line.startswith("return _launcher(")
                for frame in frames), frames

@@ -17,8 +17,10 @@ share lives here, written and tested once, one module each:
 - `launch`: the host path shared by launchers (accumulator dtypes, row views, launch plans that
   skip Triton's per-call binding, column sums of per-program partials);
 - `launcher`: each kernel's launcher, written and compiled at import from the declarative
-  signature its module states (argument roles, stores, flags, fold, window and split), and each
-  memory mode's backward `torch.library` op and its fake, from the mode's signature;
+  signature its module states (argument roles, stores, flags, fold, window and split); the
+  forward of each memory mode and the op's forward `torch.library` op and its fake, from the
+  forward's signature and what each mode keeps; each mode's backward `torch.library` op and its
+  fake, from the mode's signature;
 - `linear_loss`: a row loss of a linear layer's outputs computed chunk by chunk, so the logits
   never exist whole (`linear_cross_entropy`);
 - `logits_route`: the training loss of masked and sequence-to-sequence LMs from the labelled

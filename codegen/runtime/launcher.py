@@ -9,9 +9,10 @@ split fallback, column sums) lives once, here, and each launcher runs straight-l
 nothing left to decide from the signature per call. Its source is registered with `linecache`
 so that tracebacks and debuggers show it.
 
-Each memory mode's backward is a torch.library op too (`backward_ops`): its op and fake are
-written and registered the same way, from the backward launcher's signature, so that the module
-states neither.
+The forward of each memory mode (`forward_op`: the forward launcher storing what the mode keeps
+for its backward and what the caller asks for) and each mode's backward (`backward_ops`) are
+torch.library ops too: their ops and fakes are written and registered the same way, from the
+launchers' signatures and what each mode keeps, so that the module states none of them.
 
 A launcher takes its kernel's (M, N) row tensors and returns its outputs. It runs the torch path
 (the module's `<name>_torch`) where there is nothing to launch: no rows or columns, a CPU tensor
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 import triton
 
-from codegen.runtime import launch
+from codegen.runtime import checks, launch
 from codegen.runtime.schedules import fixed_n, maxnreg
 
 
@@ -465,6 +466,15 @@ def _annotation(sig: Signature, name: str) -> str:
     return "list[int]" if name == "row_shape" else "torch.Tensor"
 
 
+def _op_head(w: _Writer, op: str, params: list[str]) -> None:
+    """The head of the torch.library op `vjpforge::<op>`, `_<op>_op`: its parameters
+    annotated ("name: type", the op's schema), its outputs a list of tensors."""
+    w(f'@torch.library.custom_op("vjpforge::{op}", mutates_args=())', f"def _{op}_op(")
+    with _Block(w):
+        w(*(f"{param}," for param in params))
+    w(") -> list[torch.Tensor]:")
+
+
 def op_source(sig: Signature, op: str) -> str:
     """The source of `_make(launcher)`, which registers the torch.library op `vjpforge::<op>`
     of backward launcher `sig`, and its fake, and returns the op. The op takes the launcher's
@@ -481,12 +491,8 @@ def op_source(sig: Signature, op: str) -> str:
     made = sig.made
     w("def _make(_launcher):")
     with _Block(w):
-        w(f'@torch.library.custom_op("vjpforge::{op}", mutates_args=())',
-          f"def _{op}_op(")
-        with _Block(w):
-            w(*(f"{name}: {_annotation(sig, name)}," for name in sig.inputs),
-              *(f"{flag}: bool," for flag in sig.flags))
-        w(") -> list[torch.Tensor]:")
+        _op_head(w, op, [*(f"{name}: {_annotation(sig, name)}" for name in sig.inputs),
+                         *(f"{flag}: bool" for flag in sig.flags)])
         with _Block(w):
             # a result that is another one or an input is not the op's: unpacked to `_`
             targets = [name if name in made and name not in sig.returns[:i] else "_"
@@ -532,3 +538,111 @@ def backward_ops(op: str, backwards: Backwards, *, module: str) -> Backwards:
                               dont_inherit=True)
         calls[mode] = through(namespace["_make"](function), function)
     return Backwards(**calls)
+
+
+def _store_flag(name: str, keeps: dict[str, tuple[str, ...]], asked: bool) -> str:
+    """Whether a call stores forward result `name` (one stored on request), as an expression of
+    `memory` and of the caller's `want_<name>` (`asked`: an output the caller may ask for):
+    stored where the call's mode keeps it for its backward, or where asked for."""
+    always = [mode for mode, kept in keeps.items() if name in kept]
+    others = [mode for mode in keeps if mode not in always]
+    if not others:
+        return "True"
+    wanted = f"want_{name}" if asked else None
+    if not always:
+        return wanted or "False"
+    if len(always) == 1:
+        mode = f'memory == "{always[0]}"'
+    elif len(others) == 1:
+        mode = f'memory != "{others[0]}"'
+    else:
+        mode = "memory in (" + "".join(f'"{m}", ' for m in always) + ")"
+    return f"{wanted} or {mode}" if wanted else mode
+
+
+def forward_source(sig: Signature, op: str, keeps: dict[str, tuple[str, ...]],
+                   outputs: tuple[str, ...]) -> str:
+    """The source of `_make(launcher, modes)`, which returns the forward of forward launcher
+    `sig` in each memory mode, and registers it as the torch.library op `vjpforge::<op>` with
+    its fake, returning the op too.
+
+    `keeps`: per memory mode, the default first, the results stored on request that the mode
+    keeps for its backward. `outputs`: the op's outputs, the first always stored, each other
+    one stored where the caller asks for it (`want_<name>`), an (M, N) one in float32 where
+    asked (the forward's `<name>_dtype`, the op's `<name>_fp32`).
+
+    The forward takes the launcher's inputs, `memory` and, per optional output, `want_<name>`
+    (and `<name>_dtype`), and returns the launcher's results. The op takes the same with
+    `<name>_fp32` for the dtype, and returns every result, one not stored an empty tensor."""
+    flagged = {name for name, flag in (*sig.element_stores, *sig.row_stores) if flag}
+    stores = [*sig.element_stores, *sig.row_stores]
+    if sig.column_stores or sig.scalar_stores or sig.returns != tuple(n for n, _ in stores):
+        # a fake below makes (M, N) and (M,) results, in the launcher's return order
+        raise ValueError(f"{sig.name}: a forward returns its element then its row stores")
+    optional = outputs[1:]
+    kept = {name for names in keeps.values() for name in names}
+    if not {*optional, *kept} <= flagged:
+        raise ValueError(f"{sig.name}: {sorted({*optional, *kept} - flagged)} are not stored "
+                         "on request")
+    dtyped = [name for name in optional if name in dict(sig.element_stores)]
+    first, w = sig.first, _Writer()
+    wants = [p for name in optional
+             for p in (f"want_{name}", *[f"{name}_dtype"] * (name in dtyped))]
+    fp32 = [p for name in optional
+            for p in (f"want_{name}", *[f"{name}_fp32"] * (name in dtyped))]
+    flag = {name: _store_flag(name, keeps, name in optional) for name in flagged}
+    check = f'checks.check_choice("vjpforge::{op}", "memory", memory, _modes)'
+    w("def _make(_launcher, _modes):")
+    with _Block(w):
+        w(f"def _{op}_forward({', '.join([*sig.inputs, 'memory', *wants])}):")
+        with _Block(w):
+            call = [*sig.inputs, *(f"store_{name}={flag[name]}" for name, _ in stores
+                                   if name in flagged), *(f"{n}_dtype={n}_dtype" for n in dtyped)]
+            w(f"return _launcher({', '.join(call)})")
+        w("")
+        _op_head(w, op, [*(f"{name}: {_annotation(sig, name)}" for name in sig.inputs),
+                         "memory: str", *(f"{name}: bool" for name in fp32)])
+        with _Block(w):
+            # an op's schema has no dtype arguments: its flag says float32, else the input's
+            given = [p for name in optional for p in (
+                f"want_{name}", *[f"torch.float32 if {name}_fp32 else None"] * (name in dtyped))]
+            w(check, f"outputs = _{op}_forward({', '.join([*sig.inputs, 'memory', *given])})",
+              f"return [t if t is not None else {first}.new_empty(0) for t in outputs]")
+        w("", f"@_{op}_op.register_fake",
+          f"def _{op}_fake({', '.join([*sig.inputs, 'memory', *fp32])}):")
+        with _Block(w):
+            w(check, f"M, N = {first}.shape")
+            if sig.row_stores:
+                w(f"acc = launch.accumulator({first}.dtype)")
+            # an output not stored is a tensor of its own, as the op's (outputs never alias)
+            w("return [")
+            with _Block(w):
+                for name, _ in stores:
+                    if name in dict(sig.row_stores):
+                        made = f"{first}.new_empty((M,), dtype=acc)"
+                    elif name in dtyped:
+                        made = (f"{first}.new_empty((M, N), dtype=torch.float32 if {name}_fp32 "
+                                f"else {first}.dtype)")
+                    else:
+                        made = f"{first}.new_empty((M, N))"
+                    stored = flag.get(name, "True")
+                    w(f"{made}," if stored == "True" else f"{first}.new_empty(0),"
+                      if stored == "False" else f"{made} if {stored} else {first}.new_empty(0),")
+            w("]")
+        w("", f"return _{op}_forward, _{op}_op")
+    return "\n".join(w.lines) + "\n"
+
+
+def forward_op(op: str, launcher, keeps: dict[str, tuple[str, ...]], *,
+               outputs: tuple[str, ...], module: str):
+    """The forward of `launcher` (the module's forward launcher) in each memory mode, keyed by
+    `keeps` (`forward_source`), as the autograd Function's forward runs it; registers the same
+    as the torch.library op `vjpforge::<op>`, with its fake, which is the result's `op`."""
+    name = f"<vjpforge op {module}.{op}>"
+    # the op's annotations are its schema: objects, not this module's postponed strings
+    namespace = _compiled(forward_source(launcher.signature, op, keeps, outputs), name,
+                          {"__name__": module, "torch": torch, "Optional": Optional,
+                           "checks": checks, "launch": launch}, dont_inherit=True)
+    function, op_ = namespace["_make"](launcher, tuple(keeps))
+    function.op, function.__module__, function.__qualname__ = op_, module, function.__name__
+    return function
