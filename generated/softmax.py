@@ -604,7 +604,8 @@ def softmax(input, dim=-1, dtype=None):
         p = _Function.apply(x)
     else:
         p = _softmax_fwd(x, )[0]
-    return p.reshape(moved.shape).movedim(-1, dim)
+    # contiguous, as torch's result whatever `dim` (a copy where dim is not the last)
+    return p.reshape(moved.shape).movedim(-1, dim).contiguous()
 
 
 class Softmax(torch.nn.Module):

@@ -67,6 +67,15 @@ def test_dim_of_3d_input(device, schedule, dim):
     assert_matches_torch(*pair(dim), inputs((17, 18, 2), device))
 
 
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_result_is_contiguous_as_torch_s(device, dim):
+    # whatever `dim` and the input's strides: a caller may .view() it as torch's
+    x = torch.randn(5, 6, 4, device=device, dtype=torch.float64).permute(2, 1, 0)
+    got, want = softmax.softmax(x, dim), torch.softmax(x, dim)
+    assert got.is_contiguous() and got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("view", NON_CONTIGUOUS)
 def test_non_contiguous_input(device, schedule, view):
     (x,) = inputs((5, 37), device)
