@@ -795,12 +795,14 @@ class TritonKernel(_Printed):
             # overflowed exp (0 * exp(1000) = NaN)
             f"{total}_acc = {total}_acc * tl.exp(tl.minimum({peak}_shift - {peak}_next, 0.0))"
             f" + tl.where(mask, {term}, 0.0)  # rescaled to the row's new max"]
-        merged = f"tl.sum({total}_acc, axis=1)[:, None]"
-        finish = [
-            f"{total} = {self._scaled(pair.total, merged)}"
-            f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
-            "every lane at the row's max"]
-        return init, update, finish
+        return init, update, self._merged_at_max(pair.total)
+
+    def _merged_at_max(self, total: Any) -> list[str]:
+        """A sum carried with a running max, its lanes' sums (each at the row's max) merged."""
+        merged = f"tl.sum({total.name}_acc, axis=1)[:, None]"
+        return [f"{total.name} = {self._scaled(total, merged)}"
+                f"  # {total.name} = {formula(total.scale)} * sum_j({formula(total.body)}), "
+                "every lane at the row's max"]
 
     def _online_gap(self, pair: OnlineGap) -> tuple[list[str], list[str], list[str]]:
         peak, total = pair.peak.name, pair.total.name
@@ -817,12 +819,7 @@ class TritonKernel(_Printed):
             f"{total}_slope * ({peak}_next - {peak}_shift), 0.0)"
             f" + tl.where(mask, {term}, 0.0)  # at the row's max so far",
             f"{total}_slope += tl.where(mask, {slope}, 0.0)"]
-        merged = f"tl.sum({total}_acc, axis=1)[:, None]"
-        finish = [
-            f"{total} = {self._scaled(pair.total, merged)}"
-            f"  # {total} = {formula(pair.total.scale)} * sum_j({formula(pair.total.body)}), "
-            "every lane at the row's max"]
-        return init, update, finish
+        return init, update, self._merged_at_max(pair.total)
 
     def _online_first(self, pair: OnlineFirst) -> tuple[list[str], list[str], list[str]]:
         peak, first = pair.peak.name, pair.first.name

@@ -199,11 +199,17 @@ def _moments(mean: RowReduce, second: RowReduce, body: sympy.Expr,
     return Moments(mean, RowReduce(second.name, second.op, body, second.scale))
 
 
+def _sum_after_max(peak: RowReduce, total: RowReduce, symbol: sympy.Symbol) -> bool:
+    """Whether `total` is a sum that may ride on `peak`, a plain row max, in its sweep: only
+    its body (not its scale) reads the max's value `symbol`."""
+    return (peak.op == "max" and total.op == "sum" and peak.scale == 1
+            and symbol not in peak.body.free_symbols
+            and symbol not in total.scale.free_symbols)
+
+
 def _online_exp(peak: RowReduce, total: RowReduce, body: sympy.Expr,
                 symbol: sympy.Symbol) -> OnlineExp | None:
-    if peak.op != "max" or total.op != "sum" or peak.scale != 1:
-        return None
-    if symbol in peak.body.free_symbols or symbol in total.scale.free_symbols:
+    if not _sum_after_max(peak, total, symbol):
         return None
     factor = sympy.powsimp(sympy.expand(body * sympy.exp(symbol - peak.body)), combine="exp")
     # an exponential left in the factor could overflow where the shifted one can't
@@ -230,9 +236,7 @@ def _online_first(peak: RowReduce, first: RowReduce, body: sympy.Expr,
 
 def _online_gap(peak: RowReduce, total: RowReduce, body: sympy.Expr,
                 symbol: sympy.Symbol) -> OnlineGap | None:
-    if peak.op != "max" or total.op != "sum" or peak.scale != 1:
-        return None
-    if symbol in peak.body.free_symbols or symbol in total.scale.free_symbols:
+    if not _sum_after_max(peak, total, symbol):
         return None
     slope = body.diff(symbol)
     if slope == 0 or symbol in slope.free_symbols \
