@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import fnmatch
 import json
@@ -63,7 +64,12 @@ TINY = {
     "vocab_size": 96, "max_position_embeddings": 64, "n_positions": 64,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
     "sliding_window": 16, "image_size": 32, "patch_size": 8,
+    # hybrids of recurrent and attention layers: the second of the two layers attends
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+    "expert_layer_offset": 1,
 }
+#: list-valued config attributes set as they are (the hybrids' attention layers)
+TINY_LISTS = {"attn_layer_indices": [1]}
 #: tokens in a batch
 BATCH, SEQ = 2, 12
 #: the largest relative difference that counts as exact in float64
@@ -104,6 +110,10 @@ def shrink(config, seen=None) -> None:
                 setattr(config, name, value)
             except (AttributeError, ValueError, TypeError):
                 pass
+    for name, value in TINY_LISTS.items():
+        if isinstance(getattr(config, name, None), list):
+            with contextlib.suppress(AttributeError, ValueError, TypeError):
+                setattr(config, name, list(value))
     for name, value in list(vars(config).items()):
         # dropout, functional ones included (BART's `dropout` attribute): the two runs would
         # draw different masks where a patch changes the order of random draws
@@ -113,13 +123,20 @@ def shrink(config, seen=None) -> None:
         # MoE experts through torch's grouped matrix product take no float64: the eager loop
         # over the experts does (and is what an experts swap replaces)
         config._experts_implementation = "eager"
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int) \
+            and isinstance(getattr(config, "head_dim", None), int):
+        # multi-head latent attention (DeepSeek V2/V3 and kin): the rotary embedding's width is
+        # head_dim, which the config's own constructor sets to qk_rope_head_dim
+        config.head_dim = config.qk_rope_head_dim
     for name in ("layer_types", "block_types", "layers_block_type"):
         kinds = getattr(config, name, None)
         if isinstance(kinds, list) and kinds:
             # two layers, of two kinds where there are several (a hybrid's linear attention
-            # and the full attention its masks are made for)
+            # and the full attention its masks are made for); a kind list the config derives
+            # from its layer count (a property without a setter) follows that count
             distinct = list(dict.fromkeys(kinds))
-            setattr(config, name, (distinct + kinds)[:2])
+            with contextlib.suppress(AttributeError):
+                setattr(config, name, (distinct + kinds)[:2])
     for value in list(vars(config).values()):
         if isinstance(value, PretrainedConfig):
             shrink(value, seen)
