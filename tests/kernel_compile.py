@@ -12,8 +12,11 @@ compile.
 shapes), the norms' other memory modes and `linear_cross_entropy`, under each kernel form the
 schedules pick (rows whole, looped in one sweep, looped in a pass each, every other sweep
 backwards, split), and records each distinct launch: the kernel, the type of every argument,
-the value of every constexpr and the launch options. `compile` compiles each for `TARGET`
-and prints the resource use of each, or the compiler's error; it exits 1 if any failed.
+the value of every constexpr and the launch options. The launchers choose as on a GPU but
+where the interpreter, which runs its programs one after another, is given other sizes: the
+column sums' blocks, which `compile` takes as CUDA's (`_on_cuda`), and a split row's slab
+width. `compile` compiles each for `TARGET` and prints the resource use of each, or the
+compiler's error; it exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ import sys
 import traceback
 
 TARGET = ("cuda", 90, 32)  # an H100
+
+
+def _on_cuda(kernel: str) -> dict:
+    """Constexprs a CUDA launch gives where the interpreter's launch, whose programs run one
+    after another, takes others: the column sums' blocks."""
+    from codegen.runtime import launch
+
+    if kernel == "column_sums_kernel":
+        return {"BLOCK_C": launch.COLUMN_SUM_BLOCK_C, "BLOCK_P": launch.COLUMN_SUM_BLOCK_P}
+    return {}
 
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64",
           "int64": "i64", "int32": "i32", "int8": "i8", "uint8": "u8", "bool": "i1"}
@@ -189,12 +202,13 @@ def compile_all(path: str) -> int:
     for record in records:
         kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
         signature, constexprs = {}, {}
+        cuda = _on_cuda(record["kernel"])
         for index, (name, described) in enumerate(record["arguments"]):
             if "type" in described:
                 signature[name] = described["type"]
                 continue
             signature[name] = "constexpr"
-            value = described.get("value")
+            value = cuda.get(name, described.get("value"))
             if "dtype" in described:
                 value = triton.language.dtype(described["dtype"])
             constexprs[(index,)] = value
