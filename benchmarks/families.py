@@ -1,11 +1,11 @@
 """Every language-model class transformers exports, built tiny, patched, and compared in float64
 with itself unpatched: the proof that `patch_model` swaps what it can and changes nothing else.
 
-    python -m benchmarks.families [--heads causal,masked,seq2seq,image-text] [--only PATTERN]
+    python -m benchmarks.families [--heads causal,masked,seq2seq,image-text] [--only PATTERNS]
                                   [--jobs N] [--timeout-s 120] [--out FILE.json]
 
 The classes are those of transformers' auto mappings for causal LMs, masked LMs,
-sequence-to-sequence LMs and image-text-to-text models (`--heads`), `--only` an fnmatch pattern
+sequence-to-sequence LMs and image-text-to-text models (`--heads`), `--only` fnmatch patterns
 of their class names. Each class runs in a worker process:
 
 1. its config class's defaults, shrunk (`TINY`: two layers, width 64, a vocabulary of 96, ...,
@@ -90,7 +90,8 @@ def classes(heads: list[str], only: str | None) -> list[tuple[str, str, str]]:
     for head in heads:
         for model_type, names in getattr(modeling_auto, HEADS[head]).items():
             for name in (names,) if isinstance(names, str) else names:
-                if only is None or fnmatch.fnmatchcase(name, only):
+                if only is None or any(fnmatch.fnmatchcase(name, pattern)
+                                       for pattern in only.split(",")):
                     found.append((head, model_type, name))
     return sorted(dict.fromkeys(found))
 
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default=",".join(HEADS))
-    parser.add_argument("--only", default=None, help="an fnmatch pattern of class names")
+    parser.add_argument("--only", default=None,
+                        help="fnmatch patterns of class names, comma-separated")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout-s", type=int, default=120)
     parser.add_argument("--out", default=None)
